@@ -1,0 +1,239 @@
+"""The service side of the Redis telemetry bus: publish, consume, dead-letter, health.
+
+* :func:`publish` appends one typed message to a bounded stream.
+* :class:`StreamConsumer` reads a stream through a consumer group
+  (XREADGROUP/XACK), reclaims entries left pending by a dead consumer
+  (XAUTOCLAIM), validates each entry at the boundary and sends what fails to
+  the job's dead-letter stream with the reason (counted; never raises).  It
+  survives Redis restarts: on a connection error it backs off, reconnects and
+  resumes from its group, so nothing acknowledged is lost and nothing
+  unacknowledged is skipped.
+* :class:`Health` refreshes a per-service health key with a TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
+from resihp.schemas import ChunkBatch, Message, decode_entry, encode_one
+
+log = logging.getLogger(__name__)
+
+
+def publish(
+    client: redis.Redis,
+    stream: str,
+    message: Message,
+    maxlen: int = DEFAULT_STREAM_MAXLEN,
+) -> bytes:
+    return client.xadd(stream, encode_one(message), maxlen=maxlen, approximate=True)
+
+
+def register_job(client: redis.Redis, keys: JobKeys) -> None:
+    client.sadd(JOBS_SET, keys.job_id)
+
+
+def list_jobs(client: redis.Redis) -> list[str]:
+    return sorted(j.decode() if isinstance(j, bytes) else j for j in client.smembers(JOBS_SET))
+
+
+def incr_counter(client: redis.Redis, keys: JobKeys, name: str, by: int = 1) -> None:
+    if not name.endswith("_total"):
+        raise ValueError(f"counter names end in _total: {name}")
+    client.hincrby(keys.counters, name, by)
+
+
+def dead_letter(
+    client: redis.Redis, keys: JobKeys, source: str, consumer: str, reason: str, raw: Any
+) -> None:
+    if isinstance(raw, bytes):
+        raw = raw.decode(errors="replace")
+    try:
+        raw_s = raw if isinstance(raw, str) else json.dumps(raw, default=str)
+    except (TypeError, ValueError):
+        raw_s = repr(raw)
+    client.xadd(
+        keys.deadletter,
+        {
+            "reason": reason[:1000],
+            "source": source,
+            "consumer": consumer,
+            "raw": raw_s[:20000],
+            "at_s": repr(time.time()),
+        },
+        maxlen=DEFAULT_STREAM_MAXLEN,
+        approximate=True,
+    )
+    client.hincrby(keys.counters, "deadletter_total", 1)
+
+
+@dataclass
+class ConsumerStats:
+    read_total: int = 0
+    acked_total: int = 0
+    deadletter_total: int = 0
+    reclaimed_total: int = 0
+    reconnects_total: int = 0
+
+
+@dataclass
+class StreamConsumer:
+    """Consumer-group reader of one stream with validation at the boundary.
+
+    ``read()`` returns ``[(entry_id, [messages...])]`` for valid messages; the
+    caller calls ``ack(ids)`` once it has processed them (at-least-once).
+    Entries whose every message is invalid are dead-lettered and acked here.
+    """
+
+    client: redis.Redis
+    keys: JobKeys
+    stream: str
+    group: str
+    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    max_rank: int | None = None
+    claim_idle_ms: int = 30_000
+    start_id: str = "0"
+    stats: ConsumerStats = field(default_factory=ConsumerStats)
+    _claim_next: float = 0.0
+    _pending_checked: bool = False
+
+    def ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, self.group, id=self.start_id, mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _decode(self, entries) -> list[tuple[bytes, list[Message | ChunkBatch]]]:
+        out = []
+        bad_ids = []
+        for entry_id, fields in entries:
+            if fields is None:  # entry trimmed away while pending
+                bad_ids.append(entry_id)
+                continue
+            good, bad = decode_entry(fields, self.max_rank)
+            for reason, raw in bad:
+                self.stats.deadletter_total += 1
+                dead_letter(self.client, self.keys, self.stream, self.consumer, reason, raw)
+            if good:
+                out.append((entry_id, good))
+            else:
+                bad_ids.append(entry_id)
+        if bad_ids:
+            self.client.xack(self.stream, self.group, *bad_ids)
+            self.stats.acked_total += len(bad_ids)
+        self.stats.read_total += len(entries)
+        return out
+
+    def read(self, count: int = 100, block_ms: int | None = 100):
+        """Valid messages of new (or reclaimed, or own-pending) entries."""
+        try:
+            return self._read(count, block_ms)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self.stats.reconnects_total += 1
+            log.warning("redis unavailable on %s (%s); will retry", self.stream, e)
+            time.sleep(0.2)
+            return []
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):  # Redis restarted without persistence
+                self.ensure_group()
+                return []
+            raise
+
+    def _read(self, count: int, block_ms: int | None):
+        if not self._pending_checked:
+            # After our own restart, first re-deliver what we read but never acked.
+            self.ensure_group()
+            resp = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
+            entries = resp[0][1] if resp else []
+            if len(entries) < count:
+                self._pending_checked = True
+            if entries:
+                return self._decode(entries)
+        now = time.monotonic()
+        if now >= self._claim_next:
+            self._claim_next = now + max(self.claim_idle_ms / 1000.0 / 2, 0.5)
+            res = self.client.xautoclaim(
+                self.stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count
+            )
+            claimed = res[1] if len(res) > 1 else []
+            claimed = [(i, f) for i, f in claimed if f is not None] + [
+                (i, None) for i, f in claimed if f is None
+            ]
+            if claimed:
+                self.stats.reclaimed_total += len(claimed)
+                return self._decode(claimed)
+        resp = self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        if not resp:
+            return []
+        return self._decode(resp[0][1])
+
+    def ack(self, ids) -> None:
+        if not ids:
+            return
+        try:
+            self.client.xack(self.stream, self.group, *ids)
+            self.stats.acked_total += len(ids)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # Not acked: they stay pending and are re-delivered after reconnect.
+            self.stats.reconnects_total += 1
+
+
+@dataclass
+class Health:
+    """Refreshes ``keys.health(service)`` with a TTL; its absence means unhealthy."""
+
+    client: redis.Redis
+    keys: JobKeys
+    service: str
+    instance: str = "0"
+    ttl_s: float = 10.0
+    _last: float = 0.0
+
+    def beat(self, status: str = "ok", **extra: Any) -> None:
+        now = time.time()
+        if now - self._last < self.ttl_s / 4 and status == "ok" and not extra:
+            return
+        self._last = now
+        payload = {"service": self.service, "pid": os.getpid(), "at_s": now, "status": status}
+        payload.update(extra)
+        try:
+            self.client.set(
+                self.keys.health(self.service, self.instance),
+                json.dumps(payload, default=str),
+                px=int(self.ttl_s * 1000),
+            )
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
+
+    @staticmethod
+    def check(client: redis.Redis, keys: JobKeys, service: str, instance: str = "0") -> bool:
+        try:
+            raw = client.get(keys.health(service, instance))
+        except redis.RedisError:
+            return False
+        if not raw:
+            return False
+        return json.loads(raw).get("status") == "ok"
+
+    @staticmethod
+    def all(client: redis.Redis, keys: JobKeys) -> dict[str, dict]:
+        out = {}
+        for k in client.scan_iter(match=keys.health_pattern(), count=500):
+            raw = client.get(k)
+            if raw:
+                d = json.loads(raw)
+                name = k.decode() if isinstance(k, bytes) else k
+                out[name.rsplit(":health:", 1)[1]] = d
+        return out

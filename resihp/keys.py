@@ -1,0 +1,155 @@
+"""Every Redis stream and key name used by the stack, in one place.
+
+All names are namespaced by a job id so that one Redis, one set of services and
+one dashboard can watch several training jobs at once.  Services never build a
+key string themselves; they ask a :class:`JobKeys` for it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "resihp"
+#: Set of every job id that has ever reported into this Redis.
+JOBS_SET = f"{PREFIX}:jobs"
+
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+#: Default approximate cap on stream lengths (XADD MAXLEN ~).
+DEFAULT_STREAM_MAXLEN = 100_000
+
+
+def validate_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
+        raise ValueError(
+            f"invalid job id {job_id!r}: use 1-64 characters from [A-Za-z0-9_.-], "
+            "starting with a letter or digit"
+        )
+    return job_id
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Stream and key names of one training job."""
+
+    job_id: str
+
+    def __post_init__(self) -> None:
+        validate_job_id(self.job_id)
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.job_id}}}"
+
+    # --- streams written by trainer ranks (through the producer) ---
+    @property
+    def telemetry(self) -> str:
+        """Heartbeats, packed chunk timings and micro-batch stats from trainer ranks."""
+        return f"{self.base}:telemetry"
+
+    # --- streams written by services ---
+    @property
+    def iterations(self) -> str:
+        """IterationRecord messages assembled by the collector."""
+        return f"{self.base}:iterations"
+
+    @property
+    def liveness(self) -> str:
+        """LivenessEvent messages: the collector's fail-stop / re-join decisions."""
+        return f"{self.base}:liveness"
+
+    @property
+    def failures(self) -> str:
+        """FailureReport messages from the detector."""
+        return f"{self.base}:failures"
+
+    @property
+    def plans(self) -> str:
+        """AdaptationPlan messages (every state change is a new entry)."""
+        return f"{self.base}:plans"
+
+    @property
+    def actions(self) -> str:
+        """OperatorAction messages: acknowledge / override / reject, and trainer confirmations."""
+        return f"{self.base}:actions"
+
+    @property
+    def deadletter(self) -> str:
+        """Entries that failed validation, with the reason and the consumer that refused them."""
+        return f"{self.base}:deadletter"
+
+    @property
+    def audit(self) -> str:
+        """Append-only audit log of operator actions (who, when, what)."""
+        return f"{self.base}:audit"
+
+    # --- plain keys ---
+    @property
+    def layout(self) -> str:
+        """Current topology layout (JSON), written by the trainer / scheduler."""
+        return f"{self.base}:layout"
+
+    @property
+    def plan_state(self) -> str:
+        """Hash plan_id -> latest AdaptationPlan JSON (survives scheduler restarts)."""
+        return f"{self.base}:plan_state"
+
+    @property
+    def plan_seq(self) -> str:
+        """Monotonic plan id counter (INCR)."""
+        return f"{self.base}:plan_seq"
+
+    @property
+    def reconfig_seq(self) -> str:
+        """Monotonic reconfiguration id counter (INCR), one per applied plan."""
+        return f"{self.base}:reconfig_seq"
+
+    @property
+    def detector_config(self) -> str:
+        """Hash of runtime-tunable detector settings (changed without restart)."""
+        return f"{self.base}:detector_config"
+
+    @property
+    def scheduler_config(self) -> str:
+        """Hash of runtime-tunable scheduler settings (mode, grace period)."""
+        return f"{self.base}:scheduler_config"
+
+    @property
+    def device_health(self) -> str:
+        """Hash rank -> JSON {p, state, since} maintained by the detector."""
+        return f"{self.base}:device_health"
+
+    @property
+    def node_heartbeat(self) -> str:
+        """Hash node -> last heartbeat wall time, maintained by the collector."""
+        return f"{self.base}:node_heartbeat"
+
+    @property
+    def counters(self) -> str:
+        """Hash of monotonically increasing *_total counters for this job."""
+        return f"{self.base}:counters"
+
+    def health(self, service: str, instance: str = "0") -> str:
+        """Per-service health key, refreshed with a TTL; absent means unhealthy."""
+        return f"{self.base}:health:{service}:{instance}"
+
+    def health_pattern(self) -> str:
+        return f"{self.base}:health:*"
+
+    def group(self, service: str) -> str:
+        """Consumer-group name a service uses on this job's streams."""
+        return f"{PREFIX}-{service}"
+
+
+def all_streams(keys: JobKeys) -> list[str]:
+    return [
+        keys.telemetry,
+        keys.iterations,
+        keys.liveness,
+        keys.failures,
+        keys.plans,
+        keys.actions,
+        keys.deadletter,
+        keys.audit,
+    ]

@@ -1,0 +1,626 @@
+"""Typed, versioned wire messages shared by every service, with their codec.
+
+Every message carries ``type`` and ``schema_version``.  Messages are validated
+once, where they enter a service (:func:`decode_message`, :func:`decode_entry`);
+inside a service the dataclasses are trusted.  A message that fails validation
+raises :class:`SchemaError` with a reason; consumers send it to the job's
+dead-letter stream instead of crashing.
+
+Chunk timings are the high-volume path (hundreds of thousands per second for a
+16k-GPU job), so they travel packed: a numpy structured array per stream entry
+(:data:`CHUNK_DTYPE`), validated column-wise.  In JSON traces the same batch is
+written column by column (``ChunkBatch.to_dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class SchemaError(ValueError):
+    """A wire message that cannot be accepted; ``reason`` says why."""
+
+    def __init__(self, reason: str, raw: Any = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.raw = raw
+
+
+class ChunkKind(IntEnum):
+    """What a timed chunk was. F/B/W are computation; the rest communication."""
+
+    F = 0  # forward
+    B = 1  # backward w.r.t. activations (or fused B+W in GPipe/1F1B)
+    W = 2  # backward w.r.t. weights (ZB-H1)
+    SEND = 3  # P2P send of activations/gradients
+    RECV = 4  # P2P receive
+    ALLREDUCE = 5  # DP gradient all-reduce
+    TP_COMM = 6  # TP collective inside a layer
+
+    @property
+    def is_compute(self) -> bool:
+        return self <= ChunkKind.W
+
+
+#: Packed chunk timing. ``src_dp`` is the DP replica that owns the micro-batch
+#: (differs from ``dp`` when the micro-batch was migrated here). ``compute_s``
+#: is the time the rank spent computing inside the chunk, excluding waits in
+#: TP collectives; it localizes a slow rank inside a synchronised TP group.
+CHUNK_DTYPE = np.dtype(
+    [
+        ("rank", "<i4"),
+        ("iteration", "<i4"),
+        ("dp", "<i2"),
+        ("stage", "<i2"),
+        ("src_dp", "<i2"),
+        ("kind", "<i1"),
+        ("_pad", "<i1"),
+        ("microbatch", "<i4"),
+        ("start_s", "<f8"),
+        ("end_s", "<f8"),
+        ("compute_s", "<f8"),
+    ]
+)
+_CHUNK_COLUMNS = [n for n in CHUNK_DTYPE.names if n != "_pad"]
+
+
+# --------------------------------------------------------------------------
+# field validation helpers
+
+
+def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> Any:
+    if tp in ("int", int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SchemaError(f"{cls_name}.{name}: expected int, got {type(value).__name__}")
+        return value
+    if tp in ("float", float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SchemaError(f"{cls_name}.{name}: expected number, got {type(value).__name__}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise SchemaError(f"{cls_name}.{name}: not a finite number ({value})")
+        return value
+    if tp in ("str", str):
+        if not isinstance(value, str):
+            raise SchemaError(f"{cls_name}.{name}: expected string, got {type(value).__name__}")
+        return value
+    if tp in ("bool", bool):
+        if not isinstance(value, bool):
+            raise SchemaError(f"{cls_name}.{name}: expected bool, got {type(value).__name__}")
+        return value
+    if isinstance(tp, str) and tp.startswith("list"):
+        if not isinstance(value, list):
+            raise SchemaError(f"{cls_name}.{name}: expected list, got {type(value).__name__}")
+        return value
+    if isinstance(tp, str) and tp.startswith("dict"):
+        if not isinstance(value, dict):
+            raise SchemaError(f"{cls_name}.{name}: expected object, got {type(value).__name__}")
+        return value
+    if isinstance(tp, str) and "None" in tp:
+        if value is None:
+            return None
+        inner = tp.replace("| None", "").replace("None |", "").strip()
+        return _check_type(cls_name, name, value, inner)
+    return value
+
+
+def _nonneg(cls_name: str, **values: float) -> None:
+    for k, v in values.items():
+        if v < 0:
+            raise SchemaError(f"{cls_name}.{k}: must be >= 0, got {v}")
+
+
+# --------------------------------------------------------------------------
+# message base
+
+
+@dataclass
+class Message:
+    """Base of every JSON wire message."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["type"] = self.TYPE
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
+
+    def check(self) -> None:
+        """Semantic checks beyond field types; raise SchemaError."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                kwargs[f.name] = _check_type(cls.__name__, f.name, d[f.name], f.type)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise SchemaError(f"{cls.__name__}: missing field {f.name!r}")
+        msg = cls(**kwargs)
+        msg.check()
+        return msg
+
+
+@dataclass
+class Heartbeat(Message):
+    """Liveness of one rank, with its training progress."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    rank: int
+    node: int
+    iteration: int
+    wall_time_s: float
+    seq: int = 0
+    generation: int = 0
+
+    def check(self) -> None:
+        _nonneg("Heartbeat", rank=self.rank, node=self.node, seq=self.seq)
+
+
+@dataclass
+class ChunkTiming(Message):
+    """One timed chunk (the unpacked form; batches use ChunkBatch)."""
+
+    TYPE: ClassVar[str] = "chunk"
+    rank: int
+    iteration: int
+    dp: int
+    stage: int
+    microbatch: int
+    kind: str
+    start_s: float
+    end_s: float
+    src_dp: int = -1
+    compute_s: float = -1.0
+
+    def check(self) -> None:
+        if self.kind not in ChunkKind.__members__:
+            raise SchemaError(f"ChunkTiming.kind: unknown kind {self.kind!r}")
+        _nonneg("ChunkTiming", rank=self.rank, iteration=self.iteration, stage=self.stage)
+        if self.end_s < self.start_s:
+            raise SchemaError(
+                f"ChunkTiming: negative duration (start {self.start_s}, end {self.end_s})"
+            )
+
+
+@dataclass
+class MicroBatchStats(Message):
+    """Sequence-length statistics of one packed micro-batch (eq. 1's N and sum l^2)."""
+
+    TYPE: ClassVar[str] = "mbstats"
+    iteration: int
+    dp: int
+    microbatch: int
+    token_budget: int
+    num_docs: int
+    sum_sq_len: float
+    max_len: int
+    rank: int = -1
+
+    def check(self) -> None:
+        _nonneg(
+            "MicroBatchStats",
+            iteration=self.iteration,
+            dp=self.dp,
+            microbatch=self.microbatch,
+            sum_sq_len=self.sum_sq_len,
+        )
+        if self.token_budget <= 0 or self.num_docs <= 0:
+            raise SchemaError("MicroBatchStats: token_budget and num_docs must be > 0")
+        if self.max_len > self.token_budget or self.max_len <= 0:
+            raise SchemaError("MicroBatchStats.max_len: must be in (0, token_budget]")
+        # sum l^2 is bounded by N^2 (one document) and N^2/k (k equal documents).
+        n = float(self.token_budget)
+        if self.sum_sq_len > n * n * (1 + 1e-9) or self.sum_sq_len < (n * n) / self.num_docs * (
+            1 - 1e-6
+        ) - 1:
+            raise SchemaError(
+                f"MicroBatchStats.sum_sq_len {self.sum_sq_len} impossible for N={self.token_budget}, "
+                f"{self.num_docs} documents"
+            )
+
+
+@dataclass
+class LivenessEvent(Message):
+    """The collector's decision about a rank or a whole node."""
+
+    TYPE: ClassVar[str] = "liveness"
+    scope: str  # "rank" | "node"
+    node: int
+    ranks: list[int]
+    state: str  # "dead" | "alive" | "rejoined"
+    detected_at_s: float
+    last_seen_s: float
+    missed_beats: int = 0
+
+    def check(self) -> None:
+        if self.scope not in ("rank", "node"):
+            raise SchemaError(f"LivenessEvent.scope: {self.scope!r}")
+        if self.state not in ("dead", "alive", "rejoined"):
+            raise SchemaError(f"LivenessEvent.state: {self.state!r}")
+
+
+@dataclass
+class IterationRecord(Message):
+    """One training iteration as assembled by the collector.
+
+    ``chunks`` is columnar, one entry per (dp, stage, microbatch, kind), durations
+    aggregated over the TP group (max): keys dp, stage, src_dp, microbatch, kind,
+    start_s, duration_s.  ``ranks`` is columnar per reporting rank: rank, dp,
+    stage, busy_s (sum of compute-chunk durations), compute_s (sum of pure
+    compute time, excluding TP waits), comm_s (sum of communication chunks).
+    ``microbatches`` is columnar: dp, microbatch, token_budget, num_docs,
+    sum_sq_len, max_len.
+    """
+
+    TYPE: ClassVar[str] = "iteration"
+    iteration: int
+    iteration_time_s: float
+    start_s: float
+    end_s: float
+    samples: int
+    tokens: int
+    num_ranks_reporting: int
+    chunks: dict[str, list] = field(default_factory=dict)
+    ranks: dict[str, list] = field(default_factory=dict)
+    microbatches: dict[str, list] = field(default_factory=dict)
+    layout_id: int = 0
+    complete: bool = True
+
+    def check(self) -> None:
+        _nonneg("IterationRecord", iteration=self.iteration, iteration_time_s=self.iteration_time_s)
+        for name in ("chunks", "ranks", "microbatches"):
+            cols = getattr(self, name)
+            lens = {len(v) for v in cols.values() if isinstance(v, list)}
+            if len(lens) > 1:
+                raise SchemaError(f"IterationRecord.{name}: columns of different lengths")
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.iteration_time_s if self.iteration_time_s > 0 else 0.0
+
+
+@dataclass
+class FailureReport(Message):
+    """A confirmed failure (or a recovery), with the evidence that supports it."""
+
+    TYPE: ClassVar[str] = "failure"
+    report_id: str
+    kind: str  # fail_stop | fail_slow_compute | fail_slow_comm | recovery
+    ranks: list[int]
+    nodes: list[int]
+    detected_at_s: float
+    iteration: int
+    severity: dict[str, float] = field(default_factory=dict)  # rank -> normalized throughput p_i
+    links: list[list[int]] = field(default_factory=list)  # slow links as [rank_a, rank_b]
+    evidence: dict[str, Any] = field(default_factory=dict)
+    detector_mode: str = "resihp"
+
+    KINDS: ClassVar[tuple[str, ...]] = (
+        "fail_stop",
+        "fail_slow_compute",
+        "fail_slow_comm",
+        "recovery",
+    )
+
+    def check(self) -> None:
+        if self.kind not in self.KINDS:
+            raise SchemaError(f"FailureReport.kind: unknown kind {self.kind!r}")
+        for r, p in self.severity.items():
+            if not isinstance(p, int | float) or not (0.0 <= p <= 1.5):
+                raise SchemaError(f"FailureReport.severity[{r}]: p_i must be in [0, 1.5], got {p}")
+
+
+@dataclass
+class AdaptationPlan(Message):
+    """A scheduler plan and its lifecycle state.
+
+    ``before``/``after`` are Layout dicts (resihp.topology.Layout.to_dict).
+    ``moves`` lists what changes: {"what": "layers"|"optimizer_state"|"microbatch"
+    |"tp_regroup"|"exclude"|"standby", ...}.
+    """
+
+    TYPE: ClassVar[str] = "plan"
+    plan_id: int
+    state: str
+    created_at_s: float
+    reason: str
+    before: dict[str, Any]
+    after: dict[str, Any]
+    predicted_before_s: float
+    predicted_after_s: float
+    moves: list[dict[str, Any]] = field(default_factory=list)
+    failure_ids: list[str] = field(default_factory=list)
+    parent_plan_id: int = 0
+    mode: str = "auto"
+    policy: str = "resihp"
+    updated_at_s: float = 0.0
+    apply_after_s: float = 0.0
+    note: str = ""
+
+    STATES: ClassVar[tuple[str, ...]] = (
+        "proposed",
+        "acknowledged",
+        "overridden",
+        "rejected",
+        "applied",
+        "superseded",
+        "refused",
+    )
+
+    def check(self) -> None:
+        if self.state not in self.STATES:
+            raise SchemaError(f"AdaptationPlan.state: unknown state {self.state!r}")
+        if self.plan_id <= 0:
+            raise SchemaError("AdaptationPlan.plan_id must be > 0")
+
+
+@dataclass
+class OperatorAction(Message):
+    """An operator's (or the trainer's) action on a plan."""
+
+    TYPE: ClassVar[str] = "action"
+    action: str  # acknowledge | override | reject | applied | set_mode
+    plan_id: int
+    actor: str
+    at_s: float
+    override: dict[str, Any] = field(default_factory=dict)
+    comment: str = ""
+    action_id: str = ""
+
+    ACTIONS: ClassVar[tuple[str, ...]] = ("acknowledge", "override", "reject", "applied", "set_mode")
+
+    def check(self) -> None:
+        if self.action not in self.ACTIONS:
+            raise SchemaError(f"OperatorAction.action: unknown action {self.action!r}")
+        if not self.actor:
+            raise SchemaError("OperatorAction.actor must name who acted")
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    c.TYPE: c
+    for c in (
+        Heartbeat,
+        ChunkTiming,
+        MicroBatchStats,
+        LivenessEvent,
+        IterationRecord,
+        FailureReport,
+        AdaptationPlan,
+        OperatorAction,
+    )
+}
+
+
+# --------------------------------------------------------------------------
+# packed chunk batches
+
+
+@dataclass
+class ChunkBatch:
+    """Many ChunkTiming rows packed as a numpy structured array."""
+
+    TYPE: ClassVar[str] = "chunk_batch"
+    rows: np.ndarray  # dtype CHUNK_DTYPE
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @staticmethod
+    def empty(n: int) -> np.ndarray:
+        return np.zeros(n, dtype=CHUNK_DTYPE)
+
+    def to_bytes(self) -> bytes:
+        return self.rows.tobytes()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, max_rank: int | None = None) -> ChunkBatch:
+        if len(raw) % CHUNK_DTYPE.itemsize:
+            raise SchemaError(
+                f"chunk_batch: truncated payload ({len(raw)} bytes is not a multiple of "
+                f"{CHUNK_DTYPE.itemsize})"
+            )
+        rows = np.frombuffer(raw, dtype=CHUNK_DTYPE)
+        cls.check_rows(rows, max_rank)
+        return cls(rows)
+
+    @staticmethod
+    def check_rows(rows: np.ndarray, max_rank: int | None = None) -> None:
+        if not len(rows):
+            return
+        if not (np.isfinite(rows["start_s"]).all() and np.isfinite(rows["end_s"]).all()):
+            raise SchemaError("chunk_batch: non-finite start_s/end_s")
+        if (rows["end_s"] < rows["start_s"]).any():
+            raise SchemaError("chunk_batch: negative chunk duration")
+        if (rows["rank"] < 0).any() or (max_rank is not None and (rows["rank"] >= max_rank).any()):
+            raise SchemaError("chunk_batch: unknown rank")
+        if (rows["kind"] < 0).any() or (rows["kind"] > max(ChunkKind)).any():
+            raise SchemaError("chunk_batch: unknown chunk kind")
+        if (rows["stage"] < 0).any() or (rows["iteration"] < 0).any() or (rows["dp"] < 0).any():
+            raise SchemaError("chunk_batch: negative stage/iteration/dp")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
+        d["chunks"] = {c: self.rows[c].tolist() for c in _CHUNK_COLUMNS}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], max_rank: int | None = None) -> ChunkBatch:
+        cols = d.get("chunks")
+        if not isinstance(cols, dict):
+            raise SchemaError("chunk_batch: missing 'chunks' columns")
+        missing = [c for c in _CHUNK_COLUMNS if c not in cols and c not in ("src_dp", "compute_s")]
+        if missing:
+            raise SchemaError(f"chunk_batch: missing columns {missing}")
+        n = len(cols["rank"])
+        rows = np.zeros(n, dtype=CHUNK_DTYPE)
+        rows["src_dp"] = -1
+        rows["compute_s"] = -1.0
+        for c in _CHUNK_COLUMNS:
+            if c in cols:
+                if len(cols[c]) != n:
+                    raise SchemaError(f"chunk_batch: column {c} has {len(cols[c])} rows, not {n}")
+                try:
+                    rows[c] = cols[c]
+                except (TypeError, ValueError) as e:
+                    raise SchemaError(f"chunk_batch: column {c}: {e}") from e
+        cls.check_rows(rows, max_rank)
+        return cls(rows)
+
+    def iter_messages(self):
+        for r in self.rows:
+            yield ChunkTiming(
+                rank=int(r["rank"]),
+                iteration=int(r["iteration"]),
+                dp=int(r["dp"]),
+                stage=int(r["stage"]),
+                microbatch=int(r["microbatch"]),
+                kind=ChunkKind(int(r["kind"])).name,
+                start_s=float(r["start_s"]),
+                end_s=float(r["end_s"]),
+                src_dp=int(r["src_dp"]),
+                compute_s=float(r["compute_s"]),
+            )
+
+
+def chunks_to_rows(chunks: list[ChunkTiming]) -> np.ndarray:
+    rows = ChunkBatch.empty(len(chunks))
+    for i, c in enumerate(chunks):
+        rows[i] = (
+            c.rank,
+            c.iteration,
+            c.dp,
+            c.stage,
+            c.src_dp,
+            ChunkKind[c.kind],
+            0,
+            c.microbatch,
+            c.start_s,
+            c.end_s,
+            c.compute_s,
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------
+# codec
+
+
+def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
+    """Validate one decoded JSON object and build its message. Raises SchemaError."""
+    if not isinstance(d, dict):
+        raise SchemaError(f"message is not a JSON object but {type(d).__name__}", d)
+    t = d.get("type")
+    v = d.get("schema_version")
+    if v != SCHEMA_VERSION:
+        raise SchemaError(f"unsupported schema_version {v!r} (this build reads {SCHEMA_VERSION})", d)
+    if t == ChunkBatch.TYPE:
+        return ChunkBatch.from_dict(d, max_rank)
+    cls = MESSAGE_TYPES.get(t)  # type: ignore[arg-type]
+    if cls is None:
+        raise SchemaError(f"unknown message type {t!r}", d)
+    try:
+        msg = cls.from_dict(d)
+    except SchemaError as e:
+        e.raw = d
+        raise
+    except TypeError as e:  # unexpected keyword etc.
+        raise SchemaError(f"{cls.__name__}: {e}", d) from e
+    if max_rank is not None:
+        rank = getattr(msg, "rank", None)
+        if isinstance(rank, int) and rank >= max_rank:
+            raise SchemaError(f"{cls.__name__}: unknown rank {rank} (job has {max_rank})", d)
+    return msg
+
+
+def decode_json(line: str | bytes, max_rank: int | None = None) -> Message | ChunkBatch:
+    try:
+        d = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SchemaError(f"malformed JSON: {e}", line) from e
+    return decode_message(d, max_rank)
+
+
+# Stream entries: field "m" holds a JSON list of message objects; field "c"
+# (optional) holds a packed ChunkBatch, with its schema version in "cv".
+ENTRY_MESSAGES = b"m"
+ENTRY_CHUNKS = b"c"
+ENTRY_CHUNKS_VERSION = b"cv"
+
+
+def encode_entry(
+    messages: list[Message] | None = None, chunk_rows: np.ndarray | None = None
+) -> dict[bytes, bytes]:
+    fields: dict[bytes, bytes] = {}
+    if messages:
+        fields[ENTRY_MESSAGES] = (
+            "[" + ",".join(m.to_json() for m in messages) + "]"
+        ).encode()
+    if chunk_rows is not None and len(chunk_rows):
+        fields[ENTRY_CHUNKS] = chunk_rows.tobytes()
+        fields[ENTRY_CHUNKS_VERSION] = str(SCHEMA_VERSION).encode()
+    return fields
+
+
+def encode_one(message: Message) -> dict[bytes, bytes]:
+    return encode_entry([message])
+
+
+def _get(fields: dict, key: bytes):
+    if key in fields:
+        return fields[key]
+    return fields.get(key.decode())
+
+
+def decode_entry(
+    fields: dict, max_rank: int | None = None
+) -> tuple[list[Message | ChunkBatch], list[tuple[str, Any]]]:
+    """Decode one stream entry into valid messages and (reason, raw) rejects.
+
+    One bad message in a packed entry does not poison its neighbours.
+    """
+    good: list[Message | ChunkBatch] = []
+    bad: list[tuple[str, Any]] = []
+    raw_m = _get(fields, ENTRY_MESSAGES)
+    raw_c = _get(fields, ENTRY_CHUNKS)
+    if raw_m is None and raw_c is None:
+        bad.append(("entry has neither messages nor chunks", {str(k): str(v)[:200] for k, v in fields.items()}))
+        return good, bad
+    if raw_m is not None:
+        try:
+            items = json.loads(raw_m)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            bad.append((f"malformed JSON: {e}", raw_m[:2000]))
+            items = []
+        if isinstance(items, dict):
+            items = [items]
+        if not isinstance(items, list):
+            bad.append(("messages field is not a JSON list", raw_m[:2000]))
+            items = []
+        for it in items:
+            try:
+                good.append(decode_message(it, max_rank))
+            except SchemaError as e:
+                bad.append((e.reason, it))
+    if raw_c is not None:
+        cv = _get(fields, ENTRY_CHUNKS_VERSION)
+        try:
+            if cv is None or int(cv) != SCHEMA_VERSION:
+                raise SchemaError(f"chunk_batch: unsupported schema_version {cv!r}")
+            good.append(ChunkBatch.from_bytes(bytes(raw_c), max_rank))
+        except (SchemaError, ValueError) as e:
+            bad.append((str(e), f"<{len(raw_c)} bytes of packed chunks>"))
+    return good, bad
