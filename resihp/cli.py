@@ -1,0 +1,104 @@
+"""The ``resihp`` console command.
+
+``up`` and ``status`` live here (they only need the core).  Subcommands that
+belong to a service are forwarded to ``python -m <service> ...`` so that the
+core never imports a service:
+
+    resihp record ...          -> python -m collector record ...
+    resihp replay ...          -> python -m detector replay ...
+    resihp simulate ...        -> python -m scheduler simulate ...
+    resihp report export ...   -> python -m dashboard report export ...
+    resihp act ...             -> python -m scheduler act ...   (ack/override/reject from a shell)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+FORWARDED = {
+    "record": ("collector", "record"),
+    "replay": ("detector", "replay"),
+    "simulate": ("scheduler", "simulate"),
+    "report": ("dashboard", "report"),
+    "act": ("scheduler", "act"),
+}
+
+
+def _forward(service: str, sub: str, rest: list[str]) -> int:
+    argv = [sys.executable, "-m", service, sub, *rest]
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="resihp",
+        description="ResiHP: keep hybrid-parallel LLM training fast through fail-stop and fail-slow failures.",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start Redis (embedded unless given), every service and a trainer")
+    up.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                    help="use this Redis instead of the embedded redis-server")
+    up.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+    up.add_argument("--trainer", choices=["sim", "torch", "none"], default="sim",
+                    help="trainer back end: the cluster simulator (default) or the real torch trainer")
+    up.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument passed to the trainer (repeatable), e.g. --trainer-arg=--speed=5")
+    up.add_argument("--scenario", help="failure scenario file for the trainer (docs/scenario.md)")
+    up.add_argument("--dashboard-host", default="127.0.0.1")
+    up.add_argument("--dashboard-port", type=int, default=8050)
+    up.add_argument("--duration", type=float, default=None, help="stop by itself after SECONDS")
+    up.add_argument("--mode", choices=["auto", "manual"], default="auto",
+                    help="scheduler mode: apply plans after a grace period, or wait for an operator")
+    up.add_argument("--state-dir", default=".resihp", help="where the embedded Redis keeps its data")
+    up.add_argument("--no-summary", action="store_true", help="do not print the live console line")
+
+    st = sub.add_parser("status", help="print the live state of a running stack")
+    st.add_argument("--redis-url", default=None)
+    st.add_argument("--job-id", default=None, help="default: every job in this Redis")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--state-dir", default=".resihp")
+
+    for name, (svc, _) in FORWARDED.items():
+        sub.add_parser(name, help=f"(forwarded to python -m {svc})", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FORWARDED:
+        svc, sub = FORWARDED[argv[0]]
+        rest = argv[1:]
+        if argv[0] == "report":
+            # "resihp report export ..." -> "python -m dashboard report export ..."
+            return _forward(svc, sub, rest)
+        return _forward(svc, sub, rest)
+    args = _build_parser().parse_args(argv)
+    if args.cmd == "up":
+        from resihp.launcher import run_stack
+
+        return run_stack(args)
+    if args.cmd == "status":
+        from resihp.status import collect_status, format_status, resolve_url
+
+        try:
+            url = resolve_url(args.redis_url, args.state_dir)
+        except ValueError as e:
+            print(f"resihp status: {e}", file=sys.stderr)
+            return 2
+        try:
+            st = collect_status(url, args.job_id)
+        except Exception as e:  # noqa: BLE001 - report any connection problem plainly
+            print(f"resihp status: cannot read {url}: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

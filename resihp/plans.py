@@ -1,0 +1,87 @@
+"""Reading plans and layouts from Redis: the trainer-side half of the plan protocol.
+
+The scheduler owns plan state (``keys.plans`` snapshots, ``keys.plan_state``
+hash).  A trainer (simulator or torch) asks :class:`PlanFollower` for plans
+that became ``acknowledged`` and that it has not applied yet, applies them at
+an iteration boundary, then calls :meth:`PlanFollower.confirm_applied`, which
+writes the new layout and publishes ``OperatorAction(action="applied")`` for
+the scheduler to mark the plan applied.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from resihp.bus import publish
+from resihp.keys import JobKeys
+from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError, decode_json
+from resihp.topology import Layout
+
+
+def read_layout(client: redis.Redis, keys: JobKeys) -> Layout | None:
+    raw = client.get(keys.layout)
+    if not raw:
+        return None
+    return Layout.from_dict(json.loads(raw))
+
+
+def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
+    layout.validate()
+    client.set(keys.layout, json.dumps(layout.to_dict(), separators=(",", ":")))
+
+
+def latest_plans(client: redis.Redis, keys: JobKeys) -> dict[int, AdaptationPlan]:
+    """plan_id -> latest snapshot, from the scheduler's persistent hash."""
+    out: dict[int, AdaptationPlan] = {}
+    for pid, raw in client.hgetall(keys.plan_state).items():
+        try:
+            plan = decode_json(raw)
+        except SchemaError:
+            continue
+        if isinstance(plan, AdaptationPlan):
+            out[int(pid)] = plan
+    return out
+
+
+@dataclass
+class PlanFollower:
+    """Finds acknowledged plans to apply; confirms them once applied."""
+
+    client: redis.Redis
+    keys: JobKeys
+    actor: str = "trainer"
+    applied: set[int] = field(default_factory=set)
+
+    def poll(self) -> list[AdaptationPlan]:
+        """Acknowledged plans not yet applied by anyone, oldest first.
+
+        Only the newest acknowledged plan matters when several queued up: older
+        ones are superseded by it, so it alone is returned.
+        """
+        plans = latest_plans(self.client, self.keys)
+        ready = [
+            p
+            for pid, p in plans.items()
+            if p.state == "acknowledged" and pid not in self.applied
+        ]
+        ready.sort(key=lambda p: p.plan_id)
+        return ready[-1:]
+
+    def confirm_applied(self, plan: AdaptationPlan, layout: Layout, comment: str = "") -> None:
+        self.applied.add(plan.plan_id)
+        write_layout(self.client, self.keys, layout)
+        publish(
+            self.client,
+            self.keys.actions,
+            OperatorAction(
+                action="applied",
+                plan_id=plan.plan_id,
+                actor=self.actor,
+                at_s=time.time(),
+                comment=comment,
+            ),
+        )

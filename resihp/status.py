@@ -1,0 +1,122 @@
+"""Live state of a running stack, read from Redis (``resihp status``, the console summary)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from resihp.bus import Health, list_jobs
+from resihp.keys import JobKeys
+from resihp.plans import latest_plans, read_layout
+from resihp.redis_client import connect
+from resihp.schemas import IterationRecord, SchemaError, decode_entry
+
+STACK_FILE = "stack.json"
+
+
+def resolve_url(url: str | None, state_dir: str = ".resihp") -> str:
+    """--redis-url, else $REDIS_URL, else the URL that ``resihp up`` wrote in state_dir."""
+    if url:
+        return url
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
+    f = Path(state_dir) / STACK_FILE
+    if f.exists():
+        return json.loads(f.read_text())["redis_url"]
+    raise ValueError("no running stack found: pass --redis-url, set REDIS_URL, or run `resihp up`")
+
+
+def last_iteration(client, keys: JobKeys) -> IterationRecord | None:
+    for _, fields in client.xrevrange(keys.iterations, count=1):
+        try:
+            good, _ = decode_entry(fields)
+        except SchemaError:
+            return None
+        for m in good:
+            if isinstance(m, IterationRecord):
+                return m
+    return None
+
+
+def job_status(client, job_id: str) -> dict[str, Any]:
+    keys = JobKeys(job_id)
+    counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
+    plans = latest_plans(client, keys)
+    by_state: dict[str, int] = {}
+    for p in plans.values():
+        by_state[p.state] = by_state.get(p.state, 0) + 1
+    it = last_iteration(client, keys)
+    try:
+        layout = read_layout(client, keys)
+    except Exception as e:  # noqa: BLE001 - a bad layout is reported, not fatal
+        layout = None
+        layout_error = str(e)
+    else:
+        layout_error = None
+    open_failures = 0
+    for raw in client.hvals(keys.device_health):
+        try:
+            if json.loads(raw).get("state") not in (None, "healthy"):
+                open_failures += 1
+        except ValueError:
+            pass
+    return {
+        "job_id": job_id,
+        "services": Health.all(client, keys),
+        "layout": layout.to_dict() if layout else None,
+        "layout_summary": layout.summary() if layout else layout_error,
+        "last_iteration": None
+        if it is None
+        else {
+            "iteration": it.iteration,
+            "iteration_time_s": it.iteration_time_s,
+            "samples_per_s": it.samples_per_s,
+            "complete": it.complete,
+        },
+        "counts": {
+            "heartbeats_total": counters.get("heartbeats_total", 0),
+            "iterations_total": client.xlen(keys.iterations),
+            "failures_total": client.xlen(keys.failures),
+            "plans_total": len(plans),
+            "deadletter_total": client.xlen(keys.deadletter),
+        },
+        "plans_by_state": by_state,
+        "open_failures": open_failures,
+        "counters": counters,
+    }
+
+
+def collect_status(url: str, job_id: str | None = None) -> dict[str, Any]:
+    client = connect(url)
+    try:
+        jobs = [job_id] if job_id else list_jobs(client)
+        return {"redis_url": url, "jobs": {j: job_status(client, j) for j in jobs}}
+    finally:
+        client.close()
+
+
+def summary_line(st: dict[str, Any]) -> str:
+    it = st.get("last_iteration") or {}
+    return (
+        f"[{st['job_id']}] iter {it.get('iteration', '-')}"
+        f" | {it.get('samples_per_s', 0.0):6.2f} samples/s"
+        f" | iter {it.get('iteration_time_s', 0.0):6.3f}s"
+        f" | open failures {st['open_failures']}"
+        f" | pending plans {st['plans_by_state'].get('proposed', 0)}"
+        f" | services up {sum(1 for s in st['services'].values() if s.get('status') == 'ok')}"
+    )
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = [f"Redis: {st['redis_url']}"]
+    if not st["jobs"]:
+        lines.append("no jobs have reported yet")
+    for js in st["jobs"].values():
+        lines.append(summary_line(js))
+        lines.append(f"  layout: {js['layout_summary']}")
+        for name, h in sorted(js["services"].items()):
+            lines.append(f"  service {name}: {h.get('status')} (pid {h.get('pid')})")
+        lines.append("  counts: " + ", ".join(f"{k}={v}" for k, v in js["counts"].items()))
+    return "\n".join(lines)

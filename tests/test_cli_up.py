@@ -1,0 +1,79 @@
+"""`resihp up` brings the stack up on the embedded Redis and down with no orphans;
+`resihp status --json` reads the live state."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resihp.redis_client import free_port
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); treat it as dead
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path),
+         "--dashboard-port", str(port), "--trainer-arg=--speed=20", "--duration", "90"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    stack_file = tmp_path / "stack.json"
+    deadline = time.time() + 60
+    while not stack_file.exists() and time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    stack = json.loads(stack_file.read_text())
+    children = list(stack["children"].values())
+    # status --json reads the live stack through the URL `up` recorded
+    st = None
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        out = subprocess.run(
+            [sys.executable, "-m", "resihp.cli", "status", "--json", "--state-dir", str(tmp_path)],
+            capture_output=True, text=True, env=env, timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        st = json.loads(out.stdout)
+        job = st["jobs"].get("default")
+        if job and job["last_iteration"] and len(job["services"]) >= 2:
+            break
+        time.sleep(1)
+    assert st["redis_url"].startswith("redis://127.0.0.1:")
+    job = st["jobs"]["default"]
+    assert job["last_iteration"]["iteration"] >= 0
+    assert job["counts"]["iterations_total"] >= 1
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopped" in out and "dashboard at http://127.0.0.1:" in out
+    time.sleep(0.5)
+    assert [p for p in children if _alive(p)] == [], "orphaned service processes"
+    assert not stack_file.exists()
+
+
+def test_status_without_stack_says_what_to_do(tmp_path):
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "status", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=30,
+    )
+    assert out.returncode == 2 and "resihp up" in out.stderr

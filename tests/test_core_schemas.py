@@ -1,0 +1,113 @@
+"""Wire schemas: round trips, and every kind of bad input refused with a reason."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from resihp import schemas as S
+from resihp.keys import JobKeys
+
+
+def test_every_message_round_trips_through_json():
+    msgs = [
+        S.Heartbeat(rank=3, node=0, iteration=7, wall_time_s=12.5, seq=4),
+        S.ChunkTiming(rank=1, iteration=2, dp=0, stage=1, microbatch=5, kind="W", start_s=1.0, end_s=1.5),
+        S.MicroBatchStats(iteration=1, dp=0, microbatch=2, token_budget=8192, num_docs=2,
+                          sum_sq_len=4096.0**2 * 2, max_len=4096),
+        S.LivenessEvent(scope="node", node=2, ranks=[16, 17], state="dead", detected_at_s=3.0,
+                        last_seen_s=1.0, missed_beats=2),
+        S.FailureReport(report_id="f1", kind="fail_slow_compute", ranks=[3], nodes=[0],
+                        detected_at_s=1.0, iteration=60, severity={"3": 0.5}),
+        S.OperatorAction(action="acknowledge", plan_id=1, actor="alice", at_s=2.0),
+    ]
+    for m in msgs:
+        back = S.decode_json(m.to_json())
+        assert back == m
+        assert json.loads(m.to_json())["schema_version"] == S.SCHEMA_VERSION
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        ({"type": "heartbeat", "schema_version": 99, "rank": 1}, "schema_version"),
+        ({"type": "nope", "schema_version": 1}, "unknown message type"),
+        ({"type": "heartbeat", "schema_version": 1, "rank": 1, "node": 0, "iteration": 1},
+         "missing field"),
+        ({"type": "heartbeat", "schema_version": 1, "rank": "x", "node": 0, "iteration": 1,
+          "wall_time_s": 1.0}, "expected int"),
+        ({"type": "chunk", "schema_version": 1, "rank": 0, "iteration": 0, "dp": 0, "stage": 0,
+          "microbatch": 0, "kind": "F", "start_s": 2.0, "end_s": 1.0}, "negative duration"),
+        ({"type": "chunk", "schema_version": 1, "rank": 0, "iteration": 0, "dp": 0, "stage": 0,
+          "microbatch": 0, "kind": "Q", "start_s": 1.0, "end_s": 2.0}, "unknown kind"),
+        ({"type": "mbstats", "schema_version": 1, "iteration": 0, "dp": 0, "microbatch": 0,
+          "token_budget": 100, "num_docs": 1, "sum_sq_len": 1e9, "max_len": 100}, "impossible"),
+    ],
+)
+def test_bad_messages_are_refused_with_reason(payload, reason):
+    with pytest.raises(S.SchemaError) as ei:
+        S.decode_message(payload)
+    assert reason in ei.value.reason
+
+
+def test_nan_is_refused():
+    with pytest.raises(S.SchemaError, match="finite"):
+        S.decode_json('{"type":"heartbeat","schema_version":1,"rank":1,"node":0,"iteration":1,"wall_time_s":NaN}')
+
+
+def test_unknown_rank_is_refused_when_world_known():
+    hb = S.Heartbeat(rank=64, node=8, iteration=0, wall_time_s=0.0)
+    with pytest.raises(S.SchemaError, match="unknown rank"):
+        S.decode_message(hb.to_dict(), max_rank=64)
+
+
+def _rows(n):
+    rows = S.ChunkBatch.empty(n)
+    rows["rank"] = np.arange(n)
+    rows["start_s"] = np.arange(n, dtype=float)
+    rows["end_s"] = rows["start_s"] + 0.5
+    rows["src_dp"] = -1
+    return rows
+
+
+def test_packed_entry_keeps_good_messages_and_rejects_bad_ones():
+    hb = S.Heartbeat(rank=1, node=0, iteration=0, wall_time_s=1.0)
+    fields = S.encode_entry([hb], _rows(5))
+    # corrupt one message inside the packed list: the neighbour must survive
+    msgs = json.loads(fields[S.ENTRY_MESSAGES])
+    msgs.append({"type": "heartbeat", "schema_version": 1})
+    fields[S.ENTRY_MESSAGES] = json.dumps(msgs).encode()
+    good, bad = S.decode_entry(fields)
+    assert good[0] == hb and isinstance(good[1], S.ChunkBatch) and len(good[1]) == 5
+    assert len(bad) == 1 and "missing field" in bad[0][0]
+
+
+def test_packed_chunks_truncated_nan_negative_unknown_rank():
+    rows = _rows(4)
+    raw = rows.tobytes()
+    assert "truncated" in S.decode_entry({b"c": raw[:-3], b"cv": b"1"})[1][0][0]
+    bad = rows.copy()
+    bad["end_s"][2] = math.nan
+    assert "non-finite" in S.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
+    bad = rows.copy()
+    bad["end_s"][1] = bad["start_s"][1] - 1
+    assert "negative" in S.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
+    assert "unknown rank" in S.decode_entry({b"c": raw, b"cv": b"1"}, max_rank=2)[1][0][0]
+    assert "schema_version" in S.decode_entry({b"c": raw, b"cv": b"7"})[1][0][0]
+
+
+def test_chunk_batch_json_form_round_trips():
+    rows = _rows(3)
+    d = S.ChunkBatch(rows).to_dict()
+    back = S.decode_message(json.loads(json.dumps(d)))
+    assert isinstance(back, S.ChunkBatch)
+    assert np.array_equal(back.rows, rows)
+    assert [c.rank for c in back.iter_messages()] == [0, 1, 2]
+
+
+def test_job_keys_are_namespaced_and_validated():
+    a, b = JobKeys("job-a"), JobKeys("job-b")
+    assert a.telemetry != b.telemetry and "job-a" in a.telemetry
+    with pytest.raises(ValueError, match="invalid job id"):
+        JobKeys("bad id with spaces")

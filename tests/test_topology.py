@@ -1,0 +1,53 @@
+"""Layout: uniform launch, heterogeneous TP, uneven layers, and refusals of impossible layouts."""
+
+import pytest
+
+from resihp.topology import Layout, LayoutError, Migration
+
+
+def test_uniform_layout_megatron_order():
+    lay = Layout.uniform(tp=4, pp=2, dp=2, num_layers=32, num_microbatches=8)
+    assert lay.world_size == 16 and lay.num_nodes == 2
+    assert lay.groups[0][0] == [0, 1, 2, 3] and lay.groups[1][0] == [4, 5, 6, 7]
+    assert lay.groups[0][1] == [8, 9, 10, 11]
+    assert lay.coords()[9] == (0, 1, 1)
+    assert lay.dp_group(1) == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert lay.layers == [16, 16]
+
+
+def test_heterogeneous_tp_and_uneven_layers_round_trip():
+    lay = Layout.uniform(tp=4, pp=3, dp=2, num_layers=12, num_microbatches=4)
+    lay.groups[0][1] = [8, 9]  # TP 4 -> 2 after two failures
+    lay.dead = [10, 11]
+    lay.layers = [5, 2, 5]
+    lay.migrations = [Migration(stage=1, src_dp=0, microbatch=3, dst_dp=1)]
+    lay.validate()
+    back = Layout.from_dict(lay.to_dict())
+    assert back.tp_degree(0, 1) == 2 and back.tp_degree(1, 1) == 4
+    assert back.layers == [5, 2, 5] and back.migrations == lay.migrations
+
+
+@pytest.mark.parametrize(
+    "mutate, msg",
+    [
+        (lambda L: L.groups[0][0].__setitem__(slice(None), [0, 1, 2]), "power of two"),
+        (lambda L: L.dead.append(0), "dead rank 0"),
+        (lambda L: L.layers.__setitem__(0, 1), "sum to"),
+        (lambda L: L.groups[1][0].__setitem__(0, 0), "two TP groups"),
+        (lambda L: L.groups[0][0].__setitem__(slice(None), [6, 7, 8, 9]), "spans nodes"),
+        (lambda L: L.groups[0].__setitem__(0, []), "not migrated"),
+    ],
+)
+def test_impossible_layouts_are_refused(mutate, msg):
+    lay = Layout.uniform(tp=4, pp=2, dp=2, num_layers=8, num_microbatches=2)
+    mutate(lay)
+    with pytest.raises(LayoutError, match=msg):
+        lay.validate()
+
+
+def test_stage_without_devices_is_valid_when_all_its_work_migrates():
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    lay.dead = list(lay.groups[0][1])
+    lay.groups[0][1] = []
+    lay.migrations = [Migration(1, 0, j, 1) for j in range(2)]
+    lay.validate()
