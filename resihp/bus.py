@@ -153,7 +153,9 @@ class StreamConsumer:
         if not self._pending_checked:
             # After our own restart, first re-deliver what we read but never acked.
             self.ensure_group()
-            resp = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
+            resp = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: "0"}, count=count
+            )
             entries = resp[0][1] if resp else []
             if len(entries) < count:
                 self._pending_checked = True

@@ -40,21 +40,41 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    up = sub.add_parser("up", help="start Redis (embedded unless given), every service and a trainer")
-    up.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                    help="use this Redis instead of the embedded redis-server")
+    up = sub.add_parser(
+        "up", help="start Redis (embedded unless given), every service and a trainer"
+    )
+    up.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="use this Redis instead of the embedded redis-server",
+    )
     up.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
-    up.add_argument("--trainer", choices=["sim", "torch", "none"], default="sim",
-                    help="trainer back end: the cluster simulator (default) or the real torch trainer")
-    up.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
-                    help="extra argument passed to the trainer (repeatable), e.g. --trainer-arg=--speed=5")
+    up.add_argument(
+        "--trainer",
+        choices=["sim", "torch", "none"],
+        default="sim",
+        help="trainer back end: the cluster simulator (default) or the real torch trainer",
+    )
+    up.add_argument(
+        "--trainer-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument passed to the trainer (repeatable), e.g. --trainer-arg=--speed=5",
+    )
     up.add_argument("--scenario", help="failure scenario file for the trainer (docs/scenario.md)")
     up.add_argument("--dashboard-host", default="127.0.0.1")
     up.add_argument("--dashboard-port", type=int, default=8050)
     up.add_argument("--duration", type=float, default=None, help="stop by itself after SECONDS")
-    up.add_argument("--mode", choices=["auto", "manual"], default="auto",
-                    help="scheduler mode: apply plans after a grace period, or wait for an operator")
-    up.add_argument("--state-dir", default=".resihp", help="where the embedded Redis keeps its data")
+    up.add_argument(
+        "--mode",
+        choices=["auto", "manual"],
+        default="auto",
+        help="scheduler mode: apply plans after a grace period, or wait for an operator",
+    )
+    up.add_argument(
+        "--state-dir", default=".resihp", help="where the embedded Redis keeps its data"
+    )
     up.add_argument("--no-summary", action="store_true", help="do not print the live console line")
 
     st = sub.add_parser("status", help="print the live state of a running stack")

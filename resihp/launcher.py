@@ -164,14 +164,18 @@ def run_stack(args) -> int:
                 rc = c.proc.poll()
                 if rc is not None and c.name not in reported_exit:
                     reported_exit.add(c.name)
-                    print(f"\nresihp: {c.name} exited with code {rc} (log: {c.log_path})", flush=True)
+                    print(
+                        f"\nresihp: {c.name} exited with code {rc} (log: {c.log_path})", flush=True
+                    )
             if not args.no_summary:
                 try:
                     st = collect_status(url, args.job_id)["jobs"][args.job_id]
                     line = summary_line(st)
                 except Exception as e:  # noqa: BLE001 - the console line must never kill the stack
                     line = f"[{args.job_id}] waiting for data ({type(e).__name__})"
-                print(("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", flush=True)
+                print(
+                    ("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", flush=True
+                )
             stop.wait(1.0 if tty else 5.0)
         print("\nresihp: stopping ...", flush=True)
     finally:

@@ -64,9 +64,7 @@ class PlanFollower:
         """
         plans = latest_plans(self.client, self.keys)
         ready = [
-            p
-            for pid, p in plans.items()
-            if p.state == "acknowledged" and pid not in self.applied
+            p for pid, p in plans.items() if p.state == "acknowledged" and pid not in self.applied
         ]
         ready.sort(key=lambda p: p.plan_id)
         return ready[-1:]

@@ -86,15 +86,24 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
             redis_server_binary(),
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--dir", self.data_dir,
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--protected-mode", "no",
-            "--daemonize", "no",
-            "--loglevel", "warning",
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            self.data_dir,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
         ]
         if self.password:
             args += ["--requirepass", self.password]

@@ -224,9 +224,10 @@ class MicroBatchStats(Message):
             raise SchemaError("MicroBatchStats.max_len: must be in (0, token_budget]")
         # sum l^2 is bounded by N^2 (one document) and N^2/k (k equal documents).
         n = float(self.token_budget)
-        if self.sum_sq_len > n * n * (1 + 1e-9) or self.sum_sq_len < (n * n) / self.num_docs * (
-            1 - 1e-6
-        ) - 1:
+        if (
+            self.sum_sq_len > n * n * (1 + 1e-9)
+            or self.sum_sq_len < (n * n) / self.num_docs * (1 - 1e-6) - 1
+        ):
             raise SchemaError(
                 f"MicroBatchStats.sum_sq_len {self.sum_sq_len} impossible for N={self.token_budget}, "
                 f"{self.num_docs} documents"
@@ -381,7 +382,13 @@ class OperatorAction(Message):
     comment: str = ""
     action_id: str = ""
 
-    ACTIONS: ClassVar[tuple[str, ...]] = ("acknowledge", "override", "reject", "applied", "set_mode")
+    ACTIONS: ClassVar[tuple[str, ...]] = (
+        "acknowledge",
+        "override",
+        "reject",
+        "applied",
+        "set_mode",
+    )
 
     def check(self) -> None:
         if self.action not in self.ACTIONS:
@@ -526,7 +533,9 @@ def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
     t = d.get("type")
     v = d.get("schema_version")
     if v != SCHEMA_VERSION:
-        raise SchemaError(f"unsupported schema_version {v!r} (this build reads {SCHEMA_VERSION})", d)
+        raise SchemaError(
+            f"unsupported schema_version {v!r} (this build reads {SCHEMA_VERSION})", d
+        )
     if t == ChunkBatch.TYPE:
         return ChunkBatch.from_dict(d, max_rank)
     cls = MESSAGE_TYPES.get(t)  # type: ignore[arg-type]
@@ -566,9 +575,7 @@ def encode_entry(
 ) -> dict[bytes, bytes]:
     fields: dict[bytes, bytes] = {}
     if messages:
-        fields[ENTRY_MESSAGES] = (
-            "[" + ",".join(m.to_json() for m in messages) + "]"
-        ).encode()
+        fields[ENTRY_MESSAGES] = ("[" + ",".join(m.to_json() for m in messages) + "]").encode()
     if chunk_rows is not None and len(chunk_rows):
         fields[ENTRY_CHUNKS] = chunk_rows.tobytes()
         fields[ENTRY_CHUNKS_VERSION] = str(SCHEMA_VERSION).encode()
@@ -597,7 +604,12 @@ def decode_entry(
     raw_m = _get(fields, ENTRY_MESSAGES)
     raw_c = _get(fields, ENTRY_CHUNKS)
     if raw_m is None and raw_c is None:
-        bad.append(("entry has neither messages nor chunks", {str(k): str(v)[:200] for k, v in fields.items()}))
+        bad.append(
+            (
+                "entry has neither messages nor chunks",
+                {str(k): str(v)[:200] for k, v in fields.items()},
+            )
+        )
         return good, bad
     if raw_m is not None:
         try:

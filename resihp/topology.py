@@ -158,7 +158,9 @@ class Layout:
         if any(n < 1 for n in self.layers):
             raise LayoutError(f"every stage needs at least one layer: {self.layers}")
         if len(self.microbatches) != self.dp or any(m < 0 for m in self.microbatches):
-            raise LayoutError(f"microbatches {self.microbatches} must list one count >= 0 per replica")
+            raise LayoutError(
+                f"microbatches {self.microbatches} must list one count >= 0 per replica"
+            )
         seen: dict[int, tuple[int, int]] = {}
         dead = set(self.dead)
         for d, stages in enumerate(self.groups):
@@ -166,7 +168,9 @@ class Layout:
                 if not grp:
                     continue  # a stage of a replica whose devices are all gone: work migrates away
                 if not is_power_of_two(len(grp)):
-                    raise LayoutError(f"TP group dp={d} stage={s} has degree {len(grp)}, not a power of two")
+                    raise LayoutError(
+                        f"TP group dp={d} stage={s} has degree {len(grp)}, not a power of two"
+                    )
                 nodes = {self.node_of(r) for r in grp}
                 if len(nodes) > 1:
                     raise LayoutError(f"TP group dp={d} stage={s} spans nodes {sorted(nodes)}")
@@ -185,7 +189,9 @@ class Layout:
             if not (0 <= m.stage < self.pp and 0 <= m.src_dp < self.dp and 0 <= m.dst_dp < self.dp):
                 raise LayoutError(f"migration {m.to_list()} out of range")
             if m.microbatch >= self.microbatches[m.src_dp]:
-                raise LayoutError(f"migration {m.to_list()}: replica {m.src_dp} has no such micro-batch")
+                raise LayoutError(
+                    f"migration {m.to_list()}: replica {m.src_dp} has no such micro-batch"
+                )
             if not self.groups[m.dst_dp][m.stage]:
                 raise LayoutError(f"migration {m.to_list()}: destination stage has no devices")
         # A (replica, stage) without devices must have every micro-batch migrated away.

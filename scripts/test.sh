@@ -8,5 +8,5 @@ if [ ! -x /usr/bin/chromium ]; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 [ -n "${VIRTUAL_ENV:-}" ] || . .venv/bin/activate
-ruff check resihp collector detector scheduler dashboard trainer tests bench
+ruff check .
 python -m pytest -q "$@"

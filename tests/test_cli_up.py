@@ -31,9 +31,23 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path),
-         "--dashboard-port", str(port), "--trainer-arg=--speed=20", "--duration", "90"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "up",
+            "--state-dir",
+            str(tmp_path),
+            "--dashboard-port",
+            str(port),
+            "--trainer-arg=--speed=20",
+            "--duration",
+            "90",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     stack_file = tmp_path / "stack.json"
     deadline = time.time() + 60
@@ -48,7 +62,10 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     while time.time() < deadline:
         out = subprocess.run(
             [sys.executable, "-m", "resihp.cli", "status", "--json", "--state-dir", str(tmp_path)],
-            capture_output=True, text=True, env=env, timeout=30,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=30,
         )
         assert out.returncode == 0, out.stderr
         st = json.loads(out.stdout)
@@ -74,6 +91,9 @@ def test_status_without_stack_says_what_to_do(tmp_path):
     env.pop("REDIS_URL", None)
     out = subprocess.run(
         [sys.executable, "-m", "resihp.cli", "status", "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=30,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
     )
     assert out.returncode == 2 and "resihp up" in out.stderr

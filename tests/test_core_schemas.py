@@ -13,13 +13,36 @@ from resihp.keys import JobKeys
 def test_every_message_round_trips_through_json():
     msgs = [
         S.Heartbeat(rank=3, node=0, iteration=7, wall_time_s=12.5, seq=4),
-        S.ChunkTiming(rank=1, iteration=2, dp=0, stage=1, microbatch=5, kind="W", start_s=1.0, end_s=1.5),
-        S.MicroBatchStats(iteration=1, dp=0, microbatch=2, token_budget=8192, num_docs=2,
-                          sum_sq_len=4096.0**2 * 2, max_len=4096),
-        S.LivenessEvent(scope="node", node=2, ranks=[16, 17], state="dead", detected_at_s=3.0,
-                        last_seen_s=1.0, missed_beats=2),
-        S.FailureReport(report_id="f1", kind="fail_slow_compute", ranks=[3], nodes=[0],
-                        detected_at_s=1.0, iteration=60, severity={"3": 0.5}),
+        S.ChunkTiming(
+            rank=1, iteration=2, dp=0, stage=1, microbatch=5, kind="W", start_s=1.0, end_s=1.5
+        ),
+        S.MicroBatchStats(
+            iteration=1,
+            dp=0,
+            microbatch=2,
+            token_budget=8192,
+            num_docs=2,
+            sum_sq_len=4096.0**2 * 2,
+            max_len=4096,
+        ),
+        S.LivenessEvent(
+            scope="node",
+            node=2,
+            ranks=[16, 17],
+            state="dead",
+            detected_at_s=3.0,
+            last_seen_s=1.0,
+            missed_beats=2,
+        ),
+        S.FailureReport(
+            report_id="f1",
+            kind="fail_slow_compute",
+            ranks=[3],
+            nodes=[0],
+            detected_at_s=1.0,
+            iteration=60,
+            severity={"3": 0.5},
+        ),
         S.OperatorAction(action="acknowledge", plan_id=1, actor="alice", at_s=2.0),
     ]
     for m in msgs:
@@ -33,16 +56,65 @@ def test_every_message_round_trips_through_json():
     [
         ({"type": "heartbeat", "schema_version": 99, "rank": 1}, "schema_version"),
         ({"type": "nope", "schema_version": 1}, "unknown message type"),
-        ({"type": "heartbeat", "schema_version": 1, "rank": 1, "node": 0, "iteration": 1},
-         "missing field"),
-        ({"type": "heartbeat", "schema_version": 1, "rank": "x", "node": 0, "iteration": 1,
-          "wall_time_s": 1.0}, "expected int"),
-        ({"type": "chunk", "schema_version": 1, "rank": 0, "iteration": 0, "dp": 0, "stage": 0,
-          "microbatch": 0, "kind": "F", "start_s": 2.0, "end_s": 1.0}, "negative duration"),
-        ({"type": "chunk", "schema_version": 1, "rank": 0, "iteration": 0, "dp": 0, "stage": 0,
-          "microbatch": 0, "kind": "Q", "start_s": 1.0, "end_s": 2.0}, "unknown kind"),
-        ({"type": "mbstats", "schema_version": 1, "iteration": 0, "dp": 0, "microbatch": 0,
-          "token_budget": 100, "num_docs": 1, "sum_sq_len": 1e9, "max_len": 100}, "impossible"),
+        (
+            {"type": "heartbeat", "schema_version": 1, "rank": 1, "node": 0, "iteration": 1},
+            "missing field",
+        ),
+        (
+            {
+                "type": "heartbeat",
+                "schema_version": 1,
+                "rank": "x",
+                "node": 0,
+                "iteration": 1,
+                "wall_time_s": 1.0,
+            },
+            "expected int",
+        ),
+        (
+            {
+                "type": "chunk",
+                "schema_version": 1,
+                "rank": 0,
+                "iteration": 0,
+                "dp": 0,
+                "stage": 0,
+                "microbatch": 0,
+                "kind": "F",
+                "start_s": 2.0,
+                "end_s": 1.0,
+            },
+            "negative duration",
+        ),
+        (
+            {
+                "type": "chunk",
+                "schema_version": 1,
+                "rank": 0,
+                "iteration": 0,
+                "dp": 0,
+                "stage": 0,
+                "microbatch": 0,
+                "kind": "Q",
+                "start_s": 1.0,
+                "end_s": 2.0,
+            },
+            "unknown kind",
+        ),
+        (
+            {
+                "type": "mbstats",
+                "schema_version": 1,
+                "iteration": 0,
+                "dp": 0,
+                "microbatch": 0,
+                "token_budget": 100,
+                "num_docs": 1,
+                "sum_sq_len": 1e9,
+                "max_len": 100,
+            },
+            "impossible",
+        ),
     ],
 )
 def test_bad_messages_are_refused_with_reason(payload, reason):
@@ -53,7 +125,9 @@ def test_bad_messages_are_refused_with_reason(payload, reason):
 
 def test_nan_is_refused():
     with pytest.raises(S.SchemaError, match="finite"):
-        S.decode_json('{"type":"heartbeat","schema_version":1,"rank":1,"node":0,"iteration":1,"wall_time_s":NaN}')
+        S.decode_json(
+            '{"type":"heartbeat","schema_version":1,"rank":1,"node":0,"iteration":1,"wall_time_s":NaN}'
+        )
 
 
 def test_unknown_rank_is_refused_when_world_known():

@@ -1,0 +1,361 @@
+"""Trainer-side telemetry producer: hands heartbeats, chunk timings and micro-batch
+stats to a background thread that packs them onto the job's telemetry stream.
+
+A training step must never wait for Redis.  Every public method only appends
+to a bounded in-memory queue (constant time, no I/O); when the queue is full
+the event is dropped and counted in ``dropped_total``.  The sender thread
+packs many messages and many chunk rows into each stream entry
+(:func:`resihp.schemas.encode_entry`), sends many entries per round trip
+(pipelined XADD with an approximate MAXLEN), and while Redis is unreachable it
+keeps the queue, backs off exponentially and resends once Redis answers again.
+Delivery is at-least-once: a round trip that failed half-way is resent whole,
+so the collector deduplicates chunk rows.  ``close()`` (also run at exit)
+flushes what is queued.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import redis
+
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
+from resihp.schemas import (
+    CHUNK_DTYPE,
+    ChunkTiming,
+    Heartbeat,
+    Message,
+    MicroBatchStats,
+    chunks_to_rows,
+    encode_entry,
+)
+
+log = logging.getLogger(__name__)
+
+# Queue item kinds.
+_MSG = 0
+_CHUNK = 1
+_ROWS = 2
+
+
+class TelemetryProducer:
+    """Non-blocking sender of one job's trainer telemetry (see docs/architecture.md).
+
+    ``max_queue`` bounds the events held in memory (a message counts one, a
+    packed chunk row counts one), including those sent but not yet confirmed.
+    ``max_batch`` bounds the messages and the chunk rows in one stream entry;
+    ``entries_per_round`` bounds the entries sent in one pipelined round trip.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None,
+        keys: JobKeys,
+        *,
+        max_queue: int = 100_000,
+        flush_interval_s: float = 0.05,
+        max_batch: int = 4096,
+        client: redis.Redis | None = None,
+        maxlen: int = DEFAULT_STREAM_MAXLEN,
+        entries_per_round: int = 64,
+        max_backoff_s: float = 2.0,
+        close_at_exit: bool = True,
+    ):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+        if entries_per_round < 1:
+            raise ValueError(f"entries_per_round must be >= 1, got {entries_per_round}")
+        if client is None:
+            from resihp.redis_client import connect
+
+            client = connect(redis_url, socket_timeout=5)
+        self.client = client
+        self.keys = keys
+        self.max_queue = int(max_queue)
+        self.flush_interval_s = float(flush_interval_s)
+        self.max_batch = int(max_batch)
+        self.maxlen = int(maxlen)
+        self.entries_per_round = int(entries_per_round)
+        self.max_backoff_s = float(max_backoff_s)
+
+        self._lock = threading.Lock()
+        self._items: deque[tuple[int, Any, int]] = deque()
+        # Events queued or in flight: only a confirmed send releases queue space,
+        # so an outage cannot grow memory past max_queue.
+        self._held = 0
+        self._inflight: list[tuple[dict[bytes, bytes], int]] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._close_deadline = float("inf")
+        self._registered = False
+        self._dropped_reported = 0
+
+        self.dropped_total = 0
+        self.sent_total = 0
+        self.entries_total = 0
+        self.invalid_total = 0
+        self.send_errors_total = 0
+        self.last_error: str | None = None
+        self._closed = False
+        self._close_at_exit = close_at_exit
+        if close_at_exit:
+            atexit.register(self._atexit)
+
+    # ------------------------------------------------------------ producer side
+    def start(self) -> TelemetryProducer:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(
+                target=self._run, name="resihp-telemetry-producer", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def heartbeat(self, hb: Heartbeat) -> bool:
+        return self._offer(_MSG, hb, 1)
+
+    def mb_stats(self, s: MicroBatchStats) -> bool:
+        return self._offer(_MSG, s, 1)
+
+    def send(self, msg: Message) -> bool:
+        return self._offer(_MSG, msg, 1)
+
+    def chunk(self, c: ChunkTiming) -> bool:
+        return self._offer(_CHUNK, c, 1)
+
+    def chunk_rows(self, rows: np.ndarray) -> int:
+        """Queue packed rows (copied); returns how many were accepted, the rest are dropped."""
+        if rows.dtype != CHUNK_DTYPE:
+            raise TypeError(f"chunk_rows needs dtype CHUNK_DTYPE, got {rows.dtype}")
+        n = len(rows)
+        if n == 0:
+            return 0
+        with self._lock:
+            space = self.max_queue - self._held
+            if space <= 0 or self._closed:
+                self.dropped_total += n
+                return 0
+            take = min(n, space)
+            self.dropped_total += n - take
+            self._held += take
+            self._items.append((_ROWS, np.array(rows[:take], copy=True), take))
+            full = self._held >= self.max_batch
+        if full:
+            self._wake.set()
+        return take
+
+    def _offer(self, kind: int, item: Any, n: int) -> bool:
+        with self._lock:
+            if self._closed or self._held + n > self.max_queue:
+                self.dropped_total += n
+                return False
+            self._held += n
+            self._items.append((kind, item, n))
+            full = self._held >= self.max_batch
+        if full:
+            self._wake.set()
+        return True
+
+    @property
+    def queued(self) -> int:
+        """Events held: queued plus sent-but-unconfirmed."""
+        return self._held
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "queued": self._held,
+            "sent_total": self.sent_total,
+            "dropped_total": self.dropped_total,
+            "entries_total": self.entries_total,
+            "invalid_total": self.invalid_total,
+            "send_errors_total": self.send_errors_total,
+            "last_error": self.last_error,
+        }
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything queued so far is confirmed sent; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()
+        while self._held > 0:
+            if time.monotonic() >= deadline or self._thread is None:
+                return self._held == 0
+            time.sleep(0.002)
+            self._wake.set()
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what is queued (up to ``timeout_s``), stop the thread. What is left is dropped."""
+        if self._closed:
+            return
+        if self._thread is None and self._held:
+            self.start()
+        with self._lock:
+            self._closed = True
+        self._close_deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s + 1.0)
+        with self._lock:
+            left = self._held
+            if left:
+                self.dropped_total += left
+                self._held = 0
+                self._items.clear()
+                self._inflight = []
+        if left:
+            log.warning("telemetry producer closed with %d events unsent (dropped)", left)
+        if self._close_at_exit:
+            atexit.unregister(self._atexit)
+
+    def _atexit(self) -> None:
+        try:
+            self.close(timeout_s=2.0)
+        except Exception:  # never fail interpreter shutdown
+            log.exception("telemetry producer: flush at exit failed")
+
+    # ------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        backoff_s = 0.0
+        while True:
+            if backoff_s:
+                # Backing off: wait without being woken by new events, only by close().
+                if self._stop.is_set():
+                    time.sleep(min(backoff_s, max(0.0, self._close_deadline - time.monotonic())))
+                else:
+                    self._stop.wait(backoff_s)
+            else:
+                self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            try:
+                ok = self._drain()
+            except Exception as e:  # the sender must survive anything
+                log.exception("telemetry producer: unexpected error")
+                self.last_error = repr(e)
+                ok = False
+            if ok:
+                backoff_s = 0.0
+            else:
+                backoff_s = min(self.max_backoff_s, max(0.05, backoff_s * 2))
+            if self._stop.is_set():
+                if self._held == 0 or time.monotonic() >= self._close_deadline:
+                    return
+
+    def _drain(self) -> bool:
+        """Send rounds until the queue is empty; False if Redis failed."""
+        while True:
+            if not self._inflight:
+                self._inflight = self._build_round()
+                if not self._inflight:
+                    return True
+            if not self._send(self._inflight):
+                return False
+            self._inflight = []
+
+    def _send(self, entries: list[tuple[dict[bytes, bytes], int]]) -> bool:
+        n_events = sum(n for _, n in entries)
+        n_sent = sum(n for f, n in entries if f)
+        dropped_delta = self.dropped_total - self._dropped_reported
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for fields, _ in entries:
+                if fields:
+                    pipe.xadd(self.keys.telemetry, fields, maxlen=self.maxlen, approximate=True)
+            if not self._registered:
+                pipe.sadd(JOBS_SET, self.keys.job_id)
+            if dropped_delta:
+                pipe.hincrby(self.keys.counters, "producer_dropped_total", dropped_delta)
+            pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError) as e:
+            # Keep the round and resend it whole later (at-least-once).
+            self.send_errors_total += 1
+            self.last_error = repr(e)
+            log.debug("telemetry producer: send failed (%s); will retry", e)
+            return False
+        self._registered = True
+        self._dropped_reported += dropped_delta
+        with self._lock:
+            self._held -= n_events
+        self.sent_total += n_sent
+        self.entries_total += sum(1 for f, _ in entries if f)
+        return True
+
+    def _take(self) -> list[tuple[int, Any, int]]:
+        """Pop up to one round's worth of events, splitting a row array at the boundary."""
+        budget = self.max_batch * self.entries_per_round
+        out: list[tuple[int, Any, int]] = []
+        with self._lock:
+            while self._items and budget > 0:
+                kind, item, n = self._items.popleft()
+                if n > budget:
+                    self._items.appendleft((kind, item[budget:], n - budget))
+                    item, n = item[:budget], budget
+                out.append((kind, item, n))
+                budget -= n
+        return out
+
+    def _build_round(self) -> list[tuple[dict[bytes, bytes], int]]:
+        taken = self._take()
+        if not taken:
+            return []
+        msgs: list[Message] = []
+        chunks: list[ChunkTiming] = []
+        parts: list[np.ndarray] = []
+        for kind, item, _ in taken:
+            if kind == _ROWS:
+                parts.append(item)
+            elif kind == _CHUNK:
+                chunks.append(item)
+            else:
+                msgs.append(item)
+        bad_events = 0
+        if chunks:
+            try:
+                parts.append(chunks_to_rows(chunks))
+            except (KeyError, TypeError, ValueError, OverflowError):
+                good = []
+                for c in chunks:
+                    try:
+                        good.append(chunks_to_rows([c]))
+                    except (KeyError, TypeError, ValueError, OverflowError):
+                        bad_events += 1
+                parts.extend(good)
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=CHUNK_DTYPE)
+        mb = self.max_batch
+        n_entries = max(-(-len(msgs) // mb), -(-len(rows) // mb))
+        entries: list[tuple[dict[bytes, bytes], int]] = []
+        for k in range(n_entries):
+            m = msgs[k * mb : (k + 1) * mb]
+            rw = rows[k * mb : (k + 1) * mb]
+            try:
+                fields = encode_entry(m, rw)
+            except (TypeError, ValueError):
+                # A message that cannot be serialized (e.g. NaN) must not block the rest.
+                ok_msgs = []
+                for one in m:
+                    try:
+                        one.to_json()
+                        ok_msgs.append(one)
+                    except (TypeError, ValueError):
+                        bad_events += 1
+                fields = encode_entry(ok_msgs, rw)
+            entries.append((fields, len(m) + len(rw)))
+        if bad_events:
+            self.invalid_total += bad_events
+            with self._lock:
+                self.dropped_total += bad_events
+            # The unserializable events still hold queue space until this round is sent.
+            entries.append(({}, bad_events))
+        return entries
