@@ -341,6 +341,7 @@ class TelemetryProducer:
             rw = rows[k * mb : (k + 1) * mb]
             try:
                 fields = encode_entry(m, rw)
+                n_ok = len(m)
             except (TypeError, ValueError):
                 # A message that cannot be serialized (e.g. NaN) must not block the rest.
                 ok_msgs = []
@@ -351,7 +352,8 @@ class TelemetryProducer:
                     except (TypeError, ValueError):
                         bad_events += 1
                 fields = encode_entry(ok_msgs, rw)
-            entries.append((fields, len(m) + len(rw)))
+                n_ok = len(ok_msgs)
+            entries.append((fields, n_ok + len(rw)))
         if bad_events:
             self.invalid_total += bad_events
             with self._lock:
