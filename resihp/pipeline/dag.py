@@ -1,0 +1,587 @@
+"""DAG of pipeline chunks over a whole Layout and its fast critical-path evaluation (eq. 2).
+
+Vertices are chunks ``(owner replica, micro-batch, stage, kind)``; a chunk runs
+on the stage's TP group of its *executing* replica, which differs from the
+owner when ``layout.migrations`` moves it.  Every chunk has at most two
+predecessors:
+
+* a data predecessor (F of the previous stage, B of the next stage, F->B on
+  the last stage, B->W on the same stage).  Data edges between different
+  stages carry P2P time and are numbered (``edge_src``/``edge_dst``); they
+  cross replicas when a migration sits on either end;
+* a resource predecessor: the chunk that runs just before it on the same
+  device, in the order the pipeline schedule gives that device.
+
+Because in-degree is at most two, the longest path is computed level by level
+(vertices renumbered by topological depth) with a handful of numpy calls per
+level, for a single cost vector or for many what-if cost vectors at once.
+
+DP replicas couple only through migrations and the final gradient
+all-reduce.  Replicas without migrations are compiled once per micro-batch
+count (a template) and evaluated as rows of one batched call; replicas tied
+together by migrations are compiled as one component.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp.topology import Layout
+
+from . import _kernel
+from .schedule import build_schedule
+
+_USE_KERNEL = True
+
+
+def use_kernel(enabled: bool | None = None) -> bool:
+    """Query (or set) whether evaluation may use the compiled kernel when it is available."""
+    global _USE_KERNEL
+    if enabled is not None:
+        _USE_KERNEL = bool(enabled)
+    return _USE_KERNEL
+
+
+KIND_F, KIND_B, KIND_W = 0, 1, 2  # same codes as resihp.schemas.ChunkKind
+_KIND_CODE = {"F": KIND_F, "B": KIND_B, "W": KIND_W}
+EDGE_ACT, EDGE_GRAD = 0, 1
+
+
+@dataclass
+class EvalResult:
+    """Outcome of one DAG evaluation. Times in seconds from iteration start.
+
+    ``bubble_ratio[dp, stage]`` is the idle fraction of that device over the
+    pipeline span (NaN where the device runs nothing); ``makespan_s[dp]`` is
+    the completion time of the chunks the replica's devices execute.
+    ``iteration_time_s`` adds the per-stage DP gradient all-reduce after the
+    last replica finishes that stage.
+    """
+
+    iteration_time_s: float
+    pipeline_time_s: float
+    start_s: np.ndarray
+    end_s: np.ndarray
+    bubble_ratio: np.ndarray
+    makespan_s: np.ndarray
+    busy_s: np.ndarray
+    schedule_fallback: bool = False
+
+
+class _Compiled:
+    """One component's chunks renumbered in topological-level order, ready to evaluate."""
+
+    def __init__(self, replicas, layout: Layout, kind: str):
+        self.replicas = list(replicas)
+        p = layout.pp
+        probe = build_schedule(kind, p, 1)
+        self.split_w = probe.split_w
+        kinds = ("F", "B", "W") if self.split_w else ("F", "B")
+        mig = {}
+        rset = set(self.replicas)
+        for m in layout.migrations:
+            if m.src_dp in rset:
+                mig[(m.src_dp, m.stage, m.microbatch)] = m.dst_dp
+        stage, exe, src, mb, kd = [], [], [], [], []
+        idx: dict[tuple[int, int, int, int], int] = {}
+        slots: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        for d in self.replicas:
+            for j in range(layout.microbatches[d]):
+                for s in range(p):
+                    e = mig.get((d, s, j), d)
+                    slots[(e, s)].append((j, d))
+                    for k in kinds:
+                        idx[(d, j, s, _KIND_CODE[k])] = len(stage)
+                        stage.append(s)
+                        exe.append(e)
+                        src.append(d)
+                        mb.append(j)
+                        kd.append(_KIND_CODE[k])
+        n = len(stage)
+        pred_data = np.full(n, -1, dtype=np.int64)
+        e_src, e_dst, e_kind = [], [], []
+        last = p - 1
+        for (d, j, s, k), c in idx.items():
+            if k == KIND_F:
+                if s > 0:
+                    u = idx[(d, j, s - 1, KIND_F)]
+                    pred_data[c] = u
+                    e_src.append(u)
+                    e_dst.append(c)
+                    e_kind.append(EDGE_ACT)
+            elif k == KIND_B:
+                if s == last:
+                    pred_data[c] = idx[(d, j, s, KIND_F)]
+                else:
+                    u = idx[(d, j, s + 1, KIND_B)]
+                    pred_data[c] = u
+                    e_src.append(u)
+                    e_dst.append(c)
+                    e_kind.append(EDGE_GRAD)
+            else:
+                pred_data[c] = idx[(d, j, s, KIND_B)]
+        self.fallback = False
+        pred_res, dev_last = self._resource_order(kind, p, slots, idx)
+        level = _levels(pred_data, pred_res)
+        if level is None:
+            # Cross-replica migrations can make per-device 1F1B orders wait on each other
+            # in a cycle; GPipe order (all F by (mb, owner), then all B, then all W) never can.
+            self.fallback = True
+            pred_res, dev_last = self._resource_order(
+                "gpipe_split" if self.split_w else "gpipe", p, slots, idx
+            )
+            level = _levels(pred_data, pred_res)
+            if level is None:  # pragma: no cover - GPipe order is acyclic by construction
+                raise ValueError("pipeline DAG has a cycle even with GPipe ordering")
+        # Renumber chunks in level order so each level is a contiguous slice.
+        perm = np.argsort(level, kind="stable")
+        inv = np.empty(n, dtype=np.int64)
+        inv[perm] = np.arange(n)
+        self.n = n
+        self.stage = np.asarray(stage, dtype=np.int64)[perm]
+        self.exec_dp = np.asarray(exe, dtype=np.int64)[perm]
+        self.src_dp = np.asarray(src, dtype=np.int64)[perm]
+        self.mb = np.asarray(mb, dtype=np.int64)[perm]
+        self.kind = np.asarray(kd, dtype=np.int8)[perm]
+
+        def remap(pred):
+            out = np.full(n, n, dtype=np.int64)  # n = sentinel slot holding 0.0
+            pr = pred[perm]
+            ok = pr >= 0
+            out[ok] = inv[pr[ok]]
+            return out
+
+        self.p0 = remap(pred_data)
+        self.p1 = remap(pred_res)
+        self.edge_src = inv[np.asarray(e_src, dtype=np.int64)] if e_src else np.zeros(0, np.int64)
+        self.edge_dst = inv[np.asarray(e_dst, dtype=np.int64)] if e_dst else np.zeros(0, np.int64)
+        self.edge_kind = np.asarray(e_kind, dtype=np.int8)
+        self.dev_last = {key: int(inv[c]) for key, c in dev_last.items()}
+        lv = level[perm]
+        bounds = np.flatnonzero(np.diff(lv)) + 1
+        starts = np.concatenate([[0], bounds]).astype(int)
+        ends = np.concatenate([bounds, [n]]).astype(int)
+        self.levels = []
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            p0 = self.p0[a:b]
+            p1 = self.p1[a:b]
+            has1 = bool((p1 != n).any())
+            self.levels.append((a, b, p0, p1 if has1 else None))
+        self.num_levels = len(self.levels)
+
+    @staticmethod
+    def _resource_order(kind, p, slots, idx):
+        n = len(idx)
+        pred_res = np.full(n, -1, dtype=np.int64)
+        dev_last = {}
+        for (e, s), items in slots.items():
+            items = sorted(items)
+            if kind in ("gpipe", "gpipe_split"):
+                ks = ("F", "B", "W") if kind == "gpipe_split" else ("F", "B")
+                order = [(k, i) for k in ks for i in range(len(items))]
+            else:
+                order = build_schedule(kind, p, len(items)).order[s]
+            prev = -1
+            for k, slot in order:
+                j, d = items[slot]
+                c = idx[(d, j, s, _KIND_CODE[k])]
+                pred_res[c] = prev
+                prev = c
+            dev_last[(e, s)] = prev
+        return pred_res, dev_last
+
+    def run(self, cost: np.ndarray, in_edge: np.ndarray | None) -> np.ndarray:
+        """End times for cost rows ``cost[R, n]`` (or a vector); same shape as ``cost``."""
+        if use_kernel():
+            out = _kernel.longest_path(self.p0, self.p1, cost, in_edge)
+            if out is not None:
+                return out
+        return self.run_numpy(cost, in_edge)
+
+    def run_numpy(self, cost: np.ndarray, in_edge: np.ndarray | None) -> np.ndarray:
+        """Level-by-level numpy evaluation (reference path; same results as the kernel)."""
+        n = self.n
+        if cost.ndim == 1:
+            t = np.empty(n + 1)
+            t[n] = 0.0
+            for a, b, p0, p1 in self.levels:
+                g = t[p0]
+                if in_edge is not None:
+                    g += in_edge[a:b]
+                if p1 is not None:
+                    np.maximum(g, t[p1], out=g)
+                g += cost[a:b]
+                t[a:b] = g
+            return t[:n]
+        r = cost.shape[0]
+        t = np.empty((r, n + 1))
+        t[:, n] = 0.0
+        for a, b, p0, p1 in self.levels:
+            g = t[:, p0]
+            if in_edge is not None:
+                g += in_edge[:, a:b]
+            if p1 is not None:
+                np.maximum(g, t[:, p1], out=g)
+            g += cost[:, a:b]
+            t[:, a:b] = g
+        return t[:, :n]
+
+
+def _levels(pred_data: np.ndarray, pred_res: np.ndarray) -> np.ndarray | None:
+    """Topological depth of every vertex (Kahn's algorithm), or None if there is a cycle."""
+    n = len(pred_data)
+    indeg = (pred_data >= 0).astype(np.int64) + (pred_res >= 0)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for c in range(n):
+        u = pred_data[c]
+        if u >= 0:
+            succ[u].append(c)
+        u = pred_res[c]
+        if u >= 0:
+            succ[u].append(c)
+    level = np.zeros(n, dtype=np.int64)
+    indeg_l = indeg.tolist()
+    lv = level.tolist()
+    frontier = [c for c in range(n) if indeg_l[c] == 0]
+    seen = 0
+    while frontier:
+        nxt = []
+        for u in frontier:
+            seen += 1
+            lu = lv[u] + 1
+            for c in succ[u]:
+                if lv[c] < lu:
+                    lv[c] = lu
+                indeg_l[c] -= 1
+                if indeg_l[c] == 0:
+                    nxt.append(c)
+        frontier = nxt
+    if seen != n:
+        return None
+    return np.asarray(lv, dtype=np.int64)
+
+
+@dataclass
+class _Group:
+    compiled: _Compiled
+    replicas: list[int]  # template: one row per replica; coupled: the component's replicas
+    base: int  # first global chunk id of the block
+    coupled: bool = False
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.coupled else len(self.replicas)
+
+    @property
+    def size(self) -> int:
+        return self.compiled.n * self.rows
+
+
+class PipelineDAG:
+    """Chunk DAG of one Layout under one schedule kind; evaluate many cost vectors fast.
+
+    Global chunk ids index the numpy arrays ``chunk_stage``, ``chunk_dp``
+    (executing replica), ``chunk_src_dp`` (owner), ``chunk_mb``, ``chunk_kind``
+    (0=F, 1=B or fused B+W, 2=W).  P2P edges are ``edge_src``/``edge_dst``
+    (global chunk ids), ``edge_kind`` (0 activation, 1 gradient) and
+    ``edge_cross`` (True when the two ends run on different replicas).
+    """
+
+    def __init__(self, layout: Layout, schedule_kind: str | None = None):
+        layout.validate()
+        self.layout = layout
+        self.schedule_kind = (schedule_kind or layout.schedule).lower()
+        if self.schedule_kind == "interleaved":
+            raise ValueError(
+                "the DAG engine does not model interleaved virtual stages; use 1f1b or zbh1"
+            )
+        probe = build_schedule(self.schedule_kind, layout.pp, 1)
+        self.split_w = probe.split_w
+        self.pp = layout.pp
+        self.dp = layout.dp
+        comps = _components(layout)
+        self.groups: list[_Group] = []
+        templates: dict[int, _Compiled] = {}
+        base = 0
+        singles: dict[int, list[int]] = defaultdict(list)
+        coupled = []
+        for comp in comps:
+            if len(comp) == 1 and not any(
+                m.src_dp == comp[0] or m.dst_dp == comp[0] for m in layout.migrations
+            ):
+                singles[layout.microbatches[comp[0]]].append(comp[0])
+            else:
+                coupled.append(comp)
+        for m_count, reps in sorted(singles.items()):
+            if m_count not in templates:
+                templates[m_count] = _Compiled([reps[0]], layout, self.schedule_kind)
+            g = _Group(templates[m_count], reps, base)
+            self.groups.append(g)
+            base += g.size
+        for comp in coupled:
+            g = _Group(_Compiled(comp, layout, self.schedule_kind), comp, base, coupled=True)
+            self.groups.append(g)
+            base += g.size
+        self.num_chunks = base
+        self.schedule_fallback = any(g.compiled.fallback for g in self.groups)
+        self._assemble()
+
+    @classmethod
+    def from_layout(cls, layout: Layout, schedule_kind: str | None = None) -> PipelineDAG:
+        return cls(layout, schedule_kind)
+
+    # ------------------------------------------------------------ structure
+    def _assemble(self) -> None:
+        parts = defaultdict(list)
+        e_src, e_dst, e_kind = [], [], []
+        pred_d, pred_r = [], []
+        dev_last = np.full((self.dp, self.pp), -1, dtype=np.int64)
+        for g in self.groups:
+            c = g.compiled
+            k = g.rows
+            dp_map = None if g.coupled else np.asarray(g.replicas, dtype=np.int64)
+            for r in range(k):
+                off = g.base + r * c.n
+                if dp_map is None:
+                    ex, sr = c.exec_dp, c.src_dp
+                else:
+                    ex = np.full(c.n, dp_map[r], dtype=np.int64)
+                    sr = ex
+                parts["stage"].append(c.stage)
+                parts["dp"].append(ex)
+                parts["src"].append(sr)
+                parts["mb"].append(c.mb)
+                parts["kind"].append(c.kind)
+                e_src.append(c.edge_src + off)
+                e_dst.append(c.edge_dst + off)
+                e_kind.append(c.edge_kind)
+                pd = np.where(c.p0 == c.n, -1, c.p0 + off)
+                pr = np.where(c.p1 == c.n, -1, c.p1 + off)
+                pred_d.append(pd)
+                pred_r.append(pr)
+                for (e, s), last in c.dev_last.items():
+                    ee = e if dp_map is None else int(dp_map[r])
+                    dev_last[ee, s] = last + off
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+        self.chunk_stage = cat(parts["stage"], np.int64)
+        self.chunk_dp = cat(parts["dp"], np.int64)
+        self.chunk_src_dp = cat(parts["src"], np.int64)
+        self.chunk_mb = cat(parts["mb"], np.int64)
+        self.chunk_kind = cat(parts["kind"], np.int8)
+        self.edge_src = cat(e_src, np.int64)
+        self.edge_dst = cat(e_dst, np.int64)
+        self.edge_kind = cat(e_kind, np.int8)
+        self.num_edges = len(self.edge_src)
+        self.edge_cross = self.chunk_dp[self.edge_src] != self.chunk_dp[self.edge_dst]
+        # pred_data / pred_res: global ids of the two predecessors (-1 = none);
+        # in_edge[c]: the P2P edge id entering c (-1 = none).
+        self.pred_data = cat(pred_d, np.int64)
+        self.pred_res = cat(pred_r, np.int64)
+        self.in_edge = np.full(self.num_chunks, -1, dtype=np.int64)
+        self.in_edge[self.edge_dst] = np.arange(self.num_edges)
+        self.dev_last = dev_last
+        self._dev_id = self.chunk_dp * self.pp + self.chunk_stage
+
+    @property
+    def num_levels(self) -> int:
+        return max((g.compiled.num_levels for g in self.groups), default=0)
+
+    def device_chunks(self, dp: int, stage: int) -> np.ndarray:
+        """Global chunk ids run by device (dp, stage), in execution order."""
+        out = []
+        c = int(self.dev_last[dp, stage])
+        while c >= 0:
+            out.append(c)
+            c = int(self.pred_res[c])
+        return np.asarray(out[::-1], dtype=np.int64)
+
+    # ------------------------------------------------------------ evaluate
+    def _in_edge_cost(self, edge_cost_s, rows: int | None):
+        if edge_cost_s is None:
+            return None
+        ec = np.asarray(edge_cost_s, dtype=float)
+        if rows is None:
+            if ec.shape != (self.num_edges,):
+                raise ValueError(f"edge_cost_s has shape {ec.shape}, expected ({self.num_edges},)")
+            ic = np.zeros(self.num_chunks)
+            ic[self.edge_dst] = ec
+            return ic
+        if ec.shape == (self.num_edges,):
+            ic = np.zeros(self.num_chunks)
+            ic[self.edge_dst] = ec
+            return np.broadcast_to(ic, (rows, self.num_chunks))
+        if ec.shape != (rows, self.num_edges):
+            raise ValueError(
+                f"edge costs have shape {ec.shape}, expected ({rows}, {self.num_edges})"
+            )
+        ic = np.zeros((rows, self.num_chunks))
+        ic[:, self.edge_dst] = ec
+        return ic
+
+    def _ends(self, cost: np.ndarray, ic: np.ndarray | None) -> np.ndarray:
+        end = np.empty_like(cost)
+        batched = cost.ndim == 2
+        for g in self.groups:
+            c = g.compiled
+            k = g.rows
+            sl = slice(g.base, g.base + g.size)
+            if not batched:
+                if k == 1:
+                    end[sl] = c.run(cost[sl], None if ic is None else ic[sl])
+                else:
+                    cc = cost[sl].reshape(k, c.n)
+                    ii = None if ic is None else ic[sl].reshape(k, c.n)
+                    end[sl] = _run_dedup(c, cc, ii).reshape(-1)
+            else:
+                v = cost.shape[0]
+                cc = cost[:, sl].reshape(v * k, c.n)
+                ii = None if ic is None else np.ascontiguousarray(ic[:, sl]).reshape(v * k, c.n)
+                end[:, sl] = c.run(cc, ii).reshape(v, k * c.n)
+        return end
+
+    def evaluate(
+        self,
+        chunk_cost_s: np.ndarray,
+        edge_cost_s: np.ndarray | None = None,
+        allreduce_s: np.ndarray | None = None,
+    ) -> EvalResult:
+        """Earliest start of every chunk (eq. 2) and the iteration time.
+
+        ``chunk_cost_s[num_chunks]``: execution time of each chunk;
+        ``edge_cost_s[num_edges]``: P2P time on each data edge (default 0);
+        ``allreduce_s[pp]``: DP gradient all-reduce per stage, run once every
+        replica finished that stage (default 0).
+        """
+        cost = np.ascontiguousarray(chunk_cost_s, dtype=float)
+        if cost.shape != (self.num_chunks,):
+            raise ValueError(f"chunk_cost_s has shape {cost.shape}, expected ({self.num_chunks},)")
+        ic = self._in_edge_cost(edge_cost_s, None)
+        end = self._ends(cost, ic)
+        start = end - cost
+        dev_end = np.where(self.dev_last >= 0, end[np.maximum(self.dev_last, 0)], np.nan)
+        pipeline = float(np.nanmax(dev_end)) if self.num_chunks else 0.0
+        ar = np.zeros(self.pp) if allreduce_s is None else np.asarray(allreduce_s, dtype=float)
+        stage_end = np.nanmax(np.where(np.isnan(dev_end), -np.inf, dev_end), axis=0)
+        iteration = (
+            float(np.max(np.where(np.isfinite(stage_end), stage_end + ar, 0.0)))
+            if self.num_chunks
+            else 0.0
+        )
+        busy = np.bincount(self._dev_id, weights=cost, minlength=self.dp * self.pp).reshape(
+            self.dp, self.pp
+        )
+        has = self.dev_last >= 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            bubble = (
+                np.where(has, 1.0 - busy / pipeline, np.nan)
+                if pipeline > 0
+                else np.where(has, 0.0, np.nan)
+            )
+        makespan = np.nan_to_num(
+            np.nanmax(np.where(np.isnan(dev_end), -np.inf, dev_end), axis=1), neginf=0.0
+        )
+        return EvalResult(
+            iteration_time_s=iteration,
+            pipeline_time_s=pipeline,
+            start_s=start,
+            end_s=end,
+            bubble_ratio=bubble,
+            makespan_s=makespan,
+            busy_s=busy,
+            schedule_fallback=self.schedule_fallback,
+        )
+
+    def evaluate_batch(
+        self,
+        costs: np.ndarray,
+        edge_costs: np.ndarray | None = None,
+        allreduce_s: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Iteration time for each row of ``costs[V, num_chunks]`` (vectorized).
+
+        ``edge_costs`` is ``[num_edges]`` (shared) or ``[V, num_edges]``;
+        ``allreduce_s`` is ``[pp]`` or ``[V, pp]``.
+        """
+        cost = np.asarray(costs, dtype=float)
+        if cost.ndim != 2 or cost.shape[1] != self.num_chunks:
+            raise ValueError(f"costs has shape {cost.shape}, expected (V, {self.num_chunks})")
+        v = cost.shape[0]
+        ic = self._in_edge_cost(edge_costs, v)
+        end = self._ends(cost, ic)
+        valid = self.dev_last >= 0
+        idx = np.where(valid, self.dev_last, 0)
+        dev_end = np.where(valid[None], end[:, idx], -np.inf)  # [V, dp, pp]
+        stage_end = dev_end.max(axis=1)  # [V, pp]
+        ar = np.zeros(self.pp) if allreduce_s is None else np.asarray(allreduce_s, dtype=float)
+        tot = np.where(np.isfinite(stage_end), stage_end + ar, 0.0)
+        return tot.max(axis=1)
+
+    def brute_force_iteration(self, chunk_cost_s, edge_cost_s=None) -> float:
+        """Reference longest path by recursion with memo over explicit edges (small DAGs, tests)."""
+        cost = np.asarray(chunk_cost_s, dtype=float)
+        ec = (
+            np.zeros(self.num_edges)
+            if edge_cost_s is None
+            else np.asarray(edge_cost_s, dtype=float)
+        )
+        memo: dict[int, float] = {}
+
+        def finish(c: int) -> float:
+            if c in memo:
+                return memo[c]
+            best = 0.0
+            u = int(self.pred_data[c])
+            if u >= 0:
+                e = int(self.in_edge[c])
+                best = max(best, finish(u) + (ec[e] if e >= 0 else 0.0))
+            u = int(self.pred_res[c])
+            if u >= 0:
+                best = max(best, finish(u))
+            memo[c] = best + cost[c]
+            return memo[c]
+
+        return max((finish(c) for c in range(self.num_chunks)), default=0.0)
+
+
+def _run_dedup(c: _Compiled, cost: np.ndarray, ic: np.ndarray | None) -> np.ndarray:
+    """Evaluate replica rows, computing identical rows (same costs) only once."""
+    k = cost.shape[0]
+    if k <= 4:
+        return c.run(cost, ic)
+    keys: dict[bytes, int] = {}
+    uniq: list[int] = []
+    which = np.empty(k, dtype=np.int64)
+    for r in range(k):
+        h = cost[r].tobytes() if ic is None else cost[r].tobytes() + ic[r].tobytes()
+        u = keys.get(h)
+        if u is None:
+            u = keys[h] = len(uniq)
+            uniq.append(r)
+        which[r] = u
+    if len(uniq) == k:
+        return c.run(cost, ic)
+    sub = c.run(cost[uniq], None if ic is None else ic[uniq])
+    return sub[which]
+
+
+def _components(layout: Layout) -> list[list[int]]:
+    """DP replicas grouped by the migrations that tie them together."""
+    parent = list(range(layout.dp))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for m in layout.migrations:
+        a, b = find(m.src_dp), find(m.dst_dp)
+        if a != b:
+            parent[a] = b
+    comps: dict[int, list[int]] = defaultdict(list)
+    for d in range(layout.dp):
+        comps[find(d)].append(d)
+    return [sorted(v) for v in comps.values()]

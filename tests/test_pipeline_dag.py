@@ -1,0 +1,257 @@
+"""DAG engine: critical path vs brute force, eq. 2 semantics, bubble formula, migrations, batching."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from resihp.pipeline import PipelineDAG, build_schedule
+from resihp.pipeline import dag as dag_mod
+from resihp.topology import Layout, Migration
+
+
+def _uniform_costs(dag, f=1.0, b=1.0, w=1.0):
+    c = np.full(dag.num_chunks, f)
+    c[dag.chunk_kind == 1] = b if dag.split_w else b + w
+    c[dag.chunk_kind == 2] = w
+    return c
+
+
+def _migrated_layout(kind="1f1b"):
+    lay = Layout.uniform(2, 4, 3, 8, 5, schedule=kind)
+    lay.microbatches = [5, 4, 6]
+    lay.migrations = [Migration(1, 0, 2, 1), Migration(2, 1, 3, 0), Migration(3, 2, 5, 1)]
+    lay.validate()
+    return lay
+
+
+def _explicit_longest_path(dag, cost, edge):
+    """Longest path by enumerating every source->sink path through explicit edge lists."""
+    succ = {c: [] for c in range(dag.num_chunks)}
+    for c in range(dag.num_chunks):
+        u = int(dag.pred_data[c])
+        if u >= 0:
+            e = int(dag.in_edge[c])
+            succ[u].append((c, edge[e] if e >= 0 else 0.0))
+        u = int(dag.pred_res[c])
+        if u >= 0:
+            succ[u].append((c, 0.0))
+    sources = [c for c in range(dag.num_chunks) if dag.pred_data[c] < 0 and dag.pred_res[c] < 0]
+    best = 0.0
+    stack = [(s, cost[s]) for s in sources]
+    while stack:  # exhaustive DFS: exponential, only for tiny DAGs
+        u, t = stack.pop()
+        best = max(best, t)
+        for v, ec in succ[u]:
+            stack.append((v, t + ec + cost[v]))
+    return best
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zbh1"])
+def test_critical_path_equals_brute_force_on_small_dags(kind):
+    rng = np.random.default_rng(7)
+    for p, dp, m in [(2, 1, 2), (3, 2, 3), (2, 2, 3), (3, 1, 4)]:
+        lay = Layout.uniform(1, p, dp, p * 2, m, schedule=kind)
+        if dp > 1:
+            lay.migrations = [Migration(p - 1, 0, 0, 1)]
+            lay.validate()
+        dag = PipelineDAG.from_layout(lay)
+        for _ in range(3):
+            cost = rng.uniform(0.1, 2.0, dag.num_chunks)
+            edge = rng.uniform(0.0, 0.5, dag.num_edges)
+            res = dag.evaluate(cost, edge)
+            brute = _explicit_longest_path(dag, cost, edge)
+            assert res.pipeline_time_s == pytest.approx(brute, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zbh1"])
+def test_single_replica_matches_dag_built_from_schedule_by_hand(kind):
+    """Edges rebuilt here from the schedule's order (not the engine's arrays), then brute force."""
+    rng = np.random.default_rng(11)
+    p, m = 3, 4
+    lay = Layout.uniform(1, p, 1, p, m, schedule=kind)
+    dag = PipelineDAG.from_layout(lay)
+    sched = build_schedule(kind, p, m)
+    code = {"F": 0, "B": 1, "W": 2}
+    cid = {
+        (int(dag.chunk_mb[c]), int(dag.chunk_stage[c]), int(dag.chunk_kind[c])): c
+        for c in range(dag.num_chunks)
+    }
+    cost = rng.uniform(0.2, 2.0, dag.num_chunks)
+    p2p = rng.uniform(0.0, 0.5, (m, p, 2))  # per micro-batch, receiving stage, act/grad
+    preds = {c: [] for c in range(dag.num_chunks)}
+    for s, order in enumerate(sched.order):
+        prev = None
+        for k, j in order:
+            c = cid[(j, s, code[k])]
+            if prev is not None:
+                preds[c].append((prev, 0.0))
+            prev = c
+            if k == "F" and s > 0:
+                preds[c].append((cid[(j, s - 1, 0)], p2p[j, s, 0]))
+            if k == "B":
+                if s == p - 1:
+                    preds[c].append((cid[(j, s, 0)], 0.0))
+                else:
+                    preds[c].append((cid[(j, s + 1, 1)], p2p[j, s, 1]))
+            if k == "W":
+                preds[c].append((cid[(j, s, 1)], 0.0))
+    edge = np.array(
+        [
+            p2p[dag.chunk_mb[v], dag.chunk_stage[v], 0 if dag.chunk_kind[v] == 0 else 1]
+            for v in dag.edge_dst
+        ]
+    )
+
+    def paths(c):  # every path ending at c, as total length
+        if not preds[c]:
+            return [cost[c]]
+        return [t + ec + cost[c] for u, ec in preds[c] for t in paths(u)]
+
+    brute = max(max(paths(c)) for c in range(dag.num_chunks))
+    assert dag.evaluate(cost, edge).pipeline_time_s == pytest.approx(brute, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zbh1"])
+def test_eq2_start_is_max_over_predecessors(kind):
+    lay = _migrated_layout(kind)
+    dag = PipelineDAG.from_layout(lay)
+    rng = np.random.default_rng(1)
+    cost = rng.uniform(0.5, 1.5, dag.num_chunks)
+    edge = rng.uniform(0.0, 0.3, dag.num_edges)
+    r = dag.evaluate(cost, edge)
+    for c in range(dag.num_chunks):
+        ready = 0.0
+        if dag.pred_data[c] >= 0:
+            e = dag.in_edge[c]
+            ready = r.end_s[dag.pred_data[c]] + (edge[e] if e >= 0 else 0.0)
+        if dag.pred_res[c] >= 0:
+            ready = max(ready, r.end_s[dag.pred_res[c]])
+        assert r.start_s[c] == pytest.approx(ready)
+    assert r.pipeline_time_s == pytest.approx(dag.brute_force_iteration(cost, edge))
+
+
+def test_uniform_1f1b_bubble_fraction():
+    for p, m in [(2, 4), (4, 8), (8, 8), (16, 64), (5, 3)]:
+        lay = Layout.uniform(1, p, 2, p, m)
+        dag = PipelineDAG.from_layout(lay)
+        r = dag.evaluate(_uniform_costs(dag))
+        expect = (p - 1) / (m + p - 1)
+        assert np.allclose(r.bubble_ratio, expect), (p, m)
+        assert r.iteration_time_s == pytest.approx((m + p - 1) * 3.0)
+        assert np.allclose(r.makespan_s, r.iteration_time_s)
+
+
+def test_zbh1_beats_1f1b_with_split_backward():
+    for p, m in [(4, 8), (8, 16), (16, 64)]:
+        lay = Layout.uniform(1, p, 1, p, m)
+        one = PipelineDAG.from_layout(lay, "1f1b")
+        zb = PipelineDAG.from_layout(lay, "zbh1")
+        t1 = one.evaluate(_uniform_costs(one)).iteration_time_s
+        tz = zb.evaluate(_uniform_costs(zb)).iteration_time_s
+        assert tz < t1
+        assert tz >= 3 * m  # never faster than the work of one stage
+
+
+def test_chunk_arrays_cover_each_chunk_once_and_follow_migrations():
+    lay = _migrated_layout("zbh1")
+    dag = PipelineDAG.from_layout(lay)
+    keys = list(zip(dag.chunk_src_dp, dag.chunk_mb, dag.chunk_stage, dag.chunk_kind, strict=True))
+    assert len(keys) == len(set(keys)) == dag.num_chunks == 3 * 4 * sum(lay.microbatches)
+    moved = {(m.src_dp, m.microbatch, m.stage): m.dst_dp for m in lay.migrations}
+    for c in range(dag.num_chunks):
+        key = (int(dag.chunk_src_dp[c]), int(dag.chunk_mb[c]), int(dag.chunk_stage[c]))
+        assert dag.chunk_dp[c] == moved.get(key, key[0])
+    # Cross-replica edges: each migration adds 2 activation + 2 gradient edges (fewer at pipeline ends).
+    assert (
+        dag.edge_cross.sum()
+        == sum((m.stage > 0) + (m.stage < lay.pp - 1) for m in lay.migrations) * 2
+    )
+    # Every device's chunks run in one chain that holds exactly that device's chunks.
+    for d, s in itertools.product(range(lay.dp), range(lay.pp)):
+        run = dag.device_chunks(d, s)
+        expect = np.flatnonzero((dag.chunk_dp == d) & (dag.chunk_stage == s))
+        assert sorted(run.tolist()) == expect.tolist()
+
+
+def test_cross_replica_edges_carry_transfer_time():
+    lay = _migrated_layout()
+    dag = PipelineDAG.from_layout(lay)
+    cost = _uniform_costs(dag)
+    base = dag.evaluate(cost, np.zeros(dag.num_edges)).iteration_time_s
+    edge = np.where(dag.edge_cross, 5.0, 0.0)
+    slower = dag.evaluate(cost, edge).iteration_time_s
+    assert slower > base
+
+
+def test_fail_stop_stage_fully_migrated():
+    lay = Layout.uniform(1, 3, 2, 3, 4)
+    lay.dead = lay.groups[1][1][:]
+    lay.groups[1][1] = []
+    lay.migrations = [Migration(1, 1, j, 0) for j in range(4)]
+    lay.validate()
+    dag = PipelineDAG.from_layout(lay)
+    assert not ((dag.chunk_dp == 1) & (dag.chunk_stage == 1)).any()
+    r = dag.evaluate(_uniform_costs(dag))
+    assert np.isnan(r.bubble_ratio[1, 1])
+    assert r.busy_s[0, 1] == pytest.approx(8 * 3.0)
+    healthy = PipelineDAG.from_layout(Layout.uniform(1, 3, 2, 3, 4))
+    assert r.iteration_time_s > healthy.evaluate(_uniform_costs(healthy)).iteration_time_s
+
+
+def test_batch_matches_single_and_kernel_matches_numpy():
+    lay = _migrated_layout("zbh1")
+    lay2 = Layout.uniform(1, 4, 6, 4, 5, schedule="zbh1")
+    for layout in (lay, lay2):
+        dag = PipelineDAG.from_layout(layout)
+        rng = np.random.default_rng(3)
+        costs = rng.uniform(0.5, 1.5, (7, dag.num_chunks))
+        edge = rng.uniform(0, 0.2, dag.num_edges)
+        ar = rng.uniform(0, 1.0, layout.pp)
+        batch = dag.evaluate_batch(costs, edge, ar)
+        single = [dag.evaluate(c, edge, ar).iteration_time_s for c in costs]
+        assert np.allclose(batch, single)
+        prev = dag_mod.use_kernel()
+        try:
+            dag_mod.use_kernel(False)
+            numpy_batch = dag.evaluate_batch(costs, edge, ar)
+            numpy_single = dag.evaluate(costs[0], edge, ar)
+        finally:
+            dag_mod.use_kernel(prev)
+        assert np.allclose(numpy_batch, batch)
+        assert np.allclose(numpy_single.end_s, dag.evaluate(costs[0], edge, ar).end_s)
+
+
+def test_identical_replicas_share_one_template_and_dedupe():
+    lay = Layout.uniform(1, 4, 16, 4, 6)
+    dag = PipelineDAG.from_layout(lay)
+    assert len(dag.groups) == 1 and dag.groups[0].rows == 16
+    cost = _uniform_costs(dag)
+    cost[(dag.chunk_dp == 5) & (dag.chunk_stage == 2)] *= 2.0  # one slow device
+    r = dag.evaluate(cost)
+    assert np.argmax(r.makespan_s) == 5
+    assert np.allclose(np.delete(r.makespan_s, 5), (6 + 3) * 3.0)
+    assert r.iteration_time_s == pytest.approx(r.makespan_s[5])
+
+
+def test_allreduce_after_last_replica():
+    lay = Layout.uniform(1, 2, 2, 2, 2)
+    dag = PipelineDAG.from_layout(lay)
+    cost = _uniform_costs(dag)
+    r0 = dag.evaluate(cost)
+    r1 = dag.evaluate(cost, allreduce_s=np.array([0.5, 10.0]))
+    # Stage 1 finishes its last B before stage 0 does; its long all-reduce still dominates.
+    assert r1.iteration_time_s == pytest.approx(r1.end_s[dag.dev_last[:, 1]].max() + 10.0)
+    assert r1.iteration_time_s > r0.iteration_time_s
+
+
+def test_bad_shapes_rejected():
+    dag = PipelineDAG.from_layout(Layout.uniform(1, 2, 1, 2, 2))
+    with pytest.raises(ValueError, match="chunk_cost_s"):
+        dag.evaluate(np.ones(3))
+    with pytest.raises(ValueError, match="edge_cost_s"):
+        dag.evaluate(np.ones(dag.num_chunks), np.ones(dag.num_edges + 1))
+    with pytest.raises(ValueError, match="interleaved"):
+        PipelineDAG.from_layout(Layout.uniform(1, 2, 1, 2, 2), "interleaved")
