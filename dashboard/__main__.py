@@ -1,0 +1,139 @@
+"""``python -m dashboard``: serve the dashboard, check its health, or export an incident report.
+
+    python -m dashboard --redis-url URL [--job-id ID] [--host H] [--port P] [--check-health]
+    python -m dashboard report export --incident ID --format html|md|json --out FILE \
+        [--redis-url URL] [--job-id ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import redis
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="Redis to read (default $REDIS_URL)",
+    )
+    p.add_argument(
+        "--job-id",
+        default=os.environ.get("RESIHP_JOB_ID"),
+        help="job shown first (default $RESIHP_JOB_ID, else the first job in Redis)",
+    )
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dashboard", description="ResiHP live dashboard")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
+    p.add_argument("--refresh-s", type=float, default=1.0, help="live update period, <= 2 s")
+    p.add_argument(
+        "--check-health",
+        action="store_true",
+        help="exit 0 if the dashboard's health key is present and ok, else 1",
+    )
+    return p
+
+
+def _report_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dashboard report", description="incident reports")
+    sub = p.add_subparsers(dest="sub", required=True)
+    ex = sub.add_parser("export", help="write one incident as html, md or json")
+    _common(ex)
+    ex.add_argument("--incident", required=True, help="incident id (the failure report id)")
+    ex.add_argument("--format", choices=["html", "md", "json"], required=True)
+    ex.add_argument("--out", required=True, help="output file ('-' for stdout)")
+    return p
+
+
+def report_main(argv: list[str]) -> int:
+    args = _report_parser().parse_args(argv)
+    from dashboard import incidents
+    from dashboard.data import DashboardData
+    from resihp.redis_client import connect
+
+    try:
+        client = connect(args.redis_url)
+    except ValueError as e:
+        print(f"report export: {e}", file=sys.stderr)
+        return 2
+    data = DashboardData(client, history=100_000)
+    try:
+        job = args.job_id or next(iter(data.jobs()), None)
+        if job is None:
+            print("report export: no job in this Redis; pass --job-id", file=sys.stderr)
+            return 2
+        inc = incidents.build_incident(
+            job,
+            args.incident,
+            data.failures(job),
+            data.plan_history(job),
+            data.actions(job),
+            [r.to_dict() for r in data.iterations(job)],
+        )
+    except incidents.IncidentNotFound as e:
+        print(f"report export: {e.args[0]}", file=sys.stderr)
+        return 1
+    except redis.RedisError as e:
+        print(f"report export: cannot read Redis: {e}", file=sys.stderr)
+        return 1
+    body = incidents.export(inc, args.format)
+    if args.out == "-":
+        sys.stdout.write(body)
+    else:
+        Path(args.out).write_text(body, encoding="utf-8")
+        print(f"wrote {args.out} ({len(body)} bytes, incident {inc.incident_id}, {inc.status})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "report":
+        return report_main(argv[1:])
+    args = _serve_parser().parse_args(argv)
+    from dashboard.config import config_from_args
+
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"dashboard: bad configuration: {e}", file=sys.stderr)
+        return 2
+    if args.check_health:
+        from resihp.bus import Health, list_jobs
+        from resihp.keys import JobKeys
+        from resihp.redis_client import connect
+
+        try:
+            client = connect(config.redis_url)
+            jobs = [config.job_id] if config.job_id else list_jobs(client)
+            ok = bool(jobs) and all(Health.check(client, JobKeys(j), "dashboard") for j in jobs)
+        except (ValueError, redis.RedisError) as e:
+            print(f"dashboard: {e}", file=sys.stderr)
+            return 1
+        print("dashboard: healthy" if ok else "dashboard: not healthy")
+        return 0 if ok else 1
+    if not config.redis_url:
+        print("dashboard: no Redis URL: pass --redis-url or set REDIS_URL", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s dashboard %(levelname)s %(message)s"
+    )
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    if not config.operators:
+        logging.warning("no operators configured (RESIHP_OPERATORS): plans are view-only")
+    from dashboard.app import serve
+
+    serve(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

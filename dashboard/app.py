@@ -1,0 +1,247 @@
+"""The dashboard shell: Dash app, navigation, job selector, login box, live timer, routing.
+
+Pages (``dashboard.pages.*``) render into ``#page`` and refresh on the shared
+``tick`` interval (<= 1 s by default) and on the job selector.  The Flask
+server also serves ``/metrics`` (Prometheus) and ``/auth/*``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from urllib.parse import parse_qs
+
+import dash
+import redis
+from dash import Input, Output, State, dcc, html, no_update
+
+from dashboard import auth as auth_mod
+from dashboard import metrics
+from dashboard.config import DashboardConfig
+from dashboard.data import DashboardData
+from dashboard.pages import AppContext, failures, incidents, overview, plans, skew, timeline
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.redis_client import connect
+
+log = logging.getLogger(__name__)
+
+PAGES = [overview, timeline, skew, failures, plans, incidents]
+
+_CSS = """
+body{font-family:system-ui,-apple-system,sans-serif;margin:0;background:#f6f7f9;color:#222}
+.header{display:flex;align-items:center;gap:18px;padding:8px 18px;background:#1f2d3d;color:#fff;flex-wrap:wrap}
+.header a{color:#cfe3ff;text-decoration:none;margin-right:12px;font-size:15px}
+.header a.active{color:#fff;font-weight:bold;border-bottom:2px solid #fff}
+.brand{font-weight:bold;font-size:18px;margin-right:12px}
+.job-select{width:220px;color:#222}
+.auth-box{margin-left:auto;font-size:13px}
+.auth-box form{display:flex;gap:4px;align-items:center}
+.auth-box input{width:100px}
+.live{font-size:12px;color:#9fb3c8}
+.page{padding:14px 18px}
+.cards{display:flex;gap:12px;flex-wrap:wrap;margin-bottom:12px}
+.card{background:#fff;border-radius:6px;padding:10px 14px;min-width:150px;box-shadow:0 1px 2px rgba(0,0,0,.1)}
+.card-title{font-size:12px;color:#666}.card-value{font-size:20px;font-weight:bold}.card-sub{font-size:12px;color:#666}
+.card.bad{border-left:4px solid #d62728}.card.warn{border-left:4px solid #ff7f0e}.card.ok{border-left:4px solid #2ca02c}
+.banner{padding:8px 12px;border-radius:4px;margin:6px 0}
+.banner-error{background:#fde2e1;color:#8a1c1c}.banner-ok{background:#e3f6e5;color:#1c5e20}
+.banner-info{background:#e7f0fb;color:#1c3f6e}.banner-warn{background:#fff3cd;color:#6b4e00}
+.panel{background:#fff;border-radius:6px;padding:10px;margin-bottom:12px;box-shadow:0 1px 2px rgba(0,0,0,.1)}
+.row{display:flex;gap:12px;flex-wrap:wrap}.col{flex:1;min-width:380px}
+button{cursor:pointer;padding:4px 10px;margin-right:6px}
+table.simple{border-collapse:collapse}table.simple td,table.simple th{border:1px solid #ddd;padding:3px 8px;font-size:13px}
+tr.changed td{background:#fff3cd}
+pre{background:#f7f7f7;padding:8px;overflow:auto;max-height:360px;font-size:12px}
+"""
+
+
+def _index_string() -> str:
+    return (
+        "<!DOCTYPE html><html><head>{%metas%}<title>{%title%}</title>{%favicon%}{%css%}"
+        f"<style>{_CSS}</style></head><body>"
+        "{%app_entry%}<footer>{%config%}{%scripts%}{%renderer%}</footer></body></html>"
+    )
+
+
+def _header(ctx: AppContext) -> html.Div:
+    return html.Div(
+        [
+            html.Span("ResiHP", className="brand"),
+            html.Div(
+                [
+                    dcc.Link(p.NAME, href=p.PATH, id=f"nav-{p.__name__.rsplit('.', 1)[1]}")
+                    for p in PAGES
+                ]
+            ),
+            dcc.Dropdown(
+                id="job",
+                className="job-select",
+                clearable=False,
+                placeholder="job",
+                value=ctx.config.job_id,
+            ),
+            html.Span(id="live-status", className="live"),
+            html.Div(id="auth-box", className="auth-box"),
+        ],
+        className="header",
+    )
+
+
+def _auth_box(ctx: AppContext, pathname: str, search: str) -> list:
+    op = auth_mod.current_operator()
+    nxt = pathname or "/"
+    if op:
+        return [
+            html.Span(f"operator {op} ", id="operator-name"),
+            html.A(
+                "log out", href=f"/auth/logout?next={nxt}", id="logout", style={"color": "#cfe3ff"}
+            ),
+        ]
+    err = parse_qs((search or "").lstrip("?")).get("login_error", [""])[0]
+    return [
+        html.Form(
+            [
+                dcc.Input(
+                    id="login-user",
+                    name="username",
+                    placeholder="operator",
+                    type="text",
+                    autoComplete="username",
+                ),
+                dcc.Input(
+                    id="login-password",
+                    name="password",
+                    placeholder="password",
+                    type="password",
+                    autoComplete="current-password",
+                ),
+                dcc.Input(name="next", type="hidden", value=nxt),
+                html.Button("log in", id="login-submit", type="submit"),
+                html.Span(
+                    f" login failed: {err}" if err else "",
+                    id="login-error",
+                    style={"color": "#ffb4b4"},
+                ),
+            ],
+            action="/auth/login",
+            method="POST",
+            id="login-form",
+        )
+    ]
+
+
+def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> dash.Dash:
+    client = client or connect(config.redis_url)
+    data = DashboardData(client, history=config.history_iterations)
+    ctx = AppContext(config=config, data=data, auth=auth_mod.Authenticator(config.operators))
+    app = dash.Dash(
+        __name__,
+        title="ResiHP dashboard",
+        update_title=None,
+        suppress_callback_exceptions=True,
+        assets_folder="assets_unused",
+        include_assets_files=False,
+    )
+    app.index_string = _index_string()
+    server = app.server
+    server.secret_key = config.secret_key or secrets.token_hex(32)
+    server.config.update(
+        SESSION_COOKIE_HTTPONLY=True,
+        SESSION_COOKIE_SAMESITE="Lax",
+        SESSION_COOKIE_NAME="resihp_session",
+    )
+    auth_mod.install(server, ctx.auth)
+    metrics.install(server, data)
+    app.resihp_ctx = ctx  # for tests and the CLI
+
+    app.layout = html.Div(
+        [
+            dcc.Location(id="url"),
+            dcc.Interval(id="tick", interval=int(config.refresh_interval_s * 1000)),
+            _header(ctx),
+            html.Div(id="page", className="page"),
+        ]
+    )
+    by_path = {p.PATH: p for p in PAGES}
+    for p in PAGES:
+        p.register(app, ctx)
+
+    @app.callback(Output("page", "children"), Input("url", "pathname"))
+    def route(pathname):
+        page = by_path.get(pathname or "/")
+        if page is None:
+            return html.Div([html.H3("Not found"), dcc.Link("overview", href="/")])
+        return page.layout(ctx)
+
+    for p in PAGES:
+        slug = p.__name__.rsplit(".", 1)[1]
+
+        @app.callback(Output(f"nav-{slug}", "className"), Input("url", "pathname"))
+        def _active(pathname, path=p.PATH):
+            return "active" if (pathname or "/") == path else ""
+
+    @app.callback(Output("auth-box", "children"), Input("url", "pathname"), Input("url", "search"))
+    def auth_box(pathname, search):
+        return _auth_box(ctx, pathname, search)
+
+    @app.callback(
+        Output("job", "options"),
+        Output("job", "value"),
+        Output("live-status", "children"),
+        Input("tick", "n_intervals"),
+        State("job", "value"),
+        State("job", "options"),
+    )
+    def jobs(_n, current, options):
+        try:
+            names = data.jobs()
+        except redis.RedisError as e:
+            return no_update, no_update, f"Redis unavailable ({type(e).__name__})"
+        if config.job_id and config.job_id not in names:
+            names = sorted([*names, config.job_id])
+        opts = [{"label": j, "value": j} for j in names]
+        value = current if current in names else (config.job_id or (names[0] if names else None))
+        status = f"live · {time.strftime('%H:%M:%S')} · {len(names)} job(s)"
+        return (
+            opts if opts != options else no_update,
+            value if value != current else no_update,
+            status,
+        )
+
+    return app
+
+
+def start_health_thread(config: DashboardConfig, stop: threading.Event) -> threading.Thread:
+    """Refresh the dashboard's health key for each job it serves (``--check-health`` reads it)."""
+
+    def loop():
+        client = connect(config.redis_url)
+        beats: dict[str, bus.Health] = {}
+        while not stop.is_set():
+            try:
+                jobs = set(bus.list_jobs(client)) | ({config.job_id} if config.job_id else set())
+                for j in jobs:
+                    h = beats.get(j) or beats.setdefault(
+                        j, bus.Health(client, JobKeys(j), "dashboard")
+                    )
+                    h.beat(port=config.port)
+            except redis.RedisError:
+                pass
+            stop.wait(2.0)
+
+    t = threading.Thread(target=loop, name="dashboard-health", daemon=True)
+    t.start()
+    return t
+
+
+def serve(config: DashboardConfig) -> None:
+    app = create_app(config)
+    stop = threading.Event()
+    start_health_thread(config, stop)
+    try:
+        app.run(host=config.host, port=config.port, debug=False, threaded=True)
+    finally:
+        stop.set()

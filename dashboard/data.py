@@ -1,0 +1,373 @@
+"""The one module of the dashboard that reads (and, for operator actions, writes) Redis.
+
+Pages poll every second, so reads are incremental: each job keeps a cache of
+what it has already decoded from its streams (iteration summaries, failures,
+plan snapshots, actions, audit, liveness) and asks Redis only for entries newer
+than the last id it saw.  Iteration records are kept as small summaries; a full
+record (with its chunk columns) is fetched on demand by iteration number.
+Everything read is validated with the shared schema codec; an entry that does
+not decode is skipped here (the services that own those streams dead-letter it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import (
+    ENTRY_MESSAGES,
+    AdaptationPlan,
+    FailureReport,
+    IterationRecord,
+    LivenessEvent,
+    OperatorAction,
+    SchemaError,
+    decode_entry,
+    decode_json,
+    decode_message,
+)
+from resihp.topology import Layout, LayoutError
+
+#: Entries fetched per XRANGE round trip while catching up.
+_BATCH = 500
+
+
+def _s(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _entry_items(fields: dict) -> list[dict]:
+    """The raw JSON message objects of one stream entry (extra fields preserved)."""
+    raw = fields.get(ENTRY_MESSAGES, fields.get(ENTRY_MESSAGES.decode()))
+    if raw is None:
+        return []
+    try:
+        items = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    if isinstance(items, dict):
+        items = [items]
+    return [it for it in items if isinstance(it, dict)] if isinstance(items, list) else []
+
+
+def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _s(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass
+class IterationSummary:
+    """The scalars of one IterationRecord (what the overview plots)."""
+
+    iteration: int
+    iteration_time_s: float
+    start_s: float
+    end_s: float
+    samples: int
+    tokens: int
+    samples_per_s: float
+    num_ranks_reporting: int
+    layout_id: int
+    complete: bool
+    predicted_iteration_time_s: float | None
+    entry_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _StreamTail:
+    """Incremental reader state of one stream."""
+
+    last_id: str = "0-0"
+    items: deque = field(default_factory=deque)
+
+
+@dataclass
+class _JobCache:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    iterations: _StreamTail = field(default_factory=_StreamTail)
+    failures: _StreamTail = field(default_factory=_StreamTail)
+    plans: _StreamTail = field(default_factory=_StreamTail)
+    actions: _StreamTail = field(default_factory=_StreamTail)
+    audit: _StreamTail = field(default_factory=_StreamTail)
+    liveness: _StreamTail = field(default_factory=_StreamTail)
+    iteration_ids: dict[int, str] = field(default_factory=dict)
+    hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
+
+
+class DashboardData:
+    """Reads one Redis on behalf of every page; thread-safe (Flask serves threads)."""
+
+    def __init__(self, client: redis.Redis, history: int = 2000, hash_ttl_s: float = 0.5):
+        self.client = client
+        self.history = history
+        self.hash_ttl_s = hash_ttl_s
+        self._caches: dict[str, _JobCache] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ plumbing
+    def _cache(self, job_id: str) -> _JobCache:
+        with self._lock:
+            c = self._caches.get(job_id)
+            if c is None:
+                c = self._caches[job_id] = _JobCache()
+            return c
+
+    def _tail(self, stream: str, tail: _StreamTail, maxlen: int, parse) -> list:
+        """Append newly arrived entries of ``stream`` to ``tail`` (parsed by ``parse``)."""
+        newest = self.client.xrevrange(stream, count=1)
+        if not newest:
+            if tail.last_id != "0-0":  # stream deleted (e.g. Redis flushed): start over
+                tail.items.clear()
+                tail.last_id = "0-0"
+            return list(tail.items)
+        if _id_tuple(newest[0][0]) < _id_tuple(tail.last_id):
+            tail.items.clear()
+            tail.last_id = "0-0"
+        if tail.last_id == "0-0" and maxlen:
+            # First read: only the most recent ``maxlen`` entries matter.
+            entries = self.client.xrevrange(stream, count=maxlen)[::-1]
+            self._absorb(entries, tail, maxlen, parse)
+        while True:
+            entries = self.client.xrange(stream, min=f"({tail.last_id}", count=_BATCH)
+            if not entries:
+                break
+            self._absorb(entries, tail, maxlen, parse)
+            if len(entries) < _BATCH:
+                break
+        return list(tail.items)
+
+    @staticmethod
+    def _absorb(entries, tail: _StreamTail, maxlen: int, parse) -> None:
+        for entry_id, fields in entries:
+            eid = _s(entry_id)
+            tail.last_id = eid
+            for item in parse(eid, fields):
+                tail.items.append(item)
+                if maxlen and len(tail.items) > maxlen:
+                    tail.items.popleft()
+
+    @staticmethod
+    def _messages(fields: dict, cls: type) -> list:
+        good, _bad = decode_entry(fields)
+        return [m for m in good if isinstance(m, cls)]
+
+    def _hash(self, job_id: str, key: str) -> dict[str, str]:
+        """HGETALL with a short cache so that several panels in one refresh share a read."""
+        c = self._cache(job_id)
+        now = time.monotonic()
+        hit = c.hash_cache.get(key)
+        if hit and now - hit[0] < self.hash_ttl_s:
+            return hit[1]
+        val = {_s(k): _s(v) for k, v in self.client.hgetall(key).items()}
+        c.hash_cache[key] = (now, val)
+        return val
+
+    # ------------------------------------------------------------ jobs
+    def jobs(self) -> list[str]:
+        return bus.list_jobs(self.client)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except redis.RedisError:
+            return False
+
+    # ------------------------------------------------------------ iterations
+    def _parse_iteration(self, eid: str, fields: dict) -> list[IterationSummary]:
+        out = []
+        for item in _entry_items(fields):
+            if item.get("type") != IterationRecord.TYPE:
+                continue
+            try:
+                rec = decode_message(item)
+            except SchemaError:
+                continue
+            pred = item.get("predicted_iteration_time_s")
+            pred = float(pred) if isinstance(pred, int | float) and pred > 0 else None
+            out.append(
+                IterationSummary(
+                    iteration=rec.iteration,
+                    iteration_time_s=rec.iteration_time_s,
+                    start_s=rec.start_s,
+                    end_s=rec.end_s,
+                    samples=rec.samples,
+                    tokens=rec.tokens,
+                    samples_per_s=rec.samples_per_s,
+                    num_ranks_reporting=rec.num_ranks_reporting,
+                    layout_id=rec.layout_id,
+                    complete=rec.complete,
+                    predicted_iteration_time_s=pred,
+                    entry_id=eid,
+                )
+            )
+        return out
+
+    def iterations(self, job_id: str) -> list[IterationSummary]:
+        """Summaries of the most recent ``history`` iterations, oldest first."""
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+        with c.lock:
+            rows = self._tail(keys.iterations, c.iterations, self.history, self._parse_iteration)
+            c.iteration_ids = {r.iteration: r.entry_id for r in rows}
+            return rows
+
+    def iteration_record(self, job_id: str, iteration: int | None = None) -> dict | None:
+        """The full record dict (chunk columns, extra fields kept) of one iteration.
+
+        ``None`` means the latest.  Returns None when it is not (or no longer) in Redis.
+        """
+        keys = JobKeys(job_id)
+        rows = self.iterations(job_id)
+        if not rows:
+            return None
+        if iteration is None:
+            eid = rows[-1].entry_id
+        else:
+            eid = self._cache(job_id).iteration_ids.get(int(iteration))
+            if eid is None:
+                return None
+        entries = self.client.xrange(keys.iterations, min=eid, max=eid)
+        if not entries:
+            return None
+        for item in _entry_items(entries[0][1]):
+            if item.get("type") != IterationRecord.TYPE:
+                continue
+            if iteration is not None and item.get("iteration") != int(iteration):
+                continue
+            try:
+                decode_message(item)
+            except SchemaError:
+                continue
+            return item
+        return None
+
+    # ------------------------------------------------------------ failures / plans / actions
+    def failures(self, job_id: str) -> list[FailureReport]:
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+        with c.lock:
+            return self._tail(
+                keys.failures, c.failures, 5000, lambda _i, f: self._messages(f, FailureReport)
+            )
+
+    def liveness(self, job_id: str) -> list[LivenessEvent]:
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+        with c.lock:
+            return self._tail(
+                keys.liveness, c.liveness, 5000, lambda _i, f: self._messages(f, LivenessEvent)
+            )
+
+    def plan_history(self, job_id: str) -> list[AdaptationPlan]:
+        """Every plan snapshot (one per state change), oldest first."""
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+        with c.lock:
+            return self._tail(
+                keys.plans, c.plans, 5000, lambda _i, f: self._messages(f, AdaptationPlan)
+            )
+
+    def plans(self, job_id: str) -> dict[int, AdaptationPlan]:
+        """plan_id -> latest snapshot (the scheduler's persistent hash, else the stream)."""
+        keys = JobKeys(job_id)
+        out: dict[int, AdaptationPlan] = {}
+        for raw in self.client.hvals(keys.plan_state):
+            try:
+                m = decode_json(raw)
+            except SchemaError:
+                continue
+            if isinstance(m, AdaptationPlan):
+                out[m.plan_id] = m
+        if not out:
+            for p in self.plan_history(job_id):
+                out[p.plan_id] = p
+        return out
+
+    def actions(self, job_id: str) -> list[OperatorAction]:
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+        with c.lock:
+            return self._tail(
+                keys.actions, c.actions, 5000, lambda _i, f: self._messages(f, OperatorAction)
+            )
+
+    def audit(self, job_id: str) -> list[dict[str, Any]]:
+        """Audit entries as flat dicts (typed messages expanded, plain fields kept)."""
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+
+        def parse(eid: str, fields: dict) -> list[dict]:
+            items = _entry_items(fields)
+            if items:
+                return [{"entry_id": eid, **it} for it in items]
+            return [{"entry_id": eid, **{_s(k): _s(v) for k, v in fields.items()}}]
+
+        with c.lock:
+            return self._tail(keys.audit, c.audit, 2000, parse)
+
+    def publish_action(self, job_id: str, action: OperatorAction) -> str:
+        action.check()
+        keys = JobKeys(job_id)
+        eid = bus.publish(self.client, keys.actions, action)
+        bus.incr_counter(self.client, keys, "dashboard_actions_total")
+        return _s(eid)
+
+    # ------------------------------------------------------------ layout / devices
+    def layout(self, job_id: str) -> Layout | None:
+        raw = self.client.get(JobKeys(job_id).layout)
+        if not raw:
+            return None
+        try:
+            return Layout.from_dict(json.loads(raw))
+        except (json.JSONDecodeError, LayoutError, UnicodeDecodeError):
+            return None
+
+    def device_health(self, job_id: str) -> dict[int, dict[str, Any]]:
+        """rank -> {"p": float, "state": str, ...}; malformed values are skipped."""
+        out: dict[int, dict[str, Any]] = {}
+        for k, v in self._hash(job_id, JobKeys(job_id).device_health).items():
+            try:
+                d = json.loads(v)
+                rank = int(k)
+            except (ValueError, json.JSONDecodeError):
+                continue
+            if isinstance(d, int | float):
+                d = {"p": float(d)}
+            if isinstance(d, dict):
+                out[rank] = d
+        return out
+
+    def node_heartbeats(self, job_id: str) -> dict[int, float]:
+        out = {}
+        for k, v in self._hash(job_id, JobKeys(job_id).node_heartbeat).items():
+            try:
+                out[int(k)] = float(v)
+            except ValueError:
+                continue
+        return out
+
+    def counters(self, job_id: str) -> dict[str, int]:
+        out = {}
+        for k, v in self._hash(job_id, JobKeys(job_id).counters).items():
+            try:
+                out[k] = int(float(v))
+            except ValueError:
+                continue
+        return out
+
+    def service_health(self, job_id: str) -> dict[str, dict]:
+        try:
+            return bus.Health.all(self.client, JobKeys(job_id))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}

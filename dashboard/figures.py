@@ -1,0 +1,864 @@
+"""Pure functions from dashboard data to Plotly figures and table rows (no Redis, no Dash).
+
+Everything here takes plain Python data (summaries, columnar chunk dicts,
+messages) and returns ``plotly.graph_objects.Figure`` objects or lists of
+rows, so it is unit-testable and reused by the incident exporter.
+
+Scale rule: a figure never carries one element per device for big jobs.  The
+device-skew grid aggregates nodes into at most ``max_rows`` row groups
+(minimum p_i per group and device slot, which keeps a single slow GPU visible)
+and the caller drills into a group to see its nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from resihp.schemas import ChunkKind, FailureReport
+
+KIND_COLORS = {
+    "F": "#4C78A8",
+    "B": "#54A24B",
+    "W": "#F58518",
+    "SEND": "#BAB0AC",
+    "RECV": "#9D9D9D",
+    "ALLREDUCE": "#B279A2",
+    "TP_COMM": "#D8B5A5",
+}
+FAILURE_COLORS = {
+    "fail_stop": "#d62728",
+    "fail_slow_compute": "#ff7f0e",
+    "fail_slow_comm": "#9467bd",
+    "recovery": "#2ca02c",
+}
+PLOT_TEMPLATE = "plotly_white"
+
+
+def _ts(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=UTC)
+
+
+def empty_figure(message: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(template=PLOT_TEMPLATE, xaxis_visible=False, yaxis_visible=False, height=260)
+    return fig
+
+
+# ---------------------------------------------------------------- overview
+
+
+def throughput_figure(
+    rows: list[dict[str, Any]],
+    failures: list[FailureReport] = (),
+    phases: list[tuple[str, float]] = (),
+    title: str = "Throughput",
+) -> go.Figure:
+    """samples/s over wall time; failures and recovery phases as vertical markers."""
+    if not rows:
+        return empty_figure("no iterations yet")
+    x = [_ts(r["end_s"]) for r in rows]
+    fig = go.Figure(
+        go.Scatter(
+            x=x,
+            y=[r["samples_per_s"] for r in rows],
+            mode="lines",
+            name="samples/s",
+            line={"color": "#4C78A8"},
+            customdata=[r["iteration"] for r in rows],
+            hovertemplate="iteration %{customdata}<br>%{y:.2f} samples/s<extra></extra>",
+        )
+    )
+    for f in failures:
+        fig.add_vline(
+            x=_ts(f.detected_at_s).timestamp() * 1000,
+            line={"color": FAILURE_COLORS.get(f.kind, "black"), "dash": "dot", "width": 1},
+        )
+    for name, t in phases:
+        fig.add_vline(
+            x=_ts(t).timestamp() * 1000,
+            line={"color": "#555", "dash": "dash", "width": 1},
+            annotation_text=name,
+            annotation_textangle=-90,
+            annotation_font_size=10,
+        )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        title=title,
+        height=300,
+        margin={"l": 50, "r": 20, "t": 40, "b": 40},
+        yaxis_title="samples/s",
+        showlegend=False,
+    )
+    return fig
+
+
+def predicted_series(
+    rows: list[dict[str, Any]],
+    failures: list[FailureReport] = (),
+    healthy_predicted_s: float | None = None,
+) -> list[float | None]:
+    """Predicted healthy iteration time per row.
+
+    Priority: the record's own ``predicted_iteration_time_s``; else the latest
+    failure evidence ``predicted_s`` reported at or before that iteration; else
+    the DAG prediction for the current layout (``healthy_predicted_s``).
+    """
+    evid = sorted(
+        (f.iteration, float(f.evidence["predicted_s"]))
+        for f in failures
+        if isinstance(f.evidence.get("predicted_s"), int | float)
+    )
+    out: list[float | None] = []
+    j, current = 0, healthy_predicted_s
+    for r in rows:
+        while j < len(evid) and evid[j][0] <= r["iteration"]:
+            current = evid[j][1]
+            j += 1
+        own = r.get("predicted_iteration_time_s")
+        out.append(own if own else current)
+    return out
+
+
+def change_points(failures: list[FailureReport]) -> list[int]:
+    """Iterations at which the detector located a change point (evidence["change_point"])."""
+    out = set()
+    for f in failures:
+        cp = f.evidence.get("change_point")
+        if isinstance(cp, int | float) and not isinstance(cp, bool):
+            out.add(int(cp))
+        elif isinstance(cp, dict) and isinstance(cp.get("iteration"), int | float):
+            out.add(int(cp["iteration"]))
+    return sorted(out)
+
+
+def iteration_time_figure(
+    rows: list[dict[str, Any]],
+    failures: list[FailureReport] = (),
+    healthy_predicted_s: float | None = None,
+) -> go.Figure:
+    """Observed vs predicted iteration time, change points and failures marked."""
+    if not rows:
+        return empty_figure("no iterations yet")
+    its = [r["iteration"] for r in rows]
+    fig = go.Figure()
+    fig.add_trace(
+        go.Scatter(
+            x=its,
+            y=[r["iteration_time_s"] for r in rows],
+            mode="lines+markers" if len(rows) < 200 else "lines",
+            name="observed",
+            line={"color": "#4C78A8"},
+            marker={"size": 4},
+        )
+    )
+    pred = predicted_series(rows, failures, healthy_predicted_s)
+    if any(p is not None for p in pred):
+        fig.add_trace(
+            go.Scatter(
+                x=its,
+                y=pred,
+                mode="lines",
+                name="predicted (healthy)",
+                line={"color": "#54A24B", "dash": "dash", "shape": "hv"},
+                connectgaps=False,
+            )
+        )
+    lo, hi = min(its), max(its)
+    for cp in change_points(failures):
+        if lo <= cp <= hi:
+            fig.add_vline(x=cp, line={"color": "#e45756", "dash": "dash", "width": 1})
+    shown = [f for f in failures if lo <= f.iteration <= hi]
+    if shown:
+        by_it = {r["iteration"]: r["iteration_time_s"] for r in rows}
+        fig.add_trace(
+            go.Scatter(
+                x=[f.iteration for f in shown],
+                y=[by_it.get(f.iteration, max(by_it.values())) for f in shown],
+                mode="markers",
+                name="failure",
+                marker={
+                    "symbol": "x",
+                    "size": 12,
+                    "color": [FAILURE_COLORS.get(f.kind, "black") for f in shown],
+                },
+                text=[f"{f.kind} ranks {f.ranks[:8]} ({f.report_id})" for f in shown],
+                hovertemplate="%{text}<extra></extra>",
+            )
+        )
+    fig.add_trace(  # legend entry for the change-point lines
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="lines",
+            name="change point",
+            line={"color": "#e45756", "dash": "dash"},
+        )
+    )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        title="Iteration time: observed vs DAG-predicted healthy",
+        height=320,
+        margin={"l": 50, "r": 20, "t": 40, "b": 40},
+        xaxis_title="iteration",
+        yaxis_title="seconds",
+        legend={"orientation": "h", "y": -0.25},
+    )
+    return fig
+
+
+# ---------------------------------------------------------------- pipeline timeline
+
+
+def _kind_name(k: Any) -> str:
+    if isinstance(k, str):
+        return k
+    try:
+        return ChunkKind(int(k)).name
+    except ValueError:
+        return str(k)
+
+
+def normalize_chunks(cols: dict[str, list] | None) -> dict[str, np.ndarray]:
+    """Columnar chunks -> numpy columns; accepts ``duration_s`` or ``end_s``; kind as name."""
+    if not cols or not cols.get("stage"):
+        return {}
+    n = len(cols["stage"])
+    start = np.asarray(cols.get("start_s", [0.0] * n), dtype=float)
+    if "duration_s" in cols:
+        dur = np.asarray(cols["duration_s"], dtype=float)
+    else:
+        dur = np.asarray(cols["end_s"], dtype=float) - start
+    dp = np.asarray(cols.get("dp", [0] * n), dtype=int)
+    src = np.asarray(cols.get("src_dp", [-1] * n), dtype=int)
+    src = np.where(src < 0, dp, src)
+    return {
+        "dp": dp,
+        "stage": np.asarray(cols["stage"], dtype=int),
+        "src_dp": src,
+        "microbatch": np.asarray(cols.get("microbatch", [0] * n), dtype=int),
+        "kind": np.asarray([_kind_name(k) for k in cols.get("kind", ["F"] * n)], dtype=object),
+        "start_s": start,
+        "duration_s": dur,
+    }
+
+
+def bubble_ratios(
+    cols: dict[str, list] | dict[str, np.ndarray] | None,
+) -> dict[tuple[int, int], float]:
+    """(dp, stage) -> fraction of the iteration span the stage spends idle (no compute chunk).
+
+    The span is the whole pipeline's (first chunk start to last chunk end), so a
+    stage waiting on a slow neighbour shows the bubble the slowdown causes.
+    """
+    c = cols if cols and isinstance(cols.get("stage"), np.ndarray) else normalize_chunks(cols)
+    if not c:
+        return {}
+    compute = np.isin(c["kind"], ["F", "B", "W"])
+    t0 = float(c["start_s"].min())
+    t1 = float((c["start_s"] + c["duration_s"]).max())
+    span = t1 - t0
+    out: dict[tuple[int, int], float] = {}
+    if span <= 0:
+        return out
+    for d, s in sorted(set(zip(c["dp"].tolist(), c["stage"].tolist(), strict=True))):
+        m = compute & (c["dp"] == d) & (c["stage"] == s)
+        out[(d, s)] = max(0.0, 1.0 - float(c["duration_s"][m].sum()) / span)
+    return out
+
+
+def stage_bubble_ratios(cols) -> dict[int, float]:
+    """stage -> mean bubble ratio over the DP replicas."""
+    per = bubble_ratios(cols)
+    acc: dict[int, list[float]] = defaultdict(list)
+    for (_d, s), v in per.items():
+        acc[s].append(v)
+    return {s: float(np.mean(v)) for s, v in sorted(acc.items())}
+
+
+def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_label) -> list:
+    traces = []
+    keep = np.isin(c["dp"], dps)
+    for kind in [k for k in KIND_COLORS if k in set(c["kind"][keep].tolist())]:
+        m = keep & (c["kind"] == kind)
+        migrated = c["src_dp"][m] != c["dp"][m]
+        ys = [
+            row_label(d, s)
+            for d, s in zip(c["dp"][m].tolist(), c["stage"][m].tolist(), strict=True)
+        ]
+        traces.append(
+            go.Bar(
+                orientation="h",
+                base=((c["start_s"][m] - t0) * 1000).tolist(),
+                x=(c["duration_s"][m] * 1000).tolist(),
+                y=ys,
+                name=kind,
+                legendgroup=kind,
+                marker={
+                    "color": KIND_COLORS[kind],
+                    "line": {
+                        "color": ["#d62728" if mg else "rgba(0,0,0,0.25)" for mg in migrated],
+                        "width": [2.5 if mg else 0.5 for mg in migrated],
+                    },
+                    "pattern": {"shape": ["/" if mg else "" for mg in migrated]},
+                },
+                text=[
+                    f"{mb}" + (f"←dp{sd}" if mg else "")
+                    for mb, sd, mg in zip(
+                        c["microbatch"][m].tolist(), c["src_dp"][m].tolist(), migrated, strict=True
+                    )
+                ],
+                textposition="inside",
+                insidetextanchor="middle",
+                customdata=np.stack(
+                    [c["microbatch"][m], c["src_dp"][m], c["duration_s"][m] * 1000], axis=-1
+                ).tolist(),
+                hovertemplate=(
+                    f"{kind} mb %{{customdata[0]}} (owner dp%{{customdata[1]}})<br>"
+                    "start %{base:.2f} ms, %{customdata[2]:.2f} ms<extra>%{y}</extra>"
+                ),
+            )
+        )
+    return traces
+
+
+def timeline_figure(
+    observed: dict[str, list] | None,
+    predicted: dict[str, list] | None = None,
+    dps: list[int] | None = None,
+    title: str = "Pipeline timeline",
+    max_replicas: int = 4,
+) -> go.Figure:
+    """Gantt of chunks per (DP replica, stage): observed above predicted, bubbles as gaps.
+
+    Migrated micro-batches (``src_dp != dp``) get a red outline and hatching.
+    Row labels carry each stage's bubble ratio.  At most ``max_replicas`` DP
+    replicas are drawn (``dps`` chooses which).
+    """
+    obs = normalize_chunks(observed)
+    pred = normalize_chunks(predicted)
+    if not obs and not pred:
+        return empty_figure("no chunk timings for this iteration")
+    ref = obs or pred
+    all_dps = sorted(set(ref["dp"].tolist()))
+    dps = [d for d in (dps or all_dps) if d in all_dps][:max_replicas] or all_dps[:max_replicas]
+    panels = [("observed", obs)] + ([("predicted", pred)] if pred else [])
+    fig = make_subplots(
+        rows=len(panels),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        subplot_titles=[name for name, _ in panels],
+    )
+    n_rows = 0
+    for i, (name, c) in enumerate(panels, start=1):
+        if not c:
+            continue
+        bub = bubble_ratios(c)
+        t0 = float(c["start_s"].min())
+
+        def label(d, s, bub=bub, name=name):
+            return f"{name[0]} dp{d} s{s} ({bub.get((d, s), 0.0) * 100:.0f}% bubble)"
+
+        for tr in _timeline_traces(c, t0, dps, label):
+            tr.showlegend = i == 1
+            fig.add_trace(tr, row=i, col=1)
+        stages = sorted(set(c["stage"].tolist()))
+        order = [label(d, s) for d in dps for s in stages]
+        fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], row=i, col=1)
+        n_rows += len(order)
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        barmode="overlay",
+        title=title,
+        height=max(300, 120 + 26 * n_rows),
+        margin={"l": 200, "r": 20, "t": 60, "b": 40},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        bargap=0.15,
+    )
+    fig.update_xaxes(title_text="ms since iteration start", row=len(panels), col=1)
+    return fig
+
+
+# ---------------------------------------------------------------- device skew
+
+
+@dataclass
+class SkewGrid:
+    """A heatmap-ready aggregation of p_i over (node rows, device slot columns)."""
+
+    z: list[list[float | None]]
+    text: list[list[str]]
+    row_labels: list[str]
+    row_nodes: list[tuple[int, int]]  # [lo, hi) node range of each row
+    level: str  # "groups" (aggregated) or "nodes"
+    nodes_per_row: int
+    marks: list[tuple[int, int, str]] = field(default_factory=list)  # (row, col, "dead"|"standby")
+
+    @property
+    def cells(self) -> int:
+        return sum(len(r) for r in self.z)
+
+
+def device_arrays(
+    world_size: int,
+    device_health: dict[int, dict[str, Any]],
+    dead: list[int] = (),
+    standby: list[int] = (),
+) -> tuple[np.ndarray, np.ndarray]:
+    """(p per rank with NaN = unknown, state code per rank: 0 active, 1 dead, 2 standby)."""
+    p = np.full(world_size, np.nan)
+    state = np.zeros(world_size, dtype=np.int8)
+    for r, d in device_health.items():
+        if 0 <= r < world_size:
+            v = d.get("p")
+            if isinstance(v, int | float):
+                p[r] = float(v)
+            st = str(d.get("state", ""))
+            if st == "dead":
+                state[r] = 1
+            elif st == "standby":
+                state[r] = 2
+    idx = np.asarray([r for r in dead if 0 <= r < world_size], dtype=int)
+    state[idx] = 1
+    idx = np.asarray([r for r in standby if 0 <= r < world_size], dtype=int)
+    state[idx] = np.where(state[idx] == 1, 1, 2)
+    p[state == 1] = 0.0
+    return p, state
+
+
+def skew_grid(
+    p: np.ndarray,
+    state: np.ndarray,
+    devices_per_node: int,
+    node_range: tuple[int, int] | None = None,
+    max_rows: int = 64,
+) -> SkewGrid:
+    """Nodes x device slots, aggregated into at most ``max_rows`` rows (min p per cell)."""
+    world = len(p)
+    num_nodes = -(-world // devices_per_node)
+    lo, hi = node_range or (0, num_nodes)
+    lo, hi = max(0, lo), min(num_nodes, hi)
+    n = max(hi - lo, 0)
+    pad = num_nodes * devices_per_node - world
+    P = np.concatenate([p, np.full(pad, np.nan)]).reshape(num_nodes, devices_per_node)[lo:hi]
+    S = np.concatenate([state, np.zeros(pad, np.int8)]).reshape(num_nodes, devices_per_node)[lo:hi]
+    per = max(1, math.ceil(n / max_rows))
+    rows = math.ceil(n / per) if n else 0
+    fill = rows * per - n
+    Pg = np.concatenate([P, np.full((fill, devices_per_node), np.nan)]).reshape(
+        rows, per, devices_per_node
+    )
+    Sg = np.concatenate([S, np.zeros((fill, devices_per_node), np.int8)]).reshape(
+        rows, per, devices_per_node
+    )
+    with np.errstate(all="ignore"):
+        zmin = np.where(
+            np.isnan(Pg).all(axis=1), np.nan, np.nanmin(np.where(np.isnan(Pg), np.inf, Pg), axis=1)
+        )
+    dead_n = (Sg == 1).sum(axis=1)
+    standby_n = (Sg == 2).sum(axis=1)
+    z: list[list[float | None]] = []
+    text: list[list[str]] = []
+    marks: list[tuple[int, int, str]] = []
+    labels, ranges = [], []
+    for i in range(rows):
+        a, b = lo + i * per, min(lo + (i + 1) * per, hi)
+        ranges.append((a, b))
+        labels.append(f"node {a}" if b - a == 1 else f"nodes {a}-{b - 1}")
+        zr, tr = [], []
+        for j in range(devices_per_node):
+            v = zmin[i, j]
+            zr.append(None if np.isnan(v) else round(float(v), 4))
+            bits = []
+            if dead_n[i, j]:
+                bits.append("dead" if per == 1 else f"{dead_n[i, j]} dead")
+                marks.append((i, j, "dead"))
+            if standby_n[i, j]:
+                bits.append("standby" if per == 1 else f"{standby_n[i, j]} standby")
+                marks.append((i, j, "standby"))
+            tr.append(", ".join(bits))
+        z.append(zr)
+        text.append(tr)
+    return SkewGrid(z, text, labels, ranges, "nodes" if per == 1 else "groups", per, marks)
+
+
+def skew_heatmap_figure(grid: SkewGrid, devices_per_node: int, title: str = "") -> go.Figure:
+    if not grid.z:
+        return empty_figure("no devices")
+    agg = grid.level == "groups"
+    fig = go.Figure(
+        go.Heatmap(
+            z=grid.z,
+            x=[f"gpu{j}" for j in range(devices_per_node)],
+            y=grid.row_labels,
+            text=grid.text,
+            customdata=[[[a, b]] * devices_per_node for a, b in grid.row_nodes],
+            zmin=0.0,
+            zmax=1.0,
+            colorscale="RdYlGn",
+            colorbar={"title": "min p_i" if agg else "p_i"},
+            hovertemplate=(
+                "%{y} %{x}<br>"
+                + ("min p_i" if agg else "p_i")
+                + " %{z:.3f}<br>%{text}<extra></extra>"
+            ),
+            xgap=1,
+            ygap=1,
+        )
+    )
+    if grid.marks and len(grid.marks) <= 2000:
+        fig.add_trace(
+            go.Scatter(
+                x=[f"gpu{j}" for _i, j, _k in grid.marks],
+                y=[grid.row_labels[i] for i, _j, _k in grid.marks],
+                mode="markers",
+                marker={
+                    "symbol": ["x" if k == "dead" else "circle-open" for _i, _j, k in grid.marks],
+                    "size": 10,
+                    "color": ["black" if k == "dead" else "#1f77b4" for _i, _j, k in grid.marks],
+                    "line": {"width": 2},
+                },
+                name="dead (x) / standby (o)",
+                hoverinfo="skip",
+            )
+        )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        title=title
+        or (
+            f"Normalized throughput p_i: {len(grid.z)} rows of {grid.nodes_per_row} nodes (click a row to drill down)"
+            if agg
+            else "Normalized throughput p_i per device"
+        ),
+        height=max(300, min(1400, 90 + 18 * len(grid.z))),
+        margin={"l": 110, "r": 20, "t": 50, "b": 40},
+        yaxis={"autorange": "reversed", "type": "category"},
+        showlegend=False,
+    )
+    return fig
+
+
+def coord_grid(
+    p: np.ndarray, groups: list[list[list[int]]], max_cols: int = 64
+) -> tuple[list[list[float | None]], list[str], list[str], list[list[str]]]:
+    """(z[stage][dp-bucket], x labels, y labels, hover text): min p over each TP group.
+
+    DP replicas are bucketed when there are more than ``max_cols``.
+    """
+    dp = len(groups)
+    pp = len(groups[0]) if dp else 0
+    per = max(1, math.ceil(dp / max_cols))
+    cols = math.ceil(dp / per) if dp else 0
+    z, text = [], []
+    for s in range(pp):
+        zr, tr = [], []
+        for c in range(cols):
+            vals, tps = [], []
+            for d in range(c * per, min((c + 1) * per, dp)):
+                grp = groups[d][s]
+                tps.append(len(grp))
+                vals.extend(p[r] for r in grp if 0 <= r < len(p))
+            arr = np.asarray(vals, dtype=float)
+            v = float(np.nanmin(arr)) if arr.size and not np.isnan(arr).all() else None
+            zr.append(None if v is None else round(v, 4))
+            tr.append(f"TP {'/'.join(map(str, sorted(set(tps))))}")
+        z.append(zr)
+        text.append(tr)
+    xl = [
+        f"dp{c}" if per == 1 else f"dp{c * per}-{min((c + 1) * per, dp) - 1}" for c in range(cols)
+    ]
+    yl = [f"stage {s}" for s in range(pp)]
+    return z, xl, yl, text
+
+
+def coord_heatmap_figure(
+    p: np.ndarray, groups: list[list[list[int]]], max_cols: int = 64
+) -> go.Figure:
+    if not groups:
+        return empty_figure("no layout")
+    z, xl, yl, text = coord_grid(p, groups, max_cols)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=xl,
+            y=yl,
+            text=text,
+            zmin=0,
+            zmax=1,
+            colorscale="RdYlGn",
+            hovertemplate="%{y} %{x}<br>min p_i %{z:.3f}<br>%{text}<extra></extra>",
+            xgap=1,
+            ygap=1,
+            colorbar={"title": "min p_i"},
+        )
+    )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        title="By (pipeline stage, DP replica): min p_i over the TP group",
+        height=max(250, 90 + 28 * len(yl)),
+        margin={"l": 80, "r": 20, "t": 50, "b": 40},
+        yaxis={"autorange": "reversed"},
+    )
+    return fig
+
+
+def heartbeat_age_figure(node_hb: dict[int, float], now_s: float, top_k: int = 24) -> go.Figure:
+    """The ``top_k`` stalest nodes' heartbeat age (all nodes summarized in the title)."""
+    if not node_hb:
+        return empty_figure("no node heartbeats")
+    nodes = np.fromiter(node_hb.keys(), dtype=int)
+    ages = now_s - np.fromiter(node_hb.values(), dtype=float)
+    order = np.argsort(-ages)[:top_k]
+    fig = go.Figure(
+        go.Bar(
+            x=[f"node {n}" for n in nodes[order]],
+            y=ages[order].tolist(),
+            marker={"color": ["#d62728" if a > 5 else "#4C78A8" for a in ages[order]]},
+            hovertemplate="%{x}: %{y:.2f} s<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        title=(
+            f"Heartbeat age, stalest {len(order)} of {len(nodes)} nodes "
+            f"(median {np.median(ages):.2f} s, max {ages.max():.2f} s)"
+        ),
+        height=260,
+        margin={"l": 50, "r": 20, "t": 50, "b": 60},
+        yaxis_title="seconds",
+    )
+    return fig
+
+
+def recurring_culprits(
+    failures: list[FailureReport], devices_per_node: int, top_k: int = 10
+) -> list[dict[str, Any]]:
+    """Ranks blamed most often by failure reports (recoveries excluded), most frequent first."""
+    count: Counter[int] = Counter()
+    kinds: dict[int, set[str]] = defaultdict(set)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for f in failures:
+        if f.kind == "recovery":
+            continue
+        for r in set(f.ranks):
+            count[r] += 1
+            kinds[r].add(f.kind)
+            first[r] = min(first.get(r, f.detected_at_s), f.detected_at_s)
+            last[r] = max(last.get(r, f.detected_at_s), f.detected_at_s)
+    return [
+        {
+            "rank": r,
+            "node": r // devices_per_node,
+            "reports": n,
+            "kinds": ", ".join(sorted(kinds[r])),
+            "first": _ts(first[r]).strftime("%H:%M:%S"),
+            "last": _ts(last[r]).strftime("%H:%M:%S"),
+        }
+        for r, n in count.most_common(top_k)
+    ]
+
+
+def recurrence_figure(failures: list[FailureReport], devices_per_node: int) -> go.Figure:
+    """Blamed ranks over time: a rank that keeps reappearing forms a horizontal line."""
+    pts = [(f, r) for f in failures if f.kind != "recovery" for r in f.ranks[:64]]
+    if not pts:
+        return empty_figure("no failures reported")
+    fig = go.Figure()
+    for kind in sorted({f.kind for f, _ in pts}):
+        sel = [(f, r) for f, r in pts if f.kind == kind]
+        fig.add_trace(
+            go.Scatter(
+                x=[_ts(f.detected_at_s) for f, _ in sel],
+                y=[r for _, r in sel],
+                mode="markers",
+                name=kind,
+                marker={"color": FAILURE_COLORS.get(kind, "black"), "size": 9},
+                text=[f"rank {r} (node {r // devices_per_node}) {f.report_id}" for f, r in sel],
+                hovertemplate="%{text}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        title="Culprits over time (same rank on a line = recurring)",
+        height=280,
+        margin={"l": 50, "r": 20, "t": 50, "b": 40},
+        yaxis_title="rank",
+    )
+    return fig
+
+
+# ---------------------------------------------------------------- failures
+
+
+def failure_rows(failures: list[FailureReport], devices_per_node: int) -> list[dict[str, Any]]:
+    out = []
+    for f in failures:
+        nodes = f.nodes or sorted({r // devices_per_node for r in f.ranks})
+        sev = min(f.severity.values()) if f.severity else None
+        out.append(
+            {
+                "report_id": f.report_id,
+                "time": _ts(f.detected_at_s).strftime("%Y-%m-%d %H:%M:%S"),
+                "detected_at_s": f.detected_at_s,
+                "kind": f.kind,
+                "ranks": ", ".join(map(str, f.ranks[:16])) + (" ..." if len(f.ranks) > 16 else ""),
+                "nodes": ", ".join(map(str, nodes[:16])) + (" ..." if len(nodes) > 16 else ""),
+                "iteration": f.iteration,
+                "min_p": None if sev is None else round(sev, 3),
+                "detector": f.detector_mode,
+            }
+        )
+    return out
+
+
+def filter_failures(
+    failures: list[FailureReport],
+    devices_per_node: int,
+    kinds: list[str] | None = None,
+    rank: int | None = None,
+    node: int | None = None,
+    since_s: float | None = None,
+    until_s: float | None = None,
+) -> list[FailureReport]:
+    out = []
+    for f in failures:
+        if kinds and f.kind not in kinds:
+            continue
+        if rank is not None and rank not in f.ranks:
+            continue
+        if node is not None:
+            nodes = set(f.nodes) | {r // devices_per_node for r in f.ranks}
+            if node not in nodes:
+                continue
+        if since_s is not None and f.detected_at_s < since_s:
+            continue
+        if until_s is not None and f.detected_at_s > until_s:
+            continue
+        out.append(f)
+    return out
+
+
+def evidence_figure(f: FailureReport) -> go.Figure:
+    """Per-rank p_i (severity) or per-rank ratios, with observed vs predicted time."""
+    ratios = f.evidence.get("ratios") or f.evidence.get("per_rank_ratio") or f.severity
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.7, 0.3],
+        subplot_titles=["per-rank ratio / p_i", "iteration time"],
+    )
+    if isinstance(ratios, dict) and ratios:
+        items = sorted(ratios.items(), key=lambda kv: float(kv[1]))[:64]
+        fig.add_trace(
+            go.Bar(
+                x=[f"rank {k}" for k, _ in items],
+                y=[float(v) for _, v in items],
+                marker_color="#ff7f0e",
+                name="ratio",
+            ),
+            row=1,
+            col=1,
+        )
+    obs, pred = f.evidence.get("observed_s"), f.evidence.get("predicted_s")
+    if isinstance(obs, int | float) or isinstance(pred, int | float):
+        fig.add_trace(
+            go.Bar(
+                x=["observed", "predicted"],
+                y=[obs, pred],
+                marker_color=["#4C78A8", "#54A24B"],
+                name="time",
+            ),
+            row=1,
+            col=2,
+        )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        height=280,
+        showlegend=False,
+        margin={"l": 50, "r": 20, "t": 40, "b": 60},
+    )
+    return fig
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _tp_list(layout: dict[str, Any], stage: int) -> str:
+    groups = layout.get("groups") or []
+    return "/".join(str(len(st[stage])) for st in groups if stage < len(st))
+
+
+def plan_diff_rows(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-stage and whole-job before/after rows; ``changed`` flags what the plan alters."""
+    rows = []
+    lb, la = before.get("layers") or [], after.get("layers") or []
+    for s in range(max(len(lb), len(la))):
+        b = lb[s] if s < len(lb) else "-"
+        a = la[s] if s < len(la) else "-"
+        rows.append(
+            {"what": f"stage {s} layers", "before": str(b), "after": str(a), "changed": b != a}
+        )
+        tb, ta = _tp_list(before, s), _tp_list(after, s)
+        rows.append(
+            {"what": f"stage {s} TP per DP replica", "before": tb, "after": ta, "changed": tb != ta}
+        )
+    for key, name in (
+        ("microbatches", "micro-batches per replica"),
+        ("dead", "dead ranks"),
+        ("standby", "standby ranks"),
+    ):
+        b = ", ".join(map(str, before.get(key) or [])) or "-"
+        a = ", ".join(map(str, after.get(key) or [])) or "-"
+        rows.append({"what": name, "before": b, "after": a, "changed": b != a})
+    mb, ma = len(before.get("migrations") or []), len(after.get("migrations") or [])
+    rows.append(
+        {
+            "what": "migrated micro-batch stages",
+            "before": str(mb),
+            "after": str(ma),
+            "changed": mb != ma,
+        }
+    )
+    return rows
+
+
+def plan_layers_figure(
+    before: dict[str, Any], after: dict[str, Any], predicted: tuple[float, float]
+) -> go.Figure:
+    lb, la = before.get("layers") or [], after.get("layers") or []
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.7, 0.3],
+        subplot_titles=["layers per stage", "predicted iteration time (s)"],
+    )
+    xs = [f"s{s}" for s in range(max(len(lb), len(la)))]
+    fig.add_trace(go.Bar(x=xs, y=lb, name="before", marker_color="#9D9D9D"), row=1, col=1)
+    fig.add_trace(go.Bar(x=xs, y=la, name="after", marker_color="#4C78A8"), row=1, col=1)
+    fig.add_trace(
+        go.Bar(
+            x=["before", "after"],
+            y=list(predicted),
+            marker_color=["#9D9D9D", "#4C78A8"],
+            showlegend=False,
+        ),
+        row=1,
+        col=2,
+    )
+    fig.update_layout(
+        template=PLOT_TEMPLATE,
+        height=260,
+        barmode="group",
+        margin={"l": 40, "r": 20, "t": 40, "b": 40},
+    )
+    return fig

@@ -1,0 +1,501 @@
+"""Incidents: a failure from onset to recovery, assembled from messages, and its exports.
+
+Pure: takes the job's failure reports, plan snapshots, operator actions and
+iteration summaries (as read by ``dashboard.data``) and builds an
+:class:`Incident` with its per-phase recovery timeline
+
+    failure -> detected -> plan proposed -> acknowledged/overridden -> applied
+    -> throughput recovered
+
+(durations between phases), the evidence, the plans, the actions and the
+throughput before / during / after.  Exports: JSON, Markdown, and a
+self-contained HTML page (plotly.js inlined, opens offline).
+
+Choices where the issue is silent: the incident id is the FailureReport's
+``report_id``; onset is the evidence's change point (else ``onset_s`` /
+``last_seen_s``, else the reported iteration); "throughput recovered" is the
+first iteration after the plan was applied (or after detection when no plan
+was applied) from which the median of three consecutive iterations reaches
+``recovery_fraction`` of the pre-onset median, or a ``recovery`` report on the
+same ranks, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from dashboard import figures
+from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction
+
+PHASES = ("failure", "detected", "plan proposed", "acknowledged", "applied", "throughput recovered")
+#: Iterations on each side of the incident kept in the report.
+CONTEXT_ITERATIONS = 60
+
+
+class IncidentNotFound(KeyError):
+    pass
+
+
+@dataclass
+class Phase:
+    name: str
+    at_s: float | None
+    detail: str = ""
+
+
+@dataclass
+class Incident:
+    incident_id: str
+    job_id: str
+    failure: FailureReport
+    phases: list[Phase]
+    plans: list[AdaptationPlan] = field(default_factory=list)
+    actions: list[OperatorAction] = field(default_factory=list)
+    iterations: list[dict[str, Any]] = field(default_factory=list)
+    throughput: dict[str, float | None] = field(default_factory=dict)
+    status: str = "open"
+
+    def phase_rows(self) -> list[dict[str, Any]]:
+        """Phases with durations since the previous reached phase and since the failure."""
+        rows = []
+        origin = next((p.at_s for p in self.phases if p.at_s is not None), None)
+        prev = None
+        for p in self.phases:
+            row = {
+                "phase": p.name,
+                "at_s": p.at_s,
+                "at": _iso(p.at_s),
+                "since_previous_s": None,
+                "since_failure_s": None,
+                "detail": p.detail,
+            }
+            if p.at_s is not None:
+                if prev is not None:
+                    row["since_previous_s"] = round(p.at_s - prev, 3)
+                if origin is not None:
+                    row["since_failure_s"] = round(p.at_s - origin, 3)
+                prev = p.at_s
+            rows.append(row)
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "incident_id": self.incident_id,
+            "job_id": self.job_id,
+            "status": self.status,
+            "timeline": self.phase_rows(),
+            "failure": self.failure.to_dict(),
+            "evidence": self.failure.evidence,
+            "plans": [p.to_dict() for p in self.plans],
+            "actions": [a.to_dict() for a in self.actions],
+            "throughput_samples_per_s": self.throughput,
+            "iterations": self.iterations,
+        }
+
+
+def _iso(t: float | None) -> str:
+    if t is None:
+        return ""
+    return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="milliseconds")
+
+
+def _fmt_s(v: float | None) -> str:
+    return "" if v is None else f"{v:.3f} s"
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def list_incidents(failures: list[FailureReport]) -> list[FailureReport]:
+    return [f for f in failures if f.kind != "recovery"]
+
+
+def _onset_s(f: FailureReport, rows: list[dict[str, Any]]) -> float:
+    ev = f.evidence
+    by_it = {r["iteration"]: r for r in rows}
+    cp = figures.change_points([f])
+    if cp and cp[0] in by_it:
+        return min(by_it[cp[0]]["start_s"], f.detected_at_s)
+    for key in ("onset_s", "last_seen_s"):
+        v = ev.get(key)
+        if isinstance(v, int | float) and v > 0:
+            return min(float(v), f.detected_at_s)
+    if f.iteration in by_it:
+        return min(by_it[f.iteration]["start_s"], f.detected_at_s)
+    return f.detected_at_s
+
+
+def build_incident(
+    job_id: str,
+    incident_id: str,
+    failures: list[FailureReport],
+    plan_history: list[AdaptationPlan],
+    actions: list[OperatorAction],
+    iteration_rows: list[dict[str, Any]],
+    recovery_fraction: float = 0.9,
+) -> Incident:
+    f = next((x for x in failures if x.report_id == incident_id), None)
+    if f is None:
+        raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
+    rows = sorted(iteration_rows, key=lambda r: r["iteration"])
+    onset = _onset_s(f, rows)
+
+    plan_ids = {p.plan_id for p in plan_history if incident_id in p.failure_ids}
+    grew = True
+    while grew:  # overrides produce child plans of the operator's plan
+        more = {p.plan_id for p in plan_history if p.parent_plan_id in plan_ids} - plan_ids
+        plan_ids |= more
+        grew = bool(more)
+    snaps = sorted(
+        (p for p in plan_history if p.plan_id in plan_ids),
+        key=lambda p: p.updated_at_s or p.created_at_s,
+    )
+    acts = sorted((a for a in actions if a.plan_id in plan_ids), key=lambda a: a.at_s)
+
+    def first_snap(states: tuple[str, ...]) -> AdaptationPlan | None:
+        return next((p for p in snaps if p.state in states), None)
+
+    def first_act(kinds: tuple[str, ...]) -> OperatorAction | None:
+        return next((a for a in acts if a.action in kinds), None)
+
+    proposed = first_snap(("proposed",))
+    if proposed is None and snaps:
+        proposed = min(snaps, key=lambda p: p.created_at_s)
+    decided_snap = first_snap(("acknowledged", "overridden", "rejected"))
+    decided_act = first_act(("acknowledge", "override", "reject"))
+    decided_t, decided_name, decided_detail = None, "acknowledged", ""
+    cands = []
+    if decided_snap is not None:
+        cands.append(
+            (
+                decided_snap.updated_at_s or decided_snap.created_at_s,
+                decided_snap.state,
+                f"plan {decided_snap.plan_id}",
+            )
+        )
+    if decided_act is not None:
+        name = {"acknowledge": "acknowledged", "override": "overridden", "reject": "rejected"}[
+            decided_act.action
+        ]
+        cands.append((decided_act.at_s, name, f"plan {decided_act.plan_id} by {decided_act.actor}"))
+    if cands:
+        decided_t, decided_name, decided_detail = min(cands)
+    applied_snap = first_snap(("applied",))
+    applied_act = first_act(("applied",))
+    applied_t = None
+    applied_detail = ""
+    if applied_snap is not None:
+        applied_t, applied_detail = (
+            applied_snap.updated_at_s or applied_snap.created_at_s,
+            f"plan {applied_snap.plan_id}",
+        )
+    if applied_act is not None and (applied_t is None or applied_act.at_s < applied_t):
+        applied_t, applied_detail = (
+            applied_act.at_s,
+            f"plan {applied_act.plan_id} by {applied_act.actor}",
+        )
+
+    before = [r["samples_per_s"] for r in rows if r["end_s"] <= onset][-50:]
+    baseline = _median(before)
+    recovered_t, recovered_detail = None, ""
+    start = applied_t if applied_t is not None else f.detected_at_s
+    if baseline:
+        after_rows = [r for r in rows if r["start_s"] >= start]
+        for i in range(len(after_rows) - 2):
+            win = [r["samples_per_s"] for r in after_rows[i : i + 3]]
+            if statistics.median(win) >= recovery_fraction * baseline:
+                recovered_t = after_rows[i]["end_s"]
+                recovered_detail = (
+                    f"iteration {after_rows[i]['iteration']}: "
+                    f">= {recovery_fraction:.0%} of pre-failure throughput"
+                )
+                break
+    rec = next(
+        (
+            x
+            for x in failures
+            if x.kind == "recovery"
+            and x.detected_at_s >= f.detected_at_s
+            and set(x.ranks) & set(f.ranks)
+        ),
+        None,
+    )
+    if rec is not None and (recovered_t is None or rec.detected_at_s < recovered_t):
+        recovered_t, recovered_detail = rec.detected_at_s, f"recovery report {rec.report_id}"
+
+    phases = [
+        Phase("failure", onset, f"{f.kind} on ranks {f.ranks[:16]}"),
+        Phase("detected", f.detected_at_s, f"report {f.report_id} ({f.detector_mode})"),
+        Phase(
+            "plan proposed",
+            proposed.created_at_s if proposed else None,
+            f"plan {proposed.plan_id}: {proposed.reason}" if proposed else "",
+        ),
+        Phase(decided_name, decided_t, decided_detail),
+        Phase("applied", applied_t, applied_detail),
+        Phase("throughput recovered", recovered_t, recovered_detail),
+    ]
+    end = recovered_t
+    during = [
+        r["samples_per_s"]
+        for r in rows
+        if r["end_s"] > onset and (end is None or r["end_s"] <= end)
+    ]
+    after = [r["samples_per_s"] for r in rows if end is not None and r["end_s"] > end][:50]
+    throughput = {
+        "before": _median(before),
+        "during": _median(during),
+        "after": _median(after),
+    }
+    idx_lo = next((i for i, r in enumerate(rows) if r["end_s"] > onset), len(rows))
+    idx_hi = (
+        next((i for i, r in enumerate(rows) if r["end_s"] > end), len(rows))
+        if end is not None
+        else len(rows)
+    )
+    window = rows[max(0, idx_lo - CONTEXT_ITERATIONS) : idx_hi + CONTEXT_ITERATIONS]
+    if decided_name == "rejected":
+        status = "rejected"
+    elif recovered_t is not None:
+        status = "recovered"
+    else:
+        status = "open"
+    return Incident(
+        incident_id=incident_id,
+        job_id=job_id,
+        failure=f,
+        phases=phases,
+        plans=snaps,
+        actions=acts,
+        iterations=[
+            {
+                k: r[k]
+                for k in (
+                    "iteration",
+                    "start_s",
+                    "end_s",
+                    "iteration_time_s",
+                    "samples_per_s",
+                    "predicted_iteration_time_s",
+                )
+                if k in r
+            }
+            for r in window
+        ],
+        throughput=throughput,
+        status=status,
+    )
+
+
+# ---------------------------------------------------------------- exports
+
+
+def incident_figure(inc: Incident):
+    phases = [(p.name, p.at_s) for p in inc.phases if p.at_s is not None]
+    return figures.throughput_figure(
+        inc.iterations, [], phases, title=f"Throughput around incident {inc.incident_id}"
+    )
+
+
+def to_json(inc: Incident) -> str:
+    return json.dumps(inc.to_dict(), indent=2, default=str, allow_nan=False)
+
+
+def _latest_plan(inc: Incident) -> AdaptationPlan | None:
+    return inc.plans[-1] if inc.plans else None
+
+
+def to_markdown(inc: Incident) -> str:
+    f = inc.failure
+    out = [
+        f"# Incident {inc.incident_id} ({inc.job_id})",
+        "",
+        f"**{f.kind}** on ranks {f.ranks[:32]} (nodes {f.nodes[:32]}), detected at iteration "
+        f"{f.iteration}; status **{inc.status}**.",
+        "",
+        "## Recovery timeline",
+        "",
+        "| phase | at (UTC) | since previous | since failure | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for r in inc.phase_rows():
+        out.append(
+            f"| {r['phase']} | {r['at'] or 'not reached'} | {_fmt_s(r['since_previous_s'])} | "
+            f"{_fmt_s(r['since_failure_s'])} | {r['detail'].replace('|', '/')} |"
+        )
+    tp = inc.throughput
+    out += [
+        "",
+        "## Throughput (median samples/s)",
+        "",
+        "| before | during | after |",
+        "|---|---|---|",
+        "| "
+        + " | ".join(
+            "-" if tp.get(k) is None else f"{tp[k]:.3f}" for k in ("before", "during", "after")
+        )
+        + " |",
+        "",
+        "## Evidence",
+        "",
+        "```json",
+        json.dumps({"severity": f.severity, "links": f.links, **f.evidence}, indent=2, default=str),
+        "```",
+        "",
+    ]
+    plan = _latest_plan(inc)
+    out += ["## Plan", ""]
+    if plan is None:
+        out.append("No plan was proposed.")
+    else:
+        out += [
+            f"Plan {plan.plan_id} ({plan.policy}, {plan.mode}): state **{plan.state}**. {plan.reason}",
+            "",
+            f"Predicted iteration time {plan.predicted_before_s:.3f} s -> {plan.predicted_after_s:.3f} s."
+            + (f" Note: {plan.note}" if plan.note else ""),
+            "",
+            "| what | before | after |",
+            "|---|---|---|",
+        ]
+        for r in figures.plan_diff_rows(plan.before, plan.after):
+            mark = " **changed**" if r["changed"] else ""
+            out.append(f"| {r['what']}{mark} | {r['before']} | {r['after']} |")
+        out += ["", "Plan states:", ""]
+        for p in inc.plans:
+            out.append(
+                f"- {_iso(p.updated_at_s or p.created_at_s)} plan {p.plan_id}: {p.state}"
+                + (f" ({p.note})" if p.note else "")
+            )
+    out += ["", "## Operator actions", ""]
+    if not inc.actions:
+        out.append("None.")
+    else:
+        out += [
+            "| at (UTC) | action | plan | actor | override / comment |",
+            "|---|---|---|---|---|",
+        ]
+        for a in inc.actions:
+            extra = json.dumps(a.override) if a.override else a.comment
+            out.append(
+                f"| {_iso(a.at_s)} | {a.action} | {a.plan_id} | {a.actor} | {extra.replace('|', '/')} |"
+            )
+    out.append("")
+    return "\n".join(out)
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
+table{border-collapse:collapse;margin:0.5em 0 1.5em}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;font-size:14px}
+th{background:#f3f3f3} .changed{background:#fff3cd} pre{background:#f7f7f7;padding:1em;overflow:auto}
+.status{font-weight:bold}
+"""
+
+
+def _table(headers: list[str], rows: list[list[Any]], classes: list[str] | None = None) -> str:
+    h = "".join(f"<th>{html.escape(x)}</th>" for x in headers)
+    body = []
+    for i, r in enumerate(rows):
+        cls = f' class="{classes[i]}"' if classes and classes[i] else ""
+        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>")
+    return f"<table><thead><tr>{h}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def to_html(inc: Incident) -> str:
+    """A self-contained page: plotly.js is inlined, so it opens offline."""
+    f = inc.failure
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>Incident {esc(inc.incident_id)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>Incident {esc(inc.incident_id)} <small>({esc(inc.job_id)})</small></h1>",
+        f"<p><b>{esc(f.kind)}</b> on ranks {esc(str(f.ranks[:32]))} (nodes {esc(str(f.nodes[:32]))}), "
+        f"detected at iteration {f.iteration}. Status: <span class='status'>{esc(inc.status)}</span></p>",
+        "<h2 id='timeline'>Recovery timeline</h2>",
+        _table(
+            ["phase", "at (UTC)", "since previous", "since failure", "detail"],
+            [
+                [
+                    r["phase"],
+                    r["at"] or "not reached",
+                    _fmt_s(r["since_previous_s"]),
+                    _fmt_s(r["since_failure_s"]),
+                    r["detail"],
+                ]
+                for r in inc.phase_rows()
+            ],
+        ),
+        "<h2>Throughput (median samples/s)</h2>",
+        _table(
+            ["before", "during", "after"],
+            [
+                [
+                    "-" if inc.throughput.get(k) is None else f"{inc.throughput[k]:.3f}"
+                    for k in ("before", "during", "after")
+                ]
+            ],
+        ),
+        incident_figure(inc).to_html(include_plotlyjs=True, full_html=False),
+        "<h2>Evidence</h2>",
+        f"<pre>{esc(json.dumps({'severity': f.severity, 'links': f.links, **f.evidence}, indent=2, default=str))}</pre>",
+        "<h2>Plan</h2>",
+    ]
+    plan = _latest_plan(inc)
+    if plan is None:
+        parts.append("<p>No plan was proposed.</p>")
+    else:
+        diff = figures.plan_diff_rows(plan.before, plan.after)
+        parts += [
+            f"<p>Plan {plan.plan_id} ({esc(plan.policy)}, {esc(plan.mode)}): state <b>{esc(plan.state)}</b>. "
+            f"{esc(plan.reason)}<br>Predicted iteration time {plan.predicted_before_s:.3f} s &rarr; "
+            f"{plan.predicted_after_s:.3f} s. {esc(plan.note)}</p>",
+            _table(
+                ["what", "before", "after"],
+                [[r["what"], r["before"], r["after"]] for r in diff],
+                ["changed" if r["changed"] else "" for r in diff],
+            ),
+            _table(
+                ["at (UTC)", "plan", "state", "note"],
+                [
+                    [_iso(p.updated_at_s or p.created_at_s), p.plan_id, p.state, p.note]
+                    for p in inc.plans
+                ],
+            ),
+        ]
+    parts.append("<h2>Operator actions</h2>")
+    if inc.actions:
+        parts.append(
+            _table(
+                ["at (UTC)", "action", "plan", "actor", "override / comment"],
+                [
+                    [
+                        _iso(a.at_s),
+                        a.action,
+                        a.plan_id,
+                        a.actor,
+                        json.dumps(a.override) if a.override else a.comment,
+                    ]
+                    for a in inc.actions
+                ],
+            )
+        )
+    else:
+        parts.append("<p>None.</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+FORMATS = {"json": to_json, "md": to_markdown, "html": to_html}
+
+
+def export(inc: Incident, fmt: str) -> str:
+    try:
+        return FORMATS[fmt](inc)
+    except KeyError:
+        raise ValueError(f"format: must be one of {sorted(FORMATS)}, got {fmt!r}") from None

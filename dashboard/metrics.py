@@ -1,0 +1,154 @@
+"""Prometheus ``/metrics`` on the dashboard's own Flask server (text exposition format 0.0.4).
+
+One scrape covers every job in ``resihp:jobs``: latest iteration time,
+predicted healthy time, throughput, failures by kind, plans by state, per-device
+p_i and node heartbeat age, plus the job's ``*_total`` counters hash.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import Counter
+
+import flask
+import redis
+
+from dashboard import figures
+from dashboard.data import DashboardData
+from dashboard.predict import healthy_iteration_time_s
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def _esc(v: object) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(**kv: object) -> str:
+    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in kv.items()) + "}"
+
+
+def _num(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "NaN"
+    return repr(float(v))
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._seen: set[str] = set()
+
+    def family(self, name: str, kind: str, help_: str) -> None:
+        if name not in self._seen:
+            self._seen.add(name)
+            self.lines.append(f"# HELP {name} {help_}")
+            self.lines.append(f"# TYPE {name} {kind}")
+
+    def sample(self, name: str, labels: str, value: float) -> None:
+        self.lines.append(f"{name}{labels} {_num(value)}")
+
+
+def render(data: DashboardData, now_s: float | None = None) -> str:
+    now_s = time.time() if now_s is None else now_s
+    w = _Writer()
+    w.family("resihp_dashboard_redis_up", "gauge", "1 if the dashboard can reach Redis.")
+    try:
+        jobs = data.jobs()
+    except redis.RedisError:
+        w.sample("resihp_dashboard_redis_up", "", 0)
+        return "\n".join(w.lines) + "\n"
+    w.sample("resihp_dashboard_redis_up", "", 1)
+    for job in jobs:
+        rows = [r.to_dict() for r in data.iterations(job)]
+        failures = data.failures(job)
+        if rows:
+            last = rows[-1]
+            w.family("resihp_iteration", "gauge", "Latest completed training iteration.")
+            w.sample("resihp_iteration", _labels(job=job), last["iteration"])
+            w.family(
+                "resihp_iteration_time_seconds", "gauge", "Observed time of the latest iteration."
+            )
+            w.sample("resihp_iteration_time_seconds", _labels(job=job), last["iteration_time_s"])
+            w.family(
+                "resihp_throughput_samples_per_second",
+                "gauge",
+                "Training throughput of the latest iteration.",
+            )
+            w.sample(
+                "resihp_throughput_samples_per_second", _labels(job=job), last["samples_per_s"]
+            )
+            layout = data.layout(job)
+            pred = figures.predicted_series(rows[-1:], failures, healthy_iteration_time_s(layout))[
+                0
+            ]
+            if pred is not None:
+                w.family(
+                    "resihp_predicted_iteration_time_seconds",
+                    "gauge",
+                    "Predicted healthy iteration time (DAG cost model / detector evidence).",
+                )
+                w.sample("resihp_predicted_iteration_time_seconds", _labels(job=job), pred)
+        w.family("resihp_failures_total", "counter", "Failure reports by kind.")
+        by_kind = Counter(f.kind for f in failures)
+        for kind in ("fail_stop", "fail_slow_compute", "fail_slow_comm", "recovery"):
+            w.sample("resihp_failures_total", _labels(job=job, kind=kind), by_kind.get(kind, 0))
+        w.family("resihp_plans", "gauge", "Adaptation plans by current state.")
+        states = Counter(p.state for p in data.plans(job).values())
+        for st in (
+            "proposed",
+            "acknowledged",
+            "overridden",
+            "rejected",
+            "applied",
+            "superseded",
+            "refused",
+        ):
+            w.sample("resihp_plans", _labels(job=job, state=st), states.get(st, 0))
+        health = data.device_health(job)
+        if health:
+            layout = data.layout(job)
+            dpn = layout.devices_per_node if layout else 8
+            w.family(
+                "resihp_device_throughput_ratio",
+                "gauge",
+                "Normalized throughput p_i of each device (1 = healthy, 0 = dead).",
+            )
+            for rank in sorted(health):
+                d = health[rank]
+                p = d.get("p")
+                if isinstance(p, int | float):
+                    w.sample(
+                        "resihp_device_throughput_ratio",
+                        _labels(job=job, rank=rank, node=rank // dpn, state=d.get("state", "")),
+                        p,
+                    )
+        hb = data.node_heartbeats(job)
+        if hb:
+            w.family(
+                "resihp_node_heartbeat_age_seconds",
+                "gauge",
+                "Seconds since a node's last heartbeat.",
+            )
+            for node in sorted(hb):
+                w.sample(
+                    "resihp_node_heartbeat_age_seconds",
+                    _labels(job=job, node=node),
+                    max(0.0, now_s - hb[node]),
+                )
+        for name, val in sorted(data.counters(job).items()):
+            if not name.endswith("_total"):
+                continue
+            metric = "resihp_" + _NAME_RE.sub("_", name)
+            w.family(metric, "counter", f"Job counter {name}.")
+            w.sample(metric, _labels(job=job), val)
+    return "\n".join(w.lines) + "\n"
+
+
+def install(server: flask.Flask, data: DashboardData) -> None:
+    @server.get("/metrics")
+    def metrics():  # noqa: ANN202
+        return flask.Response(render(data), mimetype=None, content_type=CONTENT_TYPE)

@@ -1,0 +1,158 @@
+"""Failures: history table with filters (kind, rank, node, time); a row opens its evidence."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from dash import Input, Output, State, dash_table, dcc, html, no_update
+
+from dashboard import figures
+from dashboard.pages import AppContext, banner, redis_safe
+from resihp.schemas import FailureReport
+
+PATH = "/failures"
+NAME = "Failures"
+#: The table shows at most this many (newest) reports; the filters narrow further.
+MAX_ROWS = 1000
+_WINDOWS = {"5 min": 300, "1 h": 3600, "24 h": 86400, "all": None}
+
+
+def layout(ctx: AppContext) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id="fl-status"),
+            html.Div(
+                [
+                    dcc.Dropdown(
+                        id="fl-kind",
+                        multi=True,
+                        placeholder="kind",
+                        options=list(FailureReport.KINDS),
+                        style={"width": "360px", "display": "inline-block"},
+                    ),
+                    dcc.Input(
+                        id="fl-rank",
+                        type="number",
+                        min=0,
+                        placeholder="rank",
+                        debounce=True,
+                        style={"width": "90px", "marginLeft": "8px"},
+                    ),
+                    dcc.Input(
+                        id="fl-node",
+                        type="number",
+                        min=0,
+                        placeholder="node",
+                        debounce=True,
+                        style={"width": "90px", "marginLeft": "8px"},
+                    ),
+                    dcc.Dropdown(
+                        id="fl-window",
+                        options=list(_WINDOWS),
+                        value="all",
+                        clearable=False,
+                        style={
+                            "width": "120px",
+                            "display": "inline-block",
+                            "marginLeft": "8px",
+                            "verticalAlign": "middle",
+                        },
+                    ),
+                    html.Span(id="fl-count", style={"marginLeft": "12px"}),
+                ],
+                className="panel",
+            ),
+            html.Div(
+                dash_table.DataTable(
+                    id="fl-table",
+                    columns=[
+                        {"name": c, "id": c}
+                        for c in (
+                            "time",
+                            "report_id",
+                            "kind",
+                            "ranks",
+                            "nodes",
+                            "iteration",
+                            "min_p",
+                            "detector",
+                        )
+                    ],
+                    data=[],
+                    page_size=15,
+                    sort_action="native",
+                    style_cell={"fontSize": 13, "textAlign": "left"},
+                    style_data_conditional=[
+                        {"if": {"filter_query": '{kind} = "fail_stop"'}, "color": "#b00"},
+                    ],
+                ),
+                className="panel",
+            ),
+            html.Div(id="fl-evidence", className="panel"),
+        ]
+    )
+
+
+def register(app, ctx: AppContext) -> None:
+    @app.callback(
+        Output("fl-status", "children"),
+        Output("fl-table", "data"),
+        Output("fl-count", "children"),
+        Input("tick", "n_intervals"),
+        Input("job", "value"),
+        Input("fl-kind", "value"),
+        Input("fl-rank", "value"),
+        Input("fl-node", "value"),
+        Input("fl-window", "value"),
+        State("fl-table", "data"),
+    )
+    @redis_safe(3)
+    def refresh(_n, job, kinds, rank, node, window, current):
+        if not job:
+            return banner("no job selected", "info"), [], ""
+        lay = ctx.data.layout(job)
+        dpn = lay.devices_per_node if lay else 8
+        fails = ctx.data.failures(job)
+        w = _WINDOWS.get(window or "all")
+        sel = figures.filter_failures(
+            fails, dpn, kinds or None, rank, node, since_s=(time.time() - w) if w else None
+        )
+        rows = figures.failure_rows(sel[::-1][:MAX_ROWS], dpn)
+        count = f"{len(sel)} of {len(fails)} reports" + (
+            f" (newest {MAX_ROWS} shown)" if len(sel) > MAX_ROWS else ""
+        )
+        return "", rows if rows != current else no_update, count
+
+    @app.callback(
+        Output("fl-evidence", "children"),
+        Input("fl-table", "active_cell"),
+        State("fl-table", "derived_viewport_data"),
+        State("job", "value"),
+    )
+    @redis_safe(1)
+    def evidence(cell, viewport, job):
+        if not cell or not viewport or not job:
+            return html.Div("Click a row to see its evidence.")
+        row = viewport[cell["row"]] if cell["row"] < len(viewport) else None
+        if row is None:
+            return no_update
+        f = next((x for x in ctx.data.failures(job) if x.report_id == row["report_id"]), None)
+        if f is None:
+            return banner(f"report {row['report_id']} no longer available", "warn")
+        return html.Div(
+            [
+                html.H4(f"{f.kind} · {f.report_id} · iteration {f.iteration}"),
+                html.Div(
+                    f"ranks {f.ranks[:64]} · nodes {f.nodes[:64]} · detector {f.detector_mode}"
+                    + (f" · slow links {f.links[:16]}" if f.links else "")
+                ),
+                dcc.Graph(figure=figures.evidence_figure(f), config={"displaylogo": False}),
+                html.Pre(
+                    json.dumps({"severity": f.severity, **f.evidence}, indent=2, default=str),
+                    id="fl-evidence-json",
+                ),
+                dcc.Link("open as incident", href=f"/incidents?id={f.report_id}"),
+            ],
+            id="fl-evidence-body",
+        )

@@ -1,0 +1,184 @@
+"""Overview: job layout and health at a glance, throughput and iteration time, open incidents."""
+
+from __future__ import annotations
+
+import time
+
+from dash import Input, Output, dash_table, dcc, html
+
+from dashboard import figures, incidents
+from dashboard.pages import AppContext, banner, card, redis_safe
+from dashboard.predict import healthy_iteration_time_s
+
+PATH = "/"
+NAME = "Overview"
+
+
+def layout(ctx: AppContext) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id="ov-status"),
+            html.Div(id="ov-cards", className="cards"),
+            html.Div(
+                [
+                    html.Div(
+                        dcc.Graph(id="ov-throughput", config={"displaylogo": False}),
+                        className="panel col",
+                    ),
+                    html.Div(
+                        dcc.Graph(id="ov-itertime", config={"displaylogo": False}),
+                        className="panel col",
+                    ),
+                ],
+                className="row",
+            ),
+            html.Div([html.H4("Open incidents"), html.Div(id="ov-incidents")], className="panel"),
+        ]
+    )
+
+
+def summarize(ctx: AppContext, job: str) -> dict:
+    """Everything the overview shows, as plain data (also used by tests)."""
+    d = ctx.data
+    rows = [r.to_dict() for r in d.iterations(job)]
+    fails = d.failures(job)
+    lay = d.layout(job)
+    plans = d.plans(job)
+    hist = d.plan_history(job)
+    acts = d.actions(job)
+    open_inc = []
+    for f in incidents.list_incidents(fails)[-50:]:
+        inc = incidents.build_incident(job, f.report_id, fails, hist, acts, rows)
+        if inc.status == "open":
+            open_inc.append(inc)
+    return {
+        "rows": rows,
+        "failures": fails,
+        "layout": lay,
+        "plans": plans,
+        "open_incidents": open_inc,
+        "health": d.service_health(job),
+        "device_health": d.device_health(job),
+    }
+
+
+def register(app, ctx: AppContext) -> None:
+    @app.callback(
+        Output("ov-status", "children"),
+        Output("ov-cards", "children"),
+        Output("ov-throughput", "figure"),
+        Output("ov-itertime", "figure"),
+        Output("ov-incidents", "children"),
+        Input("tick", "n_intervals"),
+        Input("job", "value"),
+    )
+    @redis_safe(5)
+    def refresh(_n, job):
+        if not job:
+            return (
+                banner("No job has reported into this Redis yet.", "info"),
+                [],
+                figures.empty_figure("no job"),
+                figures.empty_figure("no job"),
+                "",
+            )
+        s = summarize(ctx, job)
+        rows, lay = s["rows"], s["layout"]
+        cards = []
+        if lay is not None:
+            tps = sorted({len(g) for st in lay.groups for g in st if g})
+            cards.append(
+                card(
+                    "layout",
+                    f"DP{lay.dp} x PP{lay.pp} x TP{'/'.join(map(str, tps))}",
+                    f"{lay.world_size} GPUs on {lay.num_nodes} nodes, layers {lay.layers[:8]}"
+                    + ("..." if lay.pp > 8 else ""),
+                )
+            )
+            dead = len(lay.dead)
+            cards.append(
+                card(
+                    "devices",
+                    f"{lay.world_size - dead - len(lay.standby)} active",
+                    f"{dead} dead, {len(lay.standby)} standby",
+                    "bad" if dead else "ok",
+                )
+            )
+        else:
+            cards.append(card("layout", "unknown", "no layout key yet", "warn"))
+        slow = [
+            r
+            for r, v in s["device_health"].items()
+            if isinstance(v.get("p"), int | float) and v["p"] < 0.9
+        ]
+        cards.append(
+            card(
+                "slow devices (p<0.9)",
+                len(slow),
+                ", ".join(map(str, sorted(slow)[:6])),
+                "warn" if slow else "ok",
+            )
+        )
+        if rows:
+            last = rows[-1]
+            cards.append(
+                card(
+                    "iteration",
+                    last["iteration"],
+                    f"{last['iteration_time_s']:.3f} s, {last['samples_per_s']:.1f} samples/s",
+                )
+            )
+        pending = [p for p in s["plans"].values() if p.state == "proposed"]
+        latest = max(s["plans"].values(), key=lambda p: p.plan_id, default=None)
+        cards.append(
+            card(
+                "plans",
+                f"{len(pending)} pending",
+                f"latest #{latest.plan_id}: {latest.state}" if latest else "none",
+                "warn" if pending else "",
+            )
+        )
+        now = time.time()
+        svc = []
+        for name in ("collector", "detector", "scheduler", "dashboard"):
+            h = next((v for k, v in s["health"].items() if k.startswith(name + ":")), None)
+            ok = h is not None and h.get("status") == "ok"
+            svc.append(f"{name} {'ok' if ok else 'down'}")
+        cards.append(
+            card(
+                "services",
+                sum("ok" in x for x in svc),
+                " · ".join(svc),
+                "ok" if all(" ok" in x for x in svc) else "warn",
+            )
+        )
+        healthy = healthy_iteration_time_s(lay)
+        thr = figures.throughput_figure(rows, s["failures"][-100:], title="Throughput (samples/s)")
+        itf = figures.iteration_time_figure(rows, s["failures"][-200:], healthy)
+        inc = s["open_incidents"]
+        if inc:
+            table = dash_table.DataTable(
+                id="ov-incidents-table",
+                columns=[
+                    {"name": c, "id": c}
+                    for c in ("incident", "kind", "ranks", "detected", "age_s", "phase")
+                ],
+                data=[
+                    {
+                        "incident": i.incident_id,
+                        "kind": i.failure.kind,
+                        "ranks": ", ".join(map(str, i.failure.ranks[:8])),
+                        "detected": figures._ts(i.failure.detected_at_s).strftime("%H:%M:%S"),
+                        "age_s": round(now - i.failure.detected_at_s, 1),
+                        "phase": next(
+                            (p.name for p in reversed(i.phases) if p.at_s is not None), ""
+                        ),
+                    }
+                    for i in inc
+                ],
+                page_size=10,
+                style_cell={"fontSize": 13, "textAlign": "left"},
+            )
+        else:
+            table = html.Div("none", id="ov-no-incidents")
+        return "", cards, thr, itf, table

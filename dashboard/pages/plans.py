@@ -1,0 +1,370 @@
+"""Plans: the pending plan as a before/after diff, with Acknowledge / Override / Reject for an
+authenticated operator, scheduler refusals, the action stream and the audit log."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from dash import Input, Output, State, dash_table, dcc, html, no_update
+from dash import ctx as dash_ctx
+
+from dashboard import auth, figures
+from dashboard.pages import AppContext, banner, redis_safe
+from resihp.schemas import AdaptationPlan, OperatorAction
+
+PATH = "/plans"
+NAME = "Plans"
+ACTIONABLE = ("proposed", "acknowledged")
+
+
+def layout(ctx: AppContext) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id="pl-status"),
+            html.Div(
+                [
+                    html.Label("plan "),
+                    dcc.Dropdown(
+                        id="pl-plan",
+                        clearable=False,
+                        placeholder="no plans yet",
+                        style={
+                            "width": "460px",
+                            "display": "inline-block",
+                            "verticalAlign": "middle",
+                        },
+                    ),
+                ],
+                className="panel",
+            ),
+            html.Div(id="pl-summary", className="panel"),
+            html.Div(
+                [
+                    html.H4("Operator actions"),
+                    html.Button("Acknowledge", id="pl-ack"),
+                    html.Button("Reject", id="pl-reject"),
+                    html.Div(
+                        [
+                            html.B("Override: "),
+                            html.Label("layers per stage "),
+                            dcc.Input(
+                                id="pl-ov-layers",
+                                type="text",
+                                placeholder="e.g. 8,8,7,9",
+                                style={"width": "160px"},
+                            ),
+                            html.Label(" drop ranks "),
+                            dcc.Input(
+                                id="pl-ov-drop",
+                                type="text",
+                                placeholder="e.g. 5",
+                                style={"width": "90px"},
+                            ),
+                            html.Label(" keep ranks "),
+                            dcc.Input(
+                                id="pl-ov-keep",
+                                type="text",
+                                placeholder="e.g. 5",
+                                style={"width": "90px"},
+                            ),
+                            dcc.Checklist(
+                                id="pl-ov-migration",
+                                options=[{"label": " migration", "value": "on"}],
+                                value=["on"],
+                                inline=True,
+                                style={"display": "inline-block", "marginLeft": "8px"},
+                            ),
+                            html.Button("Override", id="pl-override", style={"marginLeft": "8px"}),
+                        ],
+                        style={"marginTop": "8px"},
+                    ),
+                    dcc.Input(
+                        id="pl-comment",
+                        type="text",
+                        placeholder="comment (optional)",
+                        style={"width": "420px", "marginTop": "8px"},
+                    ),
+                    html.Div(id="pl-action-result", style={"marginTop": "8px"}),
+                ],
+                className="panel",
+            ),
+            html.Div([html.H4("Refusals"), html.Div(id="pl-refusals")], className="panel"),
+            html.Div([html.H4("Audit log"), html.Div(id="pl-audit")], className="panel"),
+            html.Div([html.H4("Action stream"), html.Div(id="pl-actions")], className="panel"),
+        ]
+    )
+
+
+def _ints(text: str | None, field: str) -> list[int]:
+    text = (text or "").strip()
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.replace(";", ",").replace(" ", ",").split(",") if x]
+    except ValueError:
+        raise ValueError(f"{field}: {text!r} is not a comma-separated list of integers") from None
+
+
+def build_override(
+    layers: str | None, drop: str | None, keep: str | None, migration: list[str] | None
+) -> dict[str, Any]:
+    """The override payload the scheduler validates (keys: layers, drop_ranks, keep_ranks, migration)."""
+    ov: dict[str, Any] = {}
+    if lay := _ints(layers, "layers"):
+        ov["layers"] = lay
+    if d := _ints(drop, "drop ranks"):
+        ov["drop_ranks"] = d
+    if k := _ints(keep, "keep ranks"):
+        ov["keep_ranks"] = k
+    ov["migration"] = bool(migration and "on" in migration)
+    return ov
+
+
+def submit_action(
+    ctx: AppContext,
+    job: str | None,
+    operator: str | None,
+    action: str,
+    plan_id: int | None,
+    override: dict | None = None,
+    comment: str = "",
+) -> tuple[bool, str]:
+    """Publish one operator action, or refuse it (and publish nothing). Returns (sent, message)."""
+    if not operator:
+        return False, f"Refused: log in as an operator to {action} (nothing was sent)."
+    if not job:
+        return False, "Refused: no job selected."
+    if plan_id is None:
+        return False, "Refused: no plan selected."
+    act = OperatorAction(
+        action=action,
+        plan_id=int(plan_id),
+        actor=operator,
+        at_s=time.time(),
+        override=override or {},
+        comment=comment or "",
+        action_id=uuid.uuid4().hex[:12],
+    )
+    ctx.data.publish_action(job, act)
+    return True, (
+        f"Sent {action} for plan {plan_id} as {operator} (action {act.action_id}); "
+        "waiting for the scheduler."
+    )
+
+
+def _plan_label(p: AdaptationPlan) -> str:
+    return f"#{p.plan_id} {p.state} · {p.reason[:60]}"
+
+
+def _summary(p: AdaptationPlan, plans: dict[int, AdaptationPlan]) -> list:
+    children = [q for q in plans.values() if q.parent_plan_id == p.plan_id]
+    out = [
+        html.H4(
+            [f"Plan {p.plan_id}: ", html.Span(p.state, id="pl-state", className=f"state-{p.state}")]
+        ),
+        html.Div(f"{p.reason} · policy {p.policy} · mode {p.mode} · failures {p.failure_ids}"),
+        html.Div(
+            f"predicted iteration time {p.predicted_before_s:.3f} s → {p.predicted_after_s:.3f} s"
+            + (
+                f" ({(1 - p.predicted_after_s / p.predicted_before_s) * 100:+.1f}% faster)"
+                if p.predicted_before_s > 0
+                else ""
+            )
+        ),
+    ]
+    if p.note:
+        out.append(
+            banner(
+                f"{'Refused' if p.state == 'refused' else 'Note'}: {p.note}",
+                "error" if p.state == "refused" else "info",
+            )
+        )
+    for c in children:
+        kind = "error" if c.state == "refused" else "ok"
+        out.append(
+            html.Div(
+                banner(
+                    f"Plan {c.plan_id} ({c.state}) from this plan"
+                    + (f": {c.note}" if c.note else ""),
+                    kind,
+                ),
+                className="pl-child",
+            )
+        )
+    diff = figures.plan_diff_rows(p.before, p.after)
+    out.append(
+        html.Table(
+            [html.Tr([html.Th("what"), html.Th("before"), html.Th("after")])]
+            + [
+                html.Tr(
+                    [html.Td(r["what"]), html.Td(r["before"]), html.Td(r["after"])],
+                    className="changed" if r["changed"] else "",
+                )
+                for r in diff
+            ],
+            className="simple",
+            id="pl-diff",
+        )
+    )
+    out.append(
+        dcc.Graph(
+            figure=figures.plan_layers_figure(
+                p.before, p.after, (p.predicted_before_s, p.predicted_after_s)
+            ),
+            config={"displaylogo": False},
+        )
+    )
+    if p.moves:
+        out.append(
+            html.Details(
+                [
+                    html.Summary(f"{len(p.moves)} moves"),
+                    html.Pre("\n".join(str(m) for m in p.moves[:200])),
+                ]
+            )
+        )
+    return out
+
+
+def register(app, ctx: AppContext) -> None:
+    @app.callback(
+        Output("pl-status", "children"),
+        Output("pl-plan", "options"),
+        Output("pl-plan", "value"),
+        Output("pl-summary", "children"),
+        Output("pl-refusals", "children"),
+        Output("pl-audit", "children"),
+        Output("pl-actions", "children"),
+        Input("tick", "n_intervals"),
+        Input("job", "value"),
+        Input("pl-plan", "value"),
+        State("pl-plan", "options"),
+    )
+    @redis_safe(7)
+    def refresh(_n, job, selected, options):
+        if not job:
+            return banner("no job selected", "info"), [], None, "", "", "", ""
+        orig = selected
+        plans = ctx.data.plans(job)
+        ordered = sorted(plans.values(), key=lambda p: p.plan_id, reverse=True)
+        opts = [{"label": _plan_label(p), "value": p.plan_id} for p in ordered]
+        if selected not in plans:
+            pending = [p for p in ordered if p.state == "proposed"]
+            selected = (pending or ordered or [None])[0]
+            selected = selected.plan_id if selected else None
+        summary = (
+            _summary(plans[selected], plans)
+            if selected in plans
+            else html.Div("No plan has been proposed for this job.")
+        )
+        refused = [p for p in ordered if p.state == "refused"][:10]
+        refusals = (
+            html.Ul(
+                [
+                    html.Li(
+                        f"plan {p.plan_id} (from plan {p.parent_plan_id}): {p.note}",
+                        className="pl-refusal",
+                    )
+                    for p in refused
+                ]
+            )
+            if refused
+            else "none"
+        )
+        audit = ctx.data.audit(job)[-200:][::-1]
+        cols = ["at", "actor", "action", "plan_id", "result", "note", "new_plan_id", "override"]
+        arows = [
+            {
+                "at": figures._ts(float(a.get("at_s", 0) or 0)).strftime("%H:%M:%S"),
+                **{c: str(a.get(c, "")) for c in cols[1:]},
+            }
+            for a in audit
+        ]
+        audit_t = dash_table.DataTable(
+            id="pl-audit-table",
+            columns=[{"name": c, "id": c} for c in cols],
+            data=arows,
+            page_size=10,
+            style_cell={"fontSize": 12, "textAlign": "left"},
+        )
+        acts = ctx.data.actions(job)[-100:][::-1]
+        act_t = dash_table.DataTable(
+            id="pl-actions-table",
+            columns=[
+                {"name": c, "id": c} for c in ("at", "action", "plan_id", "actor", "override")
+            ],
+            data=[
+                {
+                    "at": figures._ts(a.at_s).strftime("%H:%M:%S"),
+                    "action": a.action,
+                    "plan_id": a.plan_id,
+                    "actor": a.actor,
+                    "override": str(a.override) if a.override else "",
+                }
+                for a in acts
+            ],
+            page_size=10,
+            style_cell={"fontSize": 12, "textAlign": "left"},
+        )
+        return (
+            "",
+            opts if opts != options else no_update,
+            selected if selected != orig else no_update,
+            summary,
+            refusals,
+            audit_t,
+            act_t,
+        )
+
+    @app.callback(
+        Output("pl-ov-layers", "value"),
+        Output("pl-ov-migration", "value"),
+        Input("pl-plan", "value"),
+        State("job", "value"),
+    )
+    @redis_safe(2)
+    def prefill(plan_id, job):
+        if not job or plan_id is None:
+            return no_update, no_update
+        p = ctx.data.plans(job).get(plan_id)
+        if p is None:
+            return no_update, no_update
+        lay = p.after.get("layers") or []
+        return ",".join(map(str, lay)), (["on"] if p.after.get("migrations") else [])
+
+    @app.callback(
+        Output("pl-action-result", "children"),
+        Input("pl-ack", "n_clicks"),
+        Input("pl-reject", "n_clicks"),
+        Input("pl-override", "n_clicks"),
+        State("job", "value"),
+        State("pl-plan", "value"),
+        State("pl-ov-layers", "value"),
+        State("pl-ov-drop", "value"),
+        State("pl-ov-keep", "value"),
+        State("pl-ov-migration", "value"),
+        State("pl-comment", "value"),
+        prevent_initial_call=True,
+    )
+    @redis_safe(1)
+    def act(_a, _r, _o, job, plan_id, layers, drop, keep, migration, comment):
+        trig = dash_ctx.triggered_id
+        action = {"pl-ack": "acknowledge", "pl-reject": "reject", "pl-override": "override"}.get(
+            trig
+        )
+        if action is None:
+            return no_update
+        override = None
+        if action == "override":
+            try:
+                override = build_override(layers, drop, keep, migration)
+            except ValueError as e:
+                return banner(f"Refused (nothing was sent): {e}", "error")
+        ok, msg = submit_action(
+            ctx, job, auth.current_operator(), action, plan_id, override, comment or ""
+        )
+        return html.Div(
+            banner(msg, "ok" if ok else "error"), id="pl-action-sent" if ok else "pl-action-refused"
+        )

@@ -1,0 +1,203 @@
+"""Device skew: p_i heatmap over nodes x devices (aggregated for big jobs, click to drill down),
+by (stage, DP replica), heartbeat age per node, and recurring culprits over time."""
+
+from __future__ import annotations
+
+import time
+
+from dash import Input, Output, State, dash_table, dcc, html, no_update
+from dash import ctx as dash_ctx
+
+from dashboard import figures
+from dashboard.pages import AppContext, banner, redis_safe
+
+PATH = "/skew"
+NAME = "Device skew"
+
+
+def layout(ctx: AppContext) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id="sk-status"),
+            html.Div(
+                [
+                    html.Button("All nodes", id="sk-top"),
+                    html.Button("Up one level", id="sk-up"),
+                    html.Label(" go to node "),
+                    dcc.Input(
+                        id="sk-node", type="number", min=0, debounce=True, style={"width": "90px"}
+                    ),
+                    html.Span(id="sk-where", style={"marginLeft": "12px"}),
+                ],
+                className="panel",
+            ),
+            html.Div(
+                [
+                    html.Div(
+                        dcc.Graph(id="sk-heatmap", config={"displaylogo": False}),
+                        className="panel col",
+                    ),
+                    html.Div(
+                        [
+                            dcc.Graph(id="sk-coords", config={"displaylogo": False}),
+                            html.Div(id="sk-node-detail"),
+                        ],
+                        className="panel col",
+                    ),
+                ],
+                className="row",
+            ),
+            html.Div(
+                [
+                    html.Div(
+                        dcc.Graph(id="sk-heartbeat", config={"displaylogo": False}),
+                        className="panel col",
+                    ),
+                    html.Div(
+                        [
+                            dcc.Graph(id="sk-recurrence", config={"displaylogo": False}),
+                            html.Div(id="sk-culprits"),
+                        ],
+                        className="panel col",
+                    ),
+                ],
+                className="row",
+            ),
+            dcc.Store(id="sk-drill", data=[]),
+            dcc.Store(id="sk-selected-node"),
+        ]
+    )
+
+
+def device_state(ctx: AppContext, job: str):
+    lay = ctx.data.layout(job)
+    health = ctx.data.device_health(job)
+    if lay is not None:
+        world, dpn = lay.world_size, lay.devices_per_node
+        dead, standby = lay.dead, lay.standby
+    else:
+        world = (max(health) + 1) if health else 0
+        dpn, dead, standby = 8, [], []
+    p, state = figures.device_arrays(world, health, dead, standby)
+    return lay, p, state, dpn
+
+
+def register(app, ctx: AppContext) -> None:
+    max_rows = ctx.config.max_heatmap_rows
+
+    @app.callback(
+        Output("sk-drill", "data"),
+        Output("sk-selected-node", "data"),
+        Input("sk-heatmap", "clickData"),
+        Input("sk-top", "n_clicks"),
+        Input("sk-up", "n_clicks"),
+        Input("sk-node", "value"),
+        State("sk-drill", "data"),
+        prevent_initial_call=True,
+    )
+    def drill(click, _top, _up, node, stack):
+        stack = list(stack or [])
+        trig = dash_ctx.triggered_id
+        if trig == "sk-top":
+            return [], None
+        if trig == "sk-up":
+            return stack[:-1], None
+        if trig == "sk-node":
+            if node is None:
+                return no_update, no_update
+            lo = int(node) - int(node) % max_rows
+            return [*stack, [lo, lo + max_rows]], int(node)
+        if trig == "sk-heatmap" and click and click.get("points"):
+            cd = click["points"][0].get("customdata")
+            if not cd or len(cd) != 2:
+                return no_update, no_update
+            lo, hi = int(cd[0]), int(cd[1])
+            if hi - lo <= 1:
+                return no_update, lo  # a single node: show its devices
+            return [*stack, [lo, hi]], None
+        return no_update, no_update
+
+    @app.callback(
+        Output("sk-status", "children"),
+        Output("sk-heatmap", "figure"),
+        Output("sk-coords", "figure"),
+        Output("sk-heartbeat", "figure"),
+        Output("sk-recurrence", "figure"),
+        Output("sk-culprits", "children"),
+        Output("sk-where", "children"),
+        Output("sk-node-detail", "children"),
+        Input("tick", "n_intervals"),
+        Input("job", "value"),
+        Input("sk-drill", "data"),
+        Input("sk-selected-node", "data"),
+    )
+    @redis_safe(8)
+    def refresh(_n, job, stack, node):
+        empty = figures.empty_figure("no job")
+        if not job:
+            return banner("no job selected", "info"), empty, empty, empty, empty, "", "", ""
+        lay, p, state, dpn = device_state(ctx, job)
+        rng = tuple(stack[-1]) if stack else None
+        grid = figures.skew_grid(p, state, dpn, rng, max_rows)
+        heat = figures.skew_heatmap_figure(grid, dpn)
+        coords = (
+            figures.coord_heatmap_figure(p, lay.groups)
+            if lay is not None
+            else figures.empty_figure("no layout")
+        )
+        hb = figures.heartbeat_age_figure(ctx.data.node_heartbeats(job), time.time())
+        fails = ctx.data.failures(job)
+        rec = figures.recurrence_figure(fails[-500:], dpn)
+        culprits = figures.recurring_culprits(fails, dpn)
+        ctable = (
+            dash_table.DataTable(
+                id="sk-culprits-table",
+                columns=[
+                    {"name": c, "id": c}
+                    for c in ("rank", "node", "reports", "kinds", "first", "last")
+                ],
+                data=culprits,
+                page_size=10,
+                style_cell={"fontSize": 13, "textAlign": "left"},
+            )
+            if culprits
+            else html.Div("no culprits reported")
+        )
+        num_nodes = -(-len(p) // dpn) if len(p) else 0
+        where = (
+            f"{len(p)} devices on {num_nodes} nodes; showing "
+            + (f"nodes {rng[0]}-{min(rng[1], num_nodes) - 1}" if rng else "all nodes")
+            + (f", {grid.nodes_per_row} nodes per row (min p_i)" if grid.level == "groups" else "")
+        )
+        detail = ""
+        if node is not None and 0 <= node < num_nodes:
+            coord = lay.coords() if lay is not None else {}
+            lo = node * dpn
+            rows = []
+            for r in range(lo, min(lo + dpn, len(p))):
+                d, s, t = coord.get(r, (None, None, None))
+                st = {0: "active", 1: "dead", 2: "standby"}[int(state[r])]
+                if st == "active" and r not in coord and lay is not None:
+                    st = "idle"
+                rows.append(
+                    {
+                        "rank": r,
+                        "p_i": None if p[r] != p[r] else round(float(p[r]), 3),
+                        "state": st,
+                        "dp": d,
+                        "stage": s,
+                        "tp": t,
+                    }
+                )
+            detail = html.Div(
+                [
+                    html.H4(f"node {node}"),
+                    dash_table.DataTable(
+                        id="sk-node-table",
+                        columns=[{"name": c, "id": c} for c in rows[0]] if rows else [],
+                        data=rows,
+                        style_cell={"fontSize": 13},
+                    ),
+                ]
+            )
+        return "", heat, coords, hb, rec, ctable, where, detail

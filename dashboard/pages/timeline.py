@@ -1,0 +1,177 @@
+"""Pipeline timeline: Gantt of F/B/W chunks per (DP replica, stage), observed beside predicted,
+bubble ratio per stage, migrated micro-batches marked; Perfetto trace download."""
+
+from __future__ import annotations
+
+from dash import Input, Output, State, dcc, html, no_update
+
+from dashboard import figures, perfetto
+from dashboard.pages import AppContext, banner, redis_safe
+from dashboard.predict import predicted_chunks
+
+PATH = "/timeline"
+NAME = "Pipeline timeline"
+
+
+def layout(ctx: AppContext) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id="tl-status"),
+            html.Div(
+                [
+                    html.Label("iteration "),
+                    dcc.Input(
+                        id="tl-iteration",
+                        type="number",
+                        min=0,
+                        placeholder="latest",
+                        debounce=True,
+                        style={"width": "110px"},
+                    ),
+                    html.Label(" DP replicas "),
+                    dcc.Dropdown(
+                        id="tl-dps",
+                        multi=True,
+                        placeholder="first 4",
+                        style={
+                            "width": "320px",
+                            "display": "inline-block",
+                            "verticalAlign": "middle",
+                        },
+                    ),
+                    html.Button(
+                        "Download Perfetto trace",
+                        id="tl-download-btn",
+                        style={"marginLeft": "12px"},
+                    ),
+                    dcc.Download(id="tl-download"),
+                    html.Span(id="tl-info", style={"marginLeft": "12px"}),
+                ],
+                className="panel",
+            ),
+            html.Div(dcc.Graph(id="tl-graph", config={"displaylogo": False}), className="panel"),
+            html.Div(id="tl-bubbles", className="panel"),
+            dcc.Store(id="tl-rendered"),
+        ]
+    )
+
+
+def load(ctx: AppContext, job: str, iteration: int | None):
+    rec = ctx.data.iteration_record(job, iteration)
+    lay = ctx.data.layout(job)
+    pred = None
+    if rec is not None:
+        pred = rec.get("predicted_chunks") or predicted_chunks(lay)
+    return rec, lay, pred
+
+
+def register(app, ctx: AppContext) -> None:
+    @app.callback(
+        Output("tl-status", "children"),
+        Output("tl-graph", "figure"),
+        Output("tl-bubbles", "children"),
+        Output("tl-info", "children"),
+        Output("tl-dps", "options"),
+        Output("tl-rendered", "data"),
+        Input("tick", "n_intervals"),
+        Input("job", "value"),
+        Input("tl-iteration", "value"),
+        Input("tl-dps", "value"),
+        State("tl-rendered", "data"),
+    )
+    @redis_safe(6)
+    def refresh(_n, job, iteration, dps, rendered):
+        if not job:
+            return (
+                banner("no job selected", "info"),
+                figures.empty_figure("no job"),
+                "",
+                "",
+                [],
+                None,
+            )
+        rows = ctx.data.iterations(job)
+        if not rows:
+            return (
+                banner("no iterations yet", "info"),
+                figures.empty_figure("no iterations yet"),
+                "",
+                "",
+                [],
+                None,
+            )
+        if iteration is None:
+            target = rows[-1]
+        else:
+            target = next((r for r in rows if r.iteration == int(iteration)), None)
+            if target is None:
+                return (
+                    banner(
+                        f"iteration {iteration} is not in the last {len(rows)} iterations "
+                        f"({rows[0].iteration}-{rows[-1].iteration})",
+                        "warn",
+                    ),
+                    no_update,
+                    no_update,
+                    no_update,
+                    no_update,
+                    rendered,
+                )
+        key = [job, target.entry_id, sorted(dps or [])]
+        if rendered == key:
+            return no_update, no_update, no_update, no_update, no_update, no_update
+        rec, _lay, pred = load(ctx, job, target.iteration)
+        if rec is None:
+            return (
+                banner("record no longer in Redis", "warn"),
+                no_update,
+                no_update,
+                no_update,
+                no_update,
+                rendered,
+            )
+        chunks = rec.get("chunks") or {}
+        all_dps = sorted(set(chunks.get("dp", [])))
+        fig = figures.timeline_figure(
+            chunks,
+            pred,
+            dps or None,
+            title=f"Iteration {rec['iteration']} ({rec['iteration_time_s']:.3f} s observed)",
+        )
+        stage_b = figures.stage_bubble_ratios(chunks)
+        bubbles = html.Div(
+            [
+                html.B("Bubble ratio per stage (observed, mean over DP replicas): "),
+                html.Span(
+                    "  ".join(f"s{s}: {v * 100:.1f}%" for s, v in stage_b.items()),
+                    id="tl-bubble-values",
+                ),
+            ]
+        )
+        moved = sum(
+            1
+            for a, b in zip(chunks.get("src_dp", []), chunks.get("dp", []), strict=False)
+            if a >= 0 and a != b
+        )
+        info = (
+            f"iteration {rec['iteration']} · {len(chunks.get('stage', []))} chunks · "
+            f"{moved} migrated · predicted {'shown' if pred else 'not available'}"
+        )
+        opts = [{"label": f"dp{d}", "value": d} for d in all_dps]
+        return "", fig, bubbles, info, opts, key
+
+    @app.callback(
+        Output("tl-download", "data"),
+        Input("tl-download-btn", "n_clicks"),
+        State("job", "value"),
+        State("tl-iteration", "value"),
+        prevent_initial_call=True,
+    )
+    def download(_clicks, job, iteration):
+        if not job:
+            return no_update
+        rec, lay, pred = load(ctx, job, iteration)
+        if rec is None:
+            return no_update
+        body = perfetto.chrome_trace_json(rec, lay, pred, job)
+        return dcc.send_string(body, f"{job}-iteration-{rec['iteration']}.trace.json")

@@ -1,0 +1,233 @@
+"""Test data for the dashboard tests: a small job whose rank 5 turns fail-slow.
+
+It publishes real schema messages into a real Redis the way the collector,
+detector and scheduler do (IterationRecord with columnar chunk timings from a
+1F1B list schedule, FailureReport with evidence, device health, node
+heartbeats, AdaptationPlan snapshots), so the dashboard can be tested before
+those services are running.  Times are wall-clock seconds ending "now".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import AdaptationPlan, FailureReport, IterationRecord, OperatorAction
+from resihp.topology import Layout
+
+F_S, B_S = 0.010, 0.020  # healthy per-layer-stage chunk times (s) for 8 layers
+
+
+def one_f_one_b_order(pp: int, m: int, s: int) -> list[tuple[str, int]]:
+    warm = min(pp - s - 1, m)
+    order = [("F", j) for j in range(warm)]
+    f, b = warm, 0
+    while b < m:
+        if f < m:
+            order.append(("F", f))
+            f += 1
+        order.append(("B", b))
+        b += 1
+    return order
+
+
+def simulate(layout: Layout, slow: dict[int, float], t0: float) -> tuple[dict, float]:
+    """Columnar chunks of one iteration (1F1B per replica), slow ranks scaled by 1/p."""
+    pp, cols = (
+        layout.pp,
+        {k: [] for k in ("dp", "stage", "src_dp", "microbatch", "kind", "start_s", "duration_s")},
+    )
+    end_all = t0
+    for d in range(layout.dp):
+        m = layout.microbatches[d]
+        factor = [
+            1.0 / min([slow.get(r, 1.0) for r in layout.groups[d][s]] or [1.0]) for s in range(pp)
+        ]
+        scale = [layout.layers[s] / 8.0 for s in range(pp)]
+        done: dict[tuple[str, int, int], float] = {}
+        free = [t0] * pp
+        orders = [one_f_one_b_order(pp, m, s) for s in range(pp)]
+        pos = [0] * pp
+        while any(pos[s] < len(orders[s]) for s in range(pp)):
+            progressed = False
+            for s in range(pp):
+                if pos[s] >= len(orders[s]):
+                    continue
+                kind, j = orders[s][pos[s]]
+                dep = (
+                    (("F", s - 1, j) if s > 0 else None)
+                    if kind == "F"
+                    else (("B", s + 1, j) if s < pp - 1 else ("F", s, j))
+                )
+                if dep is not None and dep not in done:
+                    continue
+                start = max(free[s], done.get(dep, t0) if dep else t0)
+                dur = (F_S if kind == "F" else B_S) * scale[s] * factor[s]
+                done[(kind, s, j)] = start + dur
+                free[s] = start + dur
+                for k, v in (
+                    ("dp", d),
+                    ("stage", s),
+                    ("src_dp", d),
+                    ("microbatch", j),
+                    ("kind", kind),
+                    ("start_s", start),
+                    ("duration_s", dur),
+                ):
+                    cols[k].append(v)
+                pos[s] += 1
+                progressed = True
+            assert progressed, "1F1B order deadlocked"
+        end_all = max(end_all, max(free))
+    return cols, end_all - t0
+
+
+def publish_job(
+    r,
+    job_id: str = "job-a",
+    iterations: int = 60,
+    slow_from: int = 40,
+    slow_rank: int = 5,
+    slow_p: float = 0.5,
+    plan_state: str = "proposed",
+    end_s: float | None = None,
+) -> dict:
+    """Publish a whole scenario; returns ids and times the tests assert against."""
+    keys = JobKeys(job_id)
+    bus.register_job(r, keys)
+    layout = Layout.uniform(tp=2, pp=4, dp=2, num_layers=32, num_microbatches=8, devices_per_node=8)
+    r.set(keys.layout, json.dumps(layout.to_dict()))
+    healthy_cols, healthy_t = simulate(layout, {}, 0.0)
+    _, slow_t = simulate(layout, {slow_rank: slow_p}, 0.0)
+    gap = 0.002
+    total = healthy_t * slow_from + slow_t * (iterations - slow_from) + gap * iterations
+    t = (end_s or time.time()) - total
+    pipe = r.pipeline()
+    times = {}
+    for it in range(iterations):
+        slow = {slow_rank: slow_p} if it >= slow_from else {}
+        cols, dur = simulate(layout, slow, t)
+        rec = IterationRecord(
+            iteration=it,
+            iteration_time_s=dur,
+            start_s=t,
+            end_s=t + dur,
+            samples=32,
+            tokens=32 * 4096,
+            num_ranks_reporting=16,
+            chunks=cols,
+            ranks={
+                "rank": list(range(16)),
+                "dp": [layout.coords()[k][0] for k in range(16)],
+                "stage": [layout.coords()[k][1] for k in range(16)],
+            },
+        )
+        d = rec.to_dict()
+        d["predicted_iteration_time_s"] = healthy_t
+        pipe.xadd(keys.iterations, {b"m": ("[" + json.dumps(d) + "]").encode()})
+        times[it] = (t, t + dur)
+        t += dur + gap
+    pipe.execute()
+    detected = times[slow_from + 3][1]
+    failure = FailureReport(
+        report_id="fr-slow-1",
+        kind="fail_slow_compute",
+        ranks=[slow_rank],
+        nodes=[slow_rank // 8],
+        detected_at_s=detected,
+        iteration=slow_from + 3,
+        severity={str(slow_rank): slow_p},
+        evidence={
+            "observed_s": slow_t,
+            "predicted_s": healthy_t,
+            "change_point": slow_from,
+            "ratios": {str(k): (slow_p if k == slow_rank else 1.0) for k in range(16)},
+        },
+    )
+    bus.publish(r, keys.failures, failure)
+    health = {
+        str(k): json.dumps(
+            {
+                "p": slow_p if k == slow_rank else 1.0,
+                "state": "slow" if k == slow_rank else "healthy",
+            }
+        )
+        for k in range(16)
+    }
+    r.hset(keys.device_health, mapping=health)
+    r.hset(keys.node_heartbeat, mapping={"0": repr(time.time()), "1": repr(time.time() - 0.4)})
+    after = layout.copy()
+    after.layers = [9, 5, 9, 9]
+    after.layout_id = 1
+    plan = AdaptationPlan(
+        plan_id=1,
+        state="proposed",
+        created_at_s=detected + 0.05,
+        reason=f"fail-slow rank {slow_rank}: move layers off stage 1",
+        before=layout.to_dict(),
+        after=after.to_dict(),
+        predicted_before_s=slow_t,
+        predicted_after_s=healthy_t * 1.1,
+        failure_ids=[failure.report_id],
+        mode="manual",
+        moves=[{"what": "layers", "from_stage": 1, "to_stage": 0, "count": 1}],
+    )
+    publish_plan(r, keys, plan)
+    if plan_state != "proposed":
+        plan.state = plan_state
+        plan.updated_at_s = detected + 0.5
+        publish_plan(r, keys, plan)
+    return {
+        "keys": keys,
+        "layout": layout,
+        "failure": failure,
+        "plan": plan,
+        "healthy_t": healthy_t,
+        "slow_t": slow_t,
+        "times": times,
+        "chunks": healthy_cols,
+    }
+
+
+def publish_plan(r, keys: JobKeys, plan: AdaptationPlan) -> None:
+    bus.publish(r, keys.plans, plan)
+    r.hset(keys.plan_state, str(plan.plan_id), plan.to_json())
+
+
+def publish_recovery(r, scenario: dict, applied_at_s: float, iterations: int = 10) -> None:
+    """The plan applied at ``applied_at_s`` by the trainer, then healthy iterations."""
+    keys, plan, layout = scenario["keys"], scenario["plan"], scenario["layout"]
+    bus.publish(
+        r,
+        keys.actions,
+        OperatorAction(
+            action="acknowledge", plan_id=plan.plan_id, actor="alice", at_s=applied_at_s - 0.3
+        ),
+    )
+    plan.state, plan.updated_at_s = "acknowledged", applied_at_s - 0.25
+    publish_plan(r, keys, plan)
+    bus.publish(
+        r,
+        keys.actions,
+        OperatorAction(action="applied", plan_id=plan.plan_id, actor="trainer", at_s=applied_at_s),
+    )
+    plan.state, plan.updated_at_s = "applied", applied_at_s + 0.01
+    publish_plan(r, keys, plan)
+    last = max(scenario["times"])
+    t = applied_at_s + 0.01
+    for i in range(iterations):
+        cols, dur = simulate(layout, {}, t)
+        rec = IterationRecord(
+            iteration=last + 1 + i,
+            iteration_time_s=dur,
+            start_s=t,
+            end_s=t + dur,
+            samples=32,
+            tokens=32 * 4096,
+            num_ranks_reporting=16,
+            chunks=cols,
+        )
+        bus.publish(r, keys.iterations, rec)
+        t += dur + 0.002
