@@ -1,0 +1,207 @@
+"""Online change-point detection: a CUSUM screen in front of ruptures on a sliding window.
+
+Running ruptures over the whole history every iteration is too slow (Pelt-l2
+on 1,000 points takes ~230 ms), so each series keeps only its last
+``window`` points, a two-sided CUSUM on the standardized values runs on every
+point (a few additions), and only when the screen alarms does ruptures'
+binary segmentation (l2 cost, ~2 ms on 48 points) locate the change inside the
+window.  A change is confirmed when the most recent segment has at least
+``min_after`` points and its mean differs from the preceding segment's.
+
+Values are standardized by the caller's noise scale, so the ruptures penalty
+is in units of the noise variance and one penalty fits every series.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import ruptures as rpt
+
+
+@dataclass
+class ChangePoint:
+    """A confirmed shift: the new regime starts at ``iteration``."""
+
+    iteration: int
+    mean_before: float
+    mean_after: float
+    n_after: int
+    direction: int  # +1 up, -1 down
+    screen_iteration: int  # when the CUSUM screen alarmed
+
+    @property
+    def shift(self) -> float:
+        return self.mean_after - self.mean_before
+
+    def to_dict(self) -> dict:
+        return {
+            "iteration": self.iteration,
+            "mean_before": round(self.mean_before, 6),
+            "mean_after": round(self.mean_after, 6),
+            "n_after": self.n_after,
+            "direction": self.direction,
+            "screen_iteration": self.screen_iteration,
+        }
+
+
+class CusumScreen:
+    """Two-sided CUSUM on standardized values (units of noise sigma)."""
+
+    def __init__(self, k_sigma: float = 0.5, h_sigma: float = 4.0):
+        self.k = k_sigma
+        self.h = h_sigma
+        self.up = 0.0
+        self.down = 0.0
+
+    def update(self, z: float) -> int:
+        self.up = max(0.0, self.up + z - self.k)
+        self.down = max(0.0, self.down - z - self.k)
+        if self.up > self.h:
+            return 1
+        if self.down > self.h:
+            return -1
+        return 0
+
+    def reset(self) -> None:
+        self.up = self.down = 0.0
+
+
+class OnlineChangeDetector:
+    """Change points of one series, kept online with a bounded window.
+
+    ``push(iteration, value)`` returns a :class:`ChangePoint` once a shift is
+    confirmed.  ``center`` and ``scale`` standardize the value (the healthy
+    mean and noise); ``min_shift`` is the smallest |mean_after - mean_before|
+    (in value units) that counts.  ``drop(iterations)`` removes points (the
+    workload filter's benign points); ``rebase(after)`` keeps only points from
+    ``after`` on and resets the screen, so the next change is measured against
+    the new regime.
+    """
+
+    def __init__(
+        self,
+        window: int = 48,
+        min_size: int = 2,
+        penalty: float = 8.0,
+        k_sigma: float = 0.5,
+        h_sigma: float = 4.0,
+        min_after: int = 2,
+        direction: int = 0,
+    ):
+        self.window = window
+        self.min_size = min_size
+        self.penalty = penalty
+        self.min_after = max(min_after, min_size)
+        self.direction = direction  # 0 both, +1 only up, -1 only down
+        self.screen = CusumScreen(k_sigma, h_sigma)
+        self.iters: deque[int] = deque(maxlen=window)
+        self.values: deque[float] = deque(maxlen=window)
+        self.alarm_since: int | None = None
+        self.alarm_dir = 0
+        self.center = 0.0
+        self.scale = 1.0
+        self.segment_calls_total = 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def set_baseline(self, center: float, scale: float) -> None:
+        self.center = float(center)
+        self.scale = max(float(scale), 1e-12)
+
+    def push(self, iteration: int, value: float, min_shift: float = 0.0) -> ChangePoint | None:
+        if not np.isfinite(value):
+            return None
+        self.iters.append(int(iteration))
+        self.values.append(float(value))
+        z = (value - self.center) / self.scale
+        d = self.screen.update(z)
+        if d and (self.direction == 0 or d == self.direction):
+            if self.alarm_since is None or d != self.alarm_dir:
+                self.alarm_since = int(iteration)
+                self.alarm_dir = d
+        elif d:
+            self.screen.reset()
+        if self.alarm_since is None:
+            return None
+        cp = self._segment(min_shift)
+        if cp is not None:
+            return cp
+        # The screen alarmed but the window shows no persistent shift: give up
+        # after half a window so a transient spike does not keep ruptures busy.
+        if int(iteration) - self.alarm_since > self.window // 2:
+            self.alarm_since = None
+            self.screen.reset()
+        return None
+
+    def _segment(self, min_shift: float) -> ChangePoint | None:
+        n = len(self.values)
+        if n < self.min_size + self.min_after:
+            return None
+        x = (np.asarray(self.values) - self.center) / self.scale
+        self.segment_calls_total += 1
+        try:
+            bkps = (
+                rpt.Binseg(model="l2", min_size=self.min_size, jump=1)
+                .fit(x)
+                .predict(pen=self.penalty)
+            )
+        except rpt.exceptions.BadSegmentationParameters:
+            return None
+        cuts = [b for b in bkps if b < n]
+        if not cuts:
+            return None
+        last = cuts[-1]
+        n_after = n - last
+        if n_after < self.min_after:
+            return None
+        prev = cuts[-2] if len(cuts) > 1 else 0
+        vals = np.asarray(self.values)
+        before = float(np.mean(vals[prev:last]))
+        after = float(np.mean(vals[last:]))
+        # every post-change point must sit on the new side (persistence, not a spike)
+        post = vals[last:]
+        sgn = 1 if after > before else -1
+        if self.direction and sgn != self.direction:
+            return None
+        if abs(after - before) < max(min_shift, 0.0):
+            return None
+        mid = (before + after) / 2
+        if (sgn > 0 and (post <= mid).any()) or (sgn < 0 and (post >= mid).any()):
+            return None
+        return ChangePoint(
+            iteration=self.iters[last],
+            mean_before=before,
+            mean_after=after,
+            n_after=n_after,
+            direction=sgn,
+            screen_iteration=self.alarm_since if self.alarm_since is not None else self.iters[-1],
+        )
+
+    def drop(self, iterations: set[int] | list[int]) -> None:
+        s = set(iterations)
+        keep = [(i, v) for i, v in zip(self.iters, self.values, strict=True) if i not in s]
+        self.iters = deque((i for i, _ in keep), maxlen=self.window)
+        self.values = deque((v for _, v in keep), maxlen=self.window)
+        self.alarm_since = None
+        self.screen.reset()
+
+    def rebase(self, after_iteration: int, center: float | None = None) -> None:
+        keep = [
+            (i, v) for i, v in zip(self.iters, self.values, strict=True) if i >= after_iteration
+        ]
+        self.iters = deque((i for i, _ in keep), maxlen=self.window)
+        self.values = deque((v for _, v in keep), maxlen=self.window)
+        if center is not None:
+            self.center = float(center)
+        self.alarm_since = None
+        self.screen.reset()
+
+    def reset(self) -> None:
+        self.iters.clear()
+        self.values.clear()
+        self.alarm_since = None
+        self.screen.reset()

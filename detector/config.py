@@ -1,0 +1,284 @@
+"""Detector settings: a validated dataclass built from CLI args/env, and the
+runtime-tunable subset re-read from the job's ``detector_config`` Redis hash.
+
+Every field is documented where it is declared.  ``DetectorConfig.validate``
+raises ``ValueError`` naming the field on a bad value.  The runtime subset
+(:data:`RUNTIME_FIELDS`) can be changed on a running detector with
+``HSET resihp:{job}:detector_config threshold 1.3`` (values are strings, lists
+are JSON or comma-separated); the service re-reads the hash every loop and
+applies valid changes without a restart, keeping the last good value for a
+field whose new value is invalid (and saying why in its log and counters).
+
+``heartbeat_k`` is the collector's liveness rule (K consecutive missed
+heartbeats make a rank dead).  It lives in the same hash because operators
+tune it next to the other detection knobs: the detector validates it and seeds
+the hash with its default (HSETNX) so the collector always finds a value; the
+collector reads field ``heartbeat_k`` of ``keys.detector_config`` on every
+liveness check.  The detector does not re-count heartbeats itself: it trusts
+the collector's LivenessEvents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("resihp", "greyhound")
+
+#: Fields that may be changed at runtime through the ``detector_config`` hash.
+RUNTIME_FIELDS = (
+    "threshold",
+    "cpd_penalty",
+    "heartbeat_k",
+    "disabled_ranks",
+    "min_throughput_loss",
+    "failslow_enabled",
+)
+
+
+@dataclass
+class DetectorConfig:
+    """All detector settings.  Units are in the names; ratios are dimensionless."""
+
+    # --- service plumbing ---------------------------------------------------
+    #: Redis URL (default $REDIS_URL); unused by replay.
+    redis_url: str | None = None
+    #: Job whose streams are watched.
+    job_id: str = "default"
+    #: Stream entries read per stream per loop.
+    batch_count: int = 200
+    #: How long one read blocks when nothing is pending (milliseconds).
+    block_ms: int = 100
+
+    # --- mode -----------------------------------------------------------------
+    #: "resihp" (workload-aware, per-chunk residuals) or "greyhound" (baseline:
+    #: every iteration-time change point is validated, no workload filter).
+    mode: str = "resihp"
+
+    # --- predictor (eq. 1 and the DAG) ------------------------------------------
+    #: Iterations used to fit alpha/beta and the residual noise before detecting.
+    warmup_iters: int = 20
+    #: Iterations to re-fit after a layout change (stages whose shape changed).
+    rewarm_iters: int = 8
+    #: Per-iteration forgetting factor of the recursive least-squares fit on
+    #: healthy iterations (0.98 keeps roughly the last 50 iterations).
+    forget: float = 0.98
+
+    # --- fail-slow detection (runtime-tunable fields marked *) -----------------
+    #: * Iteration-level workload filter: a change point whose observed time is
+    #: within ``threshold`` x predicted is benign (paper: 1.25).
+    threshold: float = 1.25
+    #: * Smallest throughput loss (fraction of iteration time) a persistent
+    #: slowdown must cost to be reported.
+    min_throughput_loss: float = 0.05
+    #: * ruptures penalty, in units of the series' noise variance (the series
+    #: is standardized before segmentation).
+    cpd_penalty: float = 8.0
+    #: Sliding window of points handed to ruptures.
+    cpd_window: int = 48
+    #: Minimum segment length for ruptures (points).
+    cpd_min_size: int = 2
+    #: CUSUM screen slack and decision level, in noise standard deviations.
+    screen_k_sigma: float = 0.5
+    screen_h_sigma: float = 4.0
+    #: Post-change iterations that must all stay elevated before a report.
+    confirm_iters: int = 2
+    #: Smallest relative per-chunk slowdown treated as a shift at all.
+    min_chunk_shift: float = 0.03
+    #: Floor of the per-group residual noise (log-ratio standard deviation).
+    min_noise_sigma: float = 0.005
+    #: A slow device has recovered when its residual slowdown is below this
+    #: relative level for ``recovery_iters`` consecutive iterations.
+    recovery_shift: float = 0.03
+    recovery_iters: int = 3
+    #: * Master switch of fail-slow detection (fail-stop is always on).
+    failslow_enabled: bool = True
+    #: * Ranks excluded from fail-slow reporting (operator's per-rank off switch).
+    disabled_ranks: frozenset[int] = field(default_factory=frozenset)
+
+    # --- liveness -----------------------------------------------------------------
+    #: * The collector's K: consecutive missed heartbeats that make a rank dead.
+    heartbeat_k: int = 2
+
+    # --- Greyhound-style baseline (calibration.md) ----------------------------------
+    #: A change point counts only if the mean before/after differs by this much.
+    gh_mean_shift: float = 0.10
+    #: ... and it is this many iterations after the previous one.
+    gh_min_gap_iters: int = 10
+    #: Profiling: a group is suspect at >= this x the median of its peers.
+    gh_peer_ratio: float = 1.2
+    #: Validation: compute micro-benchmark slow at > this x median.
+    gh_compute_ratio: float = 2.0
+    #: Validation: pairwise P2P link test slow at > this x median.
+    gh_link_ratio: float = 1.1
+    #: Training paused per validation: a fixed part (compute micro-benchmark on
+    #: every GPU, barrier) plus one P2P test per pipeline link; calibrated so that
+    #: 16 / 32 GPUs (8 / 24 links) pause 2.2 / 3.3 s as in the paper's Table 5.
+    gh_validation_base_s: float = 1.72
+    gh_validation_per_link_s: float = 0.065
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> DetectorConfig:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"detector config field {name!r}: {why} (got {getattr(self, name)!r})")
+
+        if self.mode not in MODES:
+            bad("mode", f"must be one of {MODES}")
+        for name in ("batch_count", "warmup_iters", "cpd_window", "heartbeat_k"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        for name in ("rewarm_iters", "block_ms", "recovery_iters", "gh_min_gap_iters"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                bad(name, "must be an integer >= 0")
+        if self.warmup_iters < 5:
+            bad("warmup_iters", "needs at least 5 iterations to fit alpha, beta and the noise")
+        if not 0.5 < self.forget <= 1.0:
+            bad("forget", "must be in (0.5, 1]")
+        if not 1.0 < self.threshold <= 10.0:
+            bad("threshold", "must be in (1, 10]")
+        if not 0.0 < self.min_throughput_loss < 1.0:
+            bad("min_throughput_loss", "must be in (0, 1)")
+        if not 0.0 < self.cpd_penalty <= 1e6:
+            bad("cpd_penalty", "must be in (0, 1e6]")
+        if self.cpd_min_size < 1 or self.cpd_window < 4 * self.cpd_min_size:
+            bad("cpd_window", "must hold at least 4 x cpd_min_size points")
+        if self.confirm_iters < 1 or self.confirm_iters > self.cpd_window // 2:
+            bad("confirm_iters", "must be in [1, cpd_window/2]")
+        for name in (
+            "screen_k_sigma",
+            "screen_h_sigma",
+            "min_chunk_shift",
+            "min_noise_sigma",
+            "recovery_shift",
+            "gh_mean_shift",
+            "gh_validation_base_s",
+            "gh_validation_per_link_s",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or v < 0 or v != v:
+                bad(name, "must be a number >= 0")
+        for name in ("gh_peer_ratio", "gh_compute_ratio", "gh_link_ratio"):
+            if not getattr(self, name) > 1.0:
+                bad(name, "must be > 1")
+        if not isinstance(self.failslow_enabled, bool):
+            bad("failslow_enabled", "must be a bool")
+        if not isinstance(self.disabled_ranks, frozenset) or any(
+            not isinstance(r, int) or r < 0 for r in self.disabled_ranks
+        ):
+            bad("disabled_ranks", "must be a set of ranks >= 0")
+        if self.heartbeat_k > 1000:
+            bad("heartbeat_k", "must be <= 1000")
+        return self
+
+    # -------------------------------------------------------------- building
+    @classmethod
+    def from_args(cls, args: Any) -> DetectorConfig:
+        """From an argparse namespace (any attribute named like a field is used)."""
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if hasattr(args, f.name) and getattr(args, f.name) is not None:
+                kw[f.name] = getattr(args, f.name)
+        if not kw.get("redis_url"):
+            kw["redis_url"] = os.environ.get("REDIS_URL")
+        if "job_id" not in kw:
+            kw["job_id"] = os.environ.get("RESIHP_JOB_ID", "default")
+        if "disabled_ranks" in kw:
+            kw["disabled_ranks"] = parse_ranks(kw["disabled_ranks"])
+        return cls(**kw).validate()
+
+    def replace(self, **changes: Any) -> DetectorConfig:
+        return dataclasses.replace(self, **changes).validate()
+
+    def runtime_dict(self) -> dict[str, str]:
+        """The runtime subset as the strings stored in the Redis hash."""
+        out = {}
+        for name in RUNTIME_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, frozenset):
+                out[name] = json.dumps(sorted(v))
+            elif isinstance(v, bool):
+                out[name] = "true" if v else "false"
+            else:
+                out[name] = str(v)
+        return out
+
+    def with_runtime(self, raw: dict) -> tuple[DetectorConfig, list[str]]:
+        """Apply a ``detector_config`` hash; returns (new config, rejected-field reasons).
+
+        Fields not in :data:`RUNTIME_FIELDS` are refused (a typo must not pass
+        silently); a bad value keeps the current one.
+        """
+        cfg = self
+        errors: list[str] = []
+        for k, v in raw.items():
+            name = k.decode() if isinstance(k, bytes) else str(k)
+            val = v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+            if name not in RUNTIME_FIELDS:
+                errors.append(
+                    f"{name}: not a runtime-tunable field (allowed: {', '.join(RUNTIME_FIELDS)})"
+                )
+                continue
+            try:
+                parsed = _parse_runtime(name, val)
+                if parsed == getattr(cfg, name):
+                    continue
+                cfg = cfg.replace(**{name: parsed})
+            except ValueError as e:
+                errors.append(f"{name}: {e}")
+        return cfg, errors
+
+
+def parse_ranks(v: Any) -> frozenset[int]:
+    """Ranks from a JSON list, a comma-separated string, or an iterable of ints."""
+    if isinstance(v, frozenset):
+        return v
+    if isinstance(v, str):
+        s = v.strip()
+        if not s:
+            return frozenset()
+        if s.startswith("["):
+            try:
+                items = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a JSON list of ranks: {e}") from e
+        else:
+            items = [x.strip() for x in s.split(",") if x.strip()]
+    else:
+        items = list(v)
+    out = set()
+    for x in items:
+        try:
+            r = int(x)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"not a rank: {x!r}") from e
+        if isinstance(x, float) and x != r:
+            raise ValueError(f"not a rank: {x!r}")
+        if r < 0:
+            raise ValueError(f"rank must be >= 0: {r}")
+        out.add(r)
+    return frozenset(out)
+
+
+def _parse_runtime(name: str, val: str) -> Any:
+    if name == "disabled_ranks":
+        return parse_ranks(val)
+    if name == "failslow_enabled":
+        low = val.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a bool: {val!r}")
+    if name == "heartbeat_k":
+        try:
+            return int(val)
+        except ValueError as e:
+            raise ValueError(f"not an integer: {val!r}") from e
+    try:
+        x = float(val)
+    except ValueError as e:
+        raise ValueError(f"not a number: {val!r}") from e
+    return x

@@ -1,0 +1,761 @@
+"""Workload-aware fail-slow detection (§5.2), stricter than the paper's 1.25x gate.
+
+Two signals feed change-point detection (:mod:`detector.changepoint`):
+
+1. The iteration-time series, as in the paper.  At a change point the
+   observed time is compared with the predicted healthy time (critical path of
+   the schedule's DAG with eq.-1 chunk costs).  Within ``threshold`` x
+   predicted the change is benign: its points are dropped from the series and
+   validation is skipped.  Otherwise it is validated (below).
+2. Per-chunk residuals: for every (replica, stage) group the median of
+   log(observed / predicted) over its compute chunks, and for every P2P
+   direction the median of log(observed / healthy) over its SEND chunks.  A
+   pipeline hides part of one stage's slowdown, so a slowdown that costs 5 %
+   throughput may raise iteration time by far less than 1.25x; the residuals
+   see it directly and are insensitive to sequence-length variability because
+   the prediction already contains it.
+
+Validation and localization use only durations measured on one device clock
+(no cross-node timestamps), so clock skew cannot fake a slowdown.  A shifted
+group is reported when its throughput cost — the DAG's iteration time with
+the group's chunks slowed by the observed factor vs without — is at least
+``min_throughput_loss``.  Inside the TP group, the slow rank is the one whose
+own compute time (``compute_s``, excluding TP waits) grew; severity is
+p_i = healthy / observed time, the normalized throughput the scheduler uses.
+A compute shift means ``fail_slow_compute``; a P2P shift with healthy compute
+on both ends means ``fail_slow_comm`` naming the link.  A slow device whose
+residual returns to healthy for ``recovery_iters`` iterations is reported as
+recovered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from detector.changepoint import ChangePoint, OnlineChangeDetector
+from detector.config import DetectorConfig
+from detector.predictor import (
+    SEND,
+    ChunkPredictor,
+    IterationPredictor,
+    IterationView,
+    infer_layout,
+)
+from resihp.topology import Layout, LayoutError
+
+Group = tuple[int, int]  # (dp, stage)
+LinkKey = tuple[int, int, int]  # (dp, stage, direction)
+
+
+@dataclass
+class Finding:
+    """A confirmed fail-slow (or recovery) before it becomes a FailureReport."""
+
+    kind: str  # fail_slow_compute | fail_slow_comm | recovery
+    iteration: int
+    ranks: list[int]
+    severity: dict[int, float]
+    links: list[list[int]] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SlowState:
+    """A device (group or link) currently reported slow."""
+
+    kind: str
+    ranks: list[int]
+    since_iteration: int
+    factor: float
+    group: Group | None = None
+    link: LinkKey | None = None
+    healthy_streak: int = 0
+
+
+@dataclass
+class FailSlowStats:
+    validations_total: int = 0
+    validation_cpu_s_total: float = 0.0
+    false_alarms_total: int = 0  # validations that confirmed nothing
+    benign_filtered_total: int = 0
+    iteration_changepoints_total: int = 0
+    chunk_changepoints_total: int = 0
+    below_cost_total: int = 0
+    reports_total: int = 0
+    recoveries_total: int = 0
+    records_total: int = 0
+    validation_log: list[dict] = field(default_factory=list)
+
+
+class FailSlowDetector:
+    """The ResiHP fail-slow detector over a stream of :class:`IterationView`."""
+
+    mode = "resihp"
+
+    def __init__(self, cfg: DetectorConfig, layout: Layout | None = None):
+        self.cfg = cfg
+        self.layout = layout
+        self.pred = ChunkPredictor(forget=cfg.forget)
+        self.itp = IterationPredictor()
+        self.stats = FailSlowStats()
+        self.rank_group: dict[int, Group] = {}
+        self.group_ranks: dict[Group, list[int]] = {}
+        self._inferred: Layout | None = None
+        self._layout_id: int | None = None
+        self._warm: list[IterationView] = []
+        self._warm_target = cfg.warmup_iters
+        self.ready = False
+        self.mu: dict[Group, float] = {}
+        self.sigma: dict[Group, float] = {}
+        self.comm_mu: dict[LinkKey, float] = {}
+        self.comm_sigma: dict[LinkKey, float] = {}
+        self.rank_mu: dict[int, float] = {}
+        self.iter_mu = 0.0
+        self.iter_sigma = 1.0
+        self.gdet: dict[Group, OnlineChangeDetector] = {}
+        self.cdet: dict[LinkKey, OnlineChangeDetector] = {}
+        self.idet = self._new_det(direction=1)
+        self.recent: deque[IterationView] = deque(maxlen=cfg.cpd_window)
+        self.pending: deque[IterationView] = deque()
+        self.slow: dict[tuple, SlowState] = {}
+        self.last_iteration = -1
+        self.paused_until_layout = False
+        self.hold_iters_left = 0
+
+    # ---------------------------------------------------------- plumbing
+    def _new_det(self, direction: int = 0) -> OnlineChangeDetector:
+        c = self.cfg
+        return OnlineChangeDetector(
+            window=c.cpd_window,
+            min_size=c.cpd_min_size,
+            penalty=c.cpd_penalty,
+            k_sigma=c.screen_k_sigma,
+            h_sigma=c.screen_h_sigma,
+            min_after=c.confirm_iters,
+            direction=direction,
+        )
+
+    def apply_config(self, cfg: DetectorConfig) -> None:
+        self.cfg = cfg
+        for d in [*self.gdet.values(), *self.cdet.values(), self.idet]:
+            d.penalty = cfg.cpd_penalty
+
+    def set_layout(self, layout: Layout | None) -> None:
+        self.layout = layout
+        if layout is not None:
+            self.rank_group = {r: (d, s) for r, (d, s, _t) in layout.coords().items()}
+            self.group_ranks = {}
+            for d, stages in enumerate(layout.groups):
+                for s, grp in enumerate(stages):
+                    self.group_ranks[(d, s)] = list(grp)
+
+    def pause_for_failstop(self, hold_iters: int = 20) -> None:
+        """Fail-stop first: no fail-slow verdicts until the job is reconfigured."""
+        self.paused_until_layout = True
+        self.hold_iters_left = hold_iters
+
+    def _dag_layout(self, v: IterationView) -> Layout | None:
+        lay = self.layout
+        if lay is not None and lay.layout_id == v.layout_id:
+            return lay
+        if self._inferred is None or self._inferred.layout_id != v.layout_id:
+            try:
+                self._inferred = infer_layout(v, lay.schedule if lay is not None else None)
+                self._inferred.layout_id = v.layout_id
+            except (ValueError, LayoutError):
+                return None
+        return self._inferred
+
+    def _learn_ranks(self, v: IterationView) -> None:
+        if self.layout is not None and self.layout.layout_id == v.layout_id:
+            return
+        for r, d, s in zip(v.rank, v.rank_dp, v.rank_stage, strict=True):
+            g = (int(d), int(s))
+            r = int(r)
+            old = self.rank_group.get(r)
+            if old != g:
+                if old is not None and r in self.group_ranks.get(old, []):
+                    self.group_ranks[old].remove(r)
+                self.rank_group[r] = g
+                self.group_ranks.setdefault(g, [])
+                if r not in self.group_ranks[g]:
+                    self.group_ranks[g].append(r)
+                    self.group_ranks[g].sort()
+
+    def slow_groups(self) -> set[Group]:
+        return {s.group for s in self.slow.values() if s.group is not None}
+
+    # ------------------------------------------------------------- main
+    def process(self, v: IterationView) -> list[Finding]:
+        self.stats.records_total += 1
+        if v.iteration <= self.last_iteration:
+            return []  # duplicate or late record: its iteration was already judged
+        self.last_iteration = v.iteration
+        if self._layout_id is None:
+            self._layout_id = v.layout_id
+        elif v.layout_id != self._layout_id:
+            self._on_layout_change(v.layout_id)
+        self._learn_ranks(v)
+        if self.paused_until_layout:
+            self.hold_iters_left -= 1
+            if self.hold_iters_left > 0:
+                return []
+            self.paused_until_layout = False
+            self._on_layout_change(v.layout_id)
+        if not self.ready:
+            self._warm.append(v)
+            if len(self._warm) >= self._warm_target:
+                self._finish_warmup()
+            return []
+        return self._detect(v)
+
+    def _on_layout_change(self, layout_id: int) -> None:
+        """Re-fit what the new layout may have changed; slow devices keep their state."""
+        self._layout_id = layout_id
+        keep_scale = {g: self.pred.scale[g] for g in self.slow_groups() if g in self.pred.scale}
+        keep_comm = {
+            k: v
+            for k, v in self.pred.comm_median.items()
+            if any(
+                s.link is not None and (s.link[0], s.link[1]) == (k[0], k[1])
+                for s in self.slow.values()
+            )
+        }
+        self.pred.reset()
+        self.pred.scale.update(keep_scale)
+        self.pred.comm_median.update(keep_comm)
+        self.itp.reset()
+        self._warm = []
+        self._warm_target = max(self.cfg.rewarm_iters, 5)
+        self.ready = False
+        self.pending.clear()
+        self.recent.clear()
+        self.idet.reset()
+        for d in [*self.gdet.values(), *self.cdet.values()]:
+            d.reset()
+
+    # ----------------------------------------------------------- warm-up
+    def _finish_warmup(self) -> None:
+        views = self._warm
+        self._warm = []
+        slow = self.slow_groups()
+        keep_scale = {g: self.pred.scale[g] for g in slow if g in self.pred.scale}
+        # two passes: pooled fit, per-group scales, refit on scale-corrected times
+        for _ in range(2):
+            self.pred.fits.clear()
+            self.pred.coef.clear()
+            for v in views:
+                self.pred.observe(v, exclude=slow)
+            per: dict[Group, list[float]] = {}
+            for v in views:
+                pr = self.pred.predict_compute(v, with_scale=False)
+                cm = v.compute_mask() & np.isfinite(pr) & (pr > 0)
+                ratio = np.full(v.num_chunks, np.nan)
+                ratio[cm] = v.duration_s[cm] / pr[cm]
+                for g, r in _group_medians(v, cm, ratio).items():
+                    per.setdefault(g, []).append(r)
+            self.pred.scale = {g: float(np.median(x)) for g, x in per.items() if g not in slow}
+            self.pred.scale.update(keep_scale)
+        # residual noise per group / link / rank, and the iteration-time series
+        res: dict[Group, list[float]] = {}
+        cres: dict[LinkKey, list[float]] = {}
+        rres: dict[int, list[float]] = {}
+        it_log: list[float] = []
+        for v in views:
+            x, c, rr = self._residuals(v)
+            for g, val in x.items():
+                res.setdefault(g, []).append(val)
+            for k, val in c.items():
+                cres.setdefault(k, []).append(val)
+            for r, val in rr.items():
+                rres.setdefault(r, []).append(val)
+            if v.iteration_time_s > 0:
+                it_log.append(np.log(v.iteration_time_s))
+        floor = self.cfg.min_noise_sigma
+        for g, xs in res.items():
+            if g in slow and g in self.mu:
+                continue
+            self.mu[g], self.sigma[g] = _robust(xs, floor)
+        for k, xs in cres.items():
+            if any(s.link == k for s in self.slow.values()) and k in self.comm_mu:
+                continue
+            self.comm_mu[k], self.comm_sigma[k] = _robust(xs, floor * 2)
+        for r, xs in rres.items():
+            self.rank_mu[r] = float(np.median(xs))
+        if it_log:
+            self.iter_mu, self.iter_sigma = _robust(it_log, floor)
+        # healthy iteration-time offset (all-reduce, optimizer step, ...)
+        lay = self._dag_layout(views[-1]) if views else None
+        if lay is not None:
+            for v in views[-min(len(views), 8) :]:
+                try:
+                    cp = self.itp.critical_path_s(lay, self.pred, v)
+                except (ValueError, IndexError, KeyError):
+                    break
+                self.itp.learn_offset(v.iteration_time_s, cp)
+        for g in set(self.mu) | set(self.gdet):
+            det = self.gdet.setdefault(g, self._new_det(direction=0))
+            det.set_baseline(self.mu.get(g, 0.0), self.sigma.get(g, floor))
+        for k in set(self.comm_mu):
+            det = self.cdet.setdefault(k, self._new_det(direction=1))
+            det.set_baseline(self.comm_mu[k], self.comm_sigma[k])
+        self.idet.set_baseline(self.iter_mu, max(self.iter_sigma, 0.02))
+        self.ready = True
+
+    # --------------------------------------------------------- residuals
+    def _residuals(self, v: IterationView):
+        """Per-group compute, per-link P2P and per-rank compute log-ratios of one iteration."""
+        pred = self.pred.predict_compute(v)
+        cm = v.compute_mask() & np.isfinite(pred) & (pred > 0) & (v.duration_s > 0)
+        ratio = np.full(v.num_chunks, np.nan)
+        ratio[cm] = v.duration_s[cm] / pred[cm]
+        x = {g: float(np.log(r)) for g, r in _group_medians(v, cm, ratio).items() if r > 0}
+        # P2P sends against their healthy medians
+        c: dict[LinkKey, float] = {}
+        sends = np.flatnonzero((v.kind == SEND) & (v.direction != 0) & (v.duration_s > 0))
+        if len(sends) and self.pred.comm_median:
+            buckets: dict[LinkKey, list[float]] = {}
+            for i in sends:
+                key = (int(v.dp[i]), int(v.stage[i]), int(v.direction[i]))
+                base = self.pred.comm_median.get((key[0], key[1], SEND, key[2]))
+                if base and base > 0:
+                    buckets.setdefault(key, []).append(float(v.duration_s[i]) / base)
+            c = {k: float(np.log(np.median(b))) for k, b in buckets.items()}
+        # per-rank compute time against the group's predicted compute
+        rr: dict[int, float] = {}
+        if len(v.rank):
+            gpred: dict[Group, float] = {}
+            for d, s, p in zip(v.dp[cm], v.stage[cm], pred[cm], strict=True):
+                gpred[(int(d), int(s))] = gpred.get((int(d), int(s)), 0.0) + float(p)
+            for r, d, s, cs in zip(v.rank, v.rank_dp, v.rank_stage, v.rank_compute_s, strict=True):
+                gp = gpred.get((int(d), int(s)))
+                if gp and gp > 0 and np.isfinite(cs) and cs > 0:
+                    rr[int(r)] = float(np.log(cs / gp))
+        return x, c, rr
+
+    # ------------------------------------------------------------ detect
+    def _detect(self, v: IterationView) -> list[Finding]:
+        cfg = self.cfg
+        self.recent.append(v)
+        x, c, rr = self._residuals(v)
+        findings: list[Finding] = []
+        min_shift = float(np.log1p(cfg.min_chunk_shift))
+        candidates: list[tuple[str, Any, ChangePoint]] = []
+        for g, val in x.items():
+            det = self.gdet.get(g)
+            if det is None:  # a group that appeared after warm-up (new layout part)
+                det = self.gdet[g] = self._new_det(direction=0)
+                det.set_baseline(self.mu.setdefault(g, 0.0), self.sigma.setdefault(g, 0.02))
+            cp = det.push(v.iteration, val, min_shift)
+            if cp is not None and cp.direction > 0:
+                self.stats.chunk_changepoints_total += 1
+                candidates.append(("compute", g, cp))
+            elif cp is not None:
+                det.rebase(cp.iteration, center=self.mu[g])
+        for k, val in c.items():
+            det = self.cdet.get(k)
+            if det is None:
+                continue
+            cp = det.push(
+                v.iteration, val, max(min_shift, float(np.log1p(2 * cfg.min_chunk_shift)))
+            )
+            if cp is not None:
+                self.stats.chunk_changepoints_total += 1
+                candidates.append(("comm", k, cp))
+        # paper path: change point on the iteration-time series, then the workload filter
+        if v.iteration_time_s > 0:
+            icp = self.idet.push(
+                v.iteration, float(np.log(v.iteration_time_s)), float(np.log1p(cfg.min_chunk_shift))
+            )
+            if icp is not None:
+                self.stats.iteration_changepoints_total += 1
+                findings += self._iteration_changepoint(icp, x, c, rr, v)
+
+        for what, key, cp in candidates:
+            findings += self._validate(what, key, cp, x, c, rr, v)
+
+        findings += self._recovery(x, c, v)
+        self._fold_healthy(v)
+        if not cfg.failslow_enabled:
+            return [f for f in findings if f.kind == "recovery"]
+        return findings
+
+    def _iteration_changepoint(self, cp: ChangePoint, x, c, rr, v: IterationView) -> list[Finding]:
+        """The paper's gate: observed vs predicted at an iteration-time change point."""
+        t0 = time.process_time()
+        post = [w for w in self.recent if w.iteration >= cp.iteration]
+        lay = self._dag_layout(v)
+        obs = float(np.mean([w.iteration_time_s for w in post])) if post else v.iteration_time_s
+        predicted = float("nan")
+        if lay is not None and post:
+            try:
+                predicted = float(np.mean([self.itp.predict(lay, self.pred, w) for w in post]))
+            except (ValueError, IndexError, KeyError):
+                predicted = float("nan")
+        if np.isfinite(predicted) and obs <= self.cfg.threshold * predicted:
+            self.stats.benign_filtered_total += 1
+            self.idet.drop([w.iteration for w in post])
+            self.stats.validation_log.append(
+                {
+                    "iteration": v.iteration,
+                    "signal": "iteration_time",
+                    "benign": True,
+                    "observed_s": obs,
+                    "predicted_s": predicted,
+                    "cpu_s": time.process_time() - t0,
+                }
+            )
+            return []
+        # not benign: validate by localizing against per-chunk residuals
+        self.idet.rebase(cp.iteration, center=cp.mean_after)
+        out: list[Finding] = []
+        min_shift = float(np.log1p(self.cfg.min_chunk_shift))
+        slow_now = self.slow_groups()
+        shifted = [
+            g
+            for g, val in x.items()
+            if g not in slow_now
+            and val - self.mu.get(g, 0.0) >= max(min_shift, 3 * self.sigma.get(g, 0.01))
+        ]
+        for g in shifted:
+            fake = ChangePoint(
+                cp.iteration, self.mu.get(g, 0.0), x[g], cp.n_after, 1, cp.screen_iteration
+            )
+            out += self._validate(
+                "compute",
+                g,
+                fake,
+                x,
+                c,
+                rr,
+                v,
+                count=False,
+                iteration_cp=cp,
+                observed_s=obs,
+                predicted_s=predicted,
+            )
+        self.stats.validations_total += 1
+        dt = time.process_time() - t0
+        self.stats.validation_cpu_s_total += dt
+        confirmed = bool(out)
+        if not confirmed:
+            self.stats.false_alarms_total += 1
+        self.stats.validation_log.append(
+            {
+                "iteration": v.iteration,
+                "signal": "iteration_time",
+                "benign": False,
+                "confirmed": confirmed,
+                "observed_s": obs,
+                "predicted_s": predicted,
+                "cpu_s": dt,
+            }
+        )
+        return out
+
+    def _throughput_loss(
+        self, views: list[IterationView], slow: dict[Group, float]
+    ) -> tuple[float, float, float]:
+        """Throughput cost of ``slow`` over the post-change iterations' workloads.
+
+        One iteration's micro-batch mix can hide or expose a slow stage (the
+        heaviest replica sets the pace), so the cost is averaged.
+        """
+        f = max(slow.values()) if slow else 1.0
+        lay = self._dag_layout(views[-1])
+        if lay is None:
+            return 1.0 - 1.0 / f, float("nan"), float("nan")
+        h_tot = s_tot = 0.0
+        off = self.itp.offset_s or 0.0
+        try:
+            for w in views:
+                healthy, slowed = self.itp.critical_paths(lay, self.pred, w, [None, slow])
+                h_tot += healthy + off
+                s_tot += slowed + off
+        except (ValueError, IndexError, KeyError):
+            return 1.0 - 1.0 / f, float("nan"), float("nan")
+        n = len(views)
+        return (1.0 - h_tot / s_tot if s_tot > 0 else 0.0), h_tot / n, s_tot / n
+
+    def _post(self, cp: ChangePoint, v: IterationView) -> list[IterationView]:
+        post = [w for w in self.recent if w.iteration >= cp.iteration]
+        return post[-8:] if post else [v]
+
+    def _validate(
+        self,
+        what: str,
+        key,
+        cp: ChangePoint,
+        x,
+        c,
+        rr,
+        v: IterationView,
+        count: bool = True,
+        iteration_cp: ChangePoint | None = None,
+        observed_s: float | None = None,
+        predicted_s: float | None = None,
+    ) -> list[Finding]:
+        t0 = time.process_time()
+        cfg = self.cfg
+        out: list[Finding] = []
+        det = (self.gdet if what == "compute" else self.cdet).get(key)
+        if what == "compute":
+            g: Group = key
+            base = self.mu.get(g, 0.0)
+            factor = float(np.exp(cp.mean_after - base))
+            already = any(s.group == g for s in self.slow.values())
+            if already:
+                if det is not None:
+                    det.rebase(cp.iteration, center=cp.mean_after)
+                return []
+            loss, h_s, s_s = self._throughput_loss(self._post(cp, v), {g: factor})
+            ranks, severity, rank_ratios = self._localize(g, factor, rr)
+            ranks = [r for r in ranks if r not in cfg.disabled_ranks]
+            if loss >= cfg.min_throughput_loss and factor > 1.0 and ranks:
+                ev = self._evidence(
+                    v,
+                    cp,
+                    "chunk_residual" if iteration_cp is None else "iteration_time",
+                    loss,
+                    h_s,
+                    s_s,
+                    observed_s,
+                    predicted_s,
+                )
+                ev.update(
+                    {
+                        "group": {"dp": g[0], "stage": g[1]},
+                        "chunk_ratio": round(factor, 4),
+                        "rank_ratios": {str(r): round(q, 4) for r, q in rank_ratios.items()},
+                        "group_ratios": {
+                            f"{d},{s}": round(float(np.exp(val - self.mu.get((d, s), 0.0))), 4)
+                            for (d, s), val in x.items()
+                        },
+                    }
+                )
+                if iteration_cp is not None:
+                    ev["iteration_change_point"] = iteration_cp.to_dict()
+                out.append(Finding("fail_slow_compute", v.iteration, ranks, severity, [], ev))
+                self.slow[("g", g)] = SlowState(
+                    "fail_slow_compute", ranks, v.iteration, factor, group=g
+                )
+                self.stats.reports_total += 1
+            else:
+                self.stats.below_cost_total += 1
+                if det is not None:
+                    det.rebase(cp.iteration, center=cp.mean_after)
+        else:
+            k: LinkKey = key
+            d, s, direction = k
+            other = (d, s + direction)
+            base = self.comm_mu.get(k, 0.0)
+            factor = float(np.exp(cp.mean_after - base))
+            comp_ok = all(
+                x.get(gg, self.mu.get(gg, 0.0)) - self.mu.get(gg, 0.0)
+                < np.log1p(cfg.min_chunk_shift)
+                for gg in ((d, s), other)
+            )
+            already = any(
+                st.link is not None
+                and {st.link[:2], (st.link[0], st.link[1] + st.link[2])} == {(d, s), other}
+                for st in self.slow.values()
+            )
+            if already:
+                if det is not None:
+                    det.rebase(cp.iteration, center=cp.mean_after)
+                return []
+            # what the slower link costs: the edge's P2P time grows by the factor
+            loss, h_s, s_s = self._link_loss(self._post(cp, v), k, factor)
+            a_ranks = self.group_ranks.get((d, s), [])
+            b_ranks = self.group_ranks.get(other, [])
+            links = [[a, b] for a, b in zip(a_ranks, b_ranks, strict=False)]
+            ranks = sorted({r for pair in links for r in pair} - set(cfg.disabled_ranks))
+            if comp_ok and loss >= cfg.min_throughput_loss and factor > 1.0 and ranks:
+                ev = self._evidence(v, cp, "p2p_residual", loss, h_s, s_s, observed_s, predicted_s)
+                ev.update(
+                    {
+                        "link": {"dp": d, "from_stage": s, "to_stage": s + direction},
+                        "p2p_ratio": round(factor, 4),
+                    }
+                )
+                sev = {r: round(float(min(1.0, max(0.0, 1.0 / factor))), 4) for r in ranks}
+                out.append(Finding("fail_slow_comm", v.iteration, ranks, sev, links, ev))
+                self.slow[("l", d, min(s, s + direction))] = SlowState(
+                    "fail_slow_comm", ranks, v.iteration, factor, link=k
+                )
+                self.stats.reports_total += 1
+            else:
+                self.stats.below_cost_total += 1
+                if det is not None:
+                    det.rebase(cp.iteration, center=cp.mean_after)
+        if count:
+            dt = time.process_time() - t0
+            self.stats.validations_total += 1
+            self.stats.validation_cpu_s_total += dt
+            if not out:
+                self.stats.false_alarms_total += 1
+            self.stats.validation_log.append(
+                {
+                    "iteration": v.iteration,
+                    "signal": what,
+                    "benign": False,
+                    "confirmed": bool(out),
+                    "cpu_s": dt,
+                }
+            )
+        return out
+
+    def _link_loss(
+        self, views: list[IterationView], k: LinkKey, factor: float
+    ) -> tuple[float, float, float]:
+        """Throughput cost of one P2P direction's sends slowed by ``factor``."""
+        lay = self._dag_layout(views[-1])
+        d, s, direction = k
+        key = (d, s, SEND, direction)
+        base = self.pred.comm_median.get(key)
+        if lay is None or base is None:
+            return 1.0 - 1.0 / factor, float("nan"), float("nan")
+        off = self.itp.offset_s or 0.0
+        h = s_ = 0.0
+        try:
+            for w in views:
+                h += self.itp.critical_path_s(lay, self.pred, w) + off
+            self.pred.comm_median[key] = base * factor
+            for w in views:
+                s_ += self.itp.critical_path_s(lay, self.pred, w) + off
+        except (ValueError, IndexError, KeyError):
+            return 1.0 - 1.0 / factor, float("nan"), float("nan")
+        finally:
+            self.pred.comm_median[key] = base
+        n = len(views)
+        return (1.0 - h / s_ if s_ > 0 else 0.0), h / n, s_ / n
+
+    def _localize(self, g: Group, factor: float, rr: dict[int, float]):
+        """Slow rank(s) inside the TP group from their own compute time."""
+        members = list(self.group_ranks.get(g, []))
+        ratios = {}
+        for r in members:
+            if r in rr and r in self.rank_mu:
+                ratios[r] = float(np.exp(rr[r] - self.rank_mu[r]))
+        slow = []
+        if ratios:
+            thr = 1.0 + 0.5 * (factor - 1.0)
+            slow = [r for r, q in ratios.items() if q >= thr]
+        if not slow:
+            # no per-rank telemetry (or the whole group slowed): blame the group
+            slow = members
+            sev = {r: round(float(min(1.0, max(0.0, 1.0 / factor))), 4) for r in slow}
+        else:
+            sev = {r: round(float(min(1.0, max(0.0, 1.0 / ratios[r]))), 4) for r in slow}
+        return sorted(slow), sev, ratios
+
+    def _evidence(self, v, cp, signal, loss, h_s, s_s, observed_s, predicted_s) -> dict:
+        ev = {
+            "signal": signal,
+            "change_point": cp.to_dict(),
+            "observed_iteration_time_s": round(v.iteration_time_s, 6),
+            "predicted_iteration_time_s": round(predicted_s, 6)
+            if predicted_s is not None and np.isfinite(predicted_s)
+            else None,
+            "throughput_loss": round(float(loss), 4),
+            "predicted_healthy_s": round(h_s, 6) if np.isfinite(h_s) else None,
+            "predicted_with_slowdown_s": round(s_s, 6) if np.isfinite(s_s) else None,
+        }
+        if observed_s is not None:
+            ev["observed_at_change_s"] = round(observed_s, 6)
+        return ev
+
+    # ----------------------------------------------------------- recovery
+    def _recovery(self, x, c, v: IterationView) -> list[Finding]:
+        out = []
+        lim = float(np.log1p(self.cfg.recovery_shift))
+        for key, st in list(self.slow.items()):
+            if st.group is not None:
+                val = x.get(st.group)
+                base = self.mu.get(st.group, 0.0)
+            else:
+                val = c.get(st.link)
+                base = self.comm_mu.get(st.link, 0.0)
+            if val is None:
+                continue  # no telemetry this iteration: neither slow nor healthy evidence
+            if val - base < lim:
+                st.healthy_streak += 1
+            else:
+                st.healthy_streak = 0
+            if st.healthy_streak >= self.cfg.recovery_iters:
+                del self.slow[key]
+                self.stats.recoveries_total += 1
+                det = self.gdet.get(st.group) if st.group is not None else self.cdet.get(st.link)
+                if det is not None:
+                    det.rebase(v.iteration, center=base)
+                out.append(
+                    Finding(
+                        "recovery",
+                        v.iteration,
+                        list(st.ranks),
+                        {r: 1.0 for r in st.ranks},
+                        [],
+                        {
+                            "reason": "healthy_speed",
+                            "was": st.kind,
+                            "slow_since_iteration": st.since_iteration,
+                            "slow_factor": round(st.factor, 4),
+                            "current_ratio": round(float(np.exp(val - base)), 4),
+                        },
+                    )
+                )
+        return out
+
+    # -------------------------------------------------- healthy fit updates
+    def _fold_healthy(self, v: IterationView) -> None:
+        """Fold iterations into the fit once they are old enough that an alarm would have shown."""
+        self.pending.append(v)
+        lag = self.cfg.confirm_iters + 1
+        while len(self.pending) > lag:
+            w = self.pending.popleft()
+            bad = set(self.slow_groups())
+            for g, det in self.gdet.items():
+                if det.alarm_since is not None and det.alarm_since <= w.iteration + lag:
+                    bad.add(g)
+            self.pred.observe(w, exclude=bad)
+            self.pred.update_scales(w, rate=0.02, exclude=bad)
+
+    # ---------------------------------------------------------- baseline
+    def predicted_iteration_time(self, v: IterationView) -> float:
+        lay = self._dag_layout(v)
+        if lay is None or not self.ready:
+            return float("nan")
+        return self.itp.predict(lay, self.pred, v)
+
+
+def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> dict[Group, float]:
+    if not mask.any():
+        return {}
+    gk = v.dp[mask].astype(np.int64) * 4096 + v.stage[mask]
+    vals = values[mask]
+    order = np.argsort(gk, kind="stable")
+    gk, vals = gk[order], vals[order]
+    cuts = np.flatnonzero(np.diff(gk)) + 1
+    out = {}
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(gk)], strict=True):
+        m = float(np.median(vals[a:b]))
+        if np.isfinite(m):
+            out[(int(gk[a] // 4096), int(gk[a] % 4096))] = m
+    return out
+
+
+def _robust(xs: list[float], floor: float) -> tuple[float, float]:
+    a = np.asarray(xs, dtype=float)
+    a = a[np.isfinite(a)]
+    if not len(a):
+        return 0.0, floor
+    med = float(np.median(a))
+    mad = float(np.median(np.abs(a - med))) * 1.4826
+    sd = float(np.std(a))
+    # MAD ignores a stray spike in the warm-up; never go below half the plain sd
+    return med, max(floor, mad, 0.5 * sd)

@@ -1,0 +1,603 @@
+"""Workload-aware time prediction: eq. 1 per stage, and the iteration's critical path.
+
+* :class:`IterationView` turns one ``IterationRecord`` into numpy columns,
+  dropping duplicate chunk rows and rows that cannot be used (unknown kind,
+  negative duration, no micro-batch statistics), so later steps never see them.
+* :class:`ChunkPredictor` fits ``T = alpha*N + beta*sum(l^2)`` per (stage, chunk
+  kind) by least squares, pooled over DP replicas, with a per-(replica, stage)
+  scale that absorbs static differences between replicas (e.g. a replica whose
+  stage runs at another TP degree).  It is fitted on a warm-up window, then kept
+  current on healthy iterations with exponential forgetting (recursive least
+  squares on the normal equations).  Communication chunks (P2P, all-reduce,
+  TP collectives) do not depend on sequence lengths; their baseline is a
+  per-(replica, stage, kind, direction) running median.
+* :class:`IterationPredictor` predicts the healthy iteration time as the
+  critical path of the schedule's DAG (the shared pipeline engine) with the
+  predicted chunk costs and measured P2P edge costs, plus a fitted constant for
+  the work outside the pipeline (gradient all-reduce, optimizer step).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resihp.schemas import ChunkKind, IterationRecord
+from resihp.topology import Layout, Migration
+
+COMPUTE_KINDS = (int(ChunkKind.F), int(ChunkKind.B), int(ChunkKind.W))
+SEND = int(ChunkKind.SEND)
+RECV = int(ChunkKind.RECV)
+ALLREDUCE = int(ChunkKind.ALLREDUCE)
+TP_COMM = int(ChunkKind.TP_COMM)
+_KIND_BY_NAME = {k.name: int(k) for k in ChunkKind}
+#: Feature scaling so the 2x2 normal equations are well conditioned.
+N_UNIT = 1e4
+SQ_UNIT = 1e8
+
+
+def _kind_codes(raw: list) -> np.ndarray:
+    out = np.full(len(raw), -1, dtype=np.int16)
+    for i, k in enumerate(raw):
+        if isinstance(k, str):
+            out[i] = _KIND_BY_NAME.get(k.upper(), -1)
+        elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+            out[i] = int(k) if 0 <= int(k) <= max(ChunkKind) else -1
+    return out
+
+
+def _col(cols: dict, name: str, n: int, dtype, default) -> np.ndarray:
+    v = cols.get(name)
+    if not isinstance(v, list) or len(v) != n:
+        return np.full(n, default, dtype=dtype)
+    try:
+        a = np.asarray(v, dtype=np.float64)
+    except (TypeError, ValueError):
+        return np.full(n, default, dtype=dtype)
+    a = np.where(np.isfinite(a), a, default)
+    return a.astype(dtype)
+
+
+@dataclass
+class IterationView:
+    """Columns of one iteration, cleaned.  Chunk arrays are aligned."""
+
+    iteration: int
+    iteration_time_s: float
+    layout_id: int
+    dp: np.ndarray
+    stage: np.ndarray
+    src_dp: np.ndarray
+    mb: np.ndarray
+    kind: np.ndarray
+    duration_s: np.ndarray
+    start_s: np.ndarray
+    tokens_n: np.ndarray  # N of the chunk's micro-batch (nan for comm chunks w/o stats)
+    sum_sq: np.ndarray  # sum l^2 of the chunk's micro-batch
+    direction: np.ndarray  # comm chunks: +1 toward the next stage, -1 toward the previous, 0 n/a
+    mb_stats: dict[tuple[int, int], tuple[float, float]]
+    rank: np.ndarray
+    rank_dp: np.ndarray
+    rank_stage: np.ndarray
+    rank_compute_s: np.ndarray
+    rank_busy_s: np.ndarray
+    rank_comm_s: np.ndarray
+    duplicates_total: int = 0
+    unusable_total: int = 0
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.kind)
+
+    @classmethod
+    def from_record(cls, rec: IterationRecord) -> IterationView:
+        ch = rec.chunks or {}
+        n = len(ch.get("kind", []) or [])
+        dp = _col(ch, "dp", n, np.int32, -1)
+        stage = _col(ch, "stage", n, np.int32, -1)
+        src = _col(ch, "src_dp", n, np.int32, -1)
+        src = np.where(src < 0, dp, src)
+        mb = _col(ch, "microbatch", n, np.int32, -1)
+        kind = _kind_codes(ch.get("kind", []) or []) if n else np.zeros(0, np.int16)
+        dur = _col(ch, "duration_s", n, np.float64, np.nan)
+        start = _col(ch, "start_s", n, np.float64, np.nan)
+
+        ok = (dp >= 0) & (stage >= 0) & (kind >= 0) & np.isfinite(dur) & (dur >= 0)
+        unusable = int(n - ok.sum())
+        # Duplicated chunk rows (a re-sent batch): keep the first of each key.
+        key = np.stack([dp, stage, src, mb, kind.astype(np.int32)], axis=1)[ok]
+        idx = np.flatnonzero(ok)
+        dups = 0
+        if len(idx):
+            _, first = np.unique(key, axis=0, return_index=True)
+            dups = len(idx) - len(first)
+            idx = idx[np.sort(first)]
+        dp, stage, src, mb, kind, dur, start = (
+            a[idx] for a in (dp, stage, src, mb, kind, dur, start)
+        )
+
+        mbs = rec.microbatches or {}
+        m = len(mbs.get("microbatch", []) or [])
+        stats: dict[tuple[int, int], tuple[float, float]] = {}
+        if m:
+            mdp = _col(mbs, "dp", m, np.int64, -1)
+            mmb = _col(mbs, "microbatch", m, np.int64, -1)
+            mn = _col(mbs, "token_budget", m, np.float64, np.nan)
+            msq = _col(mbs, "sum_sq_len", m, np.float64, np.nan)
+            for d, j, nn, sq in zip(mdp, mmb, mn, msq, strict=True):
+                if d >= 0 and j >= 0 and np.isfinite(nn) and np.isfinite(sq) and nn > 0:
+                    stats.setdefault((int(d), int(j)), (float(nn), float(sq)))
+        tn = np.full(len(kind), np.nan)
+        sq = np.full(len(kind), np.nan)
+        for i in range(len(kind)):
+            s = stats.get((int(src[i]), int(mb[i])))
+            if s is not None:
+                tn[i], sq[i] = s
+        direction = _comm_direction(dp, stage, src, mb, kind, start)
+
+        rk = rec.ranks or {}
+        r = len(rk.get("rank", []) or [])
+        rank = _col(rk, "rank", r, np.int64, -1)
+        rdp = _col(rk, "dp", r, np.int32, -1)
+        rst = _col(rk, "stage", r, np.int32, -1)
+        rcomp = _col(rk, "compute_s", r, np.float64, np.nan)
+        rbusy = _col(rk, "busy_s", r, np.float64, np.nan)
+        rcomm = _col(rk, "comm_s", r, np.float64, np.nan)
+        good = (rank >= 0) & (rdp >= 0) & (rst >= 0)
+        if r:
+            _, first = np.unique(rank[good], return_index=True)
+            sel = np.flatnonzero(good)[np.sort(first)]
+        else:
+            sel = np.zeros(0, dtype=np.int64)
+        return cls(
+            iteration=int(rec.iteration),
+            iteration_time_s=float(rec.iteration_time_s),
+            layout_id=int(rec.layout_id),
+            dp=dp,
+            stage=stage,
+            src_dp=src,
+            mb=mb,
+            kind=kind,
+            duration_s=dur,
+            start_s=start,
+            tokens_n=tn,
+            sum_sq=sq,
+            direction=direction,
+            mb_stats=stats,
+            rank=rank[sel],
+            rank_dp=rdp[sel],
+            rank_stage=rst[sel],
+            rank_compute_s=rcomp[sel],
+            rank_busy_s=rbusy[sel],
+            rank_comm_s=rcomm[sel],
+            duplicates_total=dups,
+            unusable_total=unusable,
+        )
+
+    def compute_mask(self) -> np.ndarray:
+        return (self.kind <= int(ChunkKind.W)) & np.isfinite(self.tokens_n)
+
+
+def _comm_direction(dp, stage, src, mb, kind, start) -> np.ndarray:
+    """Direction of each P2P chunk of one micro-batch on one stage.
+
+    A stage sends a micro-batch's activations forward before it sends its
+    gradient backward, so among the (up to two) SEND rows of one (replica,
+    stage, micro-batch) the earlier is forward.  Both rows come from the same
+    device clock, so skew between nodes cannot reorder them.  RECV rows are
+    mirrored (the earlier receive is the forward activation).
+    """
+    out = np.zeros(len(kind), dtype=np.int8)
+    p2p = np.flatnonzero((kind == SEND) | (kind == RECV))
+    if not len(p2p):
+        return out
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i in p2p:
+        groups[(int(dp[i]), int(stage[i]), int(src[i]), int(mb[i]), int(kind[i]))].append(int(i))
+    last_stage = int(stage.max()) if len(stage) else 0
+    for (_d, s, _sd, _j, k), rows in groups.items():
+        rows.sort(key=lambda i: start[i] if np.isfinite(start[i]) else 0.0)
+        if len(rows) == 1:
+            i = rows[0]
+            if k == SEND:
+                out[i] = 1 if s == 0 else (-1 if s == last_stage else 0)
+            else:
+                out[i] = 1 if s == last_stage else (-1 if s == 0 else 0)
+            continue
+        first, second = rows[0], rows[-1]
+        if k == SEND:
+            out[first], out[second] = 1, -1
+        else:
+            out[first], out[second] = 1, -1  # first receive: activation from previous stage
+    return out
+
+
+class _RLS2:
+    """Least squares on two features with exponential forgetting (normal equations)."""
+
+    __slots__ = ("xtx", "xty", "n")
+
+    def __init__(self) -> None:
+        self.xtx = np.zeros((2, 2))
+        self.xty = np.zeros(2)
+        self.n = 0.0
+
+    def decay(self, lam: float) -> None:
+        self.xtx *= lam
+        self.xty *= lam
+        self.n *= lam
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.xtx += x.T @ x
+        self.xty += x.T @ y
+        self.n += len(y)
+
+    def solve(self) -> tuple[float, float] | None:
+        if self.n < 2:
+            return None
+        a = self.xtx + np.eye(2) * 1e-9 * max(1.0, np.trace(self.xtx))
+        try:
+            alpha, beta = np.linalg.solve(a, self.xty)
+        except np.linalg.LinAlgError:
+            return None
+        if beta < 0 or not np.isfinite(beta):
+            # attention cannot take negative time: fall back to the linear term only
+            beta = 0.0
+            alpha = self.xty[0] / self.xtx[0, 0] if self.xtx[0, 0] > 0 else 0.0
+        return float(alpha), float(beta)
+
+
+@dataclass
+class ChunkPredictor:
+    """alpha/beta per (stage, compute kind), fitted by least squares on eq. 1."""
+
+    forget: float = 0.98
+    fits: dict[tuple[int, int], _RLS2] = field(default_factory=dict)
+    coef: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    scale: dict[tuple[int, int], float] = field(default_factory=dict)  # (dp, stage) -> factor
+    comm: dict[tuple[int, int, int, int], deque] = field(default_factory=dict)
+    comm_median: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    iterations_fitted: int = 0
+
+    def reset(self) -> None:
+        self.fits.clear()
+        self.coef.clear()
+        self.scale.clear()
+        self.comm.clear()
+        self.comm_median.clear()
+        self.iterations_fitted = 0
+
+    def reset_stages(self, stages: set[int]) -> None:
+        for key in [k for k in self.fits if k[0] in stages]:
+            del self.fits[key]
+            self.coef.pop(key, None)
+        for key in [k for k in self.scale if k[1] in stages]:
+            del self.scale[key]
+        for key in [k for k in self.comm if k[1] in stages]:
+            del self.comm[key]
+            self.comm_median.pop(key, None)
+
+    # ------------------------------------------------------------- fitting
+    def observe(self, v: IterationView, exclude: set[tuple[int, int]] | None = None) -> None:
+        """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip)."""
+        cm = v.compute_mask()
+        if exclude:
+            keep = (
+                np.array(
+                    [(int(d), int(s)) not in exclude for d, s in zip(v.dp, v.stage, strict=True)],
+                    dtype=bool,
+                )
+                if len(v.dp)
+                else np.zeros(0, bool)
+            )
+            cm &= keep
+        else:
+            keep = np.ones(len(v.dp), bool)
+        for f in self.fits.values():
+            f.decay(self.forget)
+        if cm.any():
+            sc = self._scales(v.dp[cm], v.stage[cm])
+            y = v.duration_s[cm] / sc
+            x = np.stack([v.tokens_n[cm] / N_UNIT, v.sum_sq[cm] / SQ_UNIT], axis=1)
+            st, kd = v.stage[cm], v.kind[cm]
+            keys = st.astype(np.int64) * 16 + kd
+            for key in np.unique(keys):
+                sel = keys == key
+                k = (int(key // 16), int(key % 16))
+                fit = self.fits.get(k)
+                if fit is None:
+                    fit = self.fits[k] = _RLS2()
+                fit.add(x[sel], y[sel])
+            for k, fit in self.fits.items():
+                c = fit.solve()
+                if c is not None:
+                    self.coef[k] = c
+        # P2P / collectives: running median per (dp, stage, kind, direction)
+        comm = (~(v.kind <= int(ChunkKind.W))) & keep
+        if comm.any():
+            for d, s, k, dr, dur in zip(
+                v.dp[comm],
+                v.stage[comm],
+                v.kind[comm],
+                v.direction[comm],
+                v.duration_s[comm],
+                strict=True,
+            ):
+                key = (int(d), int(s), int(k), int(dr))
+                q = self.comm.get(key)
+                if q is None:
+                    q = self.comm[key] = deque(maxlen=64)
+                q.append(float(dur))
+            for key, q in self.comm.items():
+                self.comm_median[key] = float(np.median(q))
+        self.iterations_fitted += 1
+
+    def update_scales(self, v: IterationView, rate: float, exclude: set | None = None) -> None:
+        """Move each (dp, stage) scale toward its observed/predicted median."""
+        pred = self.predict_compute(v, with_scale=False)
+        cm = v.compute_mask() & np.isfinite(pred) & (pred > 0)
+        if not cm.any():
+            return
+        ratio = v.duration_s[cm] / pred[cm]
+        gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+        for g in np.unique(gk):
+            key = (int(g // 4096), int(g % 4096))
+            if exclude and key in exclude:
+                continue
+            r = float(np.median(ratio[gk == g]))
+            if not np.isfinite(r) or r <= 0:
+                continue
+            old = self.scale.get(key)
+            self.scale[key] = r if old is None or rate >= 1.0 else old * (1 - rate) + r * rate
+
+    def _scales(self, dp: np.ndarray, stage: np.ndarray) -> np.ndarray:
+        if not self.scale:
+            return np.ones(len(dp))
+        return np.array(
+            [self.scale.get((int(d), int(s)), 1.0) for d, s in zip(dp, stage, strict=True)]
+        )
+
+    # ----------------------------------------------------------- predicting
+    def cost(self, stage: int, kind: int, tokens_n: float, sum_sq: float) -> float:
+        c = self.coef.get((stage, kind))
+        if c is None:
+            return float("nan")
+        return c[0] * tokens_n / N_UNIT + c[1] * sum_sq / SQ_UNIT
+
+    def coef_arrays(self, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+        a = np.full((num_stages, 16), np.nan)
+        b = np.full((num_stages, 16), np.nan)
+        for (s, k), (al, be) in self.coef.items():
+            if s < num_stages:
+                a[s, k], b[s, k] = al, be
+        return a, b
+
+    def predict_compute(self, v: IterationView, with_scale: bool = True) -> np.ndarray:
+        """Predicted duration of every compute chunk of ``v`` (nan elsewhere)."""
+        out = np.full(v.num_chunks, np.nan)
+        if not self.coef or not v.num_chunks:
+            return out
+        ns = int(v.stage.max()) + 1
+        a, b = self.coef_arrays(ns)
+        cm = v.compute_mask()
+        st, kd = v.stage[cm], v.kind[cm]
+        out[cm] = a[st, kd] * v.tokens_n[cm] / N_UNIT + b[st, kd] * v.sum_sq[cm] / SQ_UNIT
+        if with_scale and self.scale:
+            out[cm] *= self._scales(v.dp[cm], v.stage[cm])
+        return out
+
+    def predict_comm(self, v: IterationView) -> np.ndarray:
+        out = np.full(v.num_chunks, np.nan)
+        comm = np.flatnonzero(v.kind > int(ChunkKind.W))
+        for i in comm:
+            out[i] = self.comm_median.get(
+                (int(v.dp[i]), int(v.stage[i]), int(v.kind[i]), int(v.direction[i])), np.nan
+            )
+        return out
+
+    def predict_microbatch(self, stage: int, tokens_n: float, sum_sq: float, kinds) -> float:
+        """Eq. 1 for one micro-batch on one stage: the sum of its compute chunks."""
+        return float(sum(self.cost(stage, k, tokens_n, sum_sq) for k in kinds))
+
+
+# --------------------------------------------------------------------------
+# iteration-time prediction through the shared pipeline engine
+
+
+def infer_layout(v: IterationView, schedule: str | None = None) -> Layout:
+    """A layout for the DAG when the detector has none: replicas, stages and
+    micro-batch counts from the record, one pseudo-device per (replica, stage)
+    (the DAG does not depend on TP degrees or rank ids)."""
+    dp = int(max(v.dp.max(initial=-1), v.src_dp.max(initial=-1))) + 1
+    pp = int(v.stage.max(initial=-1)) + 1
+    if dp <= 0 or pp <= 0:
+        raise ValueError("record has no chunks to infer a layout from")
+    mbs = [0] * dp
+    for d, j in v.mb_stats:
+        if 0 <= d < dp:
+            mbs[d] = max(mbs[d], j + 1)
+    for d, j in zip(v.src_dp, v.mb, strict=True):
+        if 0 <= d < dp:
+            mbs[int(d)] = max(mbs[int(d)], int(j) + 1)
+    if schedule is None:
+        schedule = "zbh1" if (v.kind == int(ChunkKind.W)).any() else "1f1b"
+    migr = set()
+    moved = (v.src_dp != v.dp) & (v.kind == int(ChunkKind.F))
+    for s, sd, j, d in zip(v.stage[moved], v.src_dp[moved], v.mb[moved], v.dp[moved], strict=True):
+        migr.add(Migration(int(s), int(sd), int(j), int(d)))
+    groups = [[[d * pp + s] for s in range(pp)] for d in range(dp)]
+    lay = Layout(
+        world_size=dp * pp,
+        devices_per_node=max(1, dp * pp),
+        num_layers=pp,
+        groups=groups,
+        layers=[1] * pp,
+        microbatches=mbs,
+        migrations=sorted(migr, key=lambda m: m.to_list()),
+        schedule=schedule,
+    )
+    lay.validate()
+    return lay
+
+
+class IterationPredictor:
+    """Healthy iteration time = critical path of the schedule's DAG + a fitted constant."""
+
+    def __init__(self) -> None:
+        self._dag = None
+        self._dag_key = None
+        self.offset_s: float | None = None
+        self._offsets: deque[float] = deque(maxlen=64)
+        self.available = True
+        try:
+            from resihp.pipeline import dag as _dagmod  # noqa: F401
+        except ImportError:
+            self.available = False
+
+    def dag_for(self, layout: Layout):
+        key = (
+            layout.layout_id,
+            tuple(layout.microbatches),
+            layout.pp,
+            layout.dp,
+            layout.schedule,
+            tuple(m.to_list().__repr__() for m in layout.migrations),
+        )
+        if self._dag_key != key:
+            from resihp.pipeline.dag import PipelineDAG
+
+            self._dag = PipelineDAG.from_layout(layout)
+            self._dag_key = key
+        return self._dag
+
+    def chunk_costs(
+        self,
+        dag,
+        pred: ChunkPredictor,
+        v: IterationView,
+        slow: dict[tuple[int, int], float] | None = None,
+    ) -> np.ndarray:
+        """Predicted cost of every DAG chunk from ``v``'s micro-batch statistics.
+
+        ``slow`` multiplies the cost of chosen (dp, stage) groups (what-if of a
+        detected slowdown).
+        """
+        st = np.asarray(dag.chunk_stage, dtype=np.int64)
+        kinds = (
+            _kind_codes(list(dag.chunk_kind))
+            if not np.issubdtype(np.asarray(dag.chunk_kind).dtype, np.integer)
+            else np.asarray(dag.chunk_kind)
+        )
+        ns = int(st.max()) + 1 if len(st) else 1
+        a, b = pred.coef_arrays(max(ns, 1))
+        src = np.asarray(dag.chunk_src_dp, dtype=np.int64)
+        mbs = np.asarray(dag.chunk_mb, dtype=np.int64)
+        dps = np.asarray(dag.chunk_dp, dtype=np.int64)
+        n_default, sq_default = _mean_stats(v)
+        tn = np.empty(len(st))
+        sq = np.empty(len(st))
+        for i in range(len(st)):
+            s = v.mb_stats.get((int(src[i]), int(mbs[i])))
+            tn[i], sq[i] = s if s is not None else (n_default, sq_default)
+        kk = np.clip(kinds.astype(np.int64), 0, 15)
+        cost = a[st, kk] * tn / N_UNIT + b[st, kk] * sq / SQ_UNIT
+        # a fused backward (1F1B) that the fit only knows as B
+        cost = np.where(np.isfinite(cost), cost, 0.0)
+        if pred.scale:
+            cost *= np.array(
+                [pred.scale.get((int(d), int(s)), 1.0) for d, s in zip(dps, st, strict=True)]
+            )
+        if slow:
+            for (d, s), f in slow.items():
+                cost[(dps == d) & (st == s)] *= f
+        return cost
+
+    def edge_costs(self, dag, pred: ChunkPredictor) -> np.ndarray | None:
+        """P2P edge costs from the measured SEND medians of each edge's sending stage."""
+        if not pred.comm_median or not getattr(dag, "num_edges", 0):
+            return None
+        src = np.asarray(dag.edge_src)
+        st = np.asarray(dag.chunk_stage)[src]
+        dps = np.asarray(dag.chunk_dp)[src]
+        direction = np.where(np.asarray(dag.edge_kind) == 0, 1, -1)
+        table = {}
+        out = np.zeros(len(src))
+        for i in range(len(src)):
+            key = (int(dps[i]), int(st[i]), SEND, int(direction[i]))
+            if key not in table:
+                table[key] = pred.comm_median.get(key, 0.0)
+            out[i] = table[key]
+        return out
+
+    def allreduce_costs(self, layout: Layout, pred: ChunkPredictor) -> np.ndarray | None:
+        vals = np.zeros(layout.pp)
+        found = False
+        for (_d, s, k, _dr), med in pred.comm_median.items():
+            if k == ALLREDUCE and s < layout.pp:
+                vals[s] = max(vals[s], med)
+                found = True
+        return vals if found else None
+
+    def critical_path_s(
+        self,
+        layout: Layout,
+        pred: ChunkPredictor,
+        v: IterationView,
+        slow: dict[tuple[int, int], float] | None = None,
+    ) -> float:
+        return float(self.critical_paths(layout, pred, v, [slow])[0])
+
+    def critical_paths(
+        self,
+        layout: Layout,
+        pred: ChunkPredictor,
+        v: IterationView,
+        slows: list[dict[tuple[int, int], float] | None],
+    ) -> np.ndarray:
+        """Iteration time (without the fitted offset) for several what-if slowdowns at once."""
+        dag = self.dag_for(layout)
+        base = self.chunk_costs(dag, pred, v)
+        rows = []
+        for slow in slows:
+            c = base.copy()
+            if slow:
+                st = np.asarray(dag.chunk_stage)
+                dps = np.asarray(dag.chunk_dp)
+                for (d, s), f in slow.items():
+                    c[(dps == d) & (st == s)] *= f
+            rows.append(c)
+        edges = self.edge_costs(dag, pred)
+        ar = self.allreduce_costs(layout, pred)
+        if len(rows) == 1:
+            return np.array([dag.evaluate(rows[0], edges, ar).iteration_time_s])
+        return np.asarray(dag.evaluate_batch(np.stack(rows), edges, ar), dtype=float)
+
+    def learn_offset(self, observed_s: float, critical_s: float) -> None:
+        if np.isfinite(critical_s) and critical_s > 0:
+            self._offsets.append(observed_s - critical_s)
+            self.offset_s = float(np.median(self._offsets))
+
+    def predict(
+        self,
+        layout: Layout,
+        pred: ChunkPredictor,
+        v: IterationView,
+        slow: dict[tuple[int, int], float] | None = None,
+    ) -> float:
+        cp = self.critical_path_s(layout, pred, v, slow)
+        return cp + (self.offset_s or 0.0)
+
+    def reset(self) -> None:
+        self._offsets.clear()
+        self.offset_s = None
+        self._dag = None
+        self._dag_key = None
+
+
+def _mean_stats(v: IterationView) -> tuple[float, float]:
+    if not v.mb_stats:
+        return 0.0, 0.0
+    arr = np.array(list(v.mb_stats.values()))
+    return float(arr[:, 0].mean()), float(arr[:, 1].mean())
