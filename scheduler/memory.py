@@ -12,25 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from resihp.pipeline.models import get_preset
+
 GIB = 1024**3
-
-#: Per-layer parameter counts and hidden sizes of the paper's Table 3 models
-#: (from their published configurations); used only for memory accounting.
-LAYER_SHAPES: dict[str, tuple[float, int, int]] = {
-    # name: (params per transformer layer, hidden size, number of layers)
-    "llama2-7b": (202e6, 4096, 32),
-    "llama2-13b": (317e6, 5120, 40),
-    "llama2-30b": (535e6, 6656, 60),
-    "llama2-70b": (856e6, 8192, 80),
-    "qwen2.5-7b": (233e6, 3584, 28),
-    "qwen2.5-14b": (273e6, 5120, 48),
-    "qwen2.5-32b": (484e6, 5120, 64),
-    "qwen2.5-72b": (875e6, 8192, 80),
-}
-
-
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(" ", "")
 
 
 @dataclass(frozen=True)
@@ -44,10 +28,11 @@ class MemoryModel:
 
     @classmethod
     def for_model(cls, model: str, seq_len: int = 4096, device_mem_gb: float = 80.0) -> MemoryModel:
-        shape = LAYER_SHAPES.get(_norm(model))
-        if shape is None:
+        try:
+            pre = get_preset(model)
+        except ValueError:
             return cls(device_mem_bytes=device_mem_gb * GIB)
-        params, hidden, _ = shape
+        params, hidden = pre.params_per_layer, pre.hidden
         # 34 B per token per hidden unit: Megatron's activation estimate with
         # flash attention (no s^2 term), sequence-parallel off.
         return cls(

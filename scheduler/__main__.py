@@ -1,0 +1,127 @@
+"""``python -m scheduler``: run the scheduler service, simulate a policy, or act on a plan.
+
+python -m scheduler [run] [--mode auto|manual] [--grace-period-s S] [--policy NAME] ...
+python -m scheduler --check-health
+python -m scheduler simulate --scenario FILE --policy NAME --out RESULT.json
+python -m scheduler act acknowledge|reject|override --plan-id P --actor NAME [--override JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from resihp.bus import Health, publish
+from resihp.keys import JobKeys
+from resihp.redis_client import connect
+from resihp.schemas import OperatorAction
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
+    _common(ap)
+    ap.add_argument(
+        "--check-health", action="store_true", help="exit 0 if the scheduler's health key is ok"
+    )
+    sub = ap.add_subparsers(dest="cmd")
+    run = sub.add_parser("run", help="run the scheduler service (the default)")
+    _common(run)
+    for p in (ap, run):
+        p.add_argument("--mode", choices=["auto", "manual"], default=None)
+        p.add_argument("--grace-period-s", dest="grace_period_s", type=float, default=None)
+        p.add_argument("--policy", default=None)
+        p.add_argument("--delta", type=int, default=None)
+        p.add_argument("--model", default=None)
+        p.add_argument("--seq-len", dest="seq_len", type=int, default=None)
+        p.add_argument("--device-mem-gb", dest="device_mem_gb", type=float, default=None)
+        p.add_argument("--consumer", default=None)
+        p.add_argument("--duration", type=float, default=None, help="stop after SECONDS")
+    sim = sub.add_parser(
+        "simulate", help="run one policy over a failure scenario (analytical timeline)"
+    )
+    sim.add_argument("--scenario", required=True)
+    sim.add_argument("--policy", required=True)
+    sim.add_argument("--out", required=True)
+    sim.add_argument("--quiet", action="store_true")
+    act = sub.add_parser("act", help="acknowledge / reject / override a plan from a shell")
+    _common(act)
+    act.add_argument("action", choices=["acknowledge", "reject", "override", "set_mode"])
+    act.add_argument("--plan-id", type=int, default=0)
+    act.add_argument("--actor", default=os.environ.get("USER", "cli"))
+    act.add_argument("--override", default="{}", help='JSON, e.g. {"layers": [5, 2, 5]}')
+    act.add_argument("--comment", default="")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    if args.cmd == "simulate":
+        from scheduler.simulate import main_simulate
+
+        return main_simulate(args)
+    if args.check_health:
+        try:
+            client = connect(args.redis_url)
+            return 0 if Health.check(client, JobKeys(args.job_id), "scheduler") else 1
+        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+            print(f"unhealthy: {e}", file=sys.stderr)
+            return 1
+    if args.cmd == "act":
+        try:
+            override = json.loads(args.override)
+        except json.JSONDecodeError as e:
+            print(f"--override is not JSON: {e}", file=sys.stderr)
+            return 2
+        client = connect(args.redis_url)
+        publish(
+            client,
+            JobKeys(args.job_id).actions,
+            OperatorAction(
+                action=args.action,
+                plan_id=args.plan_id,
+                actor=args.actor,
+                at_s=time.time(),
+                override=override,
+                comment=args.comment,
+            ),
+        )
+        return 0
+    from scheduler.config import SchedulerConfig
+    from scheduler.service import SchedulerService
+
+    try:
+        cfg = SchedulerConfig.from_args(args)
+    except ValueError as e:
+        print(f"bad configuration: {e}", file=sys.stderr)
+        return 2
+    try:
+        client = connect(cfg.redis_url or None)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    svc = SchedulerService(cfg, client)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if args.duration:
+        threading.Timer(args.duration, stop.set).start()
+    svc.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

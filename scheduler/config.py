@@ -1,0 +1,120 @@
+"""Validated configuration of the scheduler service (CLI args / environment).
+
+Every field is documented; a bad value raises ``ValueError`` naming the field.
+Runtime-tunable fields (``mode``, ``grace_period_s``, ``delta``) can also be
+changed while the service runs through the ``keys.scheduler_config`` hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from resihp.keys import validate_job_id
+
+MODES = ("auto", "manual")
+
+
+@dataclass
+class SchedulerConfig:
+    """Settings of one scheduler instance.
+
+    redis_url: Redis to use (default ``$REDIS_URL``).
+    job_id: job whose streams this instance serves.
+    mode: ``auto`` acknowledges a proposed plan after ``grace_period_s`` unless an
+        operator intervened; ``manual`` waits for an operator's acknowledgement.
+    grace_period_s: seconds a proposed plan waits in auto mode.
+    policy: planning policy (``resihp`` or a baseline, see ``scheduler.policies``).
+    delta: Algorithm 1's progress-imbalance threshold (micro-batches).
+    model: model preset of the cost model (``resihp.pipeline.models``); empty
+        means a generic layer cost.
+    seq_len: tokens per packed micro-batch (the token budget).
+    device_mem_gb: memory per device used by the feasibility checks.
+    min_gain: a plan that is not a failure response is only proposed when it
+        predicts at least this fractional improvement.
+    block_ms: how long one ``run_once`` blocks on the input streams.
+    consumer: consumer name inside the scheduler's consumer groups.
+    """
+
+    redis_url: str = ""
+    job_id: str = "default"
+    mode: str = "auto"
+    grace_period_s: float = 10.0
+    policy: str = "resihp"
+    delta: int = 0
+    model: str = ""
+    seq_len: int = 4096
+    device_mem_gb: float = 80.0
+    min_gain: float = 0.01
+    block_ms: int = 100
+    consumer: str = "scheduler-0"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        validate_job_id(self.job_id)
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        if not (self.grace_period_s >= 0):
+            raise ValueError(f"grace_period_s: must be >= 0, got {self.grace_period_s}")
+        if self.delta < 0:
+            raise ValueError(f"delta: must be >= 0, got {self.delta}")
+        if self.seq_len <= 0:
+            raise ValueError(f"seq_len: must be > 0, got {self.seq_len}")
+        if not (self.device_mem_gb > 0):
+            raise ValueError(f"device_mem_gb: must be > 0, got {self.device_mem_gb}")
+        if not (0 <= self.min_gain < 1):
+            raise ValueError(f"min_gain: must be in [0, 1), got {self.min_gain}")
+        if self.block_ms < 0:
+            raise ValueError(f"block_ms: must be >= 0, got {self.block_ms}")
+        from scheduler.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: unknown policy {self.policy!r}; known: {sorted(POLICIES)}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SchedulerConfig:
+        kw = {}
+        for f in fields(cls):
+            v = getattr(args, f.name, None)
+            if v is not None:
+                kw[f.name] = v
+        if not kw.get("redis_url"):
+            kw["redis_url"] = os.environ.get("REDIS_URL", "")
+        if "job_id" not in kw:
+            kw["job_id"] = os.environ.get("RESIHP_JOB_ID", "default")
+        return cls(**kw)
+
+    def apply_runtime(self, overrides: dict[str, str]) -> list[str]:
+        """Apply runtime overrides from ``keys.scheduler_config``; returns the fields changed.
+
+        A bad value leaves the config unchanged and raises ``ValueError`` naming the field.
+        """
+        changed = []
+        new = dict(mode=self.mode, grace_period_s=self.grace_period_s, delta=self.delta)
+        for k, v in overrides.items():
+            if k == "mode":
+                new["mode"] = str(v)
+            elif k == "grace_period_s":
+                try:
+                    new["grace_period_s"] = float(v)
+                except ValueError as e:
+                    raise ValueError(f"grace_period_s: not a number: {v!r}") from e
+            elif k == "delta":
+                try:
+                    new["delta"] = int(v)
+                except ValueError as e:
+                    raise ValueError(f"delta: not an integer: {v!r}") from e
+        old = dict(mode=self.mode, grace_period_s=self.grace_period_s, delta=self.delta)
+        for k, v in new.items():
+            setattr(self, k, v)
+        try:
+            self.validate()
+        except ValueError:
+            for k, v in old.items():
+                setattr(self, k, v)
+            raise
+        changed = [k for k in new if new[k] != old[k]]
+        return changed

@@ -1,0 +1,228 @@
+"""DP adaptation (§6.3): progress-aware stage-level micro-batch migration (Algorithm 1).
+
+An analytical list-scheduling simulator advances the forward chunks of every
+(replica, stage) executor in time.  ``P[d, i]`` counts the forward chunks
+stage ``i`` of replica ``d`` has completed (local and migrated), minus the
+migrated chunks already queued on it (Algorithm 1's "update P").  Whenever an
+executor of stage ``i`` becomes free, the solver takes ``d_min = argmin P``
+among replicas that still own pending stage-``i`` chunks and
+``d_max = argmax P`` among live executors; if ``(d_min, i)`` is fail-stop
+(its TP group is empty) or ``P[d_max] - P[d_min] > delta``, the last pending
+chunk of ``d_min`` (``NextPending``: the one it would run last) moves to
+``d_max`` provided the destination can hold one more live activation set at
+the projected arrival time (memory check).  A migrated chunk keeps its
+activations on the destination for its 1F1B residence ``(pp - i)`` slots.
+
+The result is a list of :class:`resihp.topology.Migration`; the planner
+evaluates it with the shared pipeline engine and keeps it only if it helps
+(fail-stop evictions are mandatory).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resihp.topology import Layout, Migration
+
+
+@dataclass
+class MigrationResult:
+    migrations: list[Migration] = field(default_factory=list)
+    #: (src_dp, stage, microbatch) of fail-stop work no peer could take.
+    unplaced: list[tuple[int, int, int]] = field(default_factory=list)
+    memory_refusals_total: int = 0
+    makespan_estimate_s: float = 0.0
+
+    def moves(self) -> list[dict]:
+        return [
+            {
+                "what": "microbatch",
+                "stage": m.stage,
+                "src_dp": m.src_dp,
+                "microbatch": m.microbatch,
+                "dst_dp": m.dst_dp,
+            }
+            for m in self.migrations
+        ]
+
+
+def progress_aware_migration(
+    layout: Layout,
+    chunk_s: np.ndarray,
+    act_cap: np.ndarray | None = None,
+    delta: int = 0,
+    balance: bool = True,
+) -> MigrationResult:
+    """Algorithm 1 over ``layout``.
+
+    ``chunk_s[d, i]``: seconds one micro-batch occupies stage ``i`` of replica
+    ``d`` (forward + backward); ``inf`` or an empty TP group means fail-stop.
+    ``act_cap[d, i]``: live activation sets the stage can hold (None: unlimited).
+    ``balance=False`` performs only the fail-stop evictions.
+    """
+    D, S = layout.dp, layout.pp
+    c = np.asarray(chunk_s, dtype=float).copy()
+    alive = np.array(
+        [[bool(layout.groups[d][s]) and np.isfinite(c[d, s]) for s in range(S)] for d in range(D)]
+    )
+    cap = np.full((D, S), 1 << 30) if act_cap is None else np.asarray(act_cap)
+    own_inflight = np.array(
+        [[min(S - s, layout.microbatches[d]) for s in range(S)] for d in range(D)]
+    )
+    pending = [[list(range(layout.microbatches[d])) for _ in range(S)] for d in range(D)]
+    queue: list[list[list[tuple[int, int]]]] = [[[] for _ in range(S)] for _ in range(D)]
+    ready: dict[tuple[int, int, int], float] = {
+        (d, 0, j): 0.0 for d in range(D) for j in range(layout.microbatches[d])
+    }
+    finishes: list[list[list[float]]] = [[[] for _ in range(S)] for _ in range(D)]
+    queued_n = np.zeros((D, S), dtype=int)
+    resident: list[list[list[float]]] = [
+        [[] for _ in range(S)] for _ in range(D)
+    ]  # migrated residence end times
+    free_at = np.zeros((D, S))
+    res = MigrationResult()
+
+    def progress(s: int, t: float) -> np.ndarray:
+        p = np.array([bisect_right(finishes[d][s], t) for d in range(D)], dtype=float)
+        return p - queued_n[:, s]
+
+    def mem_ok(e: int, s: int, t_arrive: float) -> bool:
+        live = sum(1 for end in resident[e][s] if end > t_arrive)
+        return own_inflight[e, s] + live + 1 <= cap[e, s]
+
+    def decide(s: int, t: float) -> None:
+        while True:
+            owners = [d for d in range(D) if pending[d][s]]
+            if not owners:
+                return
+            P = progress(s, t)
+            dead_owners = [d for d in owners if not alive[d, s]]
+            live_exec = [e for e in range(D) if alive[e, s]]
+            if not live_exec:
+                for d in dead_owners:
+                    res.unplaced.extend((d, s, j) for j in pending[d][s])
+                    pending[d][s] = []
+                return
+            if dead_owners:
+                d_min = dead_owners[0]
+            elif balance:
+                d_min = min(owners, key=lambda d: (P[d], -c[d, s], d))
+            else:
+                return
+            cands = sorted(
+                (e for e in live_exec if e != d_min), key=lambda e: (-P[e], free_at[e, s], e)
+            )
+            if not cands:
+                return
+            if alive[d_min, s] and P[cands[0]] - P[d_min] <= delta:
+                return
+            if (
+                alive[d_min, s]
+                and c[cands[0], s] >= c[d_min, s] * (1 + 1e-9)
+                and len(pending[d_min][s]) <= 1
+            ):
+                return  # moving the last chunk onto a slower executor cannot help
+            j = pending[d_min][s][-1]
+            placed = False
+            for e in cands:
+                if not alive[d_min, s] and P[e] < P[cands[0]]:
+                    pass  # fail-stop work may go to any peer with memory, fastest progress first
+                elif alive[d_min, s] and e != cands[0]:
+                    break  # balancing uses only d_max
+                t_arrive = max(t, free_at[e, s]) + (queued_n[e, s] + len(pending[e][s])) * c[e, s]
+                if mem_ok(e, s, t_arrive):
+                    pending[d_min][s].pop()
+                    queue[e][s].append((d_min, j))
+                    queued_n[e, s] += 1
+                    resident[e][s].append(t_arrive + (S - s) * c[e, s])
+                    res.migrations.append(Migration(s, d_min, j, e))
+                    placed = True
+                    break
+                res.memory_refusals_total += 1
+            if not placed:
+                if not alive[d_min, s]:
+                    res.unplaced.append((d_min, s, pending[d_min][s].pop()))
+                    continue
+                return
+
+    heap = [(0.0, d, s) for d in range(D) for s in range(S) if alive[d, s]]
+    heapq.heapify(heap)
+    waiting: set[tuple[int, int]] = set()
+    decide_done: set[int] = set()
+    for s in range(S):  # fail-stop evictions happen before anything runs
+        if not alive[:, s].all():
+            decide(s, 0.0)
+            decide_done.add(s)
+    while heap:
+        t, e, s = heapq.heappop(heap)
+        decide(s, t)
+        best = None
+        if pending[e][s]:
+            j = pending[e][s][0]
+            r = ready.get((e, s, j))
+            if r is not None:
+                best = (r, 0, e, j)
+        for k, (d, j) in enumerate(queue[e][s]):
+            r = ready.get((d, s, j))
+            if r is not None and (best is None or r < best[0]):
+                best = (r, 1 + k, d, j)
+        if best is None:
+            if pending[e][s] or queue[e][s]:
+                waiting.add((e, s))
+            continue
+        r, src, d, j = best
+        if src == 0:
+            pending[e][s].pop(0)
+        else:
+            queue[e][s].pop(src - 1)
+            queued_n[e, s] -= 1
+        start = max(t, r)
+        fin = start + c[e, s]
+        finishes[e][s].append(fin)
+        free_at[e, s] = fin
+        res.makespan_estimate_s = max(res.makespan_estimate_s, fin)
+        if s + 1 < S:
+            ready[(d, s + 1, j)] = fin
+            for w in [w for w in waiting if w[1] == s + 1]:
+                waiting.discard(w)
+                heapq.heappush(heap, (max(fin, free_at[w]), *w))
+        heapq.heappush(heap, (fin, e, s))
+    for d in range(D):
+        for s in range(S):
+            for j in pending[d][s]:
+                if not alive[d, s]:
+                    res.unplaced.append((d, s, j))
+    return res
+
+
+def balance_microbatches(
+    replica_time_per_mb_s: list[float], total: int, min_per_replica: int = 1
+) -> list[int]:
+    """Greyhound-style DP redistribution: micro-batch counts minimizing max_d m_d * T_d.
+
+    Exact for identical micro-batches: hand them out one at a time to the
+    replica whose finish time grows least.  Replicas with infinite time get none.
+    """
+    D = len(replica_time_per_mb_s)
+    live = [d for d in range(D) if np.isfinite(replica_time_per_mb_s[d])]
+    if not live:
+        raise ValueError("no replica can run micro-batches")
+    m = [0] * D
+    for d in live:
+        m[d] = min_per_replica
+    rest = total - sum(m)
+    if rest < 0:
+        raise ValueError(
+            f"{total} micro-batches cannot give {min_per_replica} to {len(live)} replicas"
+        )
+    h = [((m[d] + 1) * replica_time_per_mb_s[d], d) for d in live]
+    heapq.heapify(h)
+    for _ in range(rest):
+        _, d = heapq.heappop(h)
+        m[d] += 1
+        heapq.heappush(h, ((m[d] + 1) * replica_time_per_mb_s[d], d))
+    return m

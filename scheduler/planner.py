@@ -1,0 +1,279 @@
+"""Progressive adaptation TP -> PP -> DP (§6): builds the content of an AdaptationPlan.
+
+:func:`plan` takes the current layout and device speeds ``p`` (rank ->
+normalized throughput, 0 = fail-stop) and returns a :class:`PlanResult`:
+
+1. TP (§6.1): selective device exclusion in every affected TP group
+   (``scheduler.tp``); a stage left without devices in *every* replica is
+   removed and its layers are repartitioned over the remaining stages.
+2. PP (§6.2): optimal contiguous layer partition (``scheduler.pp``) from the
+   stages' effective speeds, under per-stage memory caps.  Two speed views are
+   tried - the slowest replica of each stage (no DP help) and the stage's
+   aggregate across replicas (DP migration will balance) - plus the current
+   partition.
+3. DP (§6.3): Algorithm 1 (``scheduler.dp``) for each PP candidate, with
+   evictions only and with balancing at ``delta``.
+
+Every candidate is evaluated by the shared pipeline engine
+(``scheduler.predict``); the fastest wins.  When the current layout can still
+run and no candidate beats it, the plan keeps it ("no change"), so a plan never
+predicts worse than doing nothing.  ``predicted_before_s`` is ``-1`` when the
+current layout cannot run (a device in it is dead).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resihp.topology import Layout, LayoutError
+from scheduler.dp import progress_aware_migration
+from scheduler.lifecycle import OverrideError, PlanDraft
+from scheduler.memory import inflight_1f1b
+from scheduler.pp import PartitionError, optimal_partition, partition_moves
+from scheduler.predict import Predictor
+from scheduler.tp import adapt_tp, p2p_moves
+
+
+class PlanningError(ValueError):
+    """No layout can continue training (the job would abort)."""
+
+
+@dataclass
+class PlanOptions:
+    """Which adaptations run (the Figure 11 ablation switches them off one by one)."""
+
+    tp: bool = True  # selective device exclusion (else whole TP groups are dropped)
+    pp: bool = True  # layer repartition
+    dp: bool = True  # progress-aware balancing migration (evictions always happen)
+    delta: int = 0
+    keep: tuple[int, ...] = ()
+    drop: tuple[int, ...] = ()
+    layers: tuple[int, ...] | None = None
+
+
+@dataclass
+class PlanResult:
+    after: Layout
+    predicted_before_s: float
+    predicted_after_s: float
+    moves: list[dict] = field(default_factory=list)
+    changed: bool = True
+    note: str = ""
+
+    def draft(self, before: Layout, reason: str) -> PlanDraft:
+        return PlanDraft(
+            before=before.to_dict(),
+            after=self.after.to_dict(),
+            predicted_before_s=self.predicted_before_s,
+            predicted_after_s=self.predicted_after_s,
+            moves=self.moves,
+            reason=reason,
+            note=self.note,
+        )
+
+
+def speeds_with_dead(layout: Layout, p: Mapping[int, float]) -> dict[int, float]:
+    out = {int(r): float(v) for r, v in p.items()}
+    for r in layout.dead:
+        out[r] = 0.0
+    return out
+
+
+def layout_runnable(layout: Layout, p: Mapping[int, float]) -> bool:
+    return all(p.get(r, 1.0) > 0 for r in layout.coords())
+
+
+def memory_violations(layout: Layout, predictor: Predictor) -> list[str]:
+    """Stages whose weights + own in-flight activations (+1 if they host migrated work) overflow."""
+    out = []
+    hosts = {(m.dst_dp, m.stage) for m in layout.migrations}
+    for d, st in enumerate(layout.groups):
+        for s, g in enumerate(st):
+            if not g:
+                continue
+            infl = inflight_1f1b(s, layout.pp, layout.microbatches[d]) + (
+                1 if (d, s) in hosts else 0
+            )
+            if not predictor.memory.fits(layout.layers[s], len(g), infl):
+                out.append(
+                    f"replica {d} stage {s}: {layout.layers[s]} layers at TP {len(g)} with {infl} live micro-batches exceed device memory"
+                )
+    return out
+
+
+def _drop_empty_stages(lay: Layout) -> tuple[Layout, list[int]]:
+    gone = [s for s in range(lay.pp) if all(not lay.groups[d][s] for d in range(lay.dp))]
+    if not gone:
+        return lay, []
+    if len(gone) == lay.pp:
+        raise PlanningError("every pipeline stage lost all its devices")
+    keep = [s for s in range(lay.pp) if s not in gone]
+    lay.groups = [[lay.groups[d][s] for s in keep] for d in range(lay.dp)]
+    lost = sum(lay.layers[s] for s in gone)
+    layers = [lay.layers[s] for s in keep]
+    # provisional: spread the orphaned layers; PP repartition finds the real split
+    for i in range(lost):
+        layers[i % len(layers)] += 1
+    lay.layers = layers
+    return lay, gone
+
+
+def plan(
+    layout: Layout,
+    p: Mapping[int, float],
+    predictor: Predictor,
+    options: PlanOptions | None = None,
+) -> PlanResult:
+    """Best layout for speeds ``p`` (see module doc). Raises PlanningError / OverrideError."""
+    opt = options or PlanOptions()
+    p = speeds_with_dead(layout, p)
+    for r in list(opt.keep) + list(opt.drop):
+        if not 0 <= r < layout.world_size:
+            raise OverrideError(f"rank {r} is not in the job (world size {layout.world_size})")
+    for r in opt.keep:
+        if p.get(r, 1.0) <= 0:
+            raise OverrideError(f"cannot keep rank {r}: it is dead")
+        if r not in layout.coords() and r not in layout.standby:
+            raise OverrideError(f"cannot keep rank {r}: it is neither active nor standby")
+    runnable = layout_runnable(layout, p)
+    before_s = predictor.iteration_s(layout, p) if runnable else math.inf
+
+    tp_res = adapt_tp(layout, p, predictor.memory, keep=opt.keep, drop=opt.drop, selective=opt.tp)
+    lay = tp_res.layout
+    lay.migrations = []
+    lay, gone = _drop_empty_stages(lay)
+    moves = list(tp_res.moves)
+    if gone:
+        moves.append({"what": "drop_stage", "stages": gone})
+    # PP candidates
+    S = lay.pp
+    w = predictor.per_layer_s(lay, p)  # [dp, stage]; inf where empty
+    live = np.isfinite(w)
+    head = predictor.head_s(lay, p)
+    e_head = list(np.where(live, head, 0).max(axis=0))
+    caps = []
+    for s in range(S):
+        c = min(
+            (
+                predictor.memory.layer_cap(
+                    len(lay.groups[d][s]), inflight_1f1b(s, S, lay.microbatches[d]) + 1
+                )
+                for d in range(lay.dp)
+                if lay.groups[d][s]
+            ),
+            default=0,
+        )
+        caps.append(c)
+    m = max(lay.microbatches)
+    cands: list[list[int]] = []
+    if opt.layers is not None:
+        L = list(opt.layers)
+        if len(L) != S or sum(L) != lay.num_layers or min(L) < 1:
+            raise OverrideError(
+                f"layers {L} must give each of {S} stages >= 1 layer and sum to {lay.num_layers}"
+            )
+        bad = [s for s in range(S) if L[s] > caps[s]]
+        if bad:
+            raise OverrideError(f"layers {L}: stage(s) {bad} exceed device memory (caps {caps})")
+        cands.append(L)
+    else:
+        if all(lay.layers[s] <= caps[s] for s in range(S)) and not gone:
+            cands.append(list(lay.layers))
+        if opt.pp or gone:
+            wmax = np.where(live, w, 0).max(axis=0)
+            with np.errstate(divide="ignore"):
+                wagg = live.sum(axis=0) / np.where(live, 1.0 / np.where(live, w, 1.0), 0.0).sum(
+                    axis=0
+                )
+            for ws in (wmax, wagg):
+                try:
+                    n = optimal_partition(lay.num_layers, list(ws), m, caps, e_head)
+                except PartitionError:
+                    continue
+                if n not in cands:
+                    cands.append(n)
+        if not cands:
+            raise PlanningError(
+                f"no layer partition fits device memory (caps {caps}, {lay.num_layers} layers)"
+            )
+    best: tuple[float, Layout, list[dict]] | None = None
+    deltas = sorted({opt.delta, opt.delta + 1}) if opt.dp else [None]
+    for layers in cands:
+        base = copy.deepcopy(lay)
+        base.layers = list(layers)
+        f, b, wc = predictor.stage_chunk_s(base, p)
+        chunk = f + b + wc
+        act_cap = np.array(
+            [
+                [
+                    predictor.memory.act_cap(base.layers[s], max(len(base.groups[d][s]), 1))
+                    if base.groups[d][s]
+                    else 0
+                    for s in range(S)
+                ]
+                for d in range(base.dp)
+            ]
+        )
+        variants = [(False, 0)] + [(True, dl) for dl in deltas if dl is not None]
+        for balance, dl in variants:
+            mig = progress_aware_migration(base, chunk, act_cap, delta=dl, balance=balance)
+            if mig.unplaced:
+                continue
+            cand = copy.deepcopy(base)
+            cand.migrations = sorted(mig.migrations, key=lambda x: x.to_list())
+            try:
+                cand.validate()
+            except LayoutError:
+                continue
+            t = predictor.iteration_s(cand, p)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, cand, mig.moves())
+    if best is None:
+        raise PlanningError(
+            "no feasible layout: fail-stop work cannot be placed on any live peer stage"
+        )
+    t_after, after, mig_moves = best
+    if runnable and t_after >= before_s and opt.layers is None and not opt.keep and not opt.drop:
+        return PlanResult(
+            layout.copy(),
+            before_s,
+            before_s,
+            [],
+            changed=False,
+            note="no candidate beats the current layout",
+        )
+    after.layout_id = layout.layout_id + 1
+    viol = memory_violations(after, predictor)
+    if viol:
+        raise (
+            OverrideError("; ".join(viol))
+            if (opt.layers or opt.keep)
+            else PlanningError("; ".join(viol))
+        )
+    moves += p2p_moves(after)
+    if list(after.layers) != list(layout.layers) or gone:
+        moves += partition_moves(layout.layers, after.layers, predictor.memory.layer_state_bytes)
+    moves += mig_moves
+    return PlanResult(after, before_s if runnable else -1.0, t_after, moves)
+
+
+def override_options(base: PlanOptions, override: Mapping) -> PlanOptions:
+    o = copy.deepcopy(base)
+    if "keep_ranks" in override:
+        o.keep = tuple(override["keep_ranks"])
+    if "drop_ranks" in override:
+        o.drop = tuple(override["drop_ranks"])
+    if "layers" in override:
+        o.layers = tuple(override["layers"])
+    if "migration" in override:
+        o.dp = bool(override["migration"])
+    return o
+
+
+def ranks_of(layout: Layout) -> Iterable[int]:
+    return range(layout.world_size)

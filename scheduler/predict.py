@@ -1,0 +1,150 @@
+"""Iteration-time prediction for plans through the shared pipeline engine and cost model.
+
+:class:`Predictor` wraps :func:`resihp.pipeline.models.cost_model_for` (the
+paper's Table 3 models calibrated to A100) and evaluates a layout's chunk DAG
+(:class:`resihp.pipeline.PipelineDAG`) under device speeds ``p`` (rank ->
+normalized throughput), so every number in a plan comes from the same engine
+the detector and the simulator use.  Micro-batches are taken as one
+``seq_len``-token document each (``sum l^2 = seq_len^2``), the cost-heaviest
+packing; ``time_scale`` multiplies every time (calibration against measured
+throughput).
+
+DAGs are cached on the layout's *structure* (empty groups, micro-batch counts,
+migrations, schedule): layer counts, TP degrees and speeds only change costs,
+so the planner's many what-ifs reuse one compiled DAG.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resihp.pipeline import CostModel, PipelineDAG
+from resihp.pipeline.models import cost_model_for
+from resihp.topology import Layout
+from scheduler.memory import MemoryModel
+
+
+@dataclass
+class Predictor:
+    """Cost model of one model/sequence length, evaluated through the DAG engine."""
+
+    model: str = ""
+    seq_len: int = 4096
+    device_mem_gb: float = 80.0
+    time_scale: float = 1.0
+    memory: MemoryModel = field(init=False)
+    cost: CostModel = field(init=False)
+    _dags: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.memory = MemoryModel.for_model(self.model, self.seq_len, self.device_mem_gb)
+        try:
+            self.cost = cost_model_for(self.model, self.seq_len)
+        except ValueError:
+            # unknown model: the cost model's defaults (a 7B-class layer)
+            self.cost = CostModel(
+                alpha_layer_s_per_token=2 * 202e6 / 156e12,
+                beta_layer_s_per_token2=2 * 4096 / 156e12,
+                tokens_per_microbatch=self.seq_len,
+            )
+
+    @property
+    def layer_params(self) -> float:
+        return self.cost.params_per_layer
+
+    @property
+    def _n(self) -> float:
+        return float(self.seq_len)
+
+    @property
+    def _sq(self) -> float:
+        return float(self.seq_len) ** 2
+
+    # ------------------------------------------------------------ per stage
+    def stage_speed(self, layout: Layout, p: dict[int, float]) -> np.ndarray:
+        out = np.zeros((layout.dp, layout.pp))
+        for d, stages in enumerate(layout.groups):
+            for s, g in enumerate(stages):
+                out[d, s] = min((p.get(r, 1.0) for r in g), default=0.0)
+        return out
+
+    def _parts(self, layout: Layout, p: dict[int, float]):
+        """Per (replica, stage): compute seconds per layer, TP-comm seconds per layer, head seconds."""
+        speed = self.stage_speed(layout, p)
+        k = np.array([[max(len(g), 1) for g in st] for st in layout.groups], dtype=float)
+        c = self.cost
+        live = speed > 0
+        denom = np.where(live, k * np.maximum(speed, 1e-12), 1.0)
+        comp = (c.alpha_layer_s_per_token * self._n + c.beta_layer_s_per_token2 * self._sq) / denom
+        comm = np.vectorize(lambda t: c._tp_comm_per_token(int(t), 1.0))(k) * self._n
+        head = np.zeros_like(comp)
+        head[:, -1] = c.head_alpha_s_per_token * self._n / denom[:, -1]
+        return (
+            np.where(live, comp, np.inf),
+            np.where(live, comm, np.inf),
+            np.where(live, head, np.inf),
+        )
+
+    def stage_chunk_s(self, layout: Layout, p: dict[int, float], layers: list[int] | None = None):
+        """(F, B, W) seconds per micro-batch for every (replica, stage); inf where no devices."""
+        L = np.asarray(layers or layout.layers, dtype=float)[None, :]
+        comp, comm, head = self._parts(layout, p)
+        fc = comp * L + head
+        tc = comm * L
+        rb, rw = self.cost.ratio_b, self.cost.ratio_w
+        if layout.schedule == "zbh1":
+            return (
+                (fc + tc) * self.time_scale,
+                (fc * rb + tc) * self.time_scale,
+                fc * rw * self.time_scale,
+            )
+        return (
+            (fc + tc) * self.time_scale,
+            (fc * (rb + rw) + tc) * self.time_scale,
+            np.zeros_like(fc),
+        )
+
+    def per_layer_s(self, layout: Layout, p: dict[int, float]) -> np.ndarray:
+        """Forward+backward seconds per layer per micro-batch on every (replica, stage)."""
+        comp, comm, _ = self._parts(layout, p)
+        return (comp * (1 + self.cost.ratio_b + self.cost.ratio_w) + 2 * comm) * self.time_scale
+
+    def head_s(self, layout: Layout, p: dict[int, float]) -> np.ndarray:
+        """Extra forward+backward seconds of the LM head (last stage only)."""
+        _, _, head = self._parts(layout, p)
+        return head * (1 + self.cost.ratio_b + self.cost.ratio_w) * self.time_scale
+
+    # ------------------------------------------------------------ engine
+    def dag(self, layout: Layout) -> PipelineDAG:
+        key = (
+            layout.schedule,
+            tuple(tuple(bool(g) for g in st) for st in layout.groups),
+            tuple(layout.microbatches),
+            tuple(tuple(m.to_list()) for m in layout.migrations),
+        )
+        dag = self._dags.get(key)
+        if dag is None:
+            dag = PipelineDAG.from_layout(layout)
+            self._dags[key] = dag
+            if len(self._dags) > 64:
+                self._dags.popitem(last=False)
+        else:
+            self._dags.move_to_end(key)
+        return dag
+
+    def iteration_s(self, layout: Layout, p: dict[int, float]) -> float:
+        """Predicted iteration time; inf when a TP group holds a dead device."""
+        if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
+            return float("inf")
+        dag = self.dag(layout)
+        cost = self.cost.chunk_costs(dag, layout, self.seq_len, self._sq, p)
+        edges = self.cost.edge_costs(dag, layout)
+        ar = self.cost.allreduce_costs(layout)
+        return dag.evaluate(cost, edges, ar).iteration_time_s * self.time_scale
+
+    def samples_per_s(self, layout: Layout, p: dict[int, float], samples_per_mb: int = 1) -> float:
+        t = self.iteration_s(layout, p)
+        return layout.total_microbatches * samples_per_mb / t if np.isfinite(t) and t > 0 else 0.0

@@ -1,0 +1,366 @@
+"""Scheduler service: failure reports in, plans out, operator actions applied, all through Redis.
+
+``SchedulerService(config, client)``:
+
+* consumes ``keys.failures`` (FailureReport) and ``keys.actions``
+  (OperatorAction) through :class:`resihp.bus.StreamConsumer` (consumer group
+  ``resihp-scheduler``; malformed entries are dead-lettered by the consumer);
+* reads the running layout from ``keys.layout`` and device speeds from
+  ``keys.device_health`` (rank -> {p, state, since});
+* refuses a report it cannot act on - unknown rank, contradictory content, a
+  device already excluded - by writing it to the dead-letter stream with the
+  reason *and* counting it in ``scheduler_reports_refused_total``;
+* plans with the configured policy (``scheduler.planner`` for ResiHP) and runs
+  the plan lifecycle (``scheduler.lifecycle``), persisting every plan snapshot
+  to ``keys.plans`` + ``keys.plan_state`` and every action to ``keys.audit``;
+  on restart it reloads plans from ``keys.plan_state``;
+* picks up runtime settings (mode, grace period, delta) from ``keys.scheduler_config``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import redis
+
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction, SchemaError, decode_json
+from resihp.topology import Layout, LayoutError
+from scheduler.config import SchedulerConfig
+from scheduler.lifecycle import AuditRecord, Changes, OverrideError, PlanBook, PlanDraft
+from scheduler.planner import PlanningError, PlanOptions, layout_runnable, override_options, plan
+from scheduler.policies import Abort, get_policy
+from scheduler.predict import Predictor
+
+log = logging.getLogger(__name__)
+SERVICE = "scheduler"
+
+
+class ReportRefused(ValueError):
+    """A well-formed failure report the scheduler cannot act on."""
+
+
+def check_report(report: FailureReport, layout: Layout) -> None:
+    """Raise ReportRefused when ``report`` names unknown ranks, contradicts itself or a known state."""
+    ranks = list(report.ranks) + [int(r) for r in report.severity if str(r).lstrip("-").isdigit()]
+    bad_keys = [r for r in report.severity if not str(r).lstrip("-").isdigit()]
+    if bad_keys:
+        raise ReportRefused(f"severity keys {bad_keys} are not rank numbers")
+    unknown = sorted({r for r in ranks if not 0 <= r < layout.world_size})
+    if unknown:
+        raise ReportRefused(f"unknown rank(s) {unknown}: job has {layout.world_size} ranks")
+    for a, b in report.links:
+        if not (0 <= a < layout.world_size and 0 <= b < layout.world_size):
+            raise ReportRefused(f"link [{a}, {b}] names an unknown rank")
+    if not report.ranks and report.kind != "fail_slow_comm":
+        raise ReportRefused(f"{report.kind} report names no rank")
+    nodes_of = {layout.node_of(r) for r in report.ranks}
+    if report.nodes and not set(report.nodes) <= set(range(layout.num_nodes)):
+        raise ReportRefused(
+            f"unknown node(s) {sorted(set(report.nodes) - set(range(layout.num_nodes)))}"
+        )
+    if report.nodes and report.ranks and not nodes_of <= set(report.nodes):
+        raise ReportRefused(
+            f"contradictory: ranks {report.ranks} live on nodes {sorted(nodes_of)}, report says {report.nodes}"
+        )
+    sev = {int(k): float(v) for k, v in report.severity.items()}
+    if report.kind == "fail_stop":
+        alive = [r for r in report.ranks if sev.get(r, 0.0) > 0]
+        if alive:
+            raise ReportRefused(
+                f"contradictory: fail_stop ranks {alive} have throughput p > 0 in severity"
+            )
+    elif report.kind.startswith("fail_slow"):
+        wrong = [r for r, v in sev.items() if v <= 0 or v >= 1.0]
+        if wrong:
+            raise ReportRefused(f"contradictory: fail_slow ranks {wrong} have p outside (0, 1)")
+    dead = set(layout.dead)
+    if report.kind != "recovery":
+        gone = sorted(set(report.ranks) & dead)
+        if gone:
+            raise ReportRefused(
+                f"rank(s) {gone} already excluded (dead in layout {layout.layout_id})"
+            )
+    else:
+        healthy = [
+            r
+            for r in report.ranks
+            if r not in dead and r in layout.coords() and sev.get(r, 1.0) >= 1.0
+        ]
+        if healthy and len(healthy) == len(report.ranks) and not report.severity:
+            pass  # a recovery of a slow device back to full speed is fine
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig, client: redis.Redis):
+        self.config = config
+        self.client = client
+        self.keys = JobKeys(config.job_id)
+        self.policy = get_policy(config.policy)
+        self.predictor = Predictor(config.model, config.seq_len, config.device_mem_gb)
+        group = self.keys.group(SERVICE)
+        self.failures = bus.StreamConsumer(
+            client, self.keys, self.keys.failures, group, consumer=config.consumer
+        )
+        self.actions = bus.StreamConsumer(
+            client, self.keys, self.keys.actions, group, consumer=config.consumer
+        )
+        self.health = bus.Health(client, self.keys, SERVICE)
+        self.book = PlanBook(next_id=lambda: int(self.client.incr(self.keys.plan_seq)))
+        self.book.load(self._load_plans())
+        #: rank -> p learned from reports (device_health fills in the rest)
+        self.p: dict[int, float] = {}
+        self.refused_total = 0
+        self.plans_total = 0
+
+    # ------------------------------------------------------------ state io
+    def _load_plans(self) -> dict[int, AdaptationPlan]:
+        out = {}
+        for pid, raw in self.client.hgetall(self.keys.plan_state).items():
+            try:
+                p = decode_json(raw)
+            except SchemaError as e:
+                log.warning("unreadable plan %s in plan_state: %s", pid, e)
+                continue
+            if isinstance(p, AdaptationPlan):
+                out[p.plan_id] = p
+        return out
+
+    def layout(self) -> Layout | None:
+        raw = self.client.get(self.keys.layout)
+        if not raw:
+            return None
+        return Layout.from_dict(json.loads(raw))
+
+    def speeds(self, layout: Layout) -> dict[int, float]:
+        p: dict[int, float] = {}
+        for k, v in self.client.hgetall(self.keys.device_health).items():
+            try:
+                d = json.loads(v)
+                r = int(k)
+                p[r] = 0.0 if d.get("state") == "dead" else float(d.get("p", 1.0))
+            except (ValueError, TypeError, AttributeError):
+                continue
+        p.update(self.p)
+        for r in layout.dead:
+            p[r] = 0.0
+        return {r: v for r, v in p.items() if 0 <= r < layout.world_size}
+
+    def persist(self, ch: Changes) -> None:
+        if not ch.plans and not ch.audit:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for plan_ in ch.plans:
+            js = plan_.to_json()
+            pipe.hset(self.keys.plan_state, str(plan_.plan_id), js)
+            pipe.xadd(
+                self.keys.plans, {b"m": ("[" + js + "]").encode()}, maxlen=100_000, approximate=True
+            )
+        for rec in ch.audit:
+            pipe.xadd(self.keys.audit, rec.to_fields(), maxlen=100_000, approximate=True)
+        pipe.execute()
+
+    # ------------------------------------------------------------ planning
+    def _options(self) -> PlanOptions:
+        base = getattr(self.policy, "options", None) or PlanOptions()
+        base.delta = self.config.delta
+        return base
+
+    def make_draft(
+        self,
+        layout: Layout,
+        p: dict[int, float],
+        options: PlanOptions | None = None,
+        reason: str = "",
+    ) -> PlanDraft | None:
+        """A plan for ``layout`` under speeds ``p``; None when nothing would improve."""
+        if self.config.policy.startswith("resihp"):
+            res = plan(layout, p, self.predictor, options or self._options())
+            if not res.changed:
+                return None
+            return res.draft(layout, reason)
+        runnable = layout_runnable(layout, p)
+        before = self.predictor.iteration_s(layout, p) if runnable else -1.0
+        try:
+            state = self.policy.adapt(self.policy.initial_state(layout), p, self.predictor)
+        except Abort as e:
+            raise PlanningError(str(e)) from e
+        if len(state) != 1:
+            raise PlanningError(
+                f"policy {self.config.policy} produced {len(state)} pipeline groups; the service publishes one layout"
+            )
+        after = state[0]
+        after.layout_id = layout.layout_id + 1
+        t = self.predictor.iteration_s(after, p)
+        if runnable and t >= before:
+            return None
+        return PlanDraft(layout.to_dict(), after.to_dict(), before, t, [], reason=reason)
+
+    def _replan(self, plan_: AdaptationPlan, override: dict) -> PlanDraft:
+        try:
+            before = Layout.from_dict(plan_.before)
+        except LayoutError as e:
+            raise OverrideError(f"plan {plan_.plan_id} has an unreadable layout: {e}") from e
+        p = self.speeds(before)
+        opt = override_options(self._options(), override)
+        try:
+            res = plan(before, p, self.predictor, opt)
+        except PlanningError as e:
+            raise OverrideError(str(e)) from e
+        if opt.dp is False and res.after.migrations:
+            raise OverrideError(
+                "migration off is infeasible: stage(s) "
+                f"{sorted({(m.src_dp, m.stage) for m in res.after.migrations})} have no devices and must migrate"
+            )
+        return res.draft(before, f"override of plan {plan_.plan_id}")
+
+    def refuse(self, report: FailureReport | dict, reason: str) -> None:
+        raw = report.to_dict() if isinstance(report, FailureReport) else report
+        bus.dead_letter(
+            self.client,
+            self.keys,
+            self.keys.failures,
+            self.config.consumer,
+            f"refused: {reason}",
+            raw,
+        )
+        bus.incr_counter(self.client, self.keys, "scheduler_reports_refused_total")
+        self.refused_total += 1
+        log.info("refused report: %s", reason)
+
+    def handle_report(self, report: FailureReport) -> None:
+        layout = self.layout()
+        if layout is None:
+            self.refuse(report, "no layout published yet (keys.layout is empty)")
+            return
+        try:
+            check_report(report, layout)
+        except ReportRefused as e:
+            self.refuse(report, str(e))
+            return
+        sev = {int(k): float(v) for k, v in report.severity.items()}
+        for r in report.ranks:
+            if report.kind == "fail_stop":
+                self.p[r] = 0.0
+            elif report.kind == "recovery":
+                self.p[r] = sev.get(r, 1.0)
+            else:
+                self.p[r] = sev.get(r, 0.5)
+        p = self.speeds(layout)
+        if report.kind == "recovery":
+            back = [r for r in report.ranks if r in layout.dead]
+            if back:
+                layout = Layout.from_dict(
+                    {
+                        **layout.to_dict(),
+                        "dead": [r for r in layout.dead if r not in back],
+                        "standby": sorted(set(layout.standby) | set(back)),
+                    }
+                )
+        reason = f"{report.kind} on ranks {report.ranks} (report {report.report_id})"
+        try:
+            draft = self.make_draft(layout, p, reason=reason)
+        except PlanningError as e:
+            bus.incr_counter(self.client, self.keys, "scheduler_planning_failed_total")
+            self.refuse(report, f"no feasible plan: {e}")
+            return
+        if draft is None:
+            bus.incr_counter(self.client, self.keys, "scheduler_plans_skipped_total")
+            return
+        ch = self.book.propose(
+            draft,
+            mode=self.config.mode,
+            grace_s=self.config.grace_period_s,
+            policy=self.config.policy,
+            failure_ids=[report.report_id],
+        )
+        self.persist(ch)
+        self.plans_total += 1
+        bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
+
+    def handle_action(self, action: OperatorAction) -> None:
+        if action.action == "set_mode":
+            now = time.time()
+            rec = AuditRecord(
+                action.actor,
+                "set_mode",
+                action.plan_id,
+                action.at_s,
+                "ok",
+                override=dict(action.override),
+                comment=action.comment,
+                action_id=action.action_id,
+                recorded_at_s=now,
+            )
+            try:
+                changed = self.config.apply_runtime({k: str(v) for k, v in action.override.items()})
+                if changed:
+                    self.client.hset(
+                        self.keys.scheduler_config,
+                        mapping={k: str(getattr(self.config, k)) for k in changed},
+                    )
+                rec.note = f"changed {changed}"
+            except ValueError as e:
+                rec.result, rec.note = "refused", str(e)
+            self.persist(Changes(audit=[rec]))
+            return
+        ch = self.book.act(action, self._replan, mode=self.config.mode, policy=self.config.policy)
+        if any(r.result == "refused" for r in ch.audit):
+            bus.incr_counter(self.client, self.keys, "scheduler_actions_refused_total")
+        self.persist(ch)
+
+    # ------------------------------------------------------------ loop
+    def _runtime_config(self) -> None:
+        raw = self.client.hgetall(self.keys.scheduler_config)
+        if not raw:
+            return
+        d = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
+        try:
+            self.config.apply_runtime(d)
+        except ValueError as e:
+            log.warning("ignoring bad runtime config: %s", e)
+
+    def run_once(self) -> int:
+        self._runtime_config()
+        handled = 0
+        for consumer, kind in ((self.failures, FailureReport), (self.actions, OperatorAction)):
+            block = self.config.block_ms if consumer is self.failures else 0
+            entries = consumer.read(count=100, block_ms=block or None)
+            ids = []
+            for entry_id, msgs in entries:
+                for m in msgs:
+                    if isinstance(m, kind):
+                        if kind is FailureReport:
+                            self.handle_report(m)
+                        else:
+                            self.handle_action(m)
+                        handled += 1
+                    else:
+                        bus.dead_letter(
+                            self.client,
+                            self.keys,
+                            consumer.stream,
+                            self.config.consumer,
+                            f"unexpected message type {type(m).__name__} on {consumer.stream}",
+                            m.to_dict() if hasattr(m, "to_dict") else repr(m),
+                        )
+                ids.append(entry_id)
+            consumer.ack(ids)
+        self.persist(self.book.tick(self.config.mode))
+        self.health.beat("ok", mode=self.config.mode, plans_total=self.plans_total)
+        return handled
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("redis unavailable: %s", e)
+                time.sleep(0.5)

@@ -1,0 +1,245 @@
+"""Scheduler service against a real Redis: reports -> plans, lifecycle, overrides, audit, restart, refusals."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from resihp.bus import publish
+from resihp.keys import JobKeys
+from resihp.plans import PlanFollower, latest_plans, write_layout
+from resihp.schemas import FailureReport, OperatorAction, decode_json
+from resihp.topology import Layout
+from scheduler.config import SchedulerConfig
+from scheduler.lifecycle import AuditRecord
+from scheduler.service import SchedulerService
+
+pytestmark = pytest.mark.redis
+
+JOB = "svc"
+
+
+def _svc(r, **kw) -> SchedulerService:
+    cfg = SchedulerConfig(job_id=JOB, model="llama2-13b", block_ms=10, **kw)
+    return SchedulerService(cfg, r)
+
+
+def _setup(r) -> tuple[JobKeys, Layout]:
+    keys = JobKeys(JOB)
+    lay = Layout.uniform(tp=4, pp=4, dp=2, num_layers=40, num_microbatches=8)
+    write_layout(r, keys, lay)
+    return keys, lay
+
+
+def _report(kind="fail_stop", ranks=(5,), severity=None, rid="r1", nodes=None) -> FailureReport:
+    return FailureReport(
+        report_id=rid,
+        kind=kind,
+        ranks=list(ranks),
+        nodes=list(nodes or []),
+        detected_at_s=time.time(),
+        iteration=10,
+        severity=severity or {},
+    )
+
+
+def _act(action, plan_id, actor="alice", override=None) -> OperatorAction:
+    return OperatorAction(
+        action=action, plan_id=plan_id, actor=actor, at_s=time.time(), override=override or {}
+    )
+
+
+def _audit(r, keys) -> list[AuditRecord]:
+    return [AuditRecord.from_fields(f) for _, f in r.xrange(keys.audit)]
+
+
+def _deadletters(r, keys) -> list[str]:
+    return [f[b"reason"].decode() for _, f in r.xrange(keys.deadletter)]
+
+
+def test_fail_stop_report_yields_persisted_plan_auto_acknowledged(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=0.0)
+    publish(r, keys.failures, _report())
+    assert svc.run_once() == 1
+    plans = latest_plans(r, keys)
+    assert len(plans) == 1
+    (plan,) = plans.values()
+    after = Layout.from_dict(plan.after)
+    assert 5 in after.dead and 5 not in after.coords()
+    assert plan.predicted_before_s == -1.0 and plan.predicted_after_s > 0
+    assert any(m["what"] == "tp_regroup" for m in plan.moves)
+    assert plan.failure_ids == ["r1"]
+    # the plans stream carries a snapshot per state change
+    svc.run_once()
+    assert latest_plans(r, keys)[plan.plan_id].state == "acknowledged"
+    states = [decode_json(f[b"m"][1:-1]).state for _, f in r.xrange(keys.plans)]
+    assert states == ["proposed", "acknowledged"]
+    assert [(a.actor, a.action) for a in _audit(r, keys)] == [("auto", "acknowledge")]
+    # the trainer applies it
+    fol = PlanFollower(r, keys)
+    (ready,) = fol.poll()
+    fol.confirm_applied(ready, after)
+    svc.run_once()
+    assert latest_plans(r, keys)[plan.plan_id].state == "applied"
+
+
+def test_manual_mode_waits_then_ack_apply_supersede(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual", grace_period_s=0.0)
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    svc.run_once()
+    (p1,) = latest_plans(r, keys).values()
+    assert p1.state == "proposed"
+    publish(r, keys.actions, _act("acknowledge", p1.plan_id, "bob"))
+    svc.run_once()
+    assert latest_plans(r, keys)[p1.plan_id].state == "acknowledged"
+    fol = PlanFollower(r, keys)
+    fol.confirm_applied(fol.poll()[0], Layout.from_dict(p1.after))
+    svc.run_once()
+    publish(
+        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
+    )
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    p2 = plans[max(plans)]
+    assert p2.plan_id > p1.plan_id and p2.state == "proposed"
+    assert Layout.from_dict(p2.before).dead == [5]  # planned from the applied layout
+    publish(r, keys.actions, _act("acknowledge", p2.plan_id, "bob"))
+    svc.run_once()
+    fol.confirm_applied(fol.poll()[0], Layout.from_dict(p2.after))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[p1.plan_id].state == "superseded" and plans[p2.plan_id].state == "applied"
+    acts = _audit(r, keys)
+    assert ("bob", "acknowledge", "ok") in [(a.actor, a.action, a.result) for a in acts]
+    assert ("trainer", "applied", "ok") in [(a.actor, a.action, a.result) for a in acts]
+
+
+def test_override_feasible_and_infeasible(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report("fail_slow_compute", ranks=(5,), severity={"5": 0.5}))
+    svc.run_once()
+    (p1,) = latest_plans(r, keys).values()
+    publish(
+        r,
+        keys.actions,
+        _act("override", p1.plan_id, "carol", {"layers": [8, 12, 10, 10], "migration": False}),
+    )
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[p1.plan_id].state == "overridden"
+    new = plans[max(plans)]
+    assert new.parent_plan_id == p1.plan_id and new.state == "acknowledged"
+    after = Layout.from_dict(new.after)
+    assert after.layers == [8, 12, 10, 10] and after.migrations == []
+    assert new.predicted_after_s > 0
+    # infeasible: wrong layer total; then a second override of an overridden plan
+    publish(r, keys.actions, _act("override", new.plan_id, "carol", {"layers": [1, 1, 1, 1]}))
+    publish(r, keys.actions, _act("override", p1.plan_id, "dave", {"migration": True}))
+    publish(r, keys.actions, _act("override", new.plan_id, "erin", {"keep_ranks": [999]}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    refused = [p for p in plans.values() if p.state == "refused"]
+    assert len(refused) == 2
+    assert any("sum to 40" in p.note for p in refused)
+    assert any("not in the job" in p.note for p in refused)
+    assert plans[new.plan_id].state == "acknowledged"  # untouched by the refusals
+    res = [(a.actor, a.result) for a in _audit(r, keys) if a.action == "override"]
+    assert res == [("carol", "ok"), ("carol", "refused"), ("dave", "refused"), ("erin", "refused")]
+
+
+def test_override_memory_infeasible_is_refused(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    (p1,) = latest_plans(r, keys).values()
+    # 37 layers of LLaMA2-13B on one TP group do not fit an 80 GB device
+    publish(r, keys.actions, _act("override", p1.plan_id, "carol", {"layers": [37, 1, 1, 1]}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    ref = plans[max(plans)]
+    assert ref.state == "refused" and "memory" in ref.note
+    assert plans[p1.plan_id].state == "proposed"
+
+
+def test_plans_and_audit_survive_restart(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    (p1,) = latest_plans(r, keys).values()
+    del svc
+    svc2 = _svc(r, mode="manual")
+    assert p1.plan_id in svc2.book.plans
+    publish(r, keys.actions, _act("acknowledge", p1.plan_id, "bob"))
+    svc2.run_once()
+    assert latest_plans(r, keys)[p1.plan_id].state == "acknowledged"
+    publish(
+        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
+    )
+    svc2.run_once()
+    plans = latest_plans(r, keys)
+    assert max(plans) > p1.plan_id and plans[p1.plan_id].state == "superseded"
+
+
+def test_bad_reports_are_refused_with_reason(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=0.0)
+    publish(r, keys.failures, _report(ranks=(64,), rid="unknown"))
+    publish(r, keys.failures, _report(ranks=(5,), severity={"5": 0.8}, rid="contra"))
+    publish(r, keys.failures, _report(ranks=(5,), nodes=[3], rid="wrongnode"))
+    publish(
+        r,
+        keys.failures,
+        _report("fail_slow_compute", ranks=(6,), severity={"6": 1.2}, rid="slowfast"),
+    )
+    r.xadd(keys.failures, {b"m": b"{not json"})
+    svc.run_once()
+    reasons = _deadletters(r, keys)
+    assert any("unknown rank" in x for x in reasons)
+    assert any("fail_stop ranks [5] have throughput" in x for x in reasons)
+    assert any("live on nodes" in x for x in reasons)
+    assert any("outside (0, 1)" in x for x in reasons)
+    assert any("malformed JSON" in x for x in reasons)
+    assert int(r.hget(keys.counters, "scheduler_reports_refused_total")) == 4
+    assert latest_plans(r, keys) == {}
+    # now a real failure, applied; then a report about the excluded device
+    publish(r, keys.failures, _report(ranks=(5,), rid="ok"))
+    svc.run_once()
+    svc.run_once()
+    fol = PlanFollower(r, keys)
+    (p,) = fol.poll()
+    fol.confirm_applied(p, Layout.from_dict(p.after))
+    svc.run_once()
+    publish(r, keys.failures, _report(ranks=(5,), rid="again"))
+    svc.run_once()
+    assert any("already excluded" in x for x in _deadletters(r, keys))
+    assert int(r.hget(keys.counters, "scheduler_reports_refused_total")) == 5
+
+
+def test_set_mode_action_and_runtime_config(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.actions, _act("set_mode", 0, "ops", {"mode": "auto", "grace_period_s": 0}))
+    svc.run_once()
+    assert svc.config.mode == "auto" and svc.config.grace_period_s == 0.0
+    assert r.hget(keys.scheduler_config, "mode") == b"auto"
+    publish(r, keys.actions, _act("set_mode", 0, "ops", {"mode": "sometimes"}))
+    svc.run_once()
+    assert svc.config.mode == "auto"
+    recs = [(a.actor, a.action, a.result) for a in _audit(r, keys)]
+    assert recs == [("ops", "set_mode", "ok"), ("ops", "set_mode", "refused")]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="mode"):
+        SchedulerConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="nope")
+    with pytest.raises(ValueError, match="grace_period_s"):
+        SchedulerConfig(grace_period_s=-1)
