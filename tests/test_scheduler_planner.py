@@ -1,0 +1,150 @@
+"""Property tests of the progressive planner and Algorithm 1 (hypothesis).
+
+Every plan covers every layer and every (micro-batch, stage) exactly once,
+respects device memory, never assigns work to a dead device, and never
+predicts worse than leaving the layout alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from resihp.topology import Layout
+from scheduler.dp import balance_microbatches, progress_aware_migration
+from scheduler.planner import PlanningError, PlanOptions, memory_violations, plan
+from scheduler.predict import Predictor
+
+PRED = {mem: Predictor("llama2-13b", 4096, mem) for mem in (80.0, 24.0)}
+
+
+def executors(lay: Layout) -> Counter:
+    """(src_dp, stage, mb) -> how many executors run it."""
+    moved = {(m.src_dp, m.stage, m.microbatch): m.dst_dp for m in lay.migrations}
+    cnt: Counter = Counter()
+    for d in range(lay.dp):
+        for s in range(lay.pp):
+            for j in range(lay.microbatches[d]):
+                e = moved.get((d, s, j), d)
+                assert lay.groups[e][s], f"(replica {d}, stage {s}, mb {j}) runs on an empty group"
+                cnt[(d, s, j)] += 1
+    return cnt
+
+
+@st.composite
+def scenarios(draw):
+    tp = draw(st.sampled_from([2, 4]))
+    pp = draw(st.integers(2, 4))
+    dp = draw(st.integers(2, 3))
+    layers = draw(st.integers(pp, 4 * pp + 8))
+    mb = draw(st.integers(1, 8))
+    lay = Layout.uniform(tp, pp, dp, layers, mb)
+    n = lay.world_size
+    dead = draw(st.lists(st.integers(0, n - 1), max_size=max(1, n // 3), unique=True))
+    slow = draw(st.dictionaries(st.integers(0, n - 1), st.floats(0.1, 0.95), max_size=3))
+    p = {r: v for r, v in slow.items()}
+    p.update({r: 0.0 for r in dead})
+    opts = PlanOptions(
+        tp=draw(st.booleans()),
+        pp=draw(st.booleans()),
+        dp=draw(st.booleans()),
+        delta=draw(st.integers(0, 2)),
+    )
+    mem = draw(st.sampled_from([80.0, 24.0]))
+    return lay, p, opts, mem
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_plan_invariants(sc):
+    lay, p, opts, mem = sc
+    pred = PRED[mem]
+    assume(not memory_violations(lay, pred))  # the job must have started in memory
+    try:
+        res = plan(lay, p, pred, opts)
+    except PlanningError:
+        # aborting is allowed only when some stage really cannot be served
+        return
+    after = res.after
+    after.validate()
+    assert sum(after.layers) == lay.num_layers and min(after.layers) >= 1
+    cnt = executors(after)
+    assert set(cnt.values()) == {1}
+    assert sum(after.microbatches) == sum(lay.microbatches)
+    assert len(cnt) == after.pp * sum(after.microbatches)
+    for r in after.coords():
+        assert p.get(r, 1.0) > 0, f"dead rank {r} assigned work"
+    assert not memory_violations(after, pred)
+    if all(p.get(r, 1.0) > 0 for r in lay.coords()):
+        assert res.predicted_after_s <= res.predicted_before_s * (1 + 1e-9)
+    else:
+        assert res.predicted_before_s == -1.0
+    assert math.isclose(res.predicted_after_s, pred.iteration_s(after, p), rel_tol=1e-9)
+
+
+def test_plan_beats_doing_nothing_on_a_slow_stage():
+    pred = PRED[80.0]
+    lay = Layout.uniform(4, 4, 2, 40, 8)
+    res = plan(lay, {5: 0.5}, pred)
+    assert res.predicted_after_s < 0.85 * res.predicted_before_s
+    assert res.after.layers[0] < 10  # the slow stage sheds layers
+
+
+def test_no_change_plan_when_healthy():
+    pred = PRED[80.0]
+    lay = Layout.uniform(4, 4, 2, 40, 8)
+    res = plan(lay, {}, pred)
+    assert not res.changed and res.after.to_dict() == lay.to_dict()
+
+
+def test_whole_stage_loss_is_absorbed_by_remaining_stages():
+    pred = PRED[80.0]
+    lay = Layout.uniform(4, 4, 2, 40, 8)
+    dead = {r: 0.0 for r in lay.groups[0][3] + lay.groups[1][3]}
+    res = plan(lay, dead, pred)
+    assert res.after.pp == 3 and sum(res.after.layers) == 40
+    assert any(m["what"] == "drop_stage" for m in res.moves)
+
+
+def test_fail_stop_eviction_spreads_over_peers_figure_6a():
+    lay = Layout.uniform(2, 3, 3, 12, 6)
+    lay.groups[1][2] = []
+    res = progress_aware_migration(lay, np.ones((3, 3)), delta=0, balance=False)
+    assert not res.unplaced
+    moved = [m for m in res.migrations if m.src_dp == 1 and m.stage == 2]
+    assert sorted(m.microbatch for m in moved) == list(range(6))
+    assert Counter(m.dst_dp for m in moved) == Counter({0: 3, 2: 3})
+    assert all(m.stage == 2 and m.src_dp == 1 for m in res.migrations)
+
+
+def test_fail_slow_balancing_respects_delta_figure_6b():
+    lay = Layout.uniform(2, 3, 3, 12, 6)
+    c = np.ones((3, 3))
+    c[1, 0] = 2.0
+    eager = progress_aware_migration(lay, c, delta=0)
+    lazy = progress_aware_migration(lay, c, delta=6)
+    assert any(m.src_dp == 1 and m.stage == 0 for m in eager.migrations)
+    assert lazy.migrations == []
+    assert eager.makespan_estimate_s < lazy.makespan_estimate_s
+
+
+def test_memory_check_blocks_migration_at_arrival():
+    lay = Layout.uniform(2, 3, 3, 12, 6)
+    lay.groups[1][2] = []
+    cap = np.full((3, 3), 1 << 20)
+    cap[:, 2] = 1  # last stage: only its own live micro-batch fits
+    res = progress_aware_migration(lay, np.ones((3, 3)), act_cap=cap, balance=False)
+    assert res.memory_refusals_total > 0 and res.unplaced
+
+
+def test_balance_microbatches_minimizes_max():
+    m = balance_microbatches([1.0, 2.0], 12)
+    assert m == [8, 4]
+    assert balance_microbatches([1.0, float("inf"), 1.0], 6) == [3, 0, 3]
+    with pytest.raises(ValueError):
+        balance_microbatches([float("inf")], 4)
