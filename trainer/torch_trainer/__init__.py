@@ -1,0 +1,22 @@
+"""Real hybrid-parallel trainer (TP x PP x DP) on torch.distributed for the ResiHP stack.
+
+``python -m trainer torch ...`` calls :func:`main`.  See ``launcher`` (worker
+generations and plan application), ``worker`` (one rank), ``engine`` (one
+iteration), ``model`` (LLaMA-style decoder with TP and ZB weight-gradient
+deferral), ``parallel`` (groups and §7 P2P rule), ``state`` (optimizer-state
+moves and persistent checkpoints), ``telemetry`` (producer hookup).
+"""
+
+from __future__ import annotations
+
+
+def main(argv: list[str]) -> int:
+    from .config import config_from_args
+    from .launcher import launch
+
+    try:
+        cfg = config_from_args(argv)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    return launch(cfg)

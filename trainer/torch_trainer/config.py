@@ -1,0 +1,130 @@
+"""Configuration of a torch-trainer job: a validated dataclass built from CLI args.
+
+It travels to every worker process as a plain dict (``to_dict``), so every
+field is a JSON-able scalar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, fields
+
+from .schedule import SCHEDULES
+
+
+@dataclass
+class TrainConfig:
+    """One job. Degrees give the launch layout; a plan may change it later."""
+
+    redis_url: str = ""  # empty: no telemetry, no plan following
+    job_id: str = "default"
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    microbatches: int = 4  # per DP replica per iteration
+    schedule: str = "1f1b"
+    iterations: int = 20
+    num_layers: int = 4
+    hidden: int = 64
+    num_heads: int = 4
+    ffn_hidden: int = 192
+    token_budget: int = 512  # N tokens per packed micro-batch
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    data_dir: str = ""  # empty: the Python standard library sources
+    data_pattern: str = "*.py"
+    dtype: str = "float32"
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    devices_per_node: int = 8
+    pg_timeout_s: float = 30.0
+    store_timeout_s: float = 120.0
+    ckpt_dir: str = ""  # empty: <out_dir>/ckpt
+    out_dir: str = "runs/torch"
+    telemetry: bool = True
+    heartbeat_interval_s: float = 0.5
+    follow_plans: bool = True
+    plan_wait_s: float = 5.0  # after a death: wait this long for a scheduler plan
+    kill_rank: int = -1
+    kill_at_iteration: int = -1
+    slow_rank: int = -1
+    slow_factor: float = 1.0
+    slow_at_iteration: int = 0
+    slow_comm_rank: int = -1
+    slow_comm_s: float = 0.0
+    scenario: str = ""
+    dump_grads_dir: str = ""  # tests: dump gradients of iteration 0 before the step
+    threads_per_worker: int = 1
+
+    def validate(self) -> TrainConfig:
+        for name in ("tp", "pp", "dp", "microbatches", "iterations", "num_layers", "hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp & (self.tp - 1):
+            raise ValueError(f"tp must be a power of two, got {self.tp}")
+        if self.num_layers < self.pp:
+            raise ValueError(f"num_layers ({self.num_layers}) must be >= pp ({self.pp})")
+        if self.num_heads % self.tp or self.ffn_hidden % self.tp:
+            raise ValueError(f"tp={self.tp} must divide num_heads and ffn_hidden")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"dtype must be float32|float64|bfloat16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.token_budget < 2 or (self.token_budget * self.hidden) % 8:
+            raise ValueError("token_budget must be >= 2 and token_budget*hidden divisible by 8")
+        if self.slow_factor < 1.0:
+            raise ValueError(f"slow_factor must be >= 1, got {self.slow_factor}")
+        if self.pg_timeout_s <= 0:
+            raise ValueError("pg_timeout_s must be > 0")
+        if self.kill_rank >= self.world_size:
+            raise ValueError(f"kill_rank {self.kill_rank} outside world of {self.world_size}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ckpt(self) -> str:
+        return self.ckpt_dir or os.path.join(self.out_dir, "ckpt")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        return cls(**d)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer torch",
+        description="Hybrid-parallel (TP x PP x DP) LLaMA-style trainer with ResiHP telemetry "
+        "and online plan application.",
+    )
+    d = TrainConfig()
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+    for f in fields(TrainConfig):
+        if f.name in ("redis_url", "job_id"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(d, f.name)
+        if isinstance(default, bool):
+            p.add_argument(
+                flag,
+                type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                default=default,
+                metavar="BOOL",
+            )
+        else:
+            p.add_argument(flag, type=type(default), default=default)
+    return p
+
+
+def config_from_args(argv: list[str]) -> TrainConfig:
+    ns = build_parser().parse_args(argv)
+    return TrainConfig(**vars(ns)).validate()

@@ -1,0 +1,164 @@
+"""One rank's training iteration: runs its stage's F/B/W action list, moves
+activations and gradients between stages, all-reduces gradients across DP
+replicas and steps the optimizer.
+
+Sends are asynchronous (``isend``) and awaited at the end of the iteration;
+receives block where the schedule needs the tensor.  With every stage
+following its own 1F1B/ZB-H1 order this cannot deadlock, because each
+receive's matching send was issued earlier in the sender's order.
+
+Fail-slow injection: ``slow_factor`` stretches every compute chunk by
+sleeping (factor - 1) x its measured duration; ``slow_comm_s`` delays every
+P2P transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from resihp.schemas import ChunkKind
+
+from .model import StageModule, WeightGradStore, microbatch_loss
+from .parallel import Groups, Transfer
+from .schedule import actions
+from .telemetry import RankTelemetry
+
+
+@dataclass
+class IterationResult:
+    loss_sum: float  # sum over this rank's micro-batches of (mb loss / global mb count)
+    compute_s: float
+    iteration_time_s: float
+
+
+def mb_offset(layout, dp: int) -> int:
+    return sum(layout.microbatches[:dp])
+
+
+class StageEngine:
+    def __init__(
+        self,
+        groups: Groups,
+        module: StageModule,
+        store: WeightGradStore,
+        corpus,
+        telemetry: RankTelemetry,
+        schedule: str,
+        device: torch.device,
+        slow_factor: float = 1.0,
+        slow_comm_s: float = 0.0,
+    ):
+        self.g = groups
+        self.module = module
+        self.store = store
+        self.corpus = corpus
+        self.tel = telemetry
+        self.schedule = schedule
+        self.device = device
+        self.slow_factor = slow_factor
+        self.xfer = Transfer(groups, slow_comm_s, device)
+        lay = groups.layout
+        self.pp = lay.pp
+        self.num_mb = lay.microbatches[groups.dp]
+        self.global_mb = lay.total_microbatches
+        self.prev = lay.groups[groups.dp][groups.stage - 1] if groups.stage > 0 else None
+        self.next = lay.groups[groups.dp][groups.stage + 1] if groups.stage < self.pp - 1 else None
+        self.hidden = module.cfg.hidden
+        self.dtype = next(module.parameters()).dtype
+        self.plan = actions(schedule, groups.stage, self.pp, self.num_mb)
+
+    def global_index(self, iteration: int, j: int) -> int:
+        return iteration * self.global_mb + mb_offset(self.g.layout, self.g.dp) + j
+
+    def _stretch(self, t0: float) -> None:
+        if self.slow_factor > 1.0:
+            time.sleep((self.slow_factor - 1.0) * (time.perf_counter() - t0))
+
+    def run_iteration(self, iteration: int) -> IterationResult:
+        """Forward and backward of every micro-batch; gradients ready, not yet all-reduced."""
+        t_start = time.perf_counter()
+        tel, g, mod = self.tel, self.g, self.module
+        tel.begin_iteration(iteration)
+        fwd: dict[int, tuple] = {}
+        loss_sum = 0.0
+        compute_s = 0.0
+        n = self.corpus.token_budget
+        for kind, j in self.plan:
+            mb = self.corpus.microbatch(self.global_index(iteration, j))
+            if kind == "F":
+                if mod.first:
+                    x = torch.from_numpy(mb.tokens).to(self.device)
+                    if g.tp_index == 0:
+                        tel.mb_stats(iteration, g.dp, j, mb)
+                else:
+                    tok = tel.begin()
+                    x = self.xfer.recv((n, self.hidden), self.dtype, self.prev, j, backward=False)
+                    tel.end(tok, ChunkKind.RECV, j)
+                    x = x.to(self.device).requires_grad_(True)
+                c0, tp0 = time.perf_counter(), mod.tp.comm_time_s
+                tok = tel.begin()
+                out = mod(x, mb.doc_lens)
+                if mod.last:
+                    tgt = torch.from_numpy(mb.targets).to(self.device)
+                    out = microbatch_loss(out, tgt) / self.global_mb
+                    loss_sum += float(out.detach())
+                tel.end(tok, ChunkKind.F, j, mod.tp.comm_time_s - tp0)
+                self._stretch(c0)
+                compute_s += time.perf_counter() - c0
+                if not mod.last:
+                    self.xfer.send(out, self.next, j, backward=False)
+                fwd[j] = (x, out)
+            elif kind == "B":
+                x, out = fwd.pop(j)
+                grad = None
+                if not mod.last:
+                    tok = tel.begin()
+                    grad = self.xfer.recv(out.shape, self.dtype, self.next, j, backward=True)
+                    tel.end(tok, ChunkKind.RECV, j)
+                    grad = grad.to(self.device)
+                c0, tp0 = time.perf_counter(), mod.tp.comm_time_s
+                tok = tel.begin()
+                zb = self.schedule == "zbh1"
+                if zb:
+                    self.store.begin()
+                torch.autograd.backward(out, grad)
+                if zb:
+                    self.store.end(j)
+                tel.end(tok, ChunkKind.B, j, mod.tp.comm_time_s - tp0)
+                self._stretch(c0)
+                compute_s += time.perf_counter() - c0
+                if not mod.first:
+                    self.xfer.send(x.grad, self.prev, j, backward=True)
+                del x, out
+            else:  # W
+                c0 = time.perf_counter()
+                tok = tel.begin()
+                self.store.run(j)
+                tel.end(tok, ChunkKind.W, j)
+                self._stretch(c0)
+                compute_s += time.perf_counter() - c0
+        self.xfer.wait_sends()
+        if self.store.pending():
+            raise RuntimeError(f"{self.store.pending()} micro-batches left without a W chunk")
+        return IterationResult(loss_sum, compute_s, time.perf_counter() - t_start)
+
+    def allreduce_grads(self) -> None:
+        params = [p for _, p in sorted(self.module.named_parameters())]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.g.dp_size < 2:
+            return
+        tok = self.tel.begin()
+        flat = _flatten_dense_tensors([p.grad for p in params])
+        dist.all_reduce(flat, group=self.g.dp_group)
+        for p, synced in zip(
+            params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True
+        ):
+            p.grad.copy_(synced)
+        self.tel.end(tok, ChunkKind.ALLREDUCE, 0)

@@ -1,0 +1,295 @@
+"""Launcher: a persistent rendezvous store and worker generations.
+
+Plain torchrun tears every worker down when one dies.  This launcher owns a
+TCPStore that outlives process groups, starts one worker process per rank and
+describes numbered generations in the store (``gen/<g>``: members, layout,
+reason).  Workers of generation g build their process group under the store
+prefix ``pg/<g>``, so a new generation never meets stale rendezvous keys.
+
+When a worker dies the survivors keep running (their groups fail with an
+error or time out; they keep their state and wait), and the launcher writes
+generation g+1 without the dead rank:
+* with Redis and plan following on, it waits up to ``plan_wait_s`` for the
+  scheduler's acknowledged plan (``resihp.plans.PlanFollower``) and uses its
+  layout if this trainer can run it;
+* otherwise it makes a local plan: drop the dead rank's DP replica and hand
+  its micro-batches to the surviving replicas (paper Fig. 8a), or, with a
+  single replica, shrink the TP degree of the dead rank's stage.
+Acknowledged plans that arrive while training runs are applied the same way at
+the next iteration boundary.  A plan is confirmed (``confirm_applied``) once
+the first iteration of its generation has completed.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from resihp.keys import JobKeys
+from resihp.topology import Layout
+
+from .config import TrainConfig
+from .parallel import UnsupportedLayout, check_runnable
+from .state import clear_ckpts
+from .worker import worker_entry
+
+
+def initial_layout(cfg: TrainConfig) -> Layout:
+    return Layout.uniform(
+        cfg.tp,
+        cfg.pp,
+        cfg.dp,
+        cfg.num_layers,
+        cfg.microbatches,
+        devices_per_node=cfg.devices_per_node,
+        schedule=cfg.schedule,
+    )
+
+
+def local_plan(layout: Layout, dead: set[int]) -> Layout:
+    """The launcher's own plan when no scheduler plan is available."""
+    new = layout.copy()
+    new.dead = sorted(set(new.dead) | dead)
+    new.layout_id = layout.layout_id + 1
+    coords = layout.coords()
+    hit = sorted({coords[r][0] for r in dead if r in coords})
+    keep = [d for d in range(layout.dp) if d not in hit]
+    if keep:
+        total = layout.total_microbatches
+        new.groups = [layout.groups[d] for d in keep]
+        base, extra = divmod(total, len(keep))
+        new.microbatches = [base + (1 if i < extra else 0) for i in range(len(keep))]
+        lost = [r for d in hit for grp in layout.groups[d] for r in grp if r not in dead]
+        new.standby = sorted(set(new.standby) | set(lost))
+        new.migrations = []
+    else:
+        # Every replica lost a rank: shrink the TP degree of each hit stage to the
+        # largest power of two of its survivors (state is resharded on the move).
+        for d in range(layout.dp):
+            for s in range(layout.pp):
+                alive = [r for r in layout.groups[d][s] if r not in dead]
+                k = 1
+                while k * 2 <= len(alive):
+                    k *= 2
+                if not alive:
+                    raise UnsupportedLayout(f"replica {d} stage {s} has no surviving rank")
+                new.groups[d][s] = alive[:k]
+                new.standby = sorted(set(new.standby) | set(alive[k:]))
+    new.validate()
+    check_runnable(new)
+    return new
+
+
+class JobLauncher:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.ctx = mp.get_context("spawn")
+        self.procs: dict[int, mp.Process] = {}
+        self.dead: set[int] = set()
+        self.gen = 0
+        self.layout = initial_layout(cfg)
+        self.store = None
+        self.follower = None
+        self.client = None
+        self.pending_confirm: list[tuple[int, object, Layout]] = []
+        self.events: list[dict] = []
+
+    def _event(self, what: str, **kw) -> None:
+        self.events.append({"what": what, "t": time.time(), "generation": self.gen, **kw})
+
+    def _write_gen(self, members: list[int], layout: Layout, reason: str) -> None:
+        self.store.set(
+            f"gen/{self.gen}",
+            json.dumps({"members": members, "layout": layout.to_dict(), "reason": reason}),
+        )
+        self._event("generation_written", members=members, reason=reason, layout=layout.summary())
+
+    def _connect_redis(self) -> None:
+        if not (self.cfg.redis_url and self.cfg.follow_plans):
+            return
+        from resihp.plans import PlanFollower, write_layout
+        from resihp.redis_client import connect
+
+        self.client = connect(self.cfg.redis_url)
+        self.keys = JobKeys(self.cfg.job_id)
+        self.follower = PlanFollower(self.client, self.keys)
+        # Plans acknowledged before this job started are not ours to apply.
+        for p in self.follower.poll():
+            self.follower.applied.add(p.plan_id)
+        write_layout(self.client, self.keys, self.layout)
+
+    def _plan_layout(self, plan) -> Layout | None:
+        try:
+            lay = Layout.from_dict(plan.after)
+            check_runnable(lay)
+        except (ValueError, UnsupportedLayout) as e:
+            print(f"[launcher] plan {plan.plan_id} not applicable: {e}", flush=True)
+            self.follower.applied.add(plan.plan_id)
+            return None
+        if any(r in self.dead for r in lay.active_ranks()):
+            print(
+                f"[launcher] plan {plan.plan_id} assigns work to a dead rank; ignored", flush=True
+            )
+            self.follower.applied.add(plan.plan_id)
+            return None
+        return lay
+
+    def _new_generation(self, layout: Layout, reason: str, plan=None) -> None:
+        self.gen += 1
+        members = sorted(r for r, p in self.procs.items() if p.is_alive() and r not in self.dead)
+        self._write_gen(members, layout, reason)
+        self.layout = layout
+        if plan is not None:
+            self.follower.applied.add(plan.plan_id)
+        self.pending_confirm.append((self.gen, plan, layout))
+
+    def _on_death(self, ranks: set[int]) -> None:
+        self.dead |= ranks
+        self._event("death_detected", ranks=sorted(ranks))
+        chosen = None
+        plan = None
+        if self.follower is not None:
+            deadline = time.time() + self.cfg.plan_wait_s
+            while time.time() < deadline and chosen is None:
+                for p in self.follower.poll():
+                    lay = self._plan_layout(p)
+                    if lay is not None and ranks <= set(lay.dead):
+                        chosen, plan = lay, p
+                time.sleep(0.1)
+        if chosen is None:
+            chosen = local_plan(self.layout, self.dead)
+        self._event("plan_chosen", plan_id=plan.plan_id if plan else 0, layout=chosen.summary())
+        self._new_generation(chosen, f"fail-stop of ranks {sorted(ranks)}", plan)
+
+    def _confirm(self) -> None:
+        still = []
+        for gen, plan, layout in self.pending_confirm:
+            done = self.store.check(
+                [f"timeline/{gen}/first_iteration_done/{min(self._members(gen))}"]
+            )
+            if not done:
+                still.append((gen, plan, layout))
+                continue
+            self._event("first_iteration_done", of_generation=gen)
+            if self.client is not None:
+                from resihp.plans import write_layout
+
+                if plan is not None:
+                    self.follower.confirm_applied(plan, layout, comment=f"generation {gen}")
+                else:
+                    write_layout(self.client, self.keys, layout)
+        self.pending_confirm = still
+
+    def _members(self, gen: int) -> list[int]:
+        return json.loads(self.store.get(f"gen/{gen}"))["members"]
+
+    def run(self) -> int:
+        cfg = self.cfg
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        clear_ckpts(cfg.ckpt)
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            timeout=timedelta(seconds=cfg.store_timeout_s),
+            wait_for_workers=False,
+        )
+        self._connect_redis()
+        self._write_gen(list(range(cfg.world_size)), self.layout, "launch")
+        for r in range(cfg.world_size):
+            p = self.ctx.Process(
+                target=worker_entry,
+                args=(r, cfg.to_dict(), "127.0.0.1", self.store.port),
+                name=f"resihp-torch-rank{r}",
+            )
+            p.start()
+            self.procs[r] = p
+        last_poll = 0.0
+        failed_seen = 0
+        try:
+            while True:
+                newly_dead = {
+                    r
+                    for r, p in self.procs.items()
+                    if r not in self.dead and p.exitcode is not None and p.exitcode != 0
+                }
+                if newly_dead:
+                    self._on_death(newly_dead)
+                    continue
+                if all(p.exitcode is not None for r, p in self.procs.items() if r not in self.dead):
+                    break
+                # Workers that failed without any death (e.g. a timeout): retry same layout.
+                nfail = int(self.store.add(f"failed/{self.gen}", 0))
+                if nfail > failed_seen and not self.store.check([f"gen/{self.gen + 1}"]):
+                    time.sleep(1.0)  # give a dying process time to be reaped first
+                    if not any(
+                        p.exitcode not in (None, 0)
+                        for r, p in self.procs.items()
+                        if r not in self.dead
+                    ):
+                        failed_seen = 0
+                        self._new_generation(self.layout, "communication failure without a death")
+                        continue
+                self._confirm()
+                if self.follower is not None and time.time() - last_poll > 1.0:
+                    last_poll = time.time()
+                    for plan in self.follower.poll():
+                        lay = self._plan_layout(plan)
+                        if lay is not None:
+                            self._new_generation(lay, f"plan {plan.plan_id}", plan)
+                time.sleep(0.05)
+            self._confirm()
+        finally:
+            for p in self.procs.values():
+                if p.is_alive():
+                    p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+            self._write_timeline()
+        bad = [r for r, p in self.procs.items() if r not in self.dead and p.exitcode != 0]
+        if bad:
+            print(f"[launcher] workers {bad} exited abnormally", flush=True)
+            return 1
+        return 0
+
+    def _write_timeline(self) -> None:
+        out = {"events": self.events, "workers": {}}
+        try:
+            if self.store.check(["timeline/kill"]):
+                out["kill_t"] = float(self.store.get("timeline/kill"))
+            for g in range(self.gen + 1):
+                members = self._members(g)
+                for ev in ("groups_rebuilt", "state_moved", "first_iteration_done"):
+                    ts = [
+                        float(self.store.get(f"timeline/{g}/{ev}/{r}"))
+                        for r in members
+                        if self.store.check([f"timeline/{g}/{ev}/{r}"])
+                    ]
+                    if ts:
+                        out["workers"].setdefault(str(g), {})[ev] = max(ts)
+                moved = [
+                    json.loads(self.store.get(f"moved/{g}/{r}"))
+                    for r in members
+                    if self.store.check([f"moved/{g}/{r}"])
+                ]
+                if moved:
+                    out["workers"].setdefault(str(g), {})["moved"] = {
+                        **{k: moved[0][k] for k in ("kept", "from_replica", "from_disk")},
+                        "bytes_sent": sum(m["bytes_sent"] for m in moved),
+                    }
+        except Exception as e:  # noqa: BLE001 - the timeline is a report; never fail the job for it
+            out["error"] = repr(e)
+        with open(os.path.join(self.cfg.out_dir, "timeline.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def launch(cfg: TrainConfig) -> int:
+    return JobLauncher(cfg.validate()).run()

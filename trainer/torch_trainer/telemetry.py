@@ -1,0 +1,157 @@
+"""Per-rank telemetry: heartbeats, F/B/W/RECV/ALLREDUCE chunk timings and
+micro-batch statistics, handed to :class:`resihp.producer.TelemetryProducer`.
+
+Chunk rows are written into a preallocated ``CHUNK_DTYPE`` array and handed
+over once per iteration (one ``chunk_rows`` call), so the per-chunk cost is a
+clock read and a row store.  On CPU the clock is ``time.perf_counter`` mapped
+to wall time with a per-process offset; on a GPU each chunk records two CUDA
+events and the rows are resolved after the iteration's last synchronisation,
+against an anchor event taken with a host timestamp.  ``compute_s`` is the
+chunk's duration minus the time spent inside TP collectives (host-measured,
+so only on CPU; -1 on GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from resihp.schemas import CHUNK_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
+
+
+class RankTelemetry:
+    def __init__(self, producer, rank: int, node: int, cuda: bool = False, keep_rows: bool = False):
+        self.producer = producer
+        self.rank, self.node = rank, node
+        self.cuda = cuda
+        self.keep_rows = keep_rows  # also keep every row locally (benches)
+        self.kept: list[np.ndarray] = []
+        self.rows = np.zeros(4096, dtype=CHUNK_DTYPE)
+        self.n = 0
+        self.wall_offset_s = time.time() - time.perf_counter()
+        self.iteration = 0
+        self.generation = 0
+        self.dp = self.stage = 0
+        self._events: list = []
+        self._anchor = None
+        self._seq = 0
+        self._stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.producer is not None or self.keep_rows
+
+    # ----------------------------------------------------------- heartbeats
+    def start_heartbeats(self, interval_s: float = 0.5) -> None:
+        if self.producer is None or self._hb_thread:
+            return
+
+        def beat():
+            while not self._stop.wait(interval_s):
+                self.heartbeat()
+
+        self.heartbeat()
+        self._hb_thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def heartbeat(self) -> None:
+        if self.producer is None:
+            return
+        self._seq += 1
+        self.producer.heartbeat(
+            Heartbeat(
+                rank=self.rank,
+                node=self.node,
+                iteration=self.iteration,
+                wall_time_s=time.time(),
+                seq=self._seq,
+                generation=self.generation,
+            )
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._hb_thread:
+            self._hb_thread.join(timeout=2)
+
+    # --------------------------------------------------------------- chunks
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.n = 0
+        self._events = []
+        if self.cuda and self.enabled:
+            torch.cuda.synchronize()
+            self._anchor = (torch.cuda.Event(enable_timing=True), time.time())
+            self._anchor[0].record()
+
+    def begin(self):
+        if not self.enabled:
+            return None
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def end(self, token, kind: ChunkKind, microbatch: int, tp_comm_s: float = 0.0, src_dp=-1):
+        if token is None:
+            return
+        if self.n == len(self.rows):
+            self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
+        row = self.rows[self.n]
+        row["rank"] = self.rank
+        row["iteration"] = self.iteration
+        row["dp"] = self.dp
+        row["stage"] = self.stage
+        row["src_dp"] = self.dp if src_dp < 0 else src_dp
+        row["kind"] = int(kind)
+        row["microbatch"] = microbatch
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events.append((self.n, token, ev))
+            row["compute_s"] = -1.0
+        else:
+            t1 = time.perf_counter()
+            row["start_s"] = token + self.wall_offset_s
+            row["end_s"] = t1 + self.wall_offset_s
+            row["compute_s"] = max(0.0, t1 - token - tp_comm_s)
+        self.n += 1
+
+    def mb_stats(self, iteration: int, dp: int, microbatch: int, mb) -> None:
+        if self.producer is None:
+            return
+        self.producer.mb_stats(
+            MicroBatchStats(
+                iteration=iteration,
+                dp=dp,
+                microbatch=microbatch,
+                token_budget=mb.token_budget,
+                num_docs=mb.num_docs,
+                sum_sq_len=mb.sum_sq_len,
+                max_len=mb.max_len,
+                rank=self.rank,
+            )
+        )
+
+    def flush(self) -> np.ndarray:
+        """Hand this iteration's rows to the producer; returns them."""
+        if not self.n:
+            return self.rows[:0]
+        if self.cuda and self._events:
+            torch.cuda.synchronize()
+            anchor, anchor_wall = self._anchor
+            for i, ev0, ev1 in self._events:
+                self.rows[i]["start_s"] = anchor_wall + anchor.elapsed_time(ev0) / 1e3
+                self.rows[i]["end_s"] = anchor_wall + anchor.elapsed_time(ev1) / 1e3
+        rows = self.rows[: self.n].copy()
+        if self.producer is not None:
+            self.producer.chunk_rows(rows)
+        if self.keep_rows:
+            self.kept.append(rows)
+        self.n = 0
+        return rows

@@ -1,0 +1,320 @@
+"""One worker process: joins generation after generation of the job and trains.
+
+A generation is a description the launcher writes to the persistent TCPStore
+under ``gen/<g>`` (members, layout, reason).  The worker builds the default
+process group from a store prefix fresh to that generation, creates every TP
+and DP subgroup with an explicit timeout, agrees with the other members on
+the last step all of them completed, moves state to the new layout
+(:func:`state.redistribute`) and trains from there.
+
+It leaves a generation in two ways:
+* a communication error or timeout (a peer died): it keeps its in-memory
+  state (parameters are only changed by an optimizer step, which runs after
+  the iteration's commit all-reduce succeeded), reports the failure to the
+  store and waits for the launcher's next generation;
+* the commit all-reduce at the end of an iteration says a next generation is
+  ready (a plan to apply): everyone switches after the same iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from resihp.keys import JobKeys
+from resihp.topology import Layout
+
+from .config import TrainConfig
+from .engine import StageEngine
+from .model import ModelConfig, StageModule, WeightGradStore
+from .parallel import build_groups
+from .state import (
+    active_coords,
+    load_ckpt,
+    load_state,
+    local_state,
+    make_optimizer,
+    redistribute,
+    save_ckpt,
+    stage_layers,
+)
+from .telemetry import RankTelemetry
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    return ModelConfig(
+        hidden=cfg.hidden,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        ffn_hidden=cfg.ffn_hidden,
+        seed=cfg.seed,
+    )
+
+
+def _timeline(store, gen: int, event: str, rank: int) -> None:
+    store.set(f"timeline/{gen}/{event}/{rank}", repr(time.time()))
+
+
+class Worker:
+    def __init__(self, rank: int, cfg: TrainConfig, store):
+        self.rank = rank
+        self.cfg = cfg
+        self.store = store
+        self.mcfg = model_config(cfg)
+        self.dtype = DTYPES[cfg.dtype]
+        self.cuda = cfg.device == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        )
+        self.backend = "nccl" if self.cuda else "gloo"
+        from trainer.data.corpus import PackedCorpus
+
+        self.corpus = PackedCorpus(
+            cfg.data_dir or None, cfg.token_budget, cfg.seed, cfg.data_pattern
+        )
+        self.producer = None
+        if cfg.redis_url and cfg.telemetry:
+            from resihp.producer import TelemetryProducer
+
+            self.producer = TelemetryProducer(cfg.redis_url, JobKeys(cfg.job_id)).start()
+        self.tel = RankTelemetry(self.producer, rank, rank // cfg.devices_per_node, self.cuda)
+        self.tel.start_heartbeats(cfg.heartbeat_interval_s)
+        self.steps_done = 0
+        self.state: dict[str, torch.Tensor] = {}
+        self.layout: Layout | None = None
+        self.module = None
+        self.opt = None
+        self.killed_once = False
+
+    # ---------------------------------------------------------------- main
+    def run(self) -> int:
+        gen = 0
+        while True:
+            desc = self._wait_gen(gen)
+            if desc is None:
+                return 3
+            members = desc["members"]
+            if self.rank not in members:
+                return 0
+            layout = Layout.from_dict(desc["layout"])
+            status = self._run_generation(gen, members, layout)
+            if status == "done":
+                return 0
+            if status == "failed":
+                self.store.add(f"failed/{gen}", 1)
+            gen += 1
+
+    def _wait_gen(self, gen: int) -> dict | None:
+        key = f"gen/{gen}"
+        deadline = time.time() + self.cfg.store_timeout_s
+        while time.time() < deadline:
+            if self.store.check([key]):
+                return json.loads(self.store.get(key))
+            time.sleep(0.05)
+        return None
+
+    def _run_generation(self, gen: int, members: list[int], layout: Layout) -> str:
+        cfg = self.cfg
+        self.tel.generation = gen
+        pg_store = dist.PrefixStore(f"pg/{gen}", self.store)
+        timeout = timedelta(seconds=cfg.pg_timeout_s)
+        dist.init_process_group(
+            self.backend,
+            store=pg_store,
+            rank=members.index(self.rank),
+            world_size=len(members),
+            timeout=timeout,
+        )
+        try:
+            groups = build_groups(layout, members, self.rank, cfg.pg_timeout_s)
+            _timeline(self.store, gen, "groups_rebuilt", self.rank)
+            self._move_state(gen, members, layout, groups)
+            _timeline(self.store, gen, "state_moved", self.rank)
+            return self._train(gen, members, layout, groups)
+        except (RuntimeError, dist.DistError, TimeoutError) as e:
+            # A peer died or timed out: keep the last committed state, go to the next generation.
+            print(
+                f"[rank {self.rank}] generation {gen} failed: {type(e).__name__}: {str(e)[:200]}",
+                flush=True,
+            )
+            if os.environ.get("RESIHP_TRAINER_DEBUG"):
+                traceback.print_exc()
+            if self.module is not None:
+                self.state = local_state(self.module, self.opt)
+            return "failed"
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may fail to tear down; that is fine
+                pass
+
+    # --------------------------------------------------------------- state
+    def _move_state(self, gen: int, members: list[int], layout: Layout, groups) -> None:
+        cfg = self.cfg
+        coords = active_coords(layout)
+        t = torch.tensor([float(self.steps_done)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        step = int(t.item())
+        if gen == 0:
+            self.steps_done = step
+        else:
+            if self.steps_done > step:  # committed one step more than a peer: roll back
+                self.state = load_ckpt(cfg.ckpt, step, self.rank)
+                self.steps_done = step
+            elif self.module is not None:
+                self.state = local_state(self.module, self.opt)
+            old = self.layout
+            new_state, info = redistribute(
+                self.mcfg,
+                old,
+                layout,
+                members,
+                self.rank,
+                self.state,
+                cfg.ckpt,
+                step,
+                self.dtype,
+                self.device,
+            )
+            self.store.set(f"moved/{gen}/{self.rank}", json.dumps(info))
+            self.state = new_state
+        self.layout = layout
+        self.module = self.opt = None
+        if self.rank not in coords:
+            return
+        d, s, j = coords[self.rank]
+        self.store_wg = WeightGradStore()
+        self.module = StageModule(
+            self.mcfg,
+            stage_layers(layout, s),
+            first=s == 0,
+            last=s == layout.pp - 1,
+            tp=groups.tp,
+            store=self.store_wg,
+            dtype=self.dtype,
+            init=gen == 0 or not self.state,
+        ).to(self.device)
+        self.opt = make_optimizer(self.module, cfg.lr, cfg.weight_decay)
+        if gen > 0:
+            load_state(self.module, self.opt, self.state, step)
+        self.steps_done = step
+        self.tel.dp, self.tel.stage = d, s
+
+    # --------------------------------------------------------------- train
+    def _train(self, gen: int, members: list[int], layout: Layout, groups) -> str:
+        cfg = self.cfg
+        engine = None
+        if self.module is not None:
+            slow = cfg.slow_factor if self.rank == cfg.slow_rank else 1.0
+            slow_comm = cfg.slow_comm_s if self.rank == cfg.slow_comm_rank else 0.0
+            engine = StageEngine(
+                groups,
+                self.module,
+                self.store_wg,
+                self.corpus,
+                self.tel,
+                layout.schedule,
+                self.device,
+                slow,
+                slow_comm,
+            )
+        pg0 = members.index(self.rank) == 0
+        first_done = False
+        for it in range(self.steps_done, cfg.iterations):
+            self.tel.iteration = it
+            if self.rank == cfg.kill_rank and it == cfg.kill_at_iteration and gen == 0:
+                self.store.set("timeline/kill", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if engine is not None:
+                engine.slow_factor = (
+                    cfg.slow_factor
+                    if self.rank == cfg.slow_rank and it >= cfg.slow_at_iteration
+                    else 1.0
+                )
+                res = engine.run_iteration(it)
+                engine.allreduce_grads()
+                if cfg.dump_grads_dir and it == 0:
+                    self._dump_grads(groups)
+                contrib = res.loss_sum if (self.module.last and groups.tp_index == 0) else 0.0
+                it_time = res.iteration_time_s
+            else:
+                contrib, it_time = 0.0, 0.0
+            switch = 1.0 if pg0 and self.store.check([f"gen/{gen + 1}"]) else 0.0
+            # Commit point: once this succeeds every member has finished the iteration.
+            t = torch.tensor([contrib, switch, it_time], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t[:2])
+            t2 = t[2:].clone()
+            dist.all_reduce(t2, op=dist.ReduceOp.MAX)
+            if self.opt is not None:
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                save_ckpt(cfg.ckpt, it + 1, self.rank, local_state(self.module, self.opt))
+            self.steps_done = it + 1
+            if engine is not None:
+                self.tel.flush()
+            if pg0:
+                with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+                    f.write(
+                        json.dumps(
+                            {
+                                "iteration": it,
+                                "loss": float(t[0]),
+                                "iteration_time_s": float(t2[0]),
+                                "generation": gen,
+                                "layout_id": layout.layout_id,
+                                "wall_time_s": time.time(),
+                            }
+                        )
+                        + "\n"
+                    )
+            if not first_done:
+                _timeline(self.store, gen, "first_iteration_done", self.rank)
+                first_done = True
+            if t[1] > 0:
+                self.state = local_state(self.module, self.opt) if self.module is not None else {}
+                return "switch"
+        return "done"
+
+    def _dump_grads(self, groups) -> None:
+        out = {n: p.grad.detach().cpu().clone() for n, p in self.module.named_parameters()}
+        meta = {
+            "tp_size": groups.tp.size,
+            "tp_rank": groups.tp.rank,
+            "dp": groups.dp,
+            "stage": groups.stage,
+        }
+        os.makedirs(self.cfg.dump_grads_dir, exist_ok=True)
+        torch.save(
+            {"grads": out, "meta": meta},
+            os.path.join(self.cfg.dump_grads_dir, f"rank_{self.rank}.pt"),
+        )
+
+    def close(self) -> None:
+        self.tel.stop()
+        if self.producer is not None:
+            self.producer.close()
+
+
+def worker_entry(rank: int, cfg_dict: dict, host: str, port: int) -> None:
+    cfg = TrainConfig.from_dict(cfg_dict)
+    torch.set_num_threads(cfg.threads_per_worker)
+    store = dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=cfg.store_timeout_s)
+    )
+    w = Worker(rank, cfg, store)
+    try:
+        code = w.run()
+    finally:
+        w.close()
+    os._exit(code)
