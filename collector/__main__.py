@@ -1,0 +1,93 @@
+"""Entry point: ``python -m collector [--check-health]`` runs the collector;
+``python -m collector record --out TRACE.jsonl [--duration S]`` records a trace."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from collector.config import CollectorConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m collector",
+        description="ResiHP collector: two-level heartbeat liveness and iteration records.",
+    )
+    CollectorConfig.add_arguments(p)
+    p.add_argument(
+        "--check-health",
+        action="store_true",
+        help="exit 0 if the collector's health key is present and ok, 1 otherwise",
+    )
+    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="cmd")
+    rec = sub.add_parser("record", help="write the job's telemetry stream as JSON lines")
+    rec.add_argument("--out", required=True, help="trace file (JSON lines), '-' for stdout")
+    rec.add_argument(
+        "--duration", type=float, default=None, help="follow new entries for S seconds"
+    )
+    rec.add_argument(
+        "--from",
+        dest="from_",
+        choices=["start", "now"],
+        default="start",
+        help="start at the oldest entry still in the stream (default) or at new ones",
+    )
+    rec.add_argument("--redis-url", default=argparse.SUPPRESS)
+    rec.add_argument("--job-id", default=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        cfg = CollectorConfig.from_args(args)
+    except ValueError as e:
+        print(f"collector: bad setting: {e}", file=sys.stderr)
+        return 2
+
+    from resihp.bus import Health
+    from resihp.keys import JobKeys
+    from resihp.redis_client import connect
+
+    try:
+        client = connect(cfg.redis_url)
+    except ValueError as e:
+        print(f"collector: {e}", file=sys.stderr)
+        return 2
+    keys = JobKeys(cfg.job_id)
+    if args.check_health:
+        return 0 if Health.check(client, keys, "collector", cfg.instance) else 1
+    if args.cmd == "record":
+        from collector import record
+
+        if args.duration is not None and args.duration <= 0:
+            print("collector record: --duration must be > 0", file=sys.stderr)
+            return 2
+        return record.main(client, keys, args.out, args.duration, args.from_ == "start")
+
+    from collector.service import CollectorService
+    from resihp.bus import register_job
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    svc = CollectorService(cfg, client)
+    try:
+        register_job(client, keys)
+    except Exception as e:  # Redis may come up later; the service retries by itself
+        logging.getLogger("collector").warning("could not register job yet: %s", e)
+    svc.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

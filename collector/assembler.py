@@ -1,0 +1,461 @@
+"""Per-iteration assembly of chunk timings and micro-batch stats (pure, numpy).
+
+Chunk rows arrive packed (:data:`resihp.schemas.CHUNK_DTYPE`), out of order,
+sometimes twice (the producer resends a round whose reply it lost, a consumer
+re-reads its pending entries).  Every step here works on whole arrays: a batch
+is validated, deduplicated and counted with a handful of numpy calls, and an
+iteration is reduced to its :class:`IterationRecord` with sorts and
+``ufunc.reduceat`` — never a Python loop per row.
+
+Deduplication key: (rank, stage, microbatch, kind, src_dp) inside an
+iteration, packed into one uint64 and kept per iteration in a small
+log-structured set of sorted runs (:class:`KeySet`), so a late duplicate of a
+row accepted long ago is still recognised.
+
+An iteration is published
+
+* ``complete=True`` as soon as every expected rank has reported all its
+  compute chunks (micro-batches of its (replica, stage), after migrations,
+  times F/B, plus W for zero-bubble schedules);
+* ``complete=False`` once every expected rank has moved on to a later
+  iteration and ``grace_s`` has passed without it completing, or when no row
+  of it arrived for ``stale_s`` (a dead rank stalls its peers), or when more
+  than ``max_open`` iterations are open.
+
+Rows of an iteration that was already published are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from resihp.schemas import CHUNK_DTYPE, ChunkKind, IterationRecord, MicroBatchStats
+from resihp.topology import Layout
+
+KIND_NAMES = np.array([k.name for k in ChunkKind], dtype=object)
+_N_COMPUTE_KINDS = int(ChunkKind.W) + 1
+
+# Bit widths of the packed dedup key (64 bits in all).
+_RANK_BITS, _STAGE_BITS, _MB_BITS, _KIND_BITS, _SRC_BITS = 20, 10, 16, 3, 15
+_LIMITS = {
+    "rank": 1 << _RANK_BITS,
+    "stage": 1 << _STAGE_BITS,
+    "microbatch": 1 << _MB_BITS,
+    "src_dp": (1 << _SRC_BITS) - 1,
+}
+_ZB_SCHEDULES = ("zbh1", "zbh", "zb", "zbv")
+
+
+def dedup_keys(rows: np.ndarray) -> np.ndarray:
+    """One uint64 per row identifying (rank, stage, microbatch, kind, src_dp)."""
+    k = rows["rank"].astype(np.uint64)
+    k = (k << np.uint64(_STAGE_BITS)) | rows["stage"].astype(np.uint64)
+    k = (k << np.uint64(_MB_BITS)) | rows["microbatch"].astype(np.uint64)
+    k = (k << np.uint64(_KIND_BITS)) | rows["kind"].astype(np.uint64)
+    k = (k << np.uint64(_SRC_BITS)) | (rows["src_dp"].astype(np.int64) + 1).astype(np.uint64)
+    return k
+
+
+class KeySet:
+    """Set of uint64 keys as sorted runs merged like a binary counter.
+
+    ``add_new(keys)`` returns a mask of the keys seen for the first time (first
+    occurrence within the batch too) and remembers them.  Lookups cost one
+    ``searchsorted`` per run (O(log n) runs); merges are amortised O(n log n).
+    """
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+    def add_new(self, keys: np.ndarray) -> np.ndarray:
+        mask = np.zeros(len(keys), dtype=bool)
+        if not len(keys):
+            return mask
+        uniq, first = np.unique(keys, return_index=True)
+        fresh = np.ones(len(uniq), dtype=bool)
+        for run in self.runs:
+            pos = np.searchsorted(run, uniq)
+            pos[pos == len(run)] = len(run) - 1
+            fresh &= run[pos] != uniq
+        uniq = uniq[fresh]
+        mask[first[fresh]] = True
+        if len(uniq):
+            self.runs.append(uniq)
+            while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+                b = self.runs.pop()
+                a = self.runs.pop()
+                merged = np.concatenate([a, b])
+                merged.sort(kind="stable")  # two sorted runs: a linear merge
+                self.runs.append(merged)
+        return mask
+
+
+@dataclass
+class AddResult:
+    accepted_total: int = 0
+    duplicate_total: int = 0
+    late_total: int = 0
+    tp_dropped_total: int = 0
+    #: (reason, rows) for rows refused as bad input; the service dead-letters them.
+    rejected: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    #: iterations these rows belong to (accepted or duplicate)
+    iterations: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Open:
+    iteration: int
+    first_s: float
+    last_s: float
+    keys: KeySet = field(default_factory=KeySet)
+    parts: list[np.ndarray] = field(default_factory=list)
+    compute_count: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    mbstats: dict[tuple[int, int], MicroBatchStats] = field(default_factory=dict)
+    moved_on_s: float = math.inf
+    n_rows: int = 0
+
+    def count(self, ranks: np.ndarray, size: int) -> None:
+        c = np.bincount(ranks, minlength=size)
+        if len(c) > len(self.compute_count):
+            grown = np.zeros(len(c), dtype=np.int64)
+            grown[: len(self.compute_count)] = self.compute_count
+            self.compute_count = grown
+        self.compute_count[: len(c)] += c
+
+
+class LayoutView:
+    """The parts of a Layout the assembler needs, as arrays indexed by rank."""
+
+    def __init__(self, layout: Layout, tp_dedup: bool = False):
+        self.layout = layout
+        self.layout_id = layout.layout_id
+        n = layout.world_size
+        self.world_size = n
+        self.active = np.zeros(n, dtype=bool)
+        self.tp_index = np.full(n, -1, dtype=np.int32)
+        self.dp = np.full(n, -1, dtype=np.int32)
+        self.stage = np.full(n, -1, dtype=np.int32)
+        per_stage = np.zeros((layout.dp, layout.pp), dtype=np.int64)
+        for d in range(layout.dp):
+            per_stage[d, :] = layout.microbatches[d]
+        for m in layout.migrations:
+            per_stage[m.src_dp, m.stage] -= 1
+            per_stage[m.dst_dp, m.stage] += 1
+        zb = layout.schedule.lower().replace("-", "").replace("_", "") in _ZB_SCHEDULES
+        kinds = 3 if zb else 2
+        self.expected_compute = np.zeros(n, dtype=np.int64)
+        for r, (d, s, t) in layout.coords().items():
+            self.active[r] = True
+            self.tp_index[r] = t
+            self.dp[r] = d
+            self.stage[r] = s
+            self.expected_compute[r] = per_stage[d, s] * kinds
+        exp = self.active & (self.tp_index == 0) if tp_dedup else self.active
+        self.expected_ranks = np.flatnonzero(exp)
+
+
+class IterationAssembler:
+    """Builds IterationRecords from chunk rows and MicroBatchStats (see module doc)."""
+
+    def __init__(
+        self,
+        grace_s: float = 5.0,
+        stale_s: float = 30.0,
+        max_open: int = 8,
+        tp_dedup: bool = False,
+    ):
+        self.grace_s = float(grace_s)
+        self.stale_s = float(stale_s)
+        self.max_open = int(max_open)
+        self.tp_dedup = bool(tp_dedup)
+        self.view: LayoutView | None = None
+        self.open: dict[int, _Open] = {}
+        self._done: set[int] = set()
+        self._done_floor = -1  # every iteration <= this is finalized
+        self._rank_max_iter = np.full(0, -1, dtype=np.int64)
+        self._seen_ranks = np.zeros(0, dtype=bool)
+
+    # ------------------------------------------------------------ layout
+    def set_layout(self, layout: Layout | None) -> None:
+        self.view = LayoutView(layout, self.tp_dedup) if layout is not None else None
+
+    @property
+    def max_rank(self) -> int | None:
+        return self.view.world_size if self.view is not None else None
+
+    def finalized(self, iteration: int) -> bool:
+        return iteration <= self._done_floor or iteration in self._done
+
+    def _grow(self, size: int) -> None:
+        if size > len(self._rank_max_iter):
+            g = np.full(size, -1, dtype=np.int64)
+            g[: len(self._rank_max_iter)] = self._rank_max_iter
+            self._rank_max_iter = g
+            s = np.zeros(size, dtype=bool)
+            s[: len(self._seen_ranks)] = self._seen_ranks
+            self._seen_ranks = s
+
+    # ------------------------------------------------------------ input
+    def add_rows(self, rows: np.ndarray, now_s: float) -> AddResult:
+        res = AddResult()
+        if not len(rows):
+            return res
+        if rows.dtype != CHUNK_DTYPE:
+            raise TypeError(f"rows must have CHUNK_DTYPE, got {rows.dtype}")
+        # Bad input first: out-of-range fields and ranks the layout does not run.
+        bad = (
+            (rows["rank"] < 0)
+            | (rows["rank"] >= _LIMITS["rank"])
+            | (rows["dp"] < 0)
+            | (rows["stage"] < 0)
+            | (rows["stage"] >= _LIMITS["stage"])
+            | (rows["microbatch"] < 0)
+            | (rows["microbatch"] >= _LIMITS["microbatch"])
+            | (rows["src_dp"] < -1)
+            | (rows["src_dp"] >= _LIMITS["src_dp"])
+            | (rows["kind"] < 0)
+            | (rows["kind"] > max(ChunkKind))
+            | (rows["iteration"] < 0)
+            | ~np.isfinite(rows["start_s"])
+            | ~np.isfinite(rows["end_s"])
+            | ~np.isfinite(rows["compute_s"])
+            | (rows["end_s"] < rows["start_s"])
+        )
+        if bad.any():
+            res.rejected.append(("chunk rows: field out of range or absurd timing", rows[bad]))
+            rows = rows[~bad]
+        view = self.view
+        if view is not None and len(rows):
+            r = rows["rank"]
+            inside = r < view.world_size
+            unknown = ~inside.copy()
+            unknown[inside] = ~view.active[r[inside]]
+            if unknown.any():
+                res.rejected.append(
+                    (f"chunk rows: rank not in layout {view.layout_id}", rows[unknown])
+                )
+                rows = rows[~unknown]
+            if self.tp_dedup and len(rows):
+                keep = view.tp_index[rows["rank"]] == 0
+                res.tp_dropped_total = int(len(rows) - keep.sum())
+                rows = rows[keep]
+        if not len(rows):
+            return res
+        size = int(rows["rank"].max()) + 1
+        if view is not None:
+            size = max(size, view.world_size)
+        self._grow(size)
+        its = rows["iteration"]
+        uniq = np.unique(its).tolist()
+        for it in uniq:
+            sel = rows if len(uniq) == 1 else rows[its == it]
+            self._seen_ranks[sel["rank"]] = True
+            np.maximum.at(self._rank_max_iter, sel["rank"], it)
+            if self.finalized(it):
+                res.late_total += len(sel)
+                continue
+            res.iterations.append(it)
+            op = self.open.get(it)
+            if op is None:
+                op = self.open[it] = _Open(it, now_s, now_s)
+            fresh = op.keys.add_new(dedup_keys(sel))
+            n_new = int(fresh.sum())
+            res.duplicate_total += len(sel) - n_new
+            if not n_new:
+                continue
+            new = sel[fresh] if n_new < len(sel) else sel
+            op.parts.append(new)
+            op.n_rows += n_new
+            op.last_s = now_s
+            comp = new["kind"] < _N_COMPUTE_KINDS
+            op.count(new["rank"][comp], size)
+            res.accepted_total += n_new
+        return res
+
+    def add_mb_stats(self, s: MicroBatchStats, now_s: float) -> bool:
+        """Remember one micro-batch's stats; False if its iteration is already published."""
+        if self.finalized(s.iteration):
+            return False
+        op = self.open.get(s.iteration)
+        if op is None:
+            op = self.open[s.iteration] = _Open(s.iteration, now_s, now_s)
+        op.mbstats[(s.dp, s.microbatch)] = s
+        return True
+
+    # ------------------------------------------------------------ completion
+    def _complete(self, op: _Open) -> bool:
+        view = self.view
+        if view is None or not op.n_rows:
+            return False
+        exp = view.expected_ranks
+        counts = op.compute_count
+        if len(counts) < view.world_size:
+            counts = np.pad(counts, (0, view.world_size - len(counts)))
+        return bool((counts[exp] >= view.expected_compute[exp]).all())
+
+    def _moved_on(self, it: int) -> bool:
+        if self.view is not None:
+            exp = self.view.expected_ranks
+        else:
+            exp = np.flatnonzero(self._seen_ranks)
+        if not len(exp) or len(self._rank_max_iter) <= exp.max():
+            return False
+        return bool((self._rank_max_iter[exp] > it).all())
+
+    def poll(self, now_s: float) -> list[IterationRecord]:
+        """Records of every iteration that is now complete or given up on, oldest first."""
+        out: list[IterationRecord] = []
+        for it in sorted(self.open):
+            op = self.open[it]
+            if self._complete(op):
+                out.append(self._finalize(it, complete=True))
+                continue
+            if self._moved_on(it):
+                op.moved_on_s = min(op.moved_on_s, now_s)
+            if now_s - op.moved_on_s >= self.grace_s or now_s - op.last_s >= self.stale_s:
+                out.append(self._finalize(it, complete=False))
+        while len(self.open) > self.max_open:
+            out.append(self._finalize(min(self.open), complete=False))
+        return [r for r in out if r is not None]
+
+    def flush(self) -> list[IterationRecord]:
+        """Finalize everything still open (shutdown), as incomplete unless complete."""
+        out = []
+        for it in sorted(self.open):
+            out.append(self._finalize(it, complete=self._complete(self.open[it])))
+        return [r for r in out if r is not None]
+
+    def _mark_done(self, it: int) -> None:
+        self._done.add(it)
+        while self._done_floor + 1 in self._done:
+            self._done_floor += 1
+            self._done.discard(self._done_floor)
+        if len(self._done) > 10_000:  # keep memory bounded if iterations are skipped
+            self._done_floor = max(self._done_floor, min(self._done) - 1)
+            self._done = {i for i in self._done if i > self._done_floor}
+
+    def _finalize(self, it: int, complete: bool) -> IterationRecord | None:
+        op = self.open.pop(it)
+        self._mark_done(it)
+        if not op.parts:
+            return None  # micro-batch stats without any chunk: nothing to report
+        rows = np.concatenate(op.parts) if len(op.parts) > 1 else op.parts[0]
+        return build_record(
+            it,
+            rows,
+            list(op.mbstats.values()),
+            layout_id=self.view.layout_id if self.view is not None else 0,
+            complete=complete,
+        )
+
+
+def _group_reduce(keys: np.ndarray, *cols: tuple[np.ndarray, np.ufunc]):
+    """Sort by key and reduce each (values, ufunc) per distinct key."""
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], sk[1:] != sk[:-1])))
+    out = [ufunc.reduceat(vals[order], starts) for vals, ufunc in cols]
+    return order[starts], out
+
+
+def build_record(
+    iteration: int,
+    rows: np.ndarray,
+    mbstats: list[MicroBatchStats],
+    layout_id: int = 0,
+    complete: bool = True,
+) -> IterationRecord:
+    """Reduce one iteration's deduplicated rows to an IterationRecord."""
+    # Contiguous columns once: arithmetic on strided record fields is several times slower.
+    col = {n: np.ascontiguousarray(rows[n]) for n in CHUNK_DTYPE.names if n != "_pad"}
+    kind = col["kind"]
+    start = col["start_s"]
+    dur = col["end_s"] - start
+    compute = kind < _N_COMPUTE_KINDS
+    if compute.any():
+        t0 = float(start[compute].min())
+        t1 = float(col["end_s"][compute].max())
+    else:
+        t0, t1 = float(start.min()), float(col["end_s"].max())
+
+    # Per (dp, stage, src_dp, microbatch, kind), over the TP group: max duration.
+    gkey = col["dp"].astype(np.uint64)
+    gkey <<= np.uint64(10)
+    gkey |= col["stage"].astype(np.uint64)
+    gkey <<= np.uint64(15)
+    gkey |= (col["src_dp"] + 1).astype(np.uint64)
+    gkey <<= np.uint64(16)
+    gkey |= col["microbatch"].astype(np.uint64)
+    gkey <<= np.uint64(3)
+    gkey |= kind.astype(np.uint64)
+    first, (gdur, gstart) = _group_reduce(gkey, (dur, np.maximum), (start, np.minimum))
+    gkind = kind[first]
+    gdp, gsrc, gmb = col["dp"][first], col["src_dp"][first], col["microbatch"][first]
+    chunks = {
+        "dp": gdp.tolist(),
+        "stage": col["stage"][first].tolist(),
+        "src_dp": gsrc.tolist(),
+        "microbatch": gmb.tolist(),
+        "kind": KIND_NAMES[gkind].tolist(),
+        "start_s": gstart.tolist(),
+        "duration_s": gdur.tolist(),
+    }
+
+    # Per rank: busy (compute chunks), pure compute, communication.
+    rank = col["rank"]
+    n = int(rank.max()) + 1
+    cdur = np.where(compute, dur, 0.0)
+    busy_s = np.bincount(rank, weights=cdur, minlength=n)
+    pure = np.where(col["compute_s"] >= 0, col["compute_s"], dur)
+    pure *= compute
+    comp_s = np.bincount(rank, weights=pure, minlength=n)
+    comm_s = np.bincount(rank, weights=dur, minlength=n) - busy_s
+    present = np.bincount(rank, minlength=n) > 0
+    rdp = np.zeros(n, dtype=np.int64)
+    rst = np.zeros(n, dtype=np.int64)
+    rdp[rank] = col["dp"]
+    rst[rank] = col["stage"]
+    rk = np.flatnonzero(present)
+    ranks = {
+        "rank": rk.tolist(),
+        "dp": rdp[rk].tolist(),
+        "stage": rst[rk].tolist(),
+        "busy_s": busy_s[rk].tolist(),
+        "compute_s": comp_s[rk].tolist(),
+        "comm_s": np.maximum(comm_s[rk], 0.0).tolist(),
+    }
+
+    # Samples: distinct micro-batches (by owning replica) that ran compute.
+    gc = gkind < _N_COMPUTE_KINDS
+    owner = np.where(gsrc >= 0, gsrc, gdp).astype(np.int64)
+    samples = int(np.unique((owner << 20 | gmb.astype(np.int64))[gc]).size)
+
+    mbs = sorted(mbstats, key=lambda s: (s.dp, s.microbatch))
+    microbatches = {
+        "dp": [s.dp for s in mbs],
+        "microbatch": [s.microbatch for s in mbs],
+        "token_budget": [s.token_budget for s in mbs],
+        "num_docs": [s.num_docs for s in mbs],
+        "sum_sq_len": [s.sum_sq_len for s in mbs],
+        "max_len": [s.max_len for s in mbs],
+    }
+    return IterationRecord(
+        iteration=int(iteration),
+        iteration_time_s=max(0.0, t1 - t0),
+        start_s=t0,
+        end_s=t1,
+        samples=samples,
+        tokens=int(sum(s.token_budget for s in mbs)),
+        num_ranks_reporting=len(rk),
+        chunks=chunks,
+        ranks=ranks,
+        microbatches=microbatches,
+        layout_id=int(layout_id),
+        complete=bool(complete),
+    )

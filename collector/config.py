@@ -1,0 +1,167 @@
+"""Collector settings: a validated dataclass built from CLI arguments and the environment.
+
+Every field is documented where it is declared; :meth:`CollectorConfig.validate`
+raises ``ValueError`` naming the field on a bad value.  The liveness rule's K
+can also be changed on a running collector through field ``heartbeat_k`` of
+the job's ``detector_config`` hash (the detector owns and seeds that hash);
+the collector re-reads it on every liveness check and keeps its own value when
+the field is absent or invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
+
+
+@dataclass
+class CollectorConfig:
+    """All collector settings.  Units are in the names."""
+
+    # --- service plumbing -------------------------------------------------------
+    #: Redis URL (default $REDIS_URL).
+    redis_url: str | None = None
+    #: Job whose telemetry is collected.
+    job_id: str = "default"
+    #: Instance name; the consumer name in the group is ``collector-<instance>`` so
+    #: a restarted collector re-reads its own unacknowledged entries at once.
+    instance: str = "0"
+    #: Telemetry stream entries read per loop (each entry packs many events).
+    read_count: int = 256
+    #: How long one read blocks when nothing is pending (milliseconds).
+    block_ms: int = 50
+    #: Entries pending this long on a consumer are taken over (XAUTOCLAIM).  It
+    #: must exceed the time an entry waits for its iteration to be published,
+    #: because entries are acknowledged only then.
+    claim_idle_ms: int = 120_000
+    #: TTL of the collector's health key (seconds).
+    health_ttl_s: float = 10.0
+    #: How often the layout key is re-read (seconds).
+    layout_poll_s: float = 1.0
+
+    # --- liveness (§5.1) -----------------------------------------------------------
+    #: Heartbeat period of the trainer ranks (seconds).
+    heartbeat_interval_s: float = 1.0
+    #: Consecutive missed beats that make a rank (or, for a silent node monitor,
+    #: a whole node) fail-stopped.
+    heartbeat_k: int = 2
+    #: Slack, in beats, before a late beat counts as missed.
+    jitter_beats: float = 0.5
+    #: How often liveness is judged (seconds); default a quarter interval.
+    check_interval_s: float | None = None
+
+    # --- iteration assembly -------------------------------------------------------
+    #: After every expected rank has started a later iteration, wait this long for
+    #: missing rows before publishing the iteration as incomplete (seconds).
+    grace_s: float = 5.0
+    #: Publish an iteration as incomplete when none of its rows arrived for this
+    #: long (a dead rank stalls its peers) (seconds).
+    stale_s: float = 30.0
+    #: At most this many iterations are assembled at once; the oldest is
+    #: published incomplete beyond it.
+    max_open_iterations: int = 8
+    #: Drop chunk rows of non-zero TP indices on arrival (less work, but no
+    #: per-rank view inside a TP group).
+    tp_dedup: bool = False
+
+    # --- outputs -----------------------------------------------------------------
+    #: Approximate MAXLEN of the iterations stream (records of large jobs are big).
+    iterations_maxlen: int = 2_000
+    #: Approximate MAXLEN of the liveness stream.
+    liveness_maxlen: int = DEFAULT_STREAM_MAXLEN
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def check_every_s(self) -> float:
+        return (
+            self.check_interval_s
+            if self.check_interval_s is not None
+            else self.heartbeat_interval_s / 4
+        )
+
+    def validate(self) -> None:
+        try:
+            validate_job_id(self.job_id)
+        except ValueError as e:
+            raise ValueError(f"job_id: {e}") from e
+        positive = (
+            "heartbeat_interval_s",
+            "health_ttl_s",
+            "layout_poll_s",
+            "grace_s",
+            "stale_s",
+        )
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name}: must be a number > 0, got {v!r}")
+        ints_min = {
+            "heartbeat_k": 1,
+            "read_count": 1,
+            "block_ms": 0,
+            "claim_idle_ms": 1,
+            "max_open_iterations": 1,
+            "iterations_maxlen": 1,
+            "liveness_maxlen": 1,
+        }
+        for name, lo in ints_min.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name}: must be an integer >= {lo}, got {v!r}")
+        if not isinstance(self.jitter_beats, int | float) or not 0 <= self.jitter_beats < 1:
+            raise ValueError(f"jitter_beats: must be in [0, 1), got {self.jitter_beats!r}")
+        if self.check_interval_s is not None and not (
+            0 < self.check_interval_s <= self.heartbeat_interval_s
+        ):
+            raise ValueError(
+                f"check_interval_s: must be in (0, heartbeat_interval_s], got {self.check_interval_s!r}"
+            )
+        if not isinstance(self.tp_dedup, bool):
+            raise ValueError(f"tp_dedup: must be a bool, got {self.tp_dedup!r}")
+        if not isinstance(self.instance, str) or not self.instance:
+            raise ValueError(f"instance: must be a non-empty string, got {self.instance!r}")
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+        p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+        p.add_argument("--instance", default=os.environ.get("RESIHP_COLLECTOR_INSTANCE", "0"))
+        p.add_argument("--heartbeat-interval-s", type=float, default=cls.heartbeat_interval_s)
+        p.add_argument("--heartbeat-k", type=int, default=cls.heartbeat_k)
+        p.add_argument("--grace-s", type=float, default=cls.grace_s)
+        p.add_argument("--stale-s", type=float, default=cls.stale_s)
+        p.add_argument("--max-open-iterations", type=int, default=cls.max_open_iterations)
+        p.add_argument(
+            "--tp-dedup",
+            action="store_true",
+            default=os.environ.get("RESIHP_COLLECTOR_TP_DEDUP", "") in ("1", "true", "yes"),
+            help="drop chunk rows of non-zero TP indices on arrival",
+        )
+        p.add_argument("--read-count", type=int, default=cls.read_count)
+        p.add_argument("--iterations-maxlen", type=int, default=cls.iterations_maxlen)
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> CollectorConfig:
+        return cls(
+            redis_url=a.redis_url,
+            job_id=a.job_id,
+            instance=a.instance,
+            heartbeat_interval_s=a.heartbeat_interval_s,
+            heartbeat_k=a.heartbeat_k,
+            grace_s=a.grace_s,
+            stale_s=a.stale_s,
+            max_open_iterations=a.max_open_iterations,
+            tp_dedup=a.tp_dedup,
+            read_count=a.read_count,
+            iterations_maxlen=a.iterations_maxlen,
+        )
+
+    def replace(self, **changes) -> CollectorConfig:
+        return dataclasses.replace(self, **changes)

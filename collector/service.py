@@ -1,0 +1,389 @@
+"""The collector service: reads the job's telemetry stream, judges liveness with
+the two-level heartbeat, assembles iteration records, and publishes both.
+
+Wiring only; the decisions live in :mod:`collector.heartbeat` and
+:mod:`collector.assembler`.
+
+* Arrival time of a heartbeat = the time Redis appended its entry (the entry
+  id), mapped onto the collector's clock with a periodically measured offset.
+  A collector that falls behind in reading therefore does not mistake its own
+  backlog for silent ranks, and the ranks' clocks never matter.
+* Telemetry entries are acknowledged only once every iteration they carry rows
+  for has been published, so a collector that dies loses nothing: a restarted
+  one (same instance name) re-reads its pending entries first, another one
+  takes them over after ``claim_idle_ms``; re-read rows are deduplicated.
+* While Redis is unreachable nothing is judged; after it returns every rank
+  gets a fresh deadline (nobody could be heard during the outage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import numpy as np
+import redis
+
+from collector.assembler import IterationAssembler
+from collector.config import CollectorConfig
+from collector.heartbeat import LivenessCoordinator
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import (
+    ENTRY_MESSAGES,
+    SCHEMA_VERSION,
+    ChunkBatch,
+    ChunkTiming,
+    Heartbeat,
+    Message,
+    MicroBatchStats,
+    chunks_to_rows,
+)
+from resihp.topology import Layout, LayoutError
+
+log = logging.getLogger(__name__)
+
+SERVICE = "collector"
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def encode_fast(msg: Message) -> dict[bytes, bytes]:
+    """The entry ``schemas.encode_one`` would build, without ``dataclasses.asdict``'s deep
+    copy of every column list (seconds for the record of a 16k-GPU iteration)."""
+    d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    d["type"] = msg.TYPE
+    d["schema_version"] = SCHEMA_VERSION
+    return {
+        ENTRY_MESSAGES: ("[" + json.dumps(d, separators=(",", ":"), allow_nan=False) + "]").encode()
+    }
+
+
+class CollectorService:
+    def __init__(self, config: CollectorConfig, client: redis.Redis):
+        self.config = config
+        self.client = client
+        self.keys = JobKeys(config.job_id)
+        self.consumer = bus.StreamConsumer(
+            client,
+            self.keys,
+            self.keys.telemetry,
+            self.keys.group(SERVICE),
+            consumer=f"{SERVICE}-{config.instance}",
+            claim_idle_ms=config.claim_idle_ms,
+        )
+        self.health = bus.Health(
+            client, self.keys, SERVICE, config.instance, ttl_s=config.health_ttl_s
+        )
+        self.liveness = LivenessCoordinator(
+            config.heartbeat_interval_s, config.heartbeat_k, config.jitter_beats
+        )
+        self.assembler = IterationAssembler(
+            grace_s=config.grace_s,
+            stale_s=config.stale_s,
+            max_open=config.max_open_iterations,
+            tp_dedup=config.tp_dedup,
+        )
+        self.layout: Layout | None = None
+        self._layout_raw: bytes | None = None
+        self._layout_next = 0.0
+        self._clock_offset_s = 0.0
+        self._clock_next = 0.0
+        self._check_next = 0.0
+        self._stats_next = 0.0
+        self._outage = False
+        self._outbox: deque[tuple[str, Message, int]] = deque()
+        # entry id -> iterations it carries rows for that are not yet published
+        self._pending: dict[bytes, set[int]] = {}
+        self._by_iter: dict[int, list[bytes]] = defaultdict(list)
+        self._ack_ready: list[bytes] = []
+        self._release_after_publish: list[int] = []
+        self._node_hb_written: dict[int, float] = {}
+        self._counters: dict[str, int] = defaultdict(int)
+        self.stats: dict[str, int] = defaultdict(int)
+        self.published: list[Any] = []  # last few records/events, for tests and status
+        self._group_ready = False
+
+    # ------------------------------------------------------------ helpers
+    def _count(self, name: str, by: int = 1) -> None:
+        if by:
+            self._counters[name] += by
+            self.stats[name] += by
+
+    def _flush_counters(self) -> None:
+        if not self._counters:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for name, by in self._counters.items():
+            pipe.hincrby(self.keys.counters, name, by)
+        pipe.execute()
+        self._counters.clear()
+
+    def _arrival_s(self, entry_id: bytes | str) -> float:
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return int(eid.split("-", 1)[0]) / 1000.0 + self._clock_offset_s
+
+    def _sync_clock(self, now: float) -> None:
+        if now < self._clock_next:
+            return
+        t0 = time.time()
+        sec, usec = self.client.time()
+        t1 = time.time()
+        self._clock_offset_s = (t0 + t1) / 2 - (sec + usec / 1e6)
+        self._clock_next = now + 10.0
+
+    def _refresh_layout(self, now: float) -> None:
+        if now < self._layout_next:
+            return
+        self._layout_next = now + self.config.layout_poll_s
+        raw = self.client.get(self.keys.layout)
+        if raw is None or raw == self._layout_raw:
+            return
+        self._layout_raw = raw
+        try:
+            layout = Layout.from_dict(json.loads(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError, LayoutError, TypeError) as e:
+            log.error("layout at %s is invalid, keeping the previous one: %s", self.keys.layout, e)
+            self._count("collector_layout_invalid_total")
+            bus.dead_letter(
+                self.client, self.keys, self.keys.layout, SERVICE, f"invalid layout: {e}", raw
+            )
+            return
+        self.set_layout(layout, now)
+
+    def set_layout(self, layout: Layout, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.layout = layout
+        self.assembler.set_layout(layout)
+        self.consumer.max_rank = layout.world_size
+        expected = {r: layout.node_of(r) for r in layout.active_ranks()}
+        for r in layout.standby:
+            expected[r] = layout.node_of(r)
+        dead = set(layout.dead)
+        for r in dead:
+            expected[r] = layout.node_of(r)
+        self.liveness.set_expected(expected, dead, now)
+        log.info("collector: layout %d (%s)", layout.layout_id, layout.summary())
+
+    def _runtime_k(self) -> None:
+        raw = self.client.hget(self.keys.detector_config, "heartbeat_k")
+        if raw is None:
+            return
+        try:
+            k = int(raw)
+            if k < 1:
+                raise ValueError
+        except ValueError:
+            return
+        if k != self.liveness.k:
+            log.info("collector: heartbeat_k %d -> %d (detector_config)", self.liveness.k, k)
+            self.liveness.set_k(k)
+
+    def _dead_letter(self, reason: str, raw: Any) -> None:
+        bus.dead_letter(self.client, self.keys, self.keys.telemetry, SERVICE, reason, raw)
+        self._count("collector_rejected_total")
+
+    # ------------------------------------------------------------ main step
+    def run_once(self) -> int:
+        """Read one batch, judge liveness if due, publish what is ready. Never raises on
+        Redis outages or bad input."""
+        now = time.time()
+        try:
+            if not self._group_ready:
+                self.consumer.ensure_group()
+                self._group_ready = True
+            self._sync_clock(now)
+            self._refresh_layout(now)
+            if self._outage:
+                # Reachable again: nobody could be heard meanwhile, restart every deadline.
+                self.liveness.resume(time.time())
+                self._outage = False
+            reconnects = self.consumer.stats.reconnects_total
+            batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
+            if self.consumer.stats.reconnects_total != reconnects:
+                self._outage = True
+                return 0
+            now = time.time()
+            handled = self._ingest(batch, now)
+            if now >= self._check_next:
+                self._check_next = now + self.config.check_every_s
+                self._runtime_k()
+                self._check_liveness(now)
+            self._assemble(now)
+            self._flush_outbox()
+            if self._ack_ready:
+                self.consumer.ack(self._ack_ready)
+                self._ack_ready = []
+            if now >= self._stats_next:
+                self._stats_next = now + 1.0
+                self._flush_counters()
+            return handled
+        except _REDIS_DOWN as e:
+            log.warning("collector: redis unavailable (%s); retrying", e)
+            self._outage = True
+            time.sleep(0.2)
+            return 0
+
+    def _ingest(self, batch, now: float) -> int:
+        parts: list[np.ndarray] = []
+        part_entry: list[bytes] = []
+        handled = 0
+        for entry_id, msgs in batch:
+            carried = False
+            for m in msgs:
+                if isinstance(m, ChunkBatch):
+                    parts.append(m.rows)
+                    part_entry.append(entry_id)
+                    carried = True
+                    handled += len(m.rows)
+                    continue
+                handled += 1
+                if isinstance(m, Heartbeat):
+                    self._count("heartbeats_total")
+                    node = self.layout.node_of(m.rank) if self.layout is not None else m.node
+                    self.liveness.observe(
+                        m.rank, node, self._arrival_s(entry_id), m.seq, m.iteration, m.generation
+                    )
+                elif isinstance(m, MicroBatchStats):
+                    if self.layout is not None and m.dp >= self.layout.dp:
+                        self._dead_letter(
+                            f"MicroBatchStats: unknown replica dp={m.dp} (layout has {self.layout.dp})",
+                            m.to_dict(),
+                        )
+                    elif not self.assembler.add_mb_stats(m, now):
+                        self._count("collector_late_mbstats_total")
+                elif isinstance(m, ChunkTiming):
+                    try:
+                        parts.append(chunks_to_rows([m]))
+                    except (KeyError, ValueError, OverflowError) as e:
+                        self._dead_letter(f"ChunkTiming: {e}", m.to_dict())
+                        continue
+                    part_entry.append(entry_id)
+                    carried = True
+                else:
+                    self._dead_letter(
+                        f"unexpected message type {m.TYPE!r} on the telemetry stream", m.to_dict()
+                    )
+            if not carried:
+                self._ack_ready.append(entry_id)
+        if parts:
+            self._add_rows(parts, part_entry, now)
+        return handled
+
+    def _add_rows(self, parts: list[np.ndarray], part_entry: list[bytes], now: float) -> None:
+        rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        res = self.assembler.add_rows(rows, now)
+        self._count("chunk_rows_total", len(rows))
+        self._count("chunk_rows_duplicate_total", res.duplicate_total)
+        self._count("chunk_rows_late_total", res.late_total)
+        self._count("chunk_rows_tp_dropped_total", res.tp_dropped_total)
+        for reason, bad in res.rejected:
+            ranks = np.unique(bad["rank"])
+            self._dead_letter(
+                reason,
+                {
+                    "rows": len(bad),
+                    "ranks": ranks[:32].tolist(),
+                    "first": ChunkBatch(bad[:3]).to_dict()["chunks"],
+                },
+            )
+            self._count("chunk_rows_rejected_total", len(bad))
+        # Hold each entry until all iterations it carries are published.
+        entry_iters: dict[bytes, set[int]] = defaultdict(set)
+        for p, eid in zip(parts, part_entry, strict=True):
+            its = p["iteration"]
+            if len(its):
+                lo, hi = int(its.min()), int(its.max())
+                entry_iters[eid].update([lo] if lo == hi else np.unique(its).tolist())
+        for eid, its in entry_iters.items():
+            open_its = {i for i in its if not self.assembler.finalized(i)}
+            if not open_its:
+                self._ack_ready.append(eid)
+                continue
+            known = self._pending.setdefault(eid, set())
+            for i in open_its - known:
+                self._by_iter[i].append(eid)
+            known |= open_its
+        for eid in set(part_entry) - set(entry_iters):
+            self._ack_ready.append(eid)
+
+    def _release(self, iteration: int) -> None:
+        for eid in self._by_iter.pop(iteration, ()):
+            its = self._pending.get(eid)
+            if its is None:
+                continue
+            its.discard(iteration)
+            if not its:
+                del self._pending[eid]
+                self._ack_ready.append(eid)
+
+    def _assemble(self, now: float) -> None:
+        for rec in self.assembler.poll(now):
+            self._outbox.append((self.keys.iterations, rec, self.config.iterations_maxlen))
+            self._count("iterations_published_total")
+            if not rec.complete:
+                self._count("iterations_incomplete_total")
+        # Iterations finalized without a record (stats only) release their entries too.
+        for it in [i for i in self._by_iter if self.assembler.finalized(i)]:
+            if it not in self._release_after_publish:
+                self._release_after_publish.append(it)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            stream, msg, maxlen = self._outbox[0]
+            self.client.xadd(stream, encode_fast(msg), maxlen=maxlen, approximate=True)
+            self._outbox.popleft()
+            self.published.append(msg)
+            if len(self.published) > 64:
+                del self.published[:-64]
+        # Published (or nothing to publish): their entries may be acknowledged now.
+        for it in self._release_after_publish:
+            self._release(it)
+        self._release_after_publish = []
+
+    def _check_liveness(self, now: float) -> None:
+        if self._outage:
+            return
+        for ev in self.liveness.check(now):
+            log.warning(
+                "collector: %s %s node=%d ranks=%s", ev.scope, ev.state, ev.node, ev.ranks[:16]
+            )
+            self._outbox.append((self.keys.liveness, ev, self.config.liveness_maxlen))
+            self._count("liveness_events_total")
+        changed = {
+            str(n): repr(t)
+            for n, t in self.liveness.node_last_heard().items()
+            if self._node_hb_written.get(n) != t
+        }
+        if changed:
+            self.client.hset(self.keys.node_heartbeat, mapping=changed)
+            for n, t in changed.items():
+                self._node_hb_written[int(n)] = float(t)
+
+    # ------------------------------------------------------------ loop
+    def health_extra(self) -> dict[str, Any]:
+        return {
+            "open_iterations": len(self.assembler.open),
+            "pending_entries": len(self._pending),
+            "layout_id": self.layout.layout_id if self.layout is not None else None,
+            "deadletter_total": self.consumer.stats.deadletter_total,
+            "reconnects_total": self.consumer.stats.reconnects_total,
+        }
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("collector: job %s, consumer %s", self.keys.job_id, self.consumer.consumer)
+        extra_next = 0.0
+        while not stop.is_set():
+            self.run_once()
+            now = time.time()
+            if self._outage:
+                continue
+            if now >= extra_next:
+                extra_next = now + 2.0
+                self.health.beat(**self.health_extra())
+            else:
+                self.health.beat()

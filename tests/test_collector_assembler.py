@@ -1,0 +1,244 @@
+"""Iteration assembly (collector.assembler): out-of-order, duplicates, gaps, TP max, stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from collector.assembler import IterationAssembler, KeySet, build_record
+from collector.synth import iteration_rows
+from resihp.schemas import ChunkKind, MicroBatchStats
+from resihp.topology import Layout, Migration
+
+
+def _layout(schedule="1f1b", tp=2, pp=2, dp=2, mb=4) -> Layout:
+    return Layout.uniform(tp, pp, dp, num_layers=4, num_microbatches=mb, schedule=schedule)
+
+
+def _asm(layout, **kw) -> IterationAssembler:
+    a = IterationAssembler(**kw)
+    a.set_layout(layout)
+    return a
+
+
+def _mbs(it, dp, mb, n=1024, docs=(512, 256, 256)):
+    return MicroBatchStats(
+        iteration=it,
+        dp=dp,
+        microbatch=mb,
+        token_budget=n,
+        num_docs=len(docs),
+        sum_sq_len=float(sum(x * x for x in docs)),
+        max_len=max(docs),
+    )
+
+
+def test_keyset_matches_a_python_set():
+    rng = np.random.default_rng(1)
+    ks, ref = KeySet(), set()
+    for _ in range(60):
+        keys = rng.integers(0, 3000, size=int(rng.integers(0, 400))).astype(np.uint64)
+        mask = ks.add_new(keys)
+        expect = np.zeros(len(keys), dtype=bool)
+        for i, k in enumerate(keys.tolist()):
+            if k not in ref:
+                ref.add(k)
+                expect[i] = True
+        assert (mask == expect).all()
+    assert len(ks) == len(ref)
+    assert len(ks.runs) <= 12  # runs are merged, not accumulated
+
+
+def test_out_of_order_and_duplicated_rows_give_the_clean_record():
+    lay = _layout()
+    rows = iteration_rows(lay, 7, t0_s=100.0, rng=np.random.default_rng(0))
+    clean = build_record(7, rows, [])
+    rng = np.random.default_rng(2)
+    # every row once, a third of them again, all shuffled, fed in uneven slices
+    messy = np.concatenate([rows, rows[rng.random(len(rows)) < 0.33]])
+    messy = messy[rng.permutation(len(messy))]
+    a = _asm(lay)
+    dup = 0
+    for lo, hi in [(0, 5), (5, 40), (40, 41), (41, len(messy))]:
+        res = a.add_rows(messy[lo:hi], now_s=1.0)
+        dup += res.duplicate_total
+    assert dup == len(messy) - len(rows)
+    (rec,) = a.poll(1.0)
+    assert rec.complete
+    assert rec.iteration == 7
+    assert rec.iteration_time_s == pytest.approx(clean.iteration_time_s)
+    cols = ("dp", "stage", "microbatch", "kind")
+    assert sorted(zip(*[rec.chunks[c] for c in cols], strict=True)) == sorted(
+        zip(*[clean.chunks[c] for c in cols], strict=True)
+    )
+    assert rec.ranks["busy_s"] == pytest.approx(clean.ranks["busy_s"])
+    # a row arriving after publication is dropped, not a new iteration
+    late = a.add_rows(rows[:10], now_s=2.0)
+    assert late.late_total == 10 and late.accepted_total == 0
+    assert a.poll(50.0) == []
+
+
+def test_tp_max_iteration_time_rank_sums_and_samples():
+    lay = _layout(tp=2, pp=2, dp=1, mb=2)
+    rows = iteration_rows(lay, 0, t0_s=10.0, chunk_s=0.1)
+    # rank 1 (TP peer of rank 0, dp 0 stage 0) is 3x slower on F of micro-batch 1
+    slow = (rows["rank"] == 1) & (rows["microbatch"] == 1) & (rows["kind"] == ChunkKind.F)
+    rows["end_s"][slow] = rows["start_s"][slow] + 0.3
+    comm = rows[:1].copy()
+    comm["kind"] = ChunkKind.SEND
+    comm["start_s"], comm["end_s"], comm["compute_s"] = 5.0, 5.5, -1.0  # comm outside span
+    rec = build_record(0, np.concatenate([rows, comm]), [_mbs(0, 0, 0), _mbs(0, 0, 1)])
+    ch = rec.chunks
+    idx = [
+        i
+        for i in range(len(ch["kind"]))
+        if (ch["dp"][i], ch["stage"][i], ch["microbatch"][i], ch["kind"][i]) == (0, 0, 1, "F")
+    ]
+    assert len(idx) == 1 and ch["duration_s"][idx[0]] == pytest.approx(0.3)
+    # span over compute chunks only: the early SEND does not stretch the iteration
+    compute = rows["kind"] <= ChunkKind.W
+    assert rec.start_s == pytest.approx(rows["start_s"][compute].min())
+    assert rec.iteration_time_s == pytest.approx(
+        rows["end_s"][compute].max() - rows["start_s"][compute].min()
+    )
+    rk = dict(zip(rec.ranks["rank"], range(len(rec.ranks["rank"])), strict=True))
+    r0 = rows[rows["rank"] == 0]
+    assert rec.ranks["busy_s"][rk[0]] == pytest.approx((r0["end_s"] - r0["start_s"]).sum())
+    assert rec.ranks["busy_s"][rk[1]] == pytest.approx(
+        rec.ranks["busy_s"][rk[0]] + 0.3 - 0.1, rel=1e-6
+    )
+    assert rec.ranks["compute_s"][rk[0]] == pytest.approx(r0["compute_s"].sum())
+    assert rec.ranks["comm_s"][rk[0]] == pytest.approx(0.5)
+    assert rec.ranks["comm_s"][rk[1]] == pytest.approx(0.0)
+    assert rec.samples == 2
+    assert rec.tokens == 2048
+    assert rec.microbatches["sum_sq_len"] == [512.0**2 + 2 * 256.0**2] * 2
+    assert rec.num_ranks_reporting == 4
+
+
+def test_gap_waits_for_grace_after_every_rank_moved_on():
+    lay = _layout()
+    a = _asm(lay, grace_s=5.0, stale_s=100.0)
+    r0 = iteration_rows(lay, 0)
+    missing = (r0["rank"] == 3) & (r0["microbatch"] == 2)
+    a.add_rows(r0[~missing], 0.0)
+    assert a.poll(1.0) == []
+    r1 = iteration_rows(lay, 1, t0_s=1.0)
+    a.add_rows(r1[r1["rank"] != 5], 2.0)  # rank 5 has not started iteration 1 yet
+    assert a.poll(9.0) == []
+    a.add_rows(r1[r1["rank"] == 5], 10.0)  # now every rank has moved on
+    (rec1,) = a.poll(10.0)  # iteration 1 is complete at once
+    assert (rec1.iteration, rec1.complete) == (1, True)
+    assert a.poll(14.9) == []
+    (rec0,) = a.poll(15.0)
+    assert (rec0.iteration, rec0.complete) == (0, False)
+    assert rec0.num_ranks_reporting == 8
+    busy = dict(zip(rec0.ranks["rank"], rec0.ranks["busy_s"], strict=True))
+    assert busy[3] < busy[2]  # its TP peer reported micro-batch 2, rank 3 did not
+
+
+def test_stale_iteration_is_published_incomplete():
+    lay = _layout()
+    a = _asm(lay, grace_s=1.0, stale_s=20.0)
+    r0 = iteration_rows(lay, 4)
+    a.add_rows(r0[r0["rank"] != 6], 0.0)  # rank 6 died: nobody moves on
+    assert a.poll(19.0) == []
+    (rec,) = a.poll(20.5)
+    assert (rec.iteration, rec.complete, rec.num_ranks_reporting) == (4, False, 7)
+
+
+def test_too_many_open_iterations_force_out_the_oldest():
+    lay = _layout()
+    a = _asm(lay, max_open=2, stale_s=1e9, grace_s=1e9)
+    for it in range(4):
+        r = iteration_rows(lay, it)
+        a.add_rows(r[r["rank"] != 0], float(it))
+    out = a.poll(5.0)
+    assert [(r.iteration, r.complete) for r in out] == [(0, False), (1, False)]
+    assert sorted(a.open) == [2, 3]
+
+
+def test_bad_rows_are_rejected_with_reasons():
+    lay = _layout()
+    a = _asm(lay)
+    rows = iteration_rows(lay, 0)
+    bad = rows[:4].copy()
+    bad["compute_s"][0] = np.nan
+    bad["end_s"][1] = bad["start_s"][1] - 1.0
+    bad["microbatch"][2] = -3
+    idle = rows[:2].copy()
+    lay2 = _layout()
+    lay2.world_size = 16  # ranks 8..15 exist but run nothing
+    a.set_layout(lay2)
+    idle["rank"] = [9, 12]
+    res = a.add_rows(np.concatenate([bad, idle, rows[10:20]]), 0.0)
+    reasons = {reason: len(r) for reason, r in res.rejected}
+    assert reasons == {
+        "chunk rows: field out of range or absurd timing": 3,
+        "chunk rows: rank not in layout 0": 2,
+    }
+    assert res.accepted_total == 11
+
+
+def test_tp_dedup_drops_peers_and_still_completes():
+    lay = _layout(tp=4, pp=2, dp=1, mb=3)
+    a = _asm(lay, tp_dedup=True)
+    rows = iteration_rows(lay, 0)
+    res = a.add_rows(rows, 0.0)
+    assert res.tp_dropped_total == int((rows["rank"] % 4 != 0).sum())
+    (rec,) = a.poll(0.0)
+    assert rec.complete
+    assert rec.ranks["rank"] == [0, 4]
+
+
+def test_zero_bubble_needs_w_chunks_and_migrations_change_expectations():
+    lay = _layout(schedule="zbh1", dp=2, mb=4)
+    rows = iteration_rows(lay, 0)
+    a = _asm(lay)
+    a.add_rows(rows[rows["kind"] != ChunkKind.W], 0.0)
+    assert a.poll(0.0) == []
+    a.add_rows(rows[rows["kind"] == ChunkKind.W], 0.1)
+    assert [r.complete for r in a.poll(0.1)] == [True]
+
+    # replica 0 stage 1 hands micro-batch 3 to replica 1
+    lay.migrations = [Migration(stage=1, src_dp=0, microbatch=3, dst_dp=1)]
+    lay.validate()
+    a = _asm(lay)
+    rows = iteration_rows(_layout(schedule="zbh1", dp=2, mb=4), 1)
+    gone = (rows["dp"] == 0) & (rows["stage"] == 1) & (rows["microbatch"] == 3)
+    moved = rows[gone].copy()
+    moved["dp"] = 1
+    moved["src_dp"] = 0
+    moved["rank"] += 2  # same TP index in replica 1's stage-1 group
+    a.add_rows(rows[~gone], 0.0)
+    assert a.poll(0.0) == []  # replica 1 stage 1 still owes the migrated micro-batch
+    a.add_rows(moved, 0.5)
+    (rec,) = a.poll(0.5)
+    assert rec.complete
+    assert rec.samples == 8
+    assert 0 in rec.chunks["src_dp"]
+
+
+def test_mb_stats_dedupe_and_late_stats_refused():
+    lay = _layout()
+    a = _asm(lay)
+    assert a.add_mb_stats(_mbs(0, 0, 0), 0.0)
+    assert a.add_mb_stats(_mbs(0, 0, 0), 0.0)  # another rank sends the same micro-batch
+    assert a.add_mb_stats(_mbs(0, 1, 2, docs=(1024,)), 0.0)
+    a.add_rows(iteration_rows(lay, 0), 0.0)
+    (rec,) = a.poll(0.0)
+    assert rec.microbatches["microbatch"] == [0, 2]
+    assert rec.microbatches["sum_sq_len"] == [512.0**2 + 2 * 256.0**2, 1024.0**2]
+    assert rec.tokens == 2048
+    assert not a.add_mb_stats(_mbs(0, 0, 1), 1.0)
+
+
+def test_without_layout_records_follow_the_ranks_seen():
+    lay = _layout()
+    a = IterationAssembler(grace_s=1.0)
+    a.add_rows(iteration_rows(lay, 0), 0.0)
+    a.add_rows(iteration_rows(lay, 1), 0.5)
+    assert a.poll(1.0) == []  # every rank seen has moved on: grace starts now
+    assert a.poll(1.9) == []
+    (rec,) = a.poll(2.0)
+    assert (rec.iteration, rec.complete, rec.num_ranks_reporting) == (0, False, 8)
