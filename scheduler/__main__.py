@@ -53,6 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--scenario", required=True)
     sim.add_argument("--policy", required=True)
     sim.add_argument("--out", required=True)
+    sim.add_argument(
+        "--model", default="llama2-13b", help="Table 3 model (its Table 3 layout is used)"
+    )
+    sim.add_argument("--microbatches", type=int, default=8, help="micro-batches per replica")
+    sim.add_argument("--seq-len", dest="seq_len", type=int, default=4096)
+    sim.add_argument(
+        "--duration-s",
+        dest="duration_s",
+        type=float,
+        default=None,
+        help="session length (default: last timed event + 1 h)",
+    )
+    sim.add_argument(
+        "--fault-free-samples-per-s",
+        dest="fault_free_samples_per_s",
+        type=float,
+        default=None,
+        help="calibrate the fault-free throughput to this value",
+    )
     sim.add_argument("--quiet", action="store_true")
     act = sub.add_parser("act", help="acknowledge / reject / override a plan from a shell")
     _common(act)

@@ -1,0 +1,344 @@
+"""Analytical timeline: run one policy over a failure scenario and integrate throughput.
+
+``python -m scheduler simulate --scenario FILE --policy NAME --out RESULT.json``
+(``resihp simulate`` forwards here).
+
+Events (docs/scenario.md format) change the devices' *true* speeds.  Each
+policy sees a failure only after its detection delay, then adapts (or
+aborts); while it reconfigures, training pauses.  Between events the
+iteration time is the shared pipeline engine's prediction for the policy's
+layout under the true speeds, so an unmitigated fail-slow costs what it costs
+and a fail-stop halts training until the policy has a runnable layout.
+Throughput (samples/s) is integrated over the session.
+
+The scheduler may not import the trainer package, so :func:`load_events`
+reads the documented scenario format itself (the subset the timeline needs),
+naming the file and line of a bad entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from resihp.pipeline.models import get_preset, table3_layout
+from resihp.topology import Layout
+from scheduler.planner import layout_runnable
+from scheduler.policies import Abort, Policy, get_policy
+from scheduler.predict import Predictor
+
+#: §8.3 unmitigated throughput drop of weak / medium / severe fail-slows -> speed factor.
+SEVERITY_FACTOR = {"weak": 0.65, "medium": 0.45, "severe": 0.30}
+ACTIONS = ("kill_device", "kill_node", "slow_device", "slow_link", "recover", "rejoin")
+IB_BYTES_S = 20e9
+
+
+class ScenarioError(ValueError):
+    """A scenario the timeline cannot use; the message starts with ``file:line:``."""
+
+
+@dataclass(frozen=True)
+class Event:
+    at_s: float | None
+    at_iteration: int | None
+    action: str
+    ranks: tuple[int, ...] = ()
+    node: int | None = None
+    factor: float | None = None
+    line: int = 0
+
+    def targets(self, devices_per_node: int) -> list[int]:
+        out = list(self.ranks)
+        if self.node is not None:
+            out += list(range(self.node * devices_per_node, (self.node + 1) * devices_per_node))
+        return sorted(set(out))
+
+
+def _lines(text: str) -> list[int]:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return []
+    seq = root
+    if isinstance(root, yaml.MappingNode):
+        seq = next((v for k, v in root.value if getattr(k, "value", None) == "events"), None)
+    if not isinstance(seq, yaml.SequenceNode):
+        return []
+    return [item.start_mark.line + 1 for item in seq.value]
+
+
+def load_events(text: str, source: str = "<scenario>") -> tuple[str, list[Event]]:
+    try:
+        data = json.loads(text) if text.lstrip().startswith(("{", "[")) else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        line = getattr(e, "lineno", None) or (
+            getattr(getattr(e, "problem_mark", None), "line", 0) + 1
+        )
+        raise ScenarioError(f"{source}:{line}: not valid YAML/JSON: {e}") from None
+    name = ""
+    if isinstance(data, dict):
+        name = str(data.get("name", ""))
+        items = data.get("events", [])
+    elif isinstance(data, list):
+        items = data
+    elif data is None:
+        items = []
+    else:
+        raise ScenarioError(
+            f"{source}:1: a scenario is a mapping with 'events' or a list of events"
+        )
+    lines = _lines(text)
+    out = []
+    for i, it in enumerate(items):
+        ln = lines[i] if i < len(lines) else 0
+
+        def bad(msg: str, ln=ln) -> ScenarioError:
+            return ScenarioError(f"{source}:{ln}: {msg}")
+
+        if not isinstance(it, dict):
+            raise bad("an event must be a mapping")
+        action = it.get("action")
+        if action not in ACTIONS:
+            raise bad(f"action must be one of {list(ACTIONS)}, got {action!r}")
+        if ("at_s" in it) == ("at_iteration" in it):
+            raise bad("give exactly one of at_iteration or at_s")
+        ranks = it.get("ranks", [it["rank"]] if "rank" in it else [])
+        if not isinstance(ranks, list) or not all(isinstance(r, int) and r >= 0 for r in ranks):
+            raise bad(f"ranks must be integers >= 0, got {ranks!r}")
+        node = it.get("node")
+        if not ranks and node is None:
+            raise bad(f"{action} needs 'rank', 'ranks' or 'node'")
+        factor = it.get("factor")
+        if action in ("slow_device", "slow_link"):
+            if "severity" in it:
+                if it["severity"] not in SEVERITY_FACTOR:
+                    raise bad(f"severity must be one of {list(SEVERITY_FACTOR)}")
+                factor = SEVERITY_FACTOR[it["severity"]]
+            if not isinstance(factor, int | float) or not 0 < factor <= 1:
+                raise bad(f"{action} needs factor in (0, 1] or a severity")
+        try:
+            at_s = float(it["at_s"]) if "at_s" in it else None
+            at_it = int(it["at_iteration"]) if "at_iteration" in it else None
+        except (TypeError, ValueError):
+            raise bad("at_s / at_iteration must be numbers") from None
+        out.append(Event(at_s, at_it, action, tuple(ranks), node, factor, ln))
+    return name, out
+
+
+@dataclass
+class TimelineResult:
+    policy: str
+    model: str
+    duration_s: float
+    samples: float = 0.0
+    aborted: bool = False
+    abort_reason: str = ""
+    abort_at_s: float = 0.0
+    fault_free_samples_per_s: float = 0.0
+    segments: list[tuple[float, float, float]] = field(default_factory=list)  # (t0, t1, samples/s)
+    adaptations: list[dict] = field(default_factory=list)
+    planning_s: list[float] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.duration_s if self.duration_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "model": self.model,
+            "duration_s": self.duration_s,
+            "samples": self.samples,
+            "samples_per_s": self.samples_per_s,
+            "fault_free_samples_per_s": self.fault_free_samples_per_s,
+            "aborted": self.aborted,
+            "abort_reason": self.abort_reason,
+            "abort_at_s": self.abort_at_s,
+            "segments": [list(s) for s in self.segments],
+            "adaptations": self.adaptations,
+            "planning_s": self.planning_s,
+        }
+
+
+def calibrate(pred: Predictor, layout: Layout, samples_per_s: float) -> None:
+    """Scale the predictor's times so the fault-free layout runs at ``samples_per_s``."""
+    pred.time_scale = 1.0
+    t = pred.iteration_s(layout, {})
+    pred.time_scale = (layout.total_microbatches / samples_per_s) / t
+
+
+def _moved_bytes(old: list[Layout], new: list[Layout], pred: Predictor) -> float:
+    if len(old) != 1 or len(new) != 1:
+        return sum(x.num_layers for x in new) / max(1, len(new)) * pred.memory.layer_state_bytes / 4
+    a, b = old[0], new[0]
+    if a.pp != b.pp:
+        return b.num_layers * pred.memory.layer_state_bytes / 4
+    moved = sum(abs(x - y) for x, y in zip(a.layers, b.layers, strict=True)) / 2
+    return moved * pred.memory.layer_state_bytes
+
+
+def run_timeline(
+    policy: Policy,
+    layout: Layout,
+    events: list[Event],
+    pred: Predictor,
+    duration_s: float,
+    model: str = "",
+) -> TimelineResult:
+    """Integrate a policy's throughput over ``duration_s`` seconds of training."""
+    res = TimelineResult(policy.name, model, duration_s)
+    true_p: dict[int, float] = {}
+    known_p: dict[int, float] = {}
+    state = policy.initial_state(copy.deepcopy(layout))
+    t_ff = pred.iteration_s(layout, {})
+    res.fault_free_samples_per_s = layout.total_microbatches / t_ff
+    heap: list[tuple[float, int, str, Any]] = []
+    seq = 0
+    for ev in events:
+        at = ev.at_s if ev.at_s is not None else ev.at_iteration * t_ff
+        heapq.heappush(heap, (at, seq, "event", ev))
+        seq += 1
+    paused_until = 0.0
+
+    def rate(t: float) -> float:
+        if t < paused_until:
+            return 0.0
+        it = policy.iteration_s(state, true_p, pred)
+        if not math.isfinite(it) or it <= 0:
+            return 0.0
+        return sum(x.total_microbatches for x in state) / it * (1.0 - policy.overhead)
+
+    now = 0.0
+    cur = rate(0.0)
+    points = sorted({0.0})
+
+    def advance(to: float) -> None:
+        nonlocal now, cur
+        to = min(to, duration_s)
+        # a pause may end inside the interval
+        if now < paused_until < to:
+            advance(paused_until)
+            cur = rate(now)
+        if to > now:
+            res.samples += cur * (to - now)
+            res.segments.append((now, to, cur))
+            now = to
+
+    del points
+    while heap:
+        at, _, kind, payload = heapq.heappop(heap)
+        if at >= duration_s:
+            break
+        advance(at)
+        if kind == "event":
+            ev: Event = payload
+            tg = ev.targets(layout.devices_per_node)
+            if ev.action in ("kill_device", "kill_node"):
+                for r in tg:
+                    true_p[r] = 0.0
+                stop = any(not layout_runnable(x, true_p) for x in state)
+                delay = 2 * t_ff
+                if stop:
+                    heapq.heappush(heap, (at + delay, seq, "react", ("stop", tg)))
+                else:  # an idle/standby device died: the policy learns of it, nothing halts
+                    heapq.heappush(heap, (at + delay, seq, "learn", ("stop", tg)))
+            elif ev.action in ("slow_device", "slow_link"):
+                for r in tg:
+                    if true_p.get(r, 1.0) > 0:
+                        true_p[r] = ev.factor
+                if policy.handles_slow:
+                    it_now = policy.iteration_s(state, true_p, pred)
+                    delay = (
+                        policy.slow_detect_iters * (it_now if math.isfinite(it_now) else t_ff)
+                        + policy.slow_detect_s
+                    )
+                    heapq.heappush(heap, (at + delay, seq, "react", ("slow", tg)))
+            elif ev.action == "recover":
+                for r in tg:
+                    if true_p.get(r, 1.0) > 0:
+                        true_p[r] = 1.0
+                if policy.handles_slow:
+                    heapq.heappush(heap, (at + 3 * t_ff, seq, "react", ("recover", tg)))
+            # rejoin: devices come back idle; no baseline re-uses them, ResiHP's planner would
+            # only after a recovery report, which the timeline does not model.
+            seq += 1
+            cur = rate(now)
+            continue
+        what, tg = payload
+        for r in tg:
+            known_p[r] = true_p.get(r, 1.0)
+        if kind == "learn":
+            continue
+        if what == "stop" and not policy.handles_stop:
+            res.aborted, res.abort_reason, res.abort_at_s = (
+                True,
+                f"{policy.name} does not tolerate fail-stop",
+                now,
+            )
+            break
+        t0 = time.perf_counter()
+        try:
+            new = policy.adapt(state, dict(known_p), pred)
+        except Abort as e:
+            res.aborted, res.abort_reason, res.abort_at_s = True, str(e), now
+            break
+        plan_s = time.perf_counter() - t0
+        res.planning_s.append(plan_s)
+        changed = [x.to_dict() for x in new] != [x.to_dict() for x in state]
+        if changed:
+            pause = policy.reconfig_s + plan_s
+            if policy.moves_layers:
+                pause += _moved_bytes(state, new, pred) / IB_BYTES_S
+            paused_until = max(paused_until, now + pause)
+            res.adaptations.append(
+                {"at_s": now, "why": what, "pause_s": pause, "layout": [x.summary() for x in new]}
+            )
+            state = new
+        cur = rate(now)
+    if not res.aborted:
+        advance(duration_s)
+    return res
+
+
+def main_simulate(args) -> int:
+    import sys
+
+    try:
+        text = Path(args.scenario).read_text()
+        name, events = load_events(text, args.scenario)
+    except OSError as e:
+        print(f"{args.scenario}:0: cannot read scenario: {e.strerror}", file=sys.stderr)
+        return 2
+    except ScenarioError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    try:
+        policy = get_policy(args.policy)
+        pre = get_preset(args.model)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    layout = table3_layout(pre.name, args.microbatches)
+    pred = Predictor(pre.name, args.seq_len)
+    if args.fault_free_samples_per_s:
+        calibrate(pred, layout, args.fault_free_samples_per_s)
+    last = max((e.at_s or 0.0 for e in events), default=0.0)
+    duration = args.duration_s or last + 3600.0
+    res = run_timeline(policy, layout, events, pred, duration, pre.name)
+    out = res.to_dict()
+    out["scenario"] = name or args.scenario
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    if not args.quiet:
+        status = (
+            f"ABORTED at {res.abort_at_s:.0f}s ({res.abort_reason})" if res.aborted else "completed"
+        )
+        print(f"{args.policy}: {res.samples_per_s:.3f} samples/s over {duration:.0f}s, {status}")
+    return 0
