@@ -82,9 +82,10 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                 "resihp_throughput_samples_per_second", _labels(job=job), last["samples_per_s"]
             )
             layout = data.layout(job)
-            pred = figures.predicted_series(rows[-1:], failures, healthy_iteration_time_s(layout))[
-                0
-            ]
+            healthy = healthy_iteration_time_s(
+                layout, data.iteration_record(job), data.device_health(job)
+            )
+            pred = figures.predicted_series(rows[-1:], failures, healthy)[0]
             if pred is not None:
                 w.family(
                     "resihp_predicted_iteration_time_seconds",

@@ -1,49 +1,123 @@
-"""Predicted (healthy) pipeline timings for the current layout, from the shared engine.
+"""Predicted healthy pipeline timeline of an observed iteration, from the shared DAG engine.
 
-Uses ``resihp.pipeline`` (``PipelineDAG.from_layout`` + ``CostModel``) when it
-is importable and usable; every function returns None otherwise, and the
-figures fall back to predictions carried by the messages themselves
-(``predicted_iteration_time_s`` in a record, ``predicted_s`` in failure evidence).
+"Healthy" means: the same layout, schedule and micro-batches, with every
+device at full speed.  Each chunk's healthy cost is its observed duration
+times the normalized throughput p_i of the slowest device in its TP group
+(the detector's ``device_health``; a device at p = 0.5 took twice as long),
+and ``resihp.pipeline.PipelineDAG`` recomputes every start time along the
+1F1B / ZB dependencies.  The result is the predicted chunk set drawn beside
+the observed one and the DAG-predicted healthy iteration time.
+
+Returns None whenever the engine or the inputs are unavailable; figures then
+fall back to predictions carried by the messages (``predicted_iteration_time_s``,
+failure evidence ``predicted_s``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from functools import lru_cache
+from collections import OrderedDict
+from typing import Any
 
+import numpy as np
+
+from dashboard.figures import normalize_chunks
 from resihp.topology import Layout
 
 log = logging.getLogger(__name__)
 
+_KIND_CODE = {"F": 0, "B": 1, "W": 2}
+_KIND_NAME = {0: "F", 1: "B", 2: "W"}
+_cache: OrderedDict[tuple, dict | None] = OrderedDict()
 
-@lru_cache(maxsize=16)
-def _predict(layout_json: str):
+
+def _group_p(layout: Layout, device_health: dict[int, dict[str, Any]]) -> np.ndarray:
+    """[dp, pp] min p_i over each TP group (1.0 where unknown, capped to (0.05, 1])."""
+    out = np.ones((layout.dp, layout.pp))
+    for d, stages in enumerate(layout.groups):
+        for s, grp in enumerate(stages):
+            ps = [device_health.get(r, {}).get("p") for r in grp]
+            ps = [float(p) for p in ps if isinstance(p, int | float) and p > 0]
+            if ps:
+                out[d, s] = min(1.0, max(0.05, min(ps)))
+    return out
+
+
+def predict_healthy(
+    layout: Layout | None,
+    record: dict[str, Any] | None,
+    device_health: dict[int, dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
+    """{"chunks": columnar predicted chunks, "iteration_time_s": float} or None."""
+    if layout is None or not record or not record.get("chunks"):
+        return None
+    key = (
+        json.dumps(layout.to_dict(), sort_keys=True),
+        record.get("iteration"),
+        record.get("end_s"),
+        tuple(sorted((k, v.get("p")) for k, v in (device_health or {}).items()))[:4096],
+    )
+    if key in _cache:
+        return _cache[key]
     try:
-        from resihp.pipeline import CostModel, PipelineDAG  # noqa: F401
-    except Exception:  # noqa: BLE001 - engine not installed or not finished: no prediction
+        res = _predict(layout, record, device_health or {})
+    except Exception as e:  # noqa: BLE001 - a prediction is optional; never break a page
+        log.info("no DAG prediction: %s", e)
+        res = None
+    _cache[key] = res
+    while len(_cache) > 32:
+        _cache.popitem(last=False)
+    return res
+
+
+def _predict(layout: Layout, record: dict[str, Any], device_health) -> dict[str, Any] | None:
+    from resihp.pipeline import PipelineDAG
+
+    obs = normalize_chunks(record["chunks"])
+    compute = np.isin(obs["kind"], list(_KIND_CODE))
+    if not compute.any():
         return None
-    return None
+    dag = PipelineDAG.from_layout(layout)
+    gp = _group_p(layout, device_health)
+    observed: dict[tuple[int, int, int, int, int], float] = {}
+    per_sk: dict[tuple[int, int], list[float]] = {}
+    t0 = float(obs["start_s"].min())
+    for i in np.flatnonzero(compute):
+        d, s, src = int(obs["dp"][i]), int(obs["stage"][i]), int(obs["src_dp"][i])
+        k = _KIND_CODE[str(obs["kind"][i])]
+        if d >= layout.dp or s >= layout.pp:
+            continue
+        healthy = float(obs["duration_s"][i]) * gp[d, s]
+        observed[(d, s, src, int(obs["microbatch"][i]), k)] = healthy
+        per_sk.setdefault((s, k), []).append(healthy)
+    med = {sk: float(np.median(v)) for sk, v in per_sk.items()}
+    cost = np.empty(dag.num_chunks)
+    for c in range(dag.num_chunks):
+        d, s, src = int(dag.chunk_dp[c]), int(dag.chunk_stage[c]), int(dag.chunk_src_dp[c])
+        k, mb = int(dag.chunk_kind[c]), int(dag.chunk_mb[c])
+        v = observed.get((d, s, src, mb, k))
+        cost[c] = v if v is not None else med.get((s, k), 0.0)
+    res = dag.evaluate(cost)
+    return {
+        "chunks": {
+            "dp": dag.chunk_dp.tolist(),
+            "stage": dag.chunk_stage.tolist(),
+            "src_dp": dag.chunk_src_dp.tolist(),
+            "microbatch": dag.chunk_mb.tolist(),
+            "kind": [_KIND_NAME.get(int(k), "B") for k in dag.chunk_kind],
+            "start_s": (res.start_s + t0).tolist(),
+            "duration_s": cost.tolist(),
+        },
+        "iteration_time_s": float(res.iteration_time_s),
+    }
 
 
-def _key(layout: Layout | None) -> str | None:
-    if layout is None:
-        return None
-    return json.dumps(layout.to_dict(), sort_keys=True)
+def predicted_chunks(layout, record, device_health=None) -> dict[str, list] | None:
+    res = predict_healthy(layout, record, device_health)
+    return None if res is None else res["chunks"]
 
 
-def healthy_iteration_time_s(layout: Layout | None) -> float | None:
-    k = _key(layout)
-    if k is None:
-        return None
-    res = _predict(k)
-    return None if res is None else res[0]
-
-
-def predicted_chunks(layout: Layout | None) -> dict[str, list] | None:
-    """Columnar predicted chunks (dp, stage, src_dp, microbatch, kind, start_s, duration_s)."""
-    k = _key(layout)
-    if k is None:
-        return None
-    res = _predict(k)
-    return None if res is None else res[1]
+def healthy_iteration_time_s(layout, record=None, device_health=None) -> float | None:
+    res = predict_healthy(layout, record, device_health)
+    return None if res is None else res["iteration_time_s"]

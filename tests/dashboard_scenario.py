@@ -130,14 +130,14 @@ def publish_job(
         times[it] = (t, t + dur)
         t += dur + gap
     pipe.execute()
-    detected = times[slow_from + 3][1]
+    detected = times[min(slow_from + 3, iterations - 1)][1]
     failure = FailureReport(
         report_id="fr-slow-1",
         kind="fail_slow_compute",
         ranks=[slow_rank],
         nodes=[slow_rank // 8],
         detected_at_s=detected,
-        iteration=slow_from + 3,
+        iteration=min(slow_from + 3, iterations - 1),
         severity={str(slow_rank): slow_p},
         evidence={
             "observed_s": slow_t,

@@ -152,7 +152,9 @@ def register(app, ctx: AppContext) -> None:
                 "ok" if all(" ok" in x for x in svc) else "warn",
             )
         )
-        healthy = healthy_iteration_time_s(lay)
+        healthy = healthy_iteration_time_s(
+            lay, ctx.data.iteration_record(job) if rows else None, s["device_health"]
+        )
         thr = figures.throughput_figure(rows, s["failures"][-100:], title="Throughput (samples/s)")
         itf = figures.iteration_time_figure(rows, s["failures"][-200:], healthy)
         inc = s["open_incidents"]

@@ -61,7 +61,9 @@ def load(ctx: AppContext, job: str, iteration: int | None):
     lay = ctx.data.layout(job)
     pred = None
     if rec is not None:
-        pred = rec.get("predicted_chunks") or predicted_chunks(lay)
+        pred = rec.get("predicted_chunks") or predicted_chunks(
+            lay, rec, ctx.data.device_health(job)
+        )
     return rec, lay, pred
 
 

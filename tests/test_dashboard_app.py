@@ -1,0 +1,188 @@
+"""The Dash/Flask server against a real Redis: /metrics, login, operator actions through the
+real callback endpoint, the overview callback, and --check-health."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+from dashboard_scenario import publish_job
+
+from dashboard.app import create_app, start_health_thread
+from dashboard.config import DashboardConfig
+from dashboard.pages.plans import build_override, submit_action
+from resihp.keys import JobKeys
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def app(r, redis_server):
+    publish_job(r, "job-a", iterations=20, slow_from=12)
+    cfg = DashboardConfig(
+        redis_url=redis_server.url,
+        job_id="job-a",
+        operators={"alice": "s3cret"},
+        secret_key="test-key",
+    )
+    return create_app(cfg, client=r)
+
+
+def _action_request(button: str, layers="9,5,9,9"):
+    return {
+        "output": "pl-action-result.children",
+        "outputs": {"id": "pl-action-result", "property": "children"},
+        "inputs": [
+            {"id": b, "property": "n_clicks", "value": 1 if b == button else None}
+            for b in ("pl-ack", "pl-reject", "pl-override")
+        ],
+        "changedPropIds": [f"{button}.n_clicks"],
+        "state": [
+            {"id": "job", "property": "value", "value": "job-a"},
+            {"id": "pl-plan", "property": "value", "value": 1},
+            {"id": "pl-ov-layers", "property": "value", "value": layers},
+            {"id": "pl-ov-drop", "property": "value", "value": "5"},
+            {"id": "pl-ov-keep", "property": "value", "value": ""},
+            {"id": "pl-ov-migration", "property": "value", "value": []},
+            {"id": "pl-comment", "property": "value", "value": "move it"},
+        ],
+    }
+
+
+def test_metrics_exposition(app, r):
+    body = app.server.test_client().get("/metrics")
+    assert body.status_code == 200 and body.content_type.startswith("text/plain; version=0.0.4")
+    text = body.get_data(as_text=True)
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(lines['resihp_iteration{job="job-a"}']) == 19
+    assert float(lines['resihp_failures_total{job="job-a",kind="fail_slow_compute"}']) == 1
+    assert float(lines['resihp_plans{job="job-a",state="proposed"}']) == 1
+    assert (
+        float(lines['resihp_device_throughput_ratio{job="job-a",rank="5",node="0",state="slow"}'])
+        == 0.5
+    )
+    assert float(lines['resihp_throughput_samples_per_second{job="job-a"}']) > 0
+    pred = float(lines['resihp_predicted_iteration_time_seconds{job="job-a"}'])
+    assert pred < float(lines['resihp_iteration_time_seconds{job="job-a"}'])
+    assert "# TYPE resihp_failures_total counter" in text
+    assert 'resihp_node_heartbeat_age_seconds{job="job-a",node="1"}' in text
+
+
+def test_login_logout_and_redirect_safety(app):
+    c = app.server.test_client()
+    bad = c.post("/auth/login", data={"username": "alice", "password": "nope", "next": "/plans"})
+    assert bad.status_code == 302 and "login_error" in bad.location
+    assert c.get("/auth/whoami").json == {"operator": None}
+    evil = c.post(
+        "/auth/login", data={"username": "alice", "password": "s3cret", "next": "//evil.example/x"}
+    )
+    assert evil.location == "/"
+    assert c.get("/auth/whoami").json == {"operator": "alice"}
+    c.get("/auth/logout")
+    assert c.get("/auth/whoami").json == {"operator": None}
+
+
+def test_action_callback_refuses_anonymous_and_publishes_for_operator(app, r):
+    keys = JobKeys("job-a")
+    c = app.server.test_client()
+    res = c.post("/_dash-update-component", json=_action_request("pl-ack"))
+    assert res.status_code == 200 and "Refused: log in" in res.get_data(as_text=True)
+    assert r.xlen(keys.actions) == 0
+    c.post("/auth/login", data={"username": "alice", "password": "s3cret", "next": "/plans"})
+    res = c.post("/_dash-update-component", json=_action_request("pl-ack"))
+    assert "Sent acknowledge for plan 1 as alice" in res.get_data(as_text=True)
+    res = c.post("/_dash-update-component", json=_action_request("pl-override"))
+    assert "Sent override" in res.get_data(as_text=True)
+    entries = r.xrange(keys.actions)
+    msgs = [json.loads(f[b"m"])[0] for _, f in entries]
+    assert [(m["action"], m["actor"]) for m in msgs] == [
+        ("acknowledge", "alice"),
+        ("override", "alice"),
+    ]
+    assert msgs[1]["override"] == {"layers": [9, 5, 9, 9], "drop_ranks": [5], "migration": False}
+    assert msgs[1]["comment"] == "move it"
+    res = c.post("/_dash-update-component", json=_action_request("pl-override", layers="9,x"))
+    assert "nothing was sent" in res.get_data(as_text=True) and r.xlen(keys.actions) == 2
+
+
+def test_submit_action_and_override_builder(app, r):
+    ctx = app.resihp_ctx
+    ok, msg = submit_action(ctx, "job-a", None, "reject", 1)
+    assert not ok and "log in" in msg and r.xlen(JobKeys("job-a").actions) == 0
+    ok, msg = submit_action(ctx, "job-a", "alice", "reject", None)
+    assert not ok and "no plan" in msg
+    assert build_override("", " ", None, ["on"]) == {"migration": True}
+    assert build_override("8; 8 8", "1,2", "3", []) == {
+        "layers": [8, 8, 8],
+        "drop_ranks": [1, 2],
+        "keep_ranks": [3],
+        "migration": False,
+    }
+    with pytest.raises(ValueError, match="drop ranks"):
+        build_override("", "a", "", [])
+
+
+def test_overview_callback_returns_live_cards(app):
+    req = {
+        "output": app.callback_map and next(k for k in app.callback_map if "ov-status" in k),
+        "outputs": [
+            {"id": i, "property": p}
+            for i, p in (
+                ("ov-status", "children"),
+                ("ov-cards", "children"),
+                ("ov-throughput", "figure"),
+                ("ov-itertime", "figure"),
+                ("ov-incidents", "children"),
+            )
+        ],
+        "inputs": [
+            {"id": "tick", "property": "n_intervals", "value": 3},
+            {"id": "job", "property": "value", "value": "job-a"},
+        ],
+        "changedPropIds": ["tick.n_intervals"],
+        "state": [],
+    }
+    res = app.server.test_client().post("/_dash-update-component", json=req)
+    assert res.status_code == 200
+    out = res.json["response"]
+    text = json.dumps(out["ov-cards"])
+    assert "DP2 x PP4 x TP2" in text and "1 pending" in text
+    names = [t.get("name") for t in out["ov-itertime"]["figure"]["data"]]
+    assert "observed" in names and "predicted (healthy)" in names
+    assert "fr-slow-1" in json.dumps(out["ov-incidents"])
+
+
+def test_check_health_cli(redis_server, r):
+    publish_job(r, "job-h", iterations=3, slow_from=2)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dashboard",
+        "--redis-url",
+        redis_server.url,
+        "--job-id",
+        "job-h",
+        "--check-health",
+    ]
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 1
+    stop = threading.Event()
+    t = start_health_thread(DashboardConfig(redis_url=redis_server.url, job_id="job-h"), stop)
+    try:
+        for _ in range(50):
+            if r.exists(JobKeys("job-h").health("dashboard")):
+                break
+            stop.wait(0.1)
+        assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    finally:
+        stop.set()
+        t.join(5)
+    bad = subprocess.run(
+        [sys.executable, "-m", "dashboard", "--port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "port" in bad.stderr

@@ -1,0 +1,108 @@
+"""dashboard.data against a real redis-server: incremental reads, validation, resets."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from dashboard_scenario import publish_job, publish_plan
+
+from dashboard.data import DashboardData
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import IterationRecord, OperatorAction
+
+pytestmark = pytest.mark.redis
+
+
+def test_reads_scenario_and_follows_new_entries(r):
+    sc = publish_job(r, "job-a", iterations=30, slow_from=20)
+    d = DashboardData(r, history=25)
+    rows = d.iterations("job-a")
+    assert [x.iteration for x in rows] == list(range(5, 30))  # first read keeps the newest 25
+    assert rows[-1].iteration_time_s == pytest.approx(sc["slow_t"])
+    assert rows[0].predicted_iteration_time_s == pytest.approx(sc["healthy_t"])
+    assert rows[0].samples_per_s == pytest.approx(32 / sc["healthy_t"])
+    keys = sc["keys"]
+    bus.publish(
+        r,
+        keys.iterations,
+        IterationRecord(
+            iteration=30,
+            iteration_time_s=0.5,
+            start_s=1.0,
+            end_s=1.5,
+            samples=32,
+            tokens=1,
+            num_ranks_reporting=16,
+        ),
+    )
+    r.xadd(keys.iterations, {b"m": b"not json"})  # skipped, never crashes the page
+    rows = d.iterations("job-a")
+    assert rows[-1].iteration == 30 and len(rows) == 25 and rows[0].iteration == 6
+    assert d.jobs() == ["job-a"]
+    assert d.layout("job-a").world_size == 16
+    assert d.device_health("job-a")[5]["p"] == 0.5
+    assert set(d.node_heartbeats("job-a")) == {0, 1}
+
+
+def test_full_record_by_iteration_keeps_extra_fields(r):
+    publish_job(r, "job-a", iterations=12, slow_from=8)
+    d = DashboardData(r)
+    rec = d.iteration_record("job-a", 3)
+    assert rec["iteration"] == 3 and "predicted_iteration_time_s" in rec
+    assert len(rec["chunks"]["stage"]) == 128
+    assert d.iteration_record("job-a")["iteration"] == 11
+    assert d.iteration_record("job-a", 999) is None
+
+
+def test_failures_plans_actions_audit(r):
+    sc = publish_job(r, "job-a", iterations=10, slow_from=5)
+    keys = sc["keys"]
+    d = DashboardData(r)
+    assert [f.report_id for f in d.failures("job-a")] == ["fr-slow-1"]
+    assert d.plans("job-a")[1].state == "proposed"
+    plan = sc["plan"]
+    plan.state = "acknowledged"
+    publish_plan(r, keys, plan)
+    assert d.plans("job-a")[1].state == "acknowledged"
+    assert [p.state for p in d.plan_history("job-a")] == ["proposed", "acknowledged"]
+    d.publish_action("job-a", OperatorAction(action="reject", plan_id=1, actor="bob", at_s=1.0))
+    acts = d.actions("job-a")
+    assert len(acts) == 1 and acts[0].actor == "bob"
+    assert d.counters("job-a")["dashboard_actions_total"] == 1
+    r.xadd(keys.audit, {"actor": "bob", "action": "reject", "plan_id": "1", "result": "ok"})
+    audit = d.audit("job-a")
+    assert audit[0]["actor"] == "bob" and audit[0]["result"] == "ok"
+    with pytest.raises(Exception, match="actor"):
+        d.publish_action("job-a", OperatorAction(action="reject", plan_id=1, actor="", at_s=1.0))
+
+
+def test_cache_resets_when_redis_is_flushed_and_bad_values_skipped(r):
+    publish_job(r, "job-a", iterations=10, slow_from=5)
+    d = DashboardData(r, hash_ttl_s=0.0)
+    assert len(d.iterations("job-a")) == 10
+    r.flushall()
+    assert d.iterations("job-a") == [] and d.failures("job-a") == []
+    keys = JobKeys("job-a")
+    bus.publish(
+        r,
+        keys.iterations,
+        IterationRecord(
+            iteration=0,
+            iteration_time_s=0.5,
+            start_s=time.time(),
+            end_s=time.time() + 0.5,
+            samples=8,
+            tokens=1,
+            num_ranks_reporting=1,
+        ),
+    )
+    assert [x.iteration for x in d.iterations("job-a")] == [0]
+    r.hset(
+        keys.device_health, mapping={"1": json.dumps({"p": 0.9}), "x": "1", "2": "{bad", "3": "0.7"}
+    )
+    assert d.device_health("job-a") == {1: {"p": 0.9}, 3: {"p": 0.7}}
+    r.set(keys.layout, "{}")
+    assert d.layout("job-a") is None  # malformed layout: shown as unknown, not a crash

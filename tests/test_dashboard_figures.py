@@ -1,0 +1,235 @@
+"""Pure dashboard logic: figures, aggregation at 16k GPUs, bubbles, prediction, config."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from dashboard_scenario import simulate
+
+from dashboard import figures
+from dashboard.config import DashboardConfig, operators_from_env, parse_operators
+from dashboard.predict import predict_healthy
+from resihp.schemas import FailureReport
+from resihp.topology import Layout
+
+
+def _layout():
+    return Layout.uniform(tp=2, pp=4, dp=2, num_layers=32, num_microbatches=8)
+
+
+def _failure(rid, kind, ranks, t, it=10, **ev):
+    return FailureReport(
+        report_id=rid,
+        kind=kind,
+        ranks=ranks,
+        nodes=sorted({r // 8 for r in ranks}),
+        detected_at_s=t,
+        iteration=it,
+        evidence=ev,
+    )
+
+
+def test_bubble_ratio_exact_on_toy_pipeline():
+    # Stage 0 computes 0-1 and 3-4; stage 1 computes 1-3: span 4 s.
+    cols = {
+        "dp": [0, 0, 0],
+        "stage": [0, 1, 0],
+        "microbatch": [0, 0, 0],
+        "kind": ["F", "F", "B"],
+        "start_s": [0.0, 1.0, 3.0],
+        "duration_s": [1.0, 2.0, 1.0],
+    }
+    b = figures.bubble_ratios(cols)
+    assert b[(0, 0)] == pytest.approx(0.5)
+    assert b[(0, 1)] == pytest.approx(0.5)
+    # Communication chunks do not count as busy time.
+    cols2 = {k: [*v, v[-1]] for k, v in cols.items()}
+    cols2["kind"][-1] = "SEND"
+    assert figures.bubble_ratios(cols2)[(0, 0)] == pytest.approx(0.5)
+
+
+def test_slow_stage_has_fewer_bubbles_than_its_neighbours():
+    lay = _layout()
+    healthy, _ = simulate(lay, {}, 0.0)
+    slow, _ = simulate(lay, {5: 0.5}, 0.0)  # rank 5 is dp0 stage1
+    hb, sb = figures.bubble_ratios(healthy), figures.bubble_ratios(slow)
+    assert sb[(0, 1)] < sb[(0, 0)] and sb[(0, 1)] < sb[(0, 2)]
+    assert sb[(0, 0)] > hb[(0, 0)]  # the slow device makes the others wait
+    assert all(0.0 <= v <= 1.0 for v in sb.values())
+
+
+def test_timeline_marks_migrations_and_adds_predicted_panel():
+    cols = {
+        "dp": [0, 1],
+        "stage": [0, 0],
+        "src_dp": [0, 0],
+        "microbatch": [0, 1],
+        "kind": [0, 0],
+        "start_s": [10.0, 10.5],
+        "duration_s": [0.2, 0.2],
+    }
+    fig = figures.timeline_figure(cols)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert len(bars) == 1 and bars[0].name == "F"  # kind codes mapped to names
+    widths = list(bars[0].marker.line.width)
+    assert widths == [0.5, 2.5]  # the chunk owned by dp0 running on dp1 is outlined
+    assert "←dp0" in bars[0].text[1]
+    assert bars[0].base[0] == pytest.approx(0.0) and bars[0].x[0] == pytest.approx(200.0)
+    fig2 = figures.timeline_figure(cols, predicted=cols)
+    assert {t.yaxis for t in fig2.data} == {"y", "y2"}
+    assert figures.timeline_figure({}).layout.annotations[0].text.startswith("no chunk")
+
+
+def test_timeline_limits_replicas():
+    cols = {
+        "dp": list(range(10)),
+        "stage": [0] * 10,
+        "microbatch": [0] * 10,
+        "kind": ["F"] * 10,
+        "start_s": [0.0] * 10,
+        "duration_s": [1.0] * 10,
+    }
+    fig = figures.timeline_figure(cols, max_replicas=4)
+    assert len(fig.data[0].y) == 4
+    fig = figures.timeline_figure(cols, dps=[7, 9])
+    assert sorted({y.split()[1] for y in fig.data[0].y}) == ["dp7", "dp9"]
+
+
+def test_skew_grid_16k_gpus_aggregates_and_drills_down():
+    world, dpn = 16384, 8
+    health = {r: {"p": 1.0} for r in range(world)}
+    health[12345] = {"p": 0.31}
+    p, state = figures.device_arrays(world, health, dead=[777], standby=[16000])
+    grid = figures.skew_grid(p, state, dpn, max_rows=64)
+    assert grid.level == "groups" and len(grid.z) == 64 and grid.cells == 64 * 8
+    assert grid.nodes_per_row == 32
+    node = 12345 // dpn
+    row, col = node // 32, 12345 % dpn
+    assert grid.z[row][col] == pytest.approx(0.31)  # min keeps one slow GPU visible
+    drow = 777 // dpn // 32
+    assert grid.z[drow][777 % 8] == 0.0 and "1 dead" in grid.text[drow][777 % 8]
+    assert any(k == "standby" for _, _, k in grid.marks)
+    fig = figures.skew_heatmap_figure(grid, dpn)
+    assert len(fig.to_json()) < 200_000  # never one element per device in the browser
+    lo, hi = grid.row_nodes[row]
+    sub = figures.skew_grid(p, state, dpn, (lo, hi), max_rows=64)
+    assert sub.level == "nodes" and len(sub.z) == 32
+    assert sub.z[node - lo][col] == pytest.approx(0.31)
+    assert sub.row_labels[node - lo] == f"node {node}"
+
+
+def test_skew_grid_unknown_devices_are_blank():
+    p, state = figures.device_arrays(20, {3: {"p": 0.8}})
+    grid = figures.skew_grid(p, state, 8)
+    assert len(grid.z) == 3 and grid.z[0][3] == 0.8 and grid.z[0][0] is None
+    assert grid.z[2][4] is None  # padding beyond the world
+
+
+def test_coord_grid_buckets_replicas_and_takes_group_min():
+    lay = Layout.uniform(tp=2, pp=2, dp=200, num_layers=4, num_microbatches=2)
+    p = np.ones(lay.world_size)
+    slow = lay.groups[150][1][1]
+    p[slow] = 0.4
+    z, xl, yl, _ = figures.coord_grid(p, lay.groups, max_cols=64)
+    assert len(yl) == 2 and len(xl) == 50  # 4 replicas per column
+    assert z[1][150 // 4] == pytest.approx(0.4) and z[0][150 // 4] == 1.0
+
+
+def test_predicted_series_priority_and_change_points():
+    rows = [{"iteration": i, "iteration_time_s": 1.0} for i in range(6)]
+    rows[5]["predicted_iteration_time_s"] = 0.7
+    fails = [_failure("a", "fail_slow_compute", [1], 0.0, it=3, predicted_s=0.9, change_point=2)]
+    assert figures.predicted_series(rows, fails, 0.8) == [0.8, 0.8, 0.8, 0.9, 0.9, 0.7]
+    assert figures.change_points(fails) == [2]
+    fig = figures.iteration_time_figure(rows, fails, 0.8)
+    names = [t.name for t in fig.data]
+    assert "predicted (healthy)" in names and "failure" in names
+    assert any(s.x0 == 2 for s in fig.layout.shapes)
+
+
+def test_recurring_culprits_and_filters():
+    fs = [
+        _failure("a", "fail_slow_compute", [5], 100.0),
+        _failure("b", "fail_slow_compute", [5, 9], 200.0),
+        _failure("c", "fail_stop", [9], 300.0),
+        _failure("d", "recovery", [5], 400.0),
+    ]
+    top = figures.recurring_culprits(fs, 8)
+    assert [(c["rank"], c["reports"]) for c in top[:2]] in ([(5, 2), (9, 2)], [(9, 2), (5, 2)])
+    assert {c["rank"] for c in top} == {5, 9}
+    assert [f.report_id for f in figures.filter_failures(fs, 8, kinds=["fail_stop"])] == ["c"]
+    assert [f.report_id for f in figures.filter_failures(fs, 8, rank=5)] == ["a", "b", "d"]
+    assert [f.report_id for f in figures.filter_failures(fs, 8, node=1)] == ["b", "c"]
+    assert [f.report_id for f in figures.filter_failures(fs, 8, since_s=150, until_s=350)] == [
+        "b",
+        "c",
+    ]
+
+
+def test_plan_diff_rows_flag_changes():
+    before = _layout()
+    after = before.copy()
+    after.layers = [9, 7, 8, 8]
+    after.groups[0][1] = [2]
+    after.standby = [3]
+    rows = {r["what"]: r for r in figures.plan_diff_rows(before.to_dict(), after.to_dict())}
+    assert rows["stage 0 layers"]["changed"] and rows["stage 1 layers"]["after"] == "7"
+    assert not rows["stage 2 layers"]["changed"]
+    assert rows["stage 1 TP per DP replica"]["after"] == "1/2"
+    assert rows["standby ranks"]["changed"] and not rows["dead ranks"]["changed"]
+
+
+def test_dag_prediction_recovers_the_healthy_timeline():
+    lay = _layout()
+    healthy, healthy_t = simulate(lay, {}, 50.0)
+    slow, slow_t = simulate(lay, {5: 0.5}, 50.0)
+    health = {r: {"p": 0.5 if r == 5 else 1.0} for r in range(16)}
+    res = predict_healthy(lay, {"chunks": slow, "iteration": 1, "end_s": 50 + slow_t}, health)
+    assert slow_t > healthy_t * 1.3
+    assert res["iteration_time_s"] == pytest.approx(healthy_t, rel=1e-6)
+    assert len(res["chunks"]["stage"]) == len(healthy["stage"])
+    assert min(res["chunks"]["start_s"]) == pytest.approx(50.0)
+    # Without device health the prediction is the observed critical path.
+    res2 = predict_healthy(lay, {"chunks": slow, "iteration": 2, "end_s": 1.0}, {})
+    assert res2["iteration_time_s"] == pytest.approx(slow_t, rel=1e-6)
+    assert predict_healthy(None, {"chunks": slow}) is None
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="port"):
+        DashboardConfig(port=70000)
+    with pytest.raises(ValueError, match="refresh_interval_s"):
+        DashboardConfig(refresh_interval_s=5.0)
+    with pytest.raises(ValueError, match="job_id"):
+        DashboardConfig(job_id="bad job")
+    assert parse_operators("alice:s3:cret, bob:pw") == {"alice": "s3:cret", "bob": "pw"}
+    with pytest.raises(ValueError, match="entry 2"):
+        parse_operators("alice:pw,bob")
+    env = {
+        "RESIHP_OPERATORS": "alice:pw",
+        "RESIHP_OPERATOR_USER": "carol",
+        "RESIHP_OPERATOR_PASSWORD": "x",
+    }
+    assert operators_from_env(env) == {"alice": "pw", "carol": "x"}
+    with pytest.raises(ValueError, match="together"):
+        operators_from_env({"RESIHP_OPERATOR_USER": "carol"})
+    assert DashboardConfig().host == "127.0.0.1" and DashboardConfig().port == 8050
+
+
+def test_evidence_figure_and_failure_rows():
+    f = _failure(
+        "x",
+        "fail_slow_comm",
+        [3, 4],
+        1000.0,
+        observed_s=2.0,
+        predicted_s=1.0,
+        ratios={"3": 0.5, "4": 0.9},
+    )
+    fig = figures.evidence_figure(f)
+    assert list(fig.data[0].y) == [0.5, 0.9] and list(fig.data[1].y) == [2.0, 1.0]
+    row = figures.failure_rows([f], 8)[0]
+    assert row["ranks"] == "3, 4" and row["nodes"] == "0" and row["kind"] == "fail_slow_comm"
+    json.dumps(row)

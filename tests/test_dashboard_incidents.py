@@ -1,0 +1,101 @@
+"""Incident assembly, exports, and the report export CLI against a real Redis."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dashboard_scenario import publish_job, publish_recovery
+
+from dashboard import incidents
+from dashboard.data import DashboardData
+
+
+def _incident(r, recover: bool):
+    sc = publish_job(r, "job-a", iterations=60, slow_from=40)
+    if recover:
+        publish_recovery(r, sc, applied_at_s=sc["times"][59][1] + 0.5)
+    d = DashboardData(r)
+    inc = incidents.build_incident(
+        "job-a",
+        "fr-slow-1",
+        d.failures("job-a"),
+        d.plan_history("job-a"),
+        d.actions("job-a"),
+        [x.to_dict() for x in d.iterations("job-a")],
+    )
+    return sc, inc
+
+
+@pytest.mark.redis
+def test_phases_in_order_with_durations(r):
+    sc, inc = _incident(r, recover=True)
+    rows = inc.phase_rows()
+    assert [x["phase"] for x in rows] == [
+        "failure",
+        "detected",
+        "plan proposed",
+        "acknowledged",
+        "applied",
+        "throughput recovered",
+    ]
+    ts = [x["at_s"] for x in rows]
+    assert all(t is not None for t in ts) and ts == sorted(ts)
+    assert ts[0] == pytest.approx(sc["times"][40][0])  # onset = the change point's iteration
+    assert rows[1]["since_previous_s"] == pytest.approx(ts[1] - ts[0], abs=1e-3)
+    assert inc.status == "recovered"
+    tp = inc.throughput
+    assert tp["before"] == pytest.approx(32 / sc["healthy_t"], rel=1e-6)
+    assert tp["during"] < tp["before"] * 0.7 and tp["after"] >= tp["before"] * 0.9
+    assert [a.action for a in inc.actions] == ["acknowledge", "applied"]
+
+
+@pytest.mark.redis
+def test_open_incident_and_exports(r):
+    _sc, inc = _incident(r, recover=False)
+    assert inc.status == "open"
+    assert [p.at_s is None for p in inc.phases] == [False, False, False, True, True, True]
+    js = json.loads(incidents.to_json(inc))
+    assert js["timeline"][2]["phase"] == "plan proposed" and js["evidence"]["change_point"] == 40
+    md = incidents.to_markdown(inc)
+    assert "## Recovery timeline" in md and "| detected |" in md and "not reached" in md
+    assert "stage 1 layers **changed** | 8 | 5 |" in md
+    html = incidents.to_html(inc)
+    assert "<h2 id='timeline'>Recovery timeline</h2>" in html
+    assert "plotly.js" in html.lower() or "Plotly" in html
+    assert "<script src=" not in html and len(html) > 1_000_000  # inlined, opens offline
+    with pytest.raises(ValueError, match="format"):
+        incidents.export(inc, "pdf")
+    with pytest.raises(incidents.IncidentNotFound):
+        incidents.build_incident("job-a", "nope", [], [], [], [])
+
+
+@pytest.mark.redis
+def test_report_export_cli(r, redis_server, tmp_path):
+    publish_job(r, "job-a", iterations=50, slow_from=40)
+    out = tmp_path / "inc.md"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dashboard",
+        "report",
+        "export",
+        "--incident",
+        "fr-slow-1",
+        "--format",
+        "md",
+        "--out",
+        str(out),
+        "--redis-url",
+        redis_server.url,
+        "--job-id",
+        "job-a",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "Recovery timeline" in out.read_text() and "fr-slow-1" in out.read_text()
+    cmd[cmd.index("fr-slow-1")] = "missing"
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "no failure report 'missing'" in res.stderr

@@ -1,0 +1,47 @@
+"""Chrome/Perfetto trace export: one track per rank, microsecond events, migrations flagged."""
+
+from __future__ import annotations
+
+import json
+
+from dashboard_scenario import simulate
+
+from dashboard.perfetto import chrome_trace, chrome_trace_json
+from resihp.topology import Layout
+
+
+def test_one_track_per_rank_with_every_chunk():
+    lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=32, num_microbatches=8)
+    cols, t = simulate(lay, {}, 1000.0)
+    pred, _ = simulate(lay, {}, 0.0)
+    tr = json.loads(chrome_trace_json({"iteration": 7, "chunks": cols}, lay, pred, "job-a"))
+    ev = tr["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e["name"] == "thread_name"}
+    assert sorted(tid for pid, tid in names if pid == 1) == list(range(16))
+    assert names[(1, 5)] == "rank 5 (dp0 stage1)"
+    xs = [e for e in ev if e["ph"] == "X" and e["pid"] == 1]
+    assert len(xs) == len(cols["stage"]) * 2  # each TP-group chunk drawn on both ranks
+    assert min(e["ts"] for e in xs) == 0.0
+    assert max(e["ts"] + e["dur"] for e in xs) == __import__("pytest").approx(t * 1e6, rel=1e-6)
+    assert any(e["pid"] == 2 for e in ev if e["ph"] == "X")  # predicted process
+
+
+def test_without_layout_uses_rank_columns_and_flags_migration():
+    rec = {
+        "iteration": 1,
+        "chunks": {
+            "dp": [1],
+            "stage": [0],
+            "src_dp": [0],
+            "microbatch": [3],
+            "kind": ["F"],
+            "start_s": [5.0],
+            "duration_s": [0.001],
+        },
+        "ranks": {"rank": [4, 5, 6], "dp": [1, 1, 0], "stage": [0, 0, 0]},
+    }
+    tr = chrome_trace(rec)
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert sorted(e["tid"] for e in xs) == [4, 5]
+    assert xs[0]["args"]["migrated"] and "from dp0" in xs[0]["name"]
+    assert xs[0]["dur"] == 1000.0
