@@ -458,6 +458,11 @@ class ChunkBatch:
             raise SchemaError("chunk_batch: unknown chunk kind")
         if (rows["stage"] < 0).any() or (rows["iteration"] < 0).any() or (rows["dp"] < 0).any():
             raise SchemaError("chunk_batch: negative stage/iteration/dp")
+        if (rows["microbatch"] < 0).any() or (rows["src_dp"] < -1).any():
+            raise SchemaError("chunk_batch: negative microbatch or src_dp < -1")
+        # compute_s is -1 when unknown, but never NaN/inf
+        if not np.isfinite(rows["compute_s"]).all():
+            raise SchemaError("chunk_batch: non-finite compute_s")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
