@@ -93,6 +93,7 @@ def publish_job(
     slow_p: float = 0.5,
     plan_state: str = "proposed",
     end_s: float | None = None,
+    with_plan: bool = True,
 ) -> dict:
     """Publish a whole scenario; returns ids and times the tests assert against."""
     keys = JobKeys(job_id)
@@ -174,8 +175,9 @@ def publish_job(
         mode="manual",
         moves=[{"what": "layers", "from_stage": 1, "to_stage": 0, "count": 1}],
     )
-    publish_plan(r, keys, plan)
-    if plan_state != "proposed":
+    if with_plan:
+        publish_plan(r, keys, plan)
+    if with_plan and plan_state != "proposed":
         plan.state = plan_state
         plan.updated_at_s = detected + 0.5
         publish_plan(r, keys, plan)

@@ -33,8 +33,11 @@ def app(r, redis_server):
 
 def _action_request(button: str, layers="9,5,9,9"):
     return {
-        "output": "pl-action-result.children",
-        "outputs": {"id": "pl-action-result", "property": "children"},
+        "output": "..pl-action-result.children...pl-last-action.data..",
+        "outputs": [
+            {"id": "pl-action-result", "property": "children"},
+            {"id": "pl-last-action", "property": "data"},
+        ],
         "inputs": [
             {"id": b, "property": "n_clicks", "value": 1 if b == button else None}
             for b in ("pl-ack", "pl-reject", "pl-override")
@@ -110,9 +113,9 @@ def test_action_callback_refuses_anonymous_and_publishes_for_operator(app, r):
 
 def test_submit_action_and_override_builder(app, r):
     ctx = app.resihp_ctx
-    ok, msg = submit_action(ctx, "job-a", None, "reject", 1)
-    assert not ok and "log in" in msg and r.xlen(JobKeys("job-a").actions) == 0
-    ok, msg = submit_action(ctx, "job-a", "alice", "reject", None)
+    ok, msg, aid = submit_action(ctx, "job-a", None, "reject", 1)
+    assert not ok and "log in" in msg and aid is None and r.xlen(JobKeys("job-a").actions) == 0
+    ok, msg, _ = submit_action(ctx, "job-a", "alice", "reject", None)
     assert not ok and "no plan" in msg
     assert build_override("", " ", None, ["on"]) == {"migration": True}
     assert build_override("8; 8 8", "1,2", "3", []) == {

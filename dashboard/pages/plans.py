@@ -87,6 +87,8 @@ def layout(ctx: AppContext) -> html.Div:
                         style={"width": "420px", "marginTop": "8px"},
                     ),
                     html.Div(id="pl-action-result", style={"marginTop": "8px"}),
+                    html.Div(id="pl-action-outcome"),
+                    dcc.Store(id="pl-last-action"),
                 ],
                 className="panel",
             ),
@@ -131,13 +133,16 @@ def submit_action(
     override: dict | None = None,
     comment: str = "",
 ) -> tuple[bool, str]:
-    """Publish one operator action, or refuse it (and publish nothing). Returns (sent, message)."""
+    """Publish one operator action, or refuse it (and publish nothing).
+
+    Returns (sent, message, action_id); the scheduler copies the action id into its audit record.
+    """
     if not operator:
-        return False, f"Refused: log in as an operator to {action} (nothing was sent)."
+        return False, f"Refused: log in as an operator to {action} (nothing was sent).", None
     if not job:
-        return False, "Refused: no job selected."
+        return False, "Refused: no job selected.", None
     if plan_id is None:
-        return False, "Refused: no plan selected."
+        return False, "Refused: no plan selected.", None
     act = OperatorAction(
         action=action,
         plan_id=int(plan_id),
@@ -148,9 +153,31 @@ def submit_action(
         action_id=uuid.uuid4().hex[:12],
     )
     ctx.data.publish_action(job, act)
-    return True, (
+    msg = (
         f"Sent {action} for plan {plan_id} as {operator} (action {act.action_id}); "
         "waiting for the scheduler."
+    )
+    return True, msg, act.action_id
+
+
+def _outcome(audit: list[dict], action_id: str | None):
+    """What the scheduler did with this session's last action (its audit record)."""
+    if not action_id:
+        return ""
+    rec = next((a for a in audit if a.get("action_id") == action_id), None)
+    if rec is None:
+        return ""
+    refused = rec.get("result") == "refused"
+    text = (
+        f"Scheduler {'refused' if refused else 'accepted'} {rec.get('action')} of plan "
+        f"{rec.get('plan_id')}" + (f": {rec['note']}" if rec.get("note") else "")
+    )
+    new = str(rec.get("new_plan_id", "0"))
+    if new not in ("", "0"):
+        text += f" (plan {new})"
+    return html.Div(
+        banner(text, "error" if refused else "ok"),
+        id="pl-outcome-" + ("refused" if refused else "ok"),
     )
 
 
@@ -237,15 +264,17 @@ def register(app, ctx: AppContext) -> None:
         Output("pl-refusals", "children"),
         Output("pl-audit", "children"),
         Output("pl-actions", "children"),
+        Output("pl-action-outcome", "children"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
         Input("pl-plan", "value"),
         State("pl-plan", "options"),
+        State("pl-last-action", "data"),
     )
-    @redis_safe(7)
-    def refresh(_n, job, selected, options):
+    @redis_safe(8)
+    def refresh(_n, job, selected, options, last_action):
         if not job:
-            return banner("no job selected", "info"), [], None, "", "", "", ""
+            return banner("no job selected", "info"), [], None, "", "", "", "", ""
         orig = selected
         plans = ctx.data.plans(job)
         ordered = sorted(plans.values(), key=lambda p: p.plan_id, reverse=True)
@@ -316,6 +345,7 @@ def register(app, ctx: AppContext) -> None:
             refusals,
             audit_t,
             act_t,
+            _outcome(audit, last_action),
         )
 
     @app.callback(
@@ -336,6 +366,7 @@ def register(app, ctx: AppContext) -> None:
 
     @app.callback(
         Output("pl-action-result", "children"),
+        Output("pl-last-action", "data"),
         Input("pl-ack", "n_clicks"),
         Input("pl-reject", "n_clicks"),
         Input("pl-override", "n_clicks"),
@@ -348,23 +379,23 @@ def register(app, ctx: AppContext) -> None:
         State("pl-comment", "value"),
         prevent_initial_call=True,
     )
-    @redis_safe(1)
+    @redis_safe(2)
     def act(_a, _r, _o, job, plan_id, layers, drop, keep, migration, comment):
         trig = dash_ctx.triggered_id
         action = {"pl-ack": "acknowledge", "pl-reject": "reject", "pl-override": "override"}.get(
             trig
         )
         if action is None:
-            return no_update
+            return no_update, no_update
         override = None
         if action == "override":
             try:
                 override = build_override(layers, drop, keep, migration)
             except ValueError as e:
-                return banner(f"Refused (nothing was sent): {e}", "error")
-        ok, msg = submit_action(
+                return banner(f"Refused (nothing was sent): {e}", "error"), None
+        ok, msg, action_id = submit_action(
             ctx, job, auth.current_operator(), action, plan_id, override, comment or ""
         )
         return html.Div(
             banner(msg, "ok" if ok else "error"), id="pl-action-sent" if ok else "pl-action-refused"
-        )
+        ), action_id
