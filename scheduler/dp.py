@@ -157,9 +157,12 @@ def progress_aware_migration(
         if not alive[:, s].all():
             decide(s, 0.0)
             decide_done.add(s)
+    last_decide = [-1.0] * S
     while heap:
         t, e, s = heapq.heappop(heap)
-        decide(s, t)
+        if t > last_decide[s]:  # progress only changes when time advances
+            last_decide[s] = t
+            decide(s, t)
         best = None
         if pending[e][s]:
             j = pending[e][s][0]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resihp.topology import Layout, LayoutError
-from scheduler.dp import progress_aware_migration
+from scheduler.dp import balance_microbatches, progress_aware_migration
 from scheduler.lifecycle import OverrideError, PlanDraft
 from scheduler.memory import inflight_1f1b
 from scheduler.pp import PartitionError, optimal_partition, partition_moves
@@ -161,7 +161,7 @@ def plan(
         c = min(
             (
                 predictor.memory.layer_cap(
-                    len(lay.groups[d][s]), inflight_1f1b(s, S, lay.microbatches[d]) + 1
+                    len(lay.groups[d][s]), inflight_1f1b(s, S, lay.total_microbatches) + 1
                 )
                 for d in range(lay.dp)
                 if lay.groups[d][s]
@@ -201,17 +201,17 @@ def plan(
             raise PlanningError(
                 f"no layer partition fits device memory (caps {caps}, {lay.num_layers} layers)"
             )
-    best: tuple[float, Layout, list[dict]] | None = None
-    deltas = sorted({opt.delta, opt.delta + 1}) if opt.dp else [None]
-    for layers in cands:
-        base = copy.deepcopy(lay)
-        base.layers = list(layers)
+    deltas = sorted({opt.delta, opt.delta + 1}) if opt.dp else []
+    variants = [(False, 0)] + [(True, dl) for dl in deltas]
+    structs: list[tuple[float, Layout, list[dict]]] = []
+
+    def with_migrations(base: Layout) -> None:
         f, b, wc = predictor.stage_chunk_s(base, p)
         chunk = f + b + wc
         act_cap = np.array(
             [
                 [
-                    predictor.memory.act_cap(base.layers[s], max(len(base.groups[d][s]), 1))
+                    predictor.memory.act_cap(base.layers[s], len(base.groups[d][s]))
                     if base.groups[d][s]
                     else 0
                     for s in range(S)
@@ -219,24 +219,77 @@ def plan(
                 for d in range(base.dp)
             ]
         )
-        variants = [(False, 0)] + [(True, dl) for dl in deltas if dl is not None]
+        done = set()
         for balance, dl in variants:
             mig = progress_aware_migration(base, chunk, act_cap, delta=dl, balance=balance)
             if mig.unplaced:
                 continue
+            key = tuple(
+                tuple(m.to_list()) for m in sorted(mig.migrations, key=lambda x: x.to_list())
+            )
+            if key in done:
+                continue
+            done.add(key)
             cand = copy.deepcopy(base)
             cand.migrations = sorted(mig.migrations, key=lambda x: x.to_list())
             try:
                 cand.validate()
             except LayoutError:
                 continue
-            t = predictor.iteration_s(cand, p)
-            if best is None or t < best[0] - 1e-12:
-                best = (t, cand, mig.moves())
-    if best is None:
+            structs.append((predictor.iteration_s(cand, p), cand, mig.moves()))
+
+    for layers in cands:
+        base = copy.deepcopy(lay)
+        base.layers = list(layers)
+        counts = [list(lay.microbatches)]
+        if opt.dp:
+            # whole-micro-batch moves (every stage migrated) as a coarse first step:
+            # per-replica counts balanced by each replica's slowest live stage
+            f, b, wc = predictor.stage_chunk_s(base, p)
+            chunk = f + b + wc
+            per = [
+                float(np.max(np.where(np.isfinite(chunk[d]), chunk[d], 0)))
+                if np.isfinite(chunk[d]).any()
+                else float("inf")
+                for d in range(base.dp)
+            ]
+            bal = balance_microbatches(per, lay.total_microbatches, 1)
+            if bal != counts[0]:
+                counts.append(bal)
+        for mbs in counts:
+            b2 = copy.deepcopy(base)
+            b2.microbatches = mbs
+            with_migrations(b2)
+    if not structs:
         raise PlanningError(
             "no feasible layout: fail-stop work cannot be placed on any live peer stage"
         )
+    structs.sort(key=lambda x: x[0])
+    best = structs[0]
+    if opt.layers is None and (opt.pp or gone):
+        # local search on the partition with each top structure fixed (batched engine runs)
+        seen = set()
+        for t0, cand, mv in structs[:2]:
+            if t0 > 1.1 * structs[0][0]:
+                break
+            key = (tuple(cand.microbatches), tuple(m.to_list().__repr__() for m in cand.migrations))
+            if key in seen:
+                continue
+            seen.add(key)
+            L, t = _climb(predictor, cand, p, caps, t0)
+            if t < best[0] - 1e-12:
+                c2 = copy.deepcopy(cand)
+                c2.layers = L
+                best = (t, c2, mv)
+        # Algorithm 1 once more at the improved partition
+        if list(best[1].layers) not in [list(c) for c in cands]:
+            n0 = len(structs)
+            b3 = copy.deepcopy(best[1])
+            b3.migrations = []
+            with_migrations(b3)
+            for item in structs[n0:]:
+                if item[0] < best[0] - 1e-12:
+                    best = item
     t_after, after, mig_moves = best
     if runnable and t_after >= before_s and opt.layers is None and not opt.keep and not opt.drop:
         return PlanResult(
@@ -260,6 +313,33 @@ def plan(
         moves += partition_moves(layout.layers, after.layers, predictor.memory.layer_state_bytes)
     moves += mig_moves
     return PlanResult(after, before_s if runnable else -1.0, t_after, moves)
+
+
+def _climb(predictor: Predictor, lay: Layout, p, caps: list[int], t0: float, max_steps: int = 80):
+    """Steepest descent over one-layer moves between stages, evaluated in one batch per step."""
+    L = list(lay.layers)
+    t = t0
+    S = len(L)
+    run = predictor.layer_evaluator(lay, p)
+    for _ in range(max_steps):
+        nbrs = []
+        for a in range(S):
+            if L[a] <= 1:
+                continue
+            for b in range(S):
+                if b != a and L[b] + 1 <= caps[b]:
+                    n = list(L)
+                    n[a] -= 1
+                    n[b] += 1
+                    nbrs.append(n)
+        if not nbrs:
+            break
+        ts = run(nbrs)
+        i = int(np.argmin(ts))
+        if ts[i] >= t - 1e-9:
+            break
+        L, t = nbrs[i], float(ts[i])
+    return L, t
 
 
 def override_options(base: PlanOptions, override: Mapping) -> PlanOptions:

@@ -16,6 +16,7 @@ so the planner's many what-ifs reuse one compiled DAG.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -144,6 +145,39 @@ class Predictor:
         edges = self.cost.edge_costs(dag, layout)
         ar = self.cost.allreduce_costs(layout)
         return dag.evaluate(cost, edges, ar).iteration_time_s * self.time_scale
+
+    def layer_evaluator(self, layout: Layout, p: dict[int, float]):
+        """A function mapping layer partitions ``[V, pp]`` to iteration times (one batched DAG run).
+
+        Chunk costs, the DP all-reduce and the LM head are affine in a stage's
+        layer count, so two cost evaluations give the per-layer and fixed parts
+        and every candidate is a linear combination of them.
+        """
+        if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
+            return lambda Lm: np.full(len(Lm), np.inf)
+        dag = self.dag(layout)
+        one, two = copy.copy(layout), copy.copy(layout)
+        one.layers = [1] * layout.pp
+        two.layers = [2] * layout.pp
+        c1 = self.cost.chunk_costs(dag, one, self.seq_len, self._sq, p)
+        c2 = self.cost.chunk_costs(dag, two, self.seq_len, self._sq, p)
+        a1, a2 = self.cost.allreduce_costs(one), self.cost.allreduce_costs(two)
+        per, const = c2 - c1, 2 * c1 - c2
+        ar_per, ar_const = a2 - a1, 2 * a1 - a2
+        edges = self.cost.edge_costs(dag, layout)
+        stage = dag.chunk_stage
+
+        def run(layer_vectors) -> np.ndarray:
+            Lm = np.asarray(layer_vectors, dtype=float)
+            costs = const[None, :] + per[None, :] * Lm[:, stage]
+            ar = ar_const[None, :] + ar_per[None, :] * Lm
+            return dag.evaluate_batch(costs, edges, ar) * self.time_scale
+
+        return run
+
+    def iteration_s_layers(self, layout: Layout, p: dict[int, float], layer_vectors) -> np.ndarray:
+        """Iteration times of ``layout`` under many layer partitions at once."""
+        return self.layer_evaluator(layout, p)(layer_vectors)
 
     def samples_per_s(self, layout: Layout, p: dict[int, float], samples_per_mb: int = 1) -> float:
         t = self.iteration_s(layout, p)

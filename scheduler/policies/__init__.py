@@ -9,6 +9,7 @@ and reconfiguration cost, used by the analytical timeline (``scheduler.simulate`
 =====================  ========================================================
 name                   behaviour
 =====================  ========================================================
+none                   no adaptation (the "degraded" baseline of Figure 9)
 resihp                 TP selective exclusion -> PP repartition -> DP migration
 resihp-tp              ablation: selective exclusion only (+ ReCycle-style eviction)
 resihp-tp-pp           ablation: + layer repartition

@@ -290,7 +290,20 @@ class Oobleck(Policy):
         return max(ts) + ar
 
 
+class NoAdaptation(Policy):
+    """The degraded baseline: keeps running as launched; a fail-stop ends the job."""
+
+    def __init__(self, name="none"):
+        super().__init__(name, handles_stop=False, handles_slow=False)
+
+    def adapt(self, state, p, pred):
+        if any(not layout_runnable(x, speeds_with_dead(x, p)) for x in state):
+            raise Abort("no fail-stop handling")
+        return state
+
+
 POLICIES: dict[str, callable] = {
+    "none": lambda: NoAdaptation(),
     "resihp": lambda: ResiHP(),
     "resihp-tp": lambda: ResiHP("resihp-tp", PlanOptions(tp=True, pp=False, dp=False)),
     "resihp-tp-pp": lambda: ResiHP("resihp-tp-pp", PlanOptions(tp=True, pp=True, dp=False)),
