@@ -101,6 +101,7 @@ class OnlineChangeDetector:
         self.values: deque[float] = deque(maxlen=window)
         self.alarm_since: int | None = None
         self.alarm_dir = 0
+        self._back = 0
         self.center = 0.0
         self.scale = 1.0
         self.segment_calls_total = 0
@@ -123,10 +124,22 @@ class OnlineChangeDetector:
             if self.alarm_since is None or d != self.alarm_dir:
                 self.alarm_since = int(iteration)
                 self.alarm_dir = d
+                self._back = 0
         elif d:
             self.screen.reset()
         if self.alarm_since is None:
             return None
+        # A transient spike: the series is back at its baseline for min_after
+        # points, so there is nothing persistent for ruptures to find.
+        if z * self.alarm_dir < 1.0:
+            self._back += 1
+            if self._back >= self.min_after:
+                self.alarm_since = None
+                self.screen.reset()
+                self._back = 0
+                return None
+        else:
+            self._back = 0
         cp = self._segment(min_shift)
         if cp is not None:
             return cp
@@ -158,9 +171,10 @@ class OnlineChangeDetector:
         n_after = n - last
         if n_after < self.min_after:
             return None
-        prev = cuts[-2] if len(cuts) > 1 else 0
         vals = np.asarray(self.values)
-        before = float(np.mean(vals[prev:last]))
+        # the old regime is everything before the cut, summarised robustly so a
+        # short spike segment just before it cannot pose as the old level
+        before = float(np.median(vals[:last]))
         after = float(np.mean(vals[last:]))
         # every post-change point must sit on the new side (persistence, not a spike)
         post = vals[last:]

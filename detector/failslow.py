@@ -9,7 +9,8 @@ Two signals feed change-point detection (:mod:`detector.changepoint`):
    validation is skipped.  Otherwise it is validated (below).
 2. Per-chunk residuals: for every (replica, stage) group the median of
    log(observed / predicted) over its compute chunks, and for every P2P
-   direction the median of log(observed / healthy) over its SEND chunks.  A
+   direction log(observed / healthy) of its SEND (median) or RECV (20th
+   percentile: the receives that did not wait for their sender) times.  A
    pipeline hides part of one stage's slowdown, so a slowdown that costs 5 %
    throughput may raise iteration time by far less than 1.25x; the residuals
    see it directly and are insensitive to sequence-length variability because
@@ -40,16 +41,19 @@ import numpy as np
 from detector.changepoint import ChangePoint, OnlineChangeDetector
 from detector.config import DetectorConfig
 from detector.predictor import (
+    RECV,
     SEND,
     ChunkPredictor,
     IterationPredictor,
     IterationView,
+    comm_stats,
     infer_layout,
+    link_of,
 )
 from resihp.topology import Layout, LayoutError
 
 Group = tuple[int, int]  # (dp, stage)
-LinkKey = tuple[int, int, int]  # (dp, stage, direction)
+LinkKey = tuple[int, int, int, int]  # (dp, stage, kind, direction) of a P2P statistic
 
 
 @dataclass
@@ -74,6 +78,7 @@ class SlowState:
     factor: float
     group: Group | None = None
     link: LinkKey | None = None
+    pair: tuple[int, int] | None = None  # (dp, lower stage) of a slow link
     healthy_streak: int = 0
 
 
@@ -109,6 +114,8 @@ class FailSlowDetector:
         self._layout_id: int | None = None
         self._warm: list[IterationView] = []
         self._warm_target = cfg.warmup_iters
+        self._warm_outliers: set[Group] = set()
+        self._warm_findings: list[Finding] = []
         self.ready = False
         self.mu: dict[Group, float] = {}
         self.sigma: dict[Group, float] = {}
@@ -200,6 +207,7 @@ class FailSlowDetector:
             self._layout_id = v.layout_id
         elif v.layout_id != self._layout_id:
             self._on_layout_change(v.layout_id)
+            self.paused_until_layout = False  # the job was reconfigured
         self._learn_ranks(v)
         if self.paused_until_layout:
             self.hold_iters_left -= 1
@@ -211,6 +219,8 @@ class FailSlowDetector:
             self._warm.append(v)
             if len(self._warm) >= self._warm_target:
                 self._finish_warmup()
+                found, self._warm_findings = self._warm_findings, []
+                return self._enabled(found)
             return []
         return self._detect(v)
 
@@ -221,10 +231,7 @@ class FailSlowDetector:
         keep_comm = {
             k: v
             for k, v in self.pred.comm_median.items()
-            if any(
-                s.link is not None and (s.link[0], s.link[1]) == (k[0], k[1])
-                for s in self.slow.values()
-            )
+            if any(s.link == k for s in self.slow.values())
         }
         self.pred.reset()
         self.pred.scale.update(keep_scale)
@@ -245,12 +252,15 @@ class FailSlowDetector:
         self._warm = []
         slow = self.slow_groups()
         keep_scale = {g: self.pred.scale[g] for g in slow if g in self.pred.scale}
-        # two passes: pooled fit, per-group scales, refit on scale-corrected times
-        for _ in range(2):
+        # two passes: pooled fit, per-group scales, refit on scale-corrected times;
+        # groups far slower than their peers are left out of the second fit
+        outliers: dict[Group, float] = {}
+        for _pass in range(2):
             self.pred.fits.clear()
             self.pred.coef.clear()
+            skip = slow | set(outliers)
             for v in views:
-                self.pred.observe(v, exclude=slow)
+                self.pred.observe(v, exclude=skip)
             per: dict[Group, list[float]] = {}
             for v in views:
                 pr = self.pred.predict_compute(v, with_scale=False)
@@ -260,7 +270,11 @@ class FailSlowDetector:
                 for g, r in _group_medians(v, cm, ratio).items():
                     per.setdefault(g, []).append(r)
             self.pred.scale = {g: float(np.median(x)) for g, x in per.items() if g not in slow}
+            outliers = self._peer_outliers(slow)
+            for g, ref in outliers.items():
+                self.pred.scale[g] = ref
             self.pred.scale.update(keep_scale)
+        self._warm_outliers = set(outliers)
         # residual noise per group / link / rank, and the iteration-time series
         res: dict[Group, list[float]] = {}
         cres: dict[LinkKey, list[float]] = {}
@@ -306,6 +320,61 @@ class FailSlowDetector:
             det.set_baseline(self.comm_mu[k], self.comm_sigma[k])
         self.idet.set_baseline(self.iter_mu, max(self.iter_sigma, 0.02))
         self.ready = True
+        self._warm_findings = self._validate_warm_outliers(views, res)
+
+    def _validate_warm_outliers(self, views, res) -> list[Finding]:
+        """A group slow since the warm-up: judge it against its peers right away."""
+        out: list[Finding] = []
+        if not self._warm_outliers or not views:
+            return out
+        peers_mu = [m for g, m in self.mu.items() if g not in self._warm_outliers]
+        peers_sd = [self.sigma[g] for g in self.mu if g not in self._warm_outliers]
+        mu0 = float(np.median(peers_mu)) if peers_mu else 0.0
+        sd0 = float(np.median(peers_sd)) if peers_sd else self.cfg.min_noise_sigma
+        v = views[-1]
+        self.recent.extend(views[-8:])
+        x, c, rr = self._residuals(v)
+        for g in sorted(self._warm_outliers):
+            xs = res.get(g, [])
+            self.mu[g], self.sigma[g] = mu0, sd0
+            det = self.gdet.setdefault(g, self._new_det(direction=0))
+            det.set_baseline(mu0, sd0)
+            if not xs:
+                continue
+            after = float(np.median(xs))
+            cp = ChangePoint(views[0].iteration, mu0, after, len(xs), 1, v.iteration)
+            found = self._validate("compute", g, cp, x, c, rr, v, signal="warmup_peer_comparison")
+            for f in found:
+                f.evidence["change_point"]["note"] = (
+                    "slow since before the warm-up; measured against peer replicas"
+                )
+            out += found
+            if found:
+                det.rebase(v.iteration, center=after)
+        return out
+
+    def _peer_outliers(self, slow: set[Group]) -> dict[Group, float]:
+        """Groups already slow during the warm-up, with the scale of their healthy peers.
+
+        Groups of one stage with the same TP degree run the same work; a group
+        much slower than its peers would otherwise make its slowness the
+        baseline.  The reference is the median of the faster half of the peers.
+        """
+        by: dict[tuple[int, int], list[Group]] = {}
+        for g in self.pred.scale:
+            if g not in slow:
+                by.setdefault((g[1], len(self.group_ranks.get(g, []))), []).append(g)
+        out: dict[Group, float] = {}
+        lim = 1.0 + max(self.cfg.min_chunk_shift, 0.05)
+        for gs in by.values():
+            if len(gs) < 2:
+                continue
+            vals = sorted(self.pred.scale[g] for g in gs)
+            ref = float(np.median(vals[: (len(vals) + 1) // 2]))
+            for g in gs:
+                if ref > 0 and self.pred.scale[g] > lim * ref:
+                    out[g] = ref
+        return out
 
     # --------------------------------------------------------- residuals
     def _residuals(self, v: IterationView):
@@ -315,17 +384,15 @@ class FailSlowDetector:
         ratio = np.full(v.num_chunks, np.nan)
         ratio[cm] = v.duration_s[cm] / pred[cm]
         x = {g: float(np.log(r)) for g, r in _group_medians(v, cm, ratio).items() if r > 0}
-        # P2P sends against their healthy medians
+        # P2P statistics against their healthy medians
         c: dict[LinkKey, float] = {}
-        sends = np.flatnonzero((v.kind == SEND) & (v.direction != 0) & (v.duration_s > 0))
-        if len(sends) and self.pred.comm_median:
-            buckets: dict[LinkKey, list[float]] = {}
-            for i in sends:
-                key = (int(v.dp[i]), int(v.stage[i]), int(v.direction[i]))
-                base = self.pred.comm_median.get((key[0], key[1], SEND, key[2]))
+        if self.pred.comm_median:
+            for key, val in comm_stats(v).items():
+                if key[2] not in (SEND, RECV) or val <= 0:
+                    continue
+                base = self.pred.comm_median.get(key)
                 if base and base > 0:
-                    buckets.setdefault(key, []).append(float(v.duration_s[i]) / base)
-            c = {k: float(np.log(np.median(b))) for k, b in buckets.items()}
+                    c[key] = float(np.log(val / base))
         # per-rank compute time against the group's predicted compute
         rr: dict[int, float] = {}
         if len(v.rank):
@@ -381,7 +448,10 @@ class FailSlowDetector:
 
         findings += self._recovery(x, c, v)
         self._fold_healthy(v)
-        if not cfg.failslow_enabled:
+        return self._enabled(findings)
+
+    def _enabled(self, findings: list[Finding]) -> list[Finding]:
+        if not self.cfg.failslow_enabled:
             return [f for f in findings if f.kind == "recovery"]
         return findings
 
@@ -459,7 +529,7 @@ class FailSlowDetector:
         return out
 
     def _throughput_loss(
-        self, views: list[IterationView], slow: dict[Group, float]
+        self, views: list[IterationView], slow: dict
     ) -> tuple[float, float, float]:
         """Throughput cost of ``slow`` over the post-change iterations' workloads.
 
@@ -499,6 +569,7 @@ class FailSlowDetector:
         iteration_cp: ChangePoint | None = None,
         observed_s: float | None = None,
         predicted_s: float | None = None,
+        signal: str | None = None,
     ) -> list[Finding]:
         t0 = time.process_time()
         cfg = self.cfg
@@ -520,7 +591,7 @@ class FailSlowDetector:
                 ev = self._evidence(
                     v,
                     cp,
-                    "chunk_residual" if iteration_cp is None else "iteration_time",
+                    signal or ("chunk_residual" if iteration_cp is None else "iteration_time"),
                     loss,
                     h_s,
                     s_s,
@@ -551,42 +622,43 @@ class FailSlowDetector:
                     det.rebase(cp.iteration, center=cp.mean_after)
         else:
             k: LinkKey = key
-            d, s, direction = k
-            other = (d, s + direction)
+            d, lo = link_of(k)
+            ends = ((d, lo), (d, lo + 1))
             base = self.comm_mu.get(k, 0.0)
             factor = float(np.exp(cp.mean_after - base))
+            # a slow stage also delays what its neighbours receive; a link is
+            # only blamed when both ends compute at their usual speed
             comp_ok = all(
                 x.get(gg, self.mu.get(gg, 0.0)) - self.mu.get(gg, 0.0)
                 < np.log1p(cfg.min_chunk_shift)
-                for gg in ((d, s), other)
-            )
-            already = any(
-                st.link is not None
-                and {st.link[:2], (st.link[0], st.link[1] + st.link[2])} == {(d, s), other}
-                for st in self.slow.values()
-            )
-            if already:
+                for gg in ends
+            ) and not any(st.group in ends for st in self.slow.values())
+            if ("l", d, lo) in self.slow:
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
                 return []
-            # what the slower link costs: the edge's P2P time grows by the factor
-            loss, h_s, s_s = self._link_loss(self._post(cp, v), k, factor)
-            a_ranks = self.group_ranks.get((d, s), [])
-            b_ranks = self.group_ranks.get(other, [])
+            loss, h_s, s_s = self._throughput_loss(self._post(cp, v), {("link", d, lo): factor})
+            a_ranks = self.group_ranks.get(ends[0], [])
+            b_ranks = self.group_ranks.get(ends[1], [])
             links = [[a, b] for a, b in zip(a_ranks, b_ranks, strict=False)]
             ranks = sorted({r for pair in links for r in pair} - set(cfg.disabled_ranks))
             if comp_ok and loss >= cfg.min_throughput_loss and factor > 1.0 and ranks:
                 ev = self._evidence(v, cp, "p2p_residual", loss, h_s, s_s, observed_s, predicted_s)
                 ev.update(
                     {
-                        "link": {"dp": d, "from_stage": s, "to_stage": s + direction},
+                        "link": {"dp": d, "stages": [lo, lo + 1]},
+                        "measured_by": {
+                            "stage": k[1],
+                            "kind": "SEND" if k[2] == SEND else "RECV",
+                            "direction": k[3],
+                        },
                         "p2p_ratio": round(factor, 4),
                     }
                 )
                 sev = {r: round(float(min(1.0, max(0.0, 1.0 / factor))), 4) for r in ranks}
                 out.append(Finding("fail_slow_comm", v.iteration, ranks, sev, links, ev))
-                self.slow[("l", d, min(s, s + direction))] = SlowState(
-                    "fail_slow_comm", ranks, v.iteration, factor, link=k
+                self.slow[("l", d, lo)] = SlowState(
+                    "fail_slow_comm", ranks, v.iteration, factor, link=k, pair=(d, lo)
                 )
                 self.stats.reports_total += 1
             else:
@@ -610,31 +682,6 @@ class FailSlowDetector:
             )
         return out
 
-    def _link_loss(
-        self, views: list[IterationView], k: LinkKey, factor: float
-    ) -> tuple[float, float, float]:
-        """Throughput cost of one P2P direction's sends slowed by ``factor``."""
-        lay = self._dag_layout(views[-1])
-        d, s, direction = k
-        key = (d, s, SEND, direction)
-        base = self.pred.comm_median.get(key)
-        if lay is None or base is None:
-            return 1.0 - 1.0 / factor, float("nan"), float("nan")
-        off = self.itp.offset_s or 0.0
-        h = s_ = 0.0
-        try:
-            for w in views:
-                h += self.itp.critical_path_s(lay, self.pred, w) + off
-            self.pred.comm_median[key] = base * factor
-            for w in views:
-                s_ += self.itp.critical_path_s(lay, self.pred, w) + off
-        except (ValueError, IndexError, KeyError):
-            return 1.0 - 1.0 / factor, float("nan"), float("nan")
-        finally:
-            self.pred.comm_median[key] = base
-        n = len(views)
-        return (1.0 - h / s_ if s_ > 0 else 0.0), h / n, s_ / n
-
     def _localize(self, g: Group, factor: float, rr: dict[int, float]):
         """Slow rank(s) inside the TP group from their own compute time."""
         members = list(self.group_ranks.get(g, []))
@@ -643,9 +690,20 @@ class FailSlowDetector:
             if r in rr and r in self.rank_mu:
                 ratios[r] = float(np.exp(rr[r] - self.rank_mu[r]))
         slow = []
+        thr = 1.0 + 0.5 * (factor - 1.0)
         if ratios:
-            thr = 1.0 + 0.5 * (factor - 1.0)
             slow = [r for r, q in ratios.items() if q >= thr]
+        if not slow:
+            # TP peers do the same work: a rank slower than its faster peers
+            # (its own baseline may already contain the slowness)
+            own = {r: rr[r] for r in members if r in rr}
+            if len(own) >= 2:
+                vals = sorted(own.values())
+                med = float(np.median(vals[: (len(vals) + 1) // 2]))  # the faster half
+                peer = {r: float(np.exp(val - med)) for r, val in own.items()}
+                slow = [r for r, q in peer.items() if q >= thr]
+                if slow:
+                    ratios = peer
         if not slow:
             # no per-rank telemetry (or the whole group slowed): blame the group
             slow = members

@@ -27,7 +27,7 @@ import numpy as np
 from detector.changepoint import OnlineChangeDetector
 from detector.config import DetectorConfig
 from detector.failslow import FailSlowDetector, Finding, SlowState
-from detector.predictor import SEND, IterationView
+from detector.predictor import RECV, SEND, IterationView, comm_stats, link_of
 from resihp.topology import Layout
 
 
@@ -119,19 +119,19 @@ class GreyhoundDetector(FailSlowDetector):
             and r not in cfg.disabled_ranks
             and not any(r in st.ranks for st in self.slow.values())
         )
-        # link tests: P2P send time per direction vs the median link
-        link_t: dict[tuple[int, int, int], list[float]] = {}
+        # link tests: each link's P2P time vs the median link of the same kind/direction
+        link_t: dict[tuple, list[float]] = {}
         for w in post:
-            sends = np.flatnonzero((w.kind == SEND) & (w.direction != 0))
-            for i in sends:
-                link_t.setdefault((int(w.dp[i]), int(w.stage[i]), int(w.direction[i])), []).append(
-                    float(w.duration_s[i])
-                )
+            for key, val in comm_stats(w).items():
+                if key[2] in (SEND, RECV):
+                    link_t.setdefault(key, []).append(val)
         link_med = {k: float(np.median(t)) for k, t in link_t.items()}
-        all_med = float(np.median(list(link_med.values()))) if link_med else 0.0
-        slow_links = [
-            k for k, t in link_med.items() if all_med > 0 and t > cfg.gh_link_ratio * all_med
-        ]
+        slow_links = []
+        for k, t in link_med.items():
+            peers = [m for kk, m in link_med.items() if kk[2:] == k[2:]]
+            med = float(np.median(peers)) if peers else 0.0
+            if len(peers) > 1 and med > 0 and t > cfg.gh_link_ratio * med:
+                slow_links.append((k, t / med))
         findings: list[Finding] = []
         ev_base = {
             "signal": "iteration_time",
@@ -154,21 +154,19 @@ class GreyhoundDetector(FailSlowDetector):
                 self.slow[("r", r)] = SlowState(
                     "fail_slow_compute", [r], v.iteration, rank_speed[r] / med_speed, group=g
                 )
-        # a slow link shows on both of its directions' medians only partly; take the worst
         reported = set()
-        for k in sorted(slow_links, key=lambda k: -link_med[k]):
-            d, s, direction = k
-            pair = (d, min(s, s + direction))
+        for k, ratio in sorted(slow_links, key=lambda kr: -kr[1]):
+            pair = link_of(k)
             if pair in reported or ("l", *pair) in self.slow:
                 continue
             reported.add(pair)
-            a = self.group_ranks.get((d, s), [])
-            b = self.group_ranks.get((d, s + direction), [])
+            d, lo = pair
+            a = self.group_ranks.get((d, lo), [])
+            b = self.group_ranks.get((d, lo + 1), [])
             links = [[x, y] for x, y in zip(a, b, strict=False)]
             ranks = sorted({r for p in links for r in p} - set(cfg.disabled_ranks))
             if not ranks:
                 continue
-            ratio = link_med[k] / all_med
             findings.append(
                 Finding(
                     "fail_slow_comm",
@@ -176,10 +174,14 @@ class GreyhoundDetector(FailSlowDetector):
                     ranks,
                     {r: round(min(1.0, 1.0 / ratio), 4) for r in ranks},
                     links,
-                    dict(ev_base, p2p_ratio=round(ratio, 4)),
+                    dict(
+                        ev_base, p2p_ratio=round(ratio, 4), link={"dp": d, "stages": [lo, lo + 1]}
+                    ),
                 )
             )
-            self.slow[("l", *pair)] = SlowState("fail_slow_comm", ranks, v.iteration, ratio, link=k)
+            self.slow[("l", *pair)] = SlowState(
+                "fail_slow_comm", ranks, v.iteration, ratio, link=k, pair=pair
+            )
         dt = time.process_time() - t0
         self.stats.validations_total += 1
         self.stats.validation_cpu_s_total += dt

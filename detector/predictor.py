@@ -107,7 +107,12 @@ class IterationView:
         ok = (dp >= 0) & (stage >= 0) & (kind >= 0) & np.isfinite(dur) & (dur >= 0)
         unusable = int(n - ok.sum())
         # Duplicated chunk rows (a re-sent batch): keep the first of each key.
-        key = np.stack([dp, stage, src, mb, kind.astype(np.int32)], axis=1)[ok]
+        # P2P rows of one micro-batch (activation and gradient) share the key
+        # and differ in start time, so their start is part of it.
+        p2p_t = np.where((kind == SEND) | (kind == RECV), np.nan_to_num(start), 0.0)
+        key = np.stack([dp, stage, src, mb, kind.astype(np.int32), p2p_t.view(np.int64)], axis=1)[
+            ok
+        ]
         idx = np.flatnonzero(ok)
         dups = 0
         if len(idx):
@@ -181,36 +186,40 @@ class IterationView:
 
 
 def _comm_direction(dp, stage, src, mb, kind, start) -> np.ndarray:
-    """Direction of each P2P chunk of one micro-batch on one stage.
+    """Direction of each P2P chunk: +1 toward the next stage, -1 toward the previous.
 
-    A stage sends a micro-batch's activations forward before it sends its
-    gradient backward, so among the (up to two) SEND rows of one (replica,
-    stage, micro-batch) the earlier is forward.  Both rows come from the same
-    device clock, so skew between nodes cannot reorder them.  RECV rows are
-    mirrored (the earlier receive is the forward activation).
+    Told from the same device's compute chunks of that micro-batch (one clock,
+    so skew between nodes cannot mislead): the activation arrives before the
+    stage's F starts and leaves before its B starts; the gradient arrives after
+    F and leaves after B.  Without those chunks, the first and last stages
+    have only one direction each; otherwise it stays unknown (0).
     """
     out = np.zeros(len(kind), dtype=np.int8)
     p2p = np.flatnonzero((kind == SEND) | (kind == RECV))
     if not len(p2p):
         return out
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i in p2p:
-        groups[(int(dp[i]), int(stage[i]), int(src[i]), int(mb[i]), int(kind[i]))].append(int(i))
+    f_start: dict[tuple, float] = {}
+    b_start: dict[tuple, float] = {}
+    for i in np.flatnonzero(kind <= int(ChunkKind.B)):
+        key = (int(dp[i]), int(stage[i]), int(src[i]), int(mb[i]))
+        (f_start if kind[i] == int(ChunkKind.F) else b_start)[key] = float(start[i])
     last_stage = int(stage.max()) if len(stage) else 0
-    for (_d, s, _sd, _j, k), rows in groups.items():
-        rows.sort(key=lambda i: start[i] if np.isfinite(start[i]) else 0.0)
-        if len(rows) == 1:
-            i = rows[0]
-            if k == SEND:
-                out[i] = 1 if s == 0 else (-1 if s == last_stage else 0)
+    for i in p2p:
+        key = (int(dp[i]), int(stage[i]), int(src[i]), int(mb[i]))
+        s = key[1]
+        t = float(start[i])
+        if kind[i] == RECV:
+            ref = f_start.get(key)
+            if ref is not None and np.isfinite(t):
+                out[i] = 1 if t <= ref else -1
             else:
-                out[i] = 1 if s == last_stage else (-1 if s == 0 else 0)
-            continue
-        first, second = rows[0], rows[-1]
-        if k == SEND:
-            out[first], out[second] = 1, -1
+                out[i] = 1 if s == last_stage and s > 0 else (-1 if s == 0 else 0)
         else:
-            out[first], out[second] = 1, -1  # first receive: activation from previous stage
+            ref = b_start.get(key)
+            if ref is not None and np.isfinite(t):
+                out[i] = 1 if t < ref else -1
+            else:
+                out[i] = 1 if s == 0 else (-1 if s == last_stage else 0)
     return out
 
 
@@ -314,24 +323,14 @@ class ChunkPredictor:
                 c = fit.solve()
                 if c is not None:
                     self.coef[k] = c
-        # P2P / collectives: running median per (dp, stage, kind, direction)
-        comm = (~(v.kind <= int(ChunkKind.W))) & keep
-        if comm.any():
-            for d, s, k, dr, dur in zip(
-                v.dp[comm],
-                v.stage[comm],
-                v.kind[comm],
-                v.direction[comm],
-                v.duration_s[comm],
-                strict=True,
-            ):
-                key = (int(d), int(s), int(k), int(dr))
-                q = self.comm.get(key)
-                if q is None:
-                    q = self.comm[key] = deque(maxlen=64)
-                q.append(float(dur))
-            for key, q in self.comm.items():
-                self.comm_median[key] = float(np.median(q))
+        # P2P / collectives: median over iterations of each key's per-iteration statistic
+        stats = comm_stats(v, keep)
+        for key, val in stats.items():
+            q = self.comm.get(key)
+            if q is None:
+                q = self.comm[key] = deque(maxlen=64)
+            q.append(val)
+            self.comm_median[key] = float(np.median(q))
         self.iterations_fitted += 1
 
     def update_scales(self, v: IterationView, rate: float, exclude: set | None = None) -> None:
@@ -515,21 +514,33 @@ class IterationPredictor:
         return cost
 
     def edge_costs(self, dag, pred: ChunkPredictor) -> np.ndarray | None:
-        """P2P edge costs from the measured SEND medians of each edge's sending stage."""
+        """P2P time of every data edge: the sender's SEND time, else the receiver's RECV time."""
         if not pred.comm_median or not getattr(dag, "num_edges", 0):
             return None
         src = np.asarray(dag.edge_src)
         st = np.asarray(dag.chunk_stage)[src]
         dps = np.asarray(dag.chunk_dp)[src]
-        direction = np.where(np.asarray(dag.edge_kind) == 0, 1, -1)
-        table = {}
+        act = np.asarray(dag.edge_kind) == 0
+        table: dict[tuple, float] = {}
         out = np.zeros(len(src))
+        med = pred.comm_median
         for i in range(len(src)):
-            key = (int(dps[i]), int(st[i]), SEND, int(direction[i]))
+            d, s, a = int(dps[i]), int(st[i]), bool(act[i])
+            key = (d, s, a)
             if key not in table:
-                table[key] = pred.comm_median.get(key, 0.0)
+                if a:  # activation s -> s+1
+                    table[key] = med.get((d, s, SEND, 1), med.get((d, s + 1, RECV, 1), 0.0))
+                else:  # gradient s -> s-1
+                    table[key] = med.get((d, s, SEND, -1), med.get((d, s - 1, RECV, -1), 0.0))
             out[i] = table[key]
         return out
+
+    def edge_links(self, dag) -> tuple[np.ndarray, np.ndarray]:
+        """(replica, lower stage) of the pipeline link every data edge crosses."""
+        src = np.asarray(dag.edge_src)
+        dst = np.asarray(dag.edge_dst)
+        st = np.asarray(dag.chunk_stage)
+        return np.asarray(dag.chunk_dp)[src], np.minimum(st[src], st[dst])
 
     def allreduce_costs(self, layout: Layout, pred: ChunkPredictor) -> np.ndarray | None:
         vals = np.zeros(layout.pp)
@@ -554,25 +565,36 @@ class IterationPredictor:
         layout: Layout,
         pred: ChunkPredictor,
         v: IterationView,
-        slows: list[dict[tuple[int, int], float] | None],
+        slows: list[dict | None],
     ) -> np.ndarray:
-        """Iteration time (without the fitted offset) for several what-if slowdowns at once."""
+        """Iteration time (without the fitted offset) for several what-ifs at once.
+
+        A what-if maps (dp, stage) -> factor on that group's chunk costs, or
+        ("link", dp, lower_stage) -> factor on that pipeline link's P2P edges.
+        """
         dag = self.dag_for(layout)
         base = self.chunk_costs(dag, pred, v)
-        rows = []
+        edges = self.edge_costs(dag, pred)
+        st = np.asarray(dag.chunk_stage)
+        dps = np.asarray(dag.chunk_dp)
+        rows, erows = [], []
         for slow in slows:
             c = base.copy()
-            if slow:
-                st = np.asarray(dag.chunk_stage)
-                dps = np.asarray(dag.chunk_dp)
-                for (d, s), f in slow.items():
-                    c[(dps == d) & (st == s)] *= f
+            e = None if edges is None else edges.copy()
+            for key, f in (slow or {}).items():
+                if key[0] == "link":
+                    if e is not None:
+                        ed, lo = self.edge_links(dag)
+                        e[(ed == key[1]) & (lo == key[2])] *= f
+                else:
+                    c[(dps == key[0]) & (st == key[1])] *= f
             rows.append(c)
-        edges = self.edge_costs(dag, pred)
+            erows.append(e)
         ar = self.allreduce_costs(layout, pred)
         if len(rows) == 1:
-            return np.array([dag.evaluate(rows[0], edges, ar).iteration_time_s])
-        return np.asarray(dag.evaluate_batch(np.stack(rows), edges, ar), dtype=float)
+            return np.array([dag.evaluate(rows[0], erows[0], ar).iteration_time_s])
+        ec = None if edges is None else np.stack(erows)
+        return np.asarray(dag.evaluate_batch(np.stack(rows), ec, ar), dtype=float)
 
     def learn_offset(self, observed_s: float, critical_s: float) -> None:
         if np.isfinite(critical_s) and critical_s > 0:
@@ -594,6 +616,42 @@ class IterationPredictor:
         self.offset_s = None
         self._dag = None
         self._dag_key = None
+
+
+def comm_stats(
+    v: IterationView, keep: np.ndarray | None = None
+) -> dict[tuple[int, int, int, int], float]:
+    """Per-iteration statistic of each communication key (dp, stage, kind, direction).
+
+    SEND and collectives: the median duration.  RECV: the 20th percentile, since
+    a blocking receive also waits for its sender, and only the quicker receives
+    measure the transfer itself; a slower link raises those too.  P2P rows whose
+    direction is unknown are skipped.
+    """
+    comm = v.kind > int(ChunkKind.W)
+    if keep is not None:
+        comm &= keep
+    p2p = (v.kind == SEND) | (v.kind == RECV)
+    comm &= ~p2p | (v.direction != 0)
+    if not comm.any():
+        return {}
+    buckets: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
+    for i in np.flatnonzero(comm):
+        key = (int(v.dp[i]), int(v.stage[i]), int(v.kind[i]), int(v.direction[i]))
+        buckets[key].append(float(v.duration_s[i]))
+    out = {}
+    for key, vals in buckets.items():
+        a = np.asarray(vals)
+        out[key] = float(np.percentile(a, 20) if key[2] == RECV else np.median(a))
+    return out
+
+
+def link_of(key: tuple[int, int, int, int]) -> tuple[int, int]:
+    """(replica, lower stage) of the pipeline link a P2P key measures."""
+    d, s, k, direction = key
+    if k == SEND:
+        return d, (s if direction > 0 else s - 1)
+    return d, (s - 1 if direction > 0 else s)
 
 
 def _mean_stats(v: IterationView) -> tuple[float, float]:

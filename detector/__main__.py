@@ -1,0 +1,108 @@
+"""``python -m detector``: run the live detector, check its health, or replay a trace.
+
+python -m detector [--redis-url URL] [--job-id ID] [--mode resihp|greyhound]
+python -m detector --check-health
+python -m detector replay TRACE.jsonl --out REPORTS.jsonl [--baseline greyhound]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from detector.config import DetectorConfig
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threshold", type=float, help="benign gate: observed <= threshold x predicted (1.25)"
+    )
+    p.add_argument(
+        "--min-throughput-loss",
+        dest="min_throughput_loss",
+        type=float,
+        help="smallest throughput loss a reported slowdown costs (0.05)",
+    )
+    p.add_argument(
+        "--cpd-penalty", dest="cpd_penalty", type=float, help="ruptures penalty (noise units)"
+    )
+    p.add_argument(
+        "--warmup-iters", dest="warmup_iters", type=int, help="iterations to fit alpha/beta"
+    )
+    p.add_argument(
+        "--heartbeat-k", dest="heartbeat_k", type=int, help="collector's K (missed beats)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m detector",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+    p.add_argument("--mode", choices=["resihp", "greyhound"], default="resihp")
+    p.add_argument(
+        "--check-health", action="store_true", help="exit 0 if the detector's health key is ok"
+    )
+    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    _common(p)
+    sub = p.add_subparsers(dest="cmd")
+    rp = sub.add_parser("replay", help="run the detector over a recorded trace (no Redis)")
+    rp.add_argument("trace", help="trace file (JSON lines), '-' for stdin")
+    rp.add_argument("--out", required=True, help="FailureReports as JSON lines, '-' for stdout")
+    rp.add_argument(
+        "--baseline", choices=["greyhound"], help="run the Greyhound-style baseline instead"
+    )
+    rp.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    _common(rp)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    if args.cmd == "replay" and getattr(args, "baseline", None):
+        args.mode = args.baseline
+    try:
+        cfg = DetectorConfig.from_args(args)
+    except (ValueError, TypeError) as e:
+        print(f"detector: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "replay":
+        from detector.replay import main as replay_main
+
+        return replay_main(args.trace, args.out, cfg, args.heartbeat_interval_s)
+
+    from resihp.bus import Health
+    from resihp.keys import JobKeys
+    from resihp.redis_client import connect
+
+    try:
+        client = connect(cfg.redis_url)
+    except ValueError as e:
+        print(f"detector: {e}", file=sys.stderr)
+        return 2
+    keys = JobKeys(cfg.job_id)
+    if args.check_health:
+        return 0 if Health.check(client, keys, "detector") else 1
+    from detector.service import DetectorService
+
+    svc = DetectorService(cfg, client)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.getLogger(__name__).info("detector: job %s, mode %s", cfg.job_id, cfg.mode)
+    svc.run(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The live detector: Redis streams in, FailureReports and device health out.
+
+``DetectorService(config, client)`` reads ``keys.liveness`` and
+``keys.iterations`` through consumer groups (``bus.StreamConsumer``: invalid
+entries go to the dead-letter stream, unacknowledged ones are re-delivered
+after a restart), hands each batch to the pure :class:`detector.engine.Detector`
+(liveness first, so a fail-stop is reported before a co-occurring fail-slow),
+publishes reports to ``keys.failures`` and keeps ``keys.device_health``
+(rank -> JSON {"p", "state", "since"}) current.  Every loop it re-reads the
+runtime subset of its settings from ``keys.detector_config`` and the layout
+from ``keys.layout``, so thresholds, the CPD penalty, heartbeat K and the
+per-rank off switch change without a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import redis
+
+from detector.config import DetectorConfig
+from detector.engine import Detector
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import FailureReport
+from resihp.topology import Layout, LayoutError
+
+log = logging.getLogger(__name__)
+SERVICE = "detector"
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class DetectorService:
+    def __init__(self, config: DetectorConfig, client: redis.Redis, consumer: str | None = None):
+        self.config = config.validate()
+        self.client = client
+        self.keys = JobKeys(config.job_id)
+        self.engine = Detector(self.config)
+        name = consumer or f"{SERVICE}-0"
+        group = self.keys.group(SERVICE)
+        self.live_in = bus.StreamConsumer(
+            client, self.keys, self.keys.liveness, group, consumer=name
+        )
+        self.iter_in = bus.StreamConsumer(
+            client, self.keys, self.keys.iterations, group, consumer=name
+        )
+        self.health = bus.Health(client, self.keys, SERVICE)
+        self._layout_raw: bytes | None = None
+        self._config_errors_seen: set[str] = set()
+        self._seeded = False
+        self.reports_total = 0
+        self.config_changes_total = 0
+
+    # ---------------------------------------------------------- settings
+    def _seed_config(self) -> None:
+        """Write our runtime defaults where absent, so operators (and the
+        collector, for heartbeat_k) always find a value."""
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in self.config.runtime_dict().items():
+            pipe.hsetnx(self.keys.detector_config, k, v)
+        pipe.execute()
+        self._seeded = True
+
+    def refresh_config(self) -> bool:
+        """Apply the runtime hash; True when something changed."""
+        raw = self.client.hgetall(self.keys.detector_config)
+        new, errors = self.config.with_runtime(raw)
+        for e in errors:
+            if e not in self._config_errors_seen:
+                self._config_errors_seen.add(e)
+                log.error("detector: ignoring runtime setting %s", e)
+                bus.incr_counter(self.client, self.keys, "detector_config_rejected_total")
+        if new != self.config:
+            changed = {
+                f: (getattr(self.config, f), getattr(new, f))
+                for f in new.runtime_dict()
+                if getattr(self.config, f) != getattr(new, f)
+            }
+            log.info("detector: runtime config changed %s", changed)
+            self.config = new
+            self.engine.set_config(new)
+            self.config_changes_total += 1
+            bus.incr_counter(self.client, self.keys, "detector_config_changes_total")
+            return True
+        return False
+
+    def refresh_layout(self) -> None:
+        raw = self.client.get(self.keys.layout)
+        if raw is None or raw == self._layout_raw:
+            return
+        self._layout_raw = raw
+        try:
+            layout = Layout.from_dict(json.loads(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError, LayoutError, TypeError) as e:
+            log.error(
+                "detector: layout at %s is invalid, keeping the previous one: %s",
+                self.keys.layout,
+                e,
+            )
+            bus.incr_counter(self.client, self.keys, "detector_layout_invalid_total")
+            return
+        self.engine.set_layout(layout)
+        self.live_in.max_rank = None  # liveness may name ranks of an older, larger layout
+
+    # ---------------------------------------------------------- main step
+    def run_once(self) -> int:
+        """One bounded step: read what is pending, judge it, publish. Returns messages handled."""
+        if not self._seeded:
+            self._seed_config()
+        self.refresh_config()
+        self.refresh_layout()
+        live = self.live_in.read(count=self.config.batch_count, block_ms=None)
+        its = self.iter_in.read(
+            count=self.config.batch_count, block_ms=None if live else self.config.block_ms
+        )
+        msgs = [m for _id, ms in live for m in ms] + [m for _id, ms in its for m in ms]
+        if not msgs:
+            return 0
+        reports = self.engine.handle_batch(msgs, now_s=time.time())
+        self._publish(reports)
+        self.live_in.ack([i for i, _ in live])
+        self.iter_in.ack([i for i, _ in its])
+        return len(msgs)
+
+    def _publish(self, reports: list[FailureReport]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for rep in reports:
+            pipe.xadd(
+                self.keys.failures,
+                {b"m": ("[" + rep.to_json() + "]").encode()},
+                maxlen=10_000,
+                approximate=True,
+            )
+            pipe.hincrby(self.keys.counters, f"detector_{rep.kind}_total", 1)
+            log.warning(
+                "detector: %s ranks=%s nodes=%s iteration=%d severity=%s",
+                rep.kind,
+                rep.ranks,
+                rep.nodes,
+                rep.iteration,
+                rep.severity,
+            )
+        health = self.engine.take_health_updates()
+        if health:
+            pipe.hset(
+                self.keys.device_health,
+                mapping={str(r): json.dumps(h, separators=(",", ":")) for r, h in health.items()},
+            )
+        if reports:
+            pipe.hincrby(self.keys.counters, "detector_reports_total", len(reports))
+        pipe.execute()
+        self.reports_total += len(reports)
+
+    def health_extra(self) -> dict:
+        fs = self.engine.failslow.stats
+        return {
+            "mode": self.config.mode,
+            "iterations_total": self.engine.stats.iterations_total,
+            "reports_total": self.reports_total,
+            "validations_total": fs.validations_total,
+            "benign_filtered_total": fs.benign_filtered_total,
+            "warm": self.engine.failslow.ready,
+        }
+
+    def run(self, stop: threading.Event) -> None:
+        last_beat = 0.0
+        while not stop.is_set():
+            try:
+                self.run_once()
+                now = time.monotonic()
+                if now - last_beat >= 1.0:
+                    last_beat = now
+                    self.health.beat("ok", **self.health_extra())
+            except _REDIS_DOWN as e:
+                log.warning("detector: redis unavailable (%s); retrying", e)
+                stop.wait(0.2)

@@ -1,0 +1,275 @@
+"""Fail-slow detection end to end on synthetic iteration records, and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from detector.config import DetectorConfig
+from detector.engine import Detector
+from detector.synthetic import SyntheticJob
+from resihp.schemas import LivenessEvent
+from resihp.topology import Layout
+
+LAY = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8)
+
+
+def _run(det, job, n, at=None):
+    """Run n iterations; ``at[i]`` is called before iteration i is generated."""
+    reports = []
+    for i in range(n):
+        if at and i in at:
+            at[i](job)
+        rec = job.next_record()
+        reports += det.handle(rec)
+    return reports
+
+
+def _slow(kind="fail_slow_compute"):
+    return lambda r: r.kind == kind
+
+
+def test_compute_slowdown_detected_localized_and_recovered():
+    job = SyntheticJob(LAY, seed=11)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[1][2][1]  # dp 1, stage 2, second TP rank
+    reps = _run(
+        det,
+        job,
+        110,
+        {
+            60: lambda j: j.rank_slow.update({victim: 1.6}),
+            90: lambda j: j.rank_slow.update({victim: 1.0}),
+        },
+    )
+    slow = [r for r in reps if r.kind == "fail_slow_compute"]
+    assert len(slow) == 1, [(r.kind, r.ranks, r.iteration) for r in reps]
+    r = slow[0]
+    assert r.ranks == [victim]
+    assert 60 <= r.iteration <= 63  # within 3 iterations of the injection
+    assert r.severity[str(victim)] == pytest.approx(1 / 1.6, abs=0.05)
+    ev = r.evidence
+    assert ev["throughput_loss"] >= 0.05
+    assert ev["group"] == {"dp": 1, "stage": 2}
+    assert ev["rank_ratios"][str(victim)] > 1.4
+    assert ev["change_point"]["iteration"] == 60
+    assert ev["observed_iteration_time_s"] > 0 and ev["predicted_healthy_s"] > 0
+    assert r.nodes == [LAY.node_of(victim)]
+    rec = [x for x in reps if x.kind == "recovery"]
+    assert len(rec) == 1 and rec[0].ranks == [victim] and 90 <= rec[0].iteration <= 95
+    assert det.health[victim]["state"] == "healthy"
+
+
+def test_costly_slowdown_below_the_iteration_gate_is_caught_cheap_one_is_not():
+    # 1.4x on one stage raises iteration time well under 1.25x, yet costs > 5 %
+    job = SyntheticJob(LAY, seed=12)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[0][1][0]
+    reps = _run(det, job, 80, {50: lambda j: j.rank_slow.update({victim: 1.4})})
+    got = [r for r in reps if r.kind == "fail_slow_compute"]
+    assert len(got) == 1 and got[0].ranks == [victim]
+    assert got[0].evidence["throughput_loss"] >= 0.05
+    assert (
+        got[0].evidence["predicted_with_slowdown_s"] < 1.25 * got[0].evidence["predicted_healthy_s"]
+    )
+    # a 3 % slowdown costs under 5 %: not reported
+    job = SyntheticJob(LAY, seed=12)
+    det = Detector(DetectorConfig(), layout=LAY)
+    reps = _run(det, job, 80, {50: lambda j: j.rank_slow.update({victim: 1.03})})
+    assert [r for r in reps if r.kind != "recovery"] == []
+
+
+def test_comm_slowdown_names_the_link():
+    job = SyntheticJob(LAY, seed=13)
+    det = Detector(DetectorConfig(), layout=LAY)
+    reps = _run(det, job, 80, {50: lambda j: j.link_slow.update({(0, 1): 10.0})})
+    comm = [r for r in reps if r.kind == "fail_slow_comm"]
+    assert comm and not [r for r in reps if r.kind == "fail_slow_compute"]
+    r = comm[0]
+    assert r.iteration <= 53
+    a, b = LAY.groups[0][1], LAY.groups[0][2]
+    assert sorted(map(sorted, r.links)) == sorted(sorted(p) for p in zip(a, b, strict=True))
+    assert set(r.ranks) == set(a) | set(b)
+    assert r.evidence["link"]["dp"] == 0
+
+
+def _workload_shift(job):
+    job.mean_doc = 5000.0  # a data source with long documents
+
+
+def _workload_back(job):
+    job.mean_doc = 1500.0
+
+
+def test_workload_variability_is_benign_for_resihp_but_alarms_greyhound():
+    at = {}
+    for start in (40, 80, 120):
+        at[start] = _workload_shift
+        at[start + 12] = _workload_back
+    job = SyntheticJob(LAY, seed=14)
+    ours = Detector(DetectorConfig(), layout=LAY)
+    reps = _run(ours, job, 150, dict(at))
+    assert reps == []
+    fs = ours.failslow.stats
+    assert fs.benign_filtered_total >= 1  # the paper's gate dropped the change points
+    job = SyntheticJob(LAY, seed=14)
+    gh = Detector(DetectorConfig(mode="greyhound"), layout=LAY)
+    reps = _run(gh, job, 150, dict(at))
+    assert reps == []  # validation finds nothing...
+    assert gh.failslow.stats.false_alarms_total >= 2  # ...but it paused training to look
+    assert gh.failslow.pause_s_total > 2.0
+
+
+def test_greyhound_baseline_detects_a_severe_slowdown():
+    job = SyntheticJob(LAY, seed=15)
+    det = Detector(DetectorConfig(mode="greyhound"), layout=LAY)
+    victim = LAY.groups[0][3][1]
+    reps = _run(det, job, 90, {50: lambda j: j.rank_slow.update({victim: 3.0})})
+    got = [r for r in reps if r.kind == "fail_slow_compute"]
+    assert got and got[0].ranks == [victim] and got[0].detector_mode == "greyhound"
+    assert got[0].evidence["validation_pause_s"] > 1.0
+
+
+def test_failstop_reported_before_cooccurring_failslow_and_pauses_failslow():
+    job = SyntheticJob(LAY, seed=16)
+    det = Detector(DetectorConfig(), layout=LAY)
+    _run(det, job, 40)
+    victim = LAY.groups[0][1][0]
+    job.rank_slow[victim] = 2.0
+    dead = LivenessEvent(
+        scope="rank",
+        node=1,
+        ranks=[LAY.groups[1][3][0]],
+        state="dead",
+        detected_at_s=job.clock_s,
+        last_seen_s=job.clock_s - 2,
+        missed_beats=2,
+    )
+    batch = [job.next_record() for _ in range(4)] + [dead]
+    reps = det.handle_batch(batch)
+    assert reps and reps[0].kind == "fail_stop"
+    assert not [r for r in reps if r.kind.startswith("fail_slow")]
+    # after the scheduler reconfigures (new layout id) detection resumes, and the
+    # device that was already slow is measured against its peer replicas
+    lay2 = copy.deepcopy(LAY)
+    lay2.layout_id = 1
+    job.layout = lay2
+    det.set_layout(lay2)
+    reps = _run(det, job, 30)
+    got = [r for r in reps if r.kind == "fail_slow_compute"]
+    assert [r.ranks for r in got] == [[victim]]
+    assert got[0].evidence["signal"] == "warmup_peer_comparison"
+    assert got[0].iteration <= 44 + det.config.rewarm_iters + 1
+    assert got[0].severity[str(victim)] == pytest.approx(0.5, abs=0.06)
+
+
+def test_runtime_switches_in_the_engine():
+    victim = LAY.groups[0][2][0]
+    at = {50: lambda j: j.rank_slow.update({victim: 1.8})}
+    det = Detector(DetectorConfig(), layout=LAY)
+    det.set_config(det.config.replace(disabled_ranks=frozenset({victim})))
+    assert [
+        r for r in _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) if r.kind != "recovery"
+    ] == []
+    det = Detector(DetectorConfig(), layout=LAY)
+    det.set_config(det.config.replace(failslow_enabled=False))
+    assert _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) == []
+    det = Detector(DetectorConfig(), layout=LAY)
+    det.set_config(det.config.replace(min_throughput_loss=0.9))  # nothing costs 90 %
+    assert _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) == []
+
+
+# ------------------------------------------------------------- bad input
+def test_gaps_in_telemetry_no_false_reports_and_detection_survives():
+    rng = np.random.default_rng(0)
+    job = SyntheticJob(LAY, seed=18)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[1][0][1]
+    reps = []
+    for i in range(120):
+        if i == 90:
+            job.rank_slow[victim] = 1.7
+        rec = job.next_record()
+        if 30 < i < 100 and rng.random() < 0.3:
+            continue  # lost record
+        if 40 <= i < 60:
+            continue  # a long outage
+        reps += det.handle(rec)
+    assert [r.ranks for r in reps] == [[victim]]
+    assert reps[0].iteration <= 95
+
+
+def test_out_of_order_and_duplicated_records_and_chunks():
+    job = SyntheticJob(LAY, seed=19)
+    det = Detector(DetectorConfig(), layout=LAY)
+    recs = [job.next_record() for _ in range(90)]
+    reps = []
+    for i, rec in enumerate(recs):
+        r2 = copy.deepcopy(rec)
+        if i % 3 == 0:  # duplicated chunk rows (a re-sent batch)
+            for k in r2.chunks:
+                r2.chunks[k] = r2.chunks[k] + r2.chunks[k][:50]
+        reps += det.handle(r2)
+        if i % 7 == 0 and i > 3:
+            reps += det.handle(recs[i - 3])  # late record
+            reps += det.handle(rec)  # duplicate
+    assert reps == []
+    assert det.stats.stale_total > 0 and det.stats.duplicate_chunks_total > 0
+
+
+def test_rank_stops_sending_timings_but_keeps_heartbeat():
+    lay = Layout.uniform(tp=1, pp=4, dp=2, num_layers=8, num_microbatches=8)
+    job = SyntheticJob(lay, seed=20)
+    det = Detector(DetectorConfig(), layout=lay)
+    silent = lay.groups[0][2][0]
+    reps = []
+    for i in range(100):
+        rec = job.next_record()
+        if i >= 50:
+            keep = [j for j in range(len(rec.ranks["rank"])) if rec.ranks["rank"][j] != silent]
+            rec.ranks = {k: [v[j] for j in keep] for k, v in rec.ranks.items()}
+            ch = rec.chunks
+            keepc = [
+                j for j in range(len(ch["dp"])) if not (ch["dp"][j] == 0 and ch["stage"][j] == 2)
+            ]
+            rec.chunks = {k: [v[j] for j in keepc] for k, v in ch.items()}
+            rec.num_ranks_reporting -= 1
+            rec.complete = False
+        reps += det.handle(rec)
+    assert reps == []
+
+
+def test_clock_skew_between_nodes_no_false_report():
+    job = SyntheticJob(LAY, seed=21)
+    det = Detector(DetectorConfig(), layout=LAY)
+    reps = []
+    for i in range(110):
+        if i == 50:
+            job.node_skew_s = {1: 0.35}  # node 1's clock jumps ahead
+        rec = job.next_record()
+        if i >= 50:
+            # what a collector that spans nodes' timestamps would compute
+            rec.iteration_time_s += 0.35
+            rec.end_s += 0.35
+        reps += det.handle(rec)
+    assert reps == []
+
+
+def test_garbage_columns_do_not_crash():
+    job = SyntheticJob(LAY, seed=22)
+    det = Detector(DetectorConfig(), layout=LAY)
+    _run(det, job, 30)
+    rec = job.next_record()
+    rec.chunks["duration_s"][:20] = ["x"] * 20
+    rec.chunks["kind"][:5] = ["BOGUS", 99, None, -1, 2.5]
+    det.handle(rec)
+    rec = job.next_record()
+    rec.chunks = {"dp": [0], "stage": [0]}  # ragged/missing columns
+    rec.microbatches = {}
+    det.handle(rec)
+    rec = job.next_record()
+    rec.ranks = {"rank": [0, 1], "compute_s": [float("nan"), -3.0]}
+    assert det.handle(rec) == []
+    assert _run(det, job, 20) == []

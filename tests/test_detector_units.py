@@ -1,0 +1,184 @@
+"""Detector building blocks on synthetic series: config, online CPD, eq.-1 fit, fail-stop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from detector.changepoint import OnlineChangeDetector
+from detector.config import DetectorConfig, parse_ranks
+from detector.engine import Detector
+from detector.failstop import FailStopTracker
+from detector.predictor import ChunkPredictor, IterationView
+from detector.synthetic import SyntheticJob
+from resihp.schemas import LivenessEvent
+from resihp.topology import Layout
+
+
+# ------------------------------------------------------------------ config
+def test_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="threshold"):
+        DetectorConfig(threshold=0.9).validate()
+    with pytest.raises(ValueError, match="mode"):
+        DetectorConfig(mode="magic").validate()
+    with pytest.raises(ValueError, match="warmup_iters"):
+        DetectorConfig(warmup_iters=2).validate()
+    with pytest.raises(ValueError, match="min_throughput_loss"):
+        DetectorConfig(min_throughput_loss=0).validate()
+
+
+def test_runtime_hash_applies_good_fields_and_names_bad_ones():
+    cfg = DetectorConfig()
+    new, errors = cfg.with_runtime(
+        {
+            b"threshold": b"1.4",
+            b"cpd_penalty": b"12",
+            b"disabled_ranks": b"[3, 5]",
+            b"heartbeat_k": b"zero",
+            b"warmup_iters": b"3",
+            b"failslow_enabled": b"off",
+        }
+    )
+    assert new.threshold == 1.4 and new.cpd_penalty == 12.0
+    assert new.disabled_ranks == frozenset({3, 5})
+    assert new.failslow_enabled is False
+    assert new.heartbeat_k == cfg.heartbeat_k  # bad value keeps the old one
+    assert any(e.startswith("heartbeat_k") for e in errors)
+    assert any(e.startswith("warmup_iters") for e in errors)  # not runtime-tunable
+    # out-of-range values are refused by validate(), not applied
+    new2, errors2 = new.with_runtime({"threshold": "0.5"})
+    assert new2.threshold == 1.4 and errors2
+    assert DetectorConfig().runtime_dict()["heartbeat_k"] == "2"
+
+
+def test_parse_ranks_forms():
+    assert parse_ranks("1, 2,3") == frozenset({1, 2, 3})
+    assert parse_ranks("[4]") == frozenset({4})
+    assert parse_ranks("") == frozenset()
+    with pytest.raises(ValueError):
+        parse_ranks("[-1]")
+    with pytest.raises(ValueError):
+        parse_ranks("a,b")
+
+
+# -------------------------------------------------------------------- CPD
+def _run(det: OnlineChangeDetector, xs, min_shift=0.0):
+    hits = []
+    for i, x in enumerate(xs):
+        cp = det.push(i, float(x), min_shift)
+        if cp is not None:
+            hits.append(cp)
+            det.rebase(cp.iteration, center=cp.mean_after)
+    return hits
+
+
+def test_cpd_finds_a_persistent_step_quickly():
+    rng = np.random.default_rng(0)
+    xs = np.r_[rng.normal(0, 1, 100), rng.normal(5, 1, 30)]
+    det = OnlineChangeDetector(window=48, penalty=8.0, min_after=2)
+    det.set_baseline(0.0, 1.0)
+    hits = _run(det, xs, min_shift=2.0)
+    assert hits, "a 5-sigma step must be found"
+    assert 100 <= hits[0].iteration <= 101
+    assert hits[0].n_after <= 4  # confirmed within a few points of the step
+    assert hits[0].direction == 1 and hits[0].mean_after > 4
+
+
+def test_cpd_ignores_noise_and_single_spikes():
+    rng = np.random.default_rng(1)
+    xs = rng.normal(0, 1, 400)
+    xs[[50, 170, 300]] += 12.0  # isolated spikes
+    det = OnlineChangeDetector(window=48, penalty=8.0, min_after=2)
+    det.set_baseline(0.0, 1.0)
+    assert _run(det, xs, min_shift=2.0) == []
+    # ruptures only ran when the screen alarmed, not on every point
+    assert det.segment_calls_total < 60
+
+
+def test_cpd_drop_removes_points():
+    det = OnlineChangeDetector(window=16)
+    for i in range(10):
+        det.push(i, 0.0)
+    det.drop([3, 4, 5])
+    assert list(det.iters) == [0, 1, 2, 6, 7, 8, 9]
+
+
+# -------------------------------------------------------------- predictor
+def test_alpha_beta_fit_recovers_eq1_and_predicts_microbatches():
+    lay = Layout.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    job = SyntheticJob(lay, seed=3, noise=0.01)
+    pred = ChunkPredictor(forget=1.0)
+    views = [IterationView.from_record(job.next_record()) for _ in range(30)]
+    for v in views[:20]:
+        pred.observe(v)
+    errs = []
+    for v in views[20:]:
+        p = pred.predict_compute(v)
+        m = v.compute_mask()
+        errs.append(np.abs(p[m] - v.duration_s[m]) / v.duration_s[m])
+    mape = float(np.mean(np.concatenate(errs)))
+    assert mape < 0.02, mape
+    # F chunk: alpha*N + beta*sum l^2 with the generator's constants
+    a, b = pred.coef[(0, 0)]
+    assert a * 8192 / 1e4 == pytest.approx(2e-6 * 8192, rel=0.05)
+    assert b / 1e8 == pytest.approx(2e-10, rel=0.1)
+
+
+def test_iteration_prediction_tracks_workload():
+    lay = Layout.uniform(tp=1, pp=4, dp=2, num_layers=8, num_microbatches=8)
+    job = SyntheticJob(lay, seed=4, mean_doc=3000)
+    det = Detector(DetectorConfig(warmup_iters=15), layout=lay)
+    recs = [job.next_record() for _ in range(60)]
+    for r in recs[:40]:
+        det.handle(r)
+    errs = []
+    times = []
+    for r in recs[40:]:
+        v = IterationView.from_record(r)
+        p = det.failslow.predicted_iteration_time(v)
+        errs.append(abs(p - r.iteration_time_s) / r.iteration_time_s)
+        times.append(r.iteration_time_s)
+        det.handle(r)
+    # workload swings the iteration time by far more than the prediction error
+    assert np.std(times) / np.mean(times) > 0.03
+    assert float(np.mean(errs)) < 0.02
+
+
+# -------------------------------------------------------------- fail-stop
+def _ev(state, ranks, node=0, scope="rank", t=10.0):
+    return LivenessEvent(
+        scope=scope,
+        node=node,
+        ranks=ranks,
+        state=state,
+        detected_at_s=t,
+        last_seen_s=t - 2.0,
+        missed_beats=2,
+    )
+
+
+def test_failstop_tracker_dedups_and_reports_rejoin():
+    tr = FailStopTracker()
+    v = tr.handle(_ev("dead", [3]))
+    assert v.kind == "fail_stop" and v.ranks == [3] and v.nodes == [0]
+    assert tr.handle(_ev("dead", [3])) is None  # duplicate delivery
+    v = tr.handle(_ev("dead", [0, 1, 2, 3], scope="node"))
+    assert v.ranks == [0, 1, 2]  # only the news
+    assert tr.handle(_ev("alive", [5])) is None
+    v = tr.handle(_ev("rejoined", [3]))
+    assert v.kind == "recovery" and v.ranks == [3]
+    assert 3 not in tr.dead
+
+
+def test_engine_failstop_report_carries_evidence_and_health():
+    det = Detector(DetectorConfig())
+    reps = det.handle(_ev("dead", [8, 9], node=1, scope="node", t=100.0), now_s=100.1)
+    assert len(reps) == 1
+    r = reps[0]
+    assert r.kind == "fail_stop" and r.ranks == [8, 9] and r.nodes == [1]
+    assert r.severity == {"8": 0.0, "9": 0.0}
+    assert r.evidence["decision_latency_s"] == pytest.approx(2.0)
+    assert det.health[8]["state"] == "dead"
+    back = det.handle(_ev("rejoined", [8], node=1, t=130.0))
+    assert back[0].kind == "recovery" and back[0].severity == {"8": 1.0}
+    assert det.health[8]["state"] == "healthy"
