@@ -551,6 +551,10 @@ def _run_dedup(c: _Compiled, cost: np.ndarray, ic: np.ndarray | None) -> np.ndar
     k = cost.shape[0]
     if k <= 4:
         return c.run(cost, ic)
+    # Cheap screen first: rows with distinct totals cannot be identical.
+    tot = cost.sum(axis=1)
+    if len(np.unique(tot)) == k:
+        return c.run(cost, ic)
     keys: dict[bytes, int] = {}
     uniq: list[int] = []
     which = np.empty(k, dtype=np.int64)

@@ -1,0 +1,152 @@
+"""Scenario files: YAML and JSON parse alike; every error names the bad line; the timeline cursor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.scenario import (
+    ScenarioCursor,
+    ScenarioError,
+    default_factor,
+    load_scenario,
+    parse_scenario,
+)
+
+YAML = """\
+name: mixed
+seed: 4
+events:
+  - at_iteration: 5
+    action: slow_device
+    rank: 3
+    severity: medium
+    duration_iterations: 4
+  - {at_s: 30.5, action: kill_node, node: 1}
+  - {at_iteration: 7, action: slow_link, ranks: [2, 9], factor: 0.25}
+  - {at_iteration: 9, action: recover, rank: 2, what: link}
+  - {at_iteration: 20, action: rejoin, node: 1}
+"""
+
+
+def test_yaml_and_json_parse_the_same(tmp_path):
+    y = parse_scenario(YAML, "s.yaml")
+    import yaml
+
+    j_path = tmp_path / "s.json"
+    j_path.write_text(json.dumps(yaml.safe_load(YAML), indent=2))
+    j = load_scenario(j_path)
+    assert y.name == j.name == "mixed" and y.seed == j.seed == 4
+
+    def strip(evs):
+        return [
+            (e.action, e.at_iteration, e.at_s, e.ranks, e.node, e.factor, e.severity) for e in evs
+        ]
+
+    assert strip(y.events) == strip(j.events)
+    assert [e.line for e in y.events] == [4, 9, 10, 11, 12]
+    assert y.events[1].targets(8) == list(range(8, 16))
+    assert y.events[2].ranks == (2, 9)
+    assert all(e.line > 0 for e in j.events)
+    assert parse_scenario("", "empty.yaml").events == []
+    # A bare list of events is accepted too.
+    assert len(parse_scenario("- {at_iteration: 1, action: kill_device, rank: 0}\n").events) == 1
+
+
+BAD = [
+    ("events:\n  - {at_iteration: 1, action: explode, rank: 0}\n", 2, "action must be one of"),
+    ("events:\n  - at_iteration: 1\n    action: kill_device\n    rnk: 3\n", 4, "unknown key 'rnk'"),
+    ("events:\n  - {action: kill_device, rank: 0}\n", 2, "exactly one of at_iteration or at_s"),
+    ("events:\n  - {at_s: 1, at_iteration: 2, action: kill_device, rank: 0}\n", 2, "exactly one"),
+    (
+        "events:\n  - {at_iteration: 1, action: kill_device, rank: 0}\n  - {at_iteration: 2, action: slow_device, rank: 1, severity: awful}\n",
+        3,
+        "severity must be one of",
+    ),
+    (
+        "events:\n  - at_iteration: 1\n    action: slow_device\n    rank: 1\n    factor: 1.5\n",
+        5,
+        "factor must be in",
+    ),
+    (
+        "events:\n  - {at_iteration: 1, action: slow_device, rank: 1}\n",
+        2,
+        "exactly one of factor or severity",
+    ),
+    ("events:\n  - {at_iteration: 1, action: kill_node, rank: 1}\n", 2, "kill_node needs 'node'"),
+    (
+        "events:\n  - {at_iteration: -3, action: kill_device, rank: 1}\n",
+        2,
+        "at_iteration must be an integer",
+    ),
+    (
+        "events:\n  - {at_iteration: 1, action: kill_device, rank: 1, duration_s: 5}\n",
+        2,
+        "durations apply only",
+    ),
+    ("events:\n  - {at_iteration: 1, action: recover}\n", 2, "needs 'rank', 'ranks' or 'node'"),
+    ("events:\n  - 42\n", 2, "must be a mapping"),
+    ("events:\n  - {at_iteration: 1, action: kill_device, rank: 1\n", 3, "invalid YAML"),
+    ("evnts: []\n", 1, "unknown top-level key"),
+    ("events: {a: 1}\n", 1, "'events' must be a list"),
+]
+
+
+@pytest.mark.parametrize("text,line,msg", BAD)
+def test_errors_name_the_bad_line(text, line, msg):
+    with pytest.raises(ScenarioError) as ei:
+        parse_scenario(text, "bad.yaml")
+    assert str(ei.value).startswith(f"bad.yaml:{line}:"), str(ei.value)
+    assert msg in str(ei.value)
+
+
+def test_json_errors_name_the_line(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text(
+        '{\n  "events": [\n    {"at_iteration": 1, "action": "kill_device" "rank": 0}\n  ]\n}\n'
+    )
+    with pytest.raises(ScenarioError, match=r"bad.json:3: invalid JSON"):
+        load_scenario(p)
+    p.write_text(
+        '{\n  "events": [\n    {"at_iteration": 1,\n     "action": "kill_device",\n     "rank": 0,\n     "severity": "weak"}\n  ]\n}\n'
+    )
+    with pytest.raises(ScenarioError, match=r"bad.json:6: kill_device takes no factor or severity"):
+        load_scenario(p)
+    with pytest.raises(ScenarioError, match="cannot read"):
+        load_scenario(tmp_path / "missing.yaml")
+
+
+def test_check_against_the_job():
+    sc = parse_scenario(
+        "events:\n  - {at_iteration: 1, action: kill_device, rank: 0}\n  - {at_iteration: 1, action: kill_device, rank: 64}\n",
+        "j.yaml",
+    )
+    sc.check(128, 8)
+    with pytest.raises(ScenarioError, match=r"j.yaml:3: rank 64 outside the job's 64 ranks"):
+        sc.check(64, 8)
+    sc = parse_scenario("events:\n  - {at_iteration: 1, action: kill_node, node: 9}\n", "n.yaml")
+    with pytest.raises(ScenarioError, match=r"n.yaml:2: node 9 outside"):
+        sc.check(64, 8)
+
+
+def test_cursor_fires_in_time_and_ends_timed_slowdowns():
+    sc = parse_scenario(YAML)
+    cur = ScenarioCursor(sc)
+    assert cur.due(4, 29.0) == []
+    fired = cur.due(5, 29.0)
+    assert [e.action for e in fired] == ["slow_device"]
+    assert cur.next_kill_at_s() == 30.5
+    assert [e.action for e in cur.due(5, 31.0)] == ["kill_node"]
+    due = cur.due(9, 40.0)
+    assert sorted(e.action for e in due) == ["recover", "recover", "slow_link"]
+    gen = [e for e in due if e.line == 0]
+    assert len(gen) == 1 and gen[0].what == "compute" and gen[0].ranks == (3,)
+    assert [e.action for e in cur.due(100, 1e9)] == ["rejoin"]
+    assert cur.pending == []
+
+
+def test_severity_defaults_follow_the_paper():
+    assert default_factor("weak") == pytest.approx(0.65)
+    assert default_factor("medium") == pytest.approx(0.45)
+    assert default_factor("severe") == pytest.approx(0.30)

@@ -1,0 +1,198 @@
+"""Simulated trainer against a real redis-server: telemetry on the stream, layout, plans, CLI, pacing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from resihp.keys import JOBS_SET, JobKeys
+from resihp.plans import read_layout
+from resihp.schemas import AdaptationPlan, ChunkBatch, Heartbeat, MicroBatchStats, decode_entry
+from resihp.topology import Layout
+from trainer.sim import SimConfig
+from trainer.sim.service import SimTrainer
+
+pytestmark = pytest.mark.redis
+
+
+def _cfg(**kw):
+    base = dict(job_id="simjob", model="llama2-7b", microbatches=4, speed=0.0, seed=3, noise=0.02)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def _drain(r, keys):
+    msgs, rows = [], []
+    for _id, fields in r.xrange(keys.telemetry):
+        good, bad = decode_entry(fields)
+        assert not bad, bad
+        for g in good:
+            if isinstance(g, ChunkBatch):
+                rows.append(g.rows)
+            else:
+                msgs.append(g)
+    return msgs, (np.concatenate(rows) if rows else np.zeros(0))
+
+
+def test_emits_telemetry_and_writes_layout(r):
+    cfg = _cfg(iterations=3)
+    tr = SimTrainer(cfg, r)
+    tr.run()
+    keys = JobKeys("simjob")
+    assert r.sismember(JOBS_SET, "simjob")
+    lay = read_layout(r, keys)
+    assert lay is not None and lay.to_dict() == tr.sim.layout.to_dict()
+    msgs, rows = _drain(r, keys)
+    hbs = [m for m in msgs if isinstance(m, Heartbeat)]
+    mbs = [m for m in msgs if isinstance(m, MicroBatchStats)]
+    assert len(mbs) == 3 * lay.total_microbatches
+    assert {m.rank for m in hbs} == set(range(lay.world_size))
+    comp = rows[rows["kind"] <= 2]
+    assert len(comp) == 3 * lay.total_microbatches * lay.pp * 2 * 4  # F+B per TP member
+    assert sorted(set(comp["iteration"].tolist())) == [0, 1, 2]
+    assert tr.producer.dropped_total == 0
+    health = json.loads(r.get(keys.health("trainer")))
+    assert health["status"] == "ok" and health["iteration"] == 3
+
+
+def _put_plan(r, keys, plan_id, before: Layout, after: Layout, state="acknowledged"):
+    plan = AdaptationPlan(
+        plan_id=plan_id,
+        state=state,
+        created_at_s=time.time(),
+        reason="test",
+        before=before.to_dict(),
+        after=after.to_dict(),
+        predicted_before_s=1.0,
+        predicted_after_s=0.9,
+    )
+    r.hset(keys.plan_state, plan_id, plan.to_json())
+
+
+def test_follows_acknowledged_plans_and_refuses_impossible_ones(r):
+    keys = JobKeys("simjob")
+    sc_text = "events:\n  - {at_iteration: 1, action: kill_device, rank: 13}\n"
+    from trainer.scenario import parse_scenario
+
+    tr = SimTrainer(_cfg(), r, scenario=parse_scenario(sc_text))
+    tr.run_once()
+    assert tr.sim.iteration == 1
+    tr.run_once()
+    assert tr.last_step.true_state.status == "hung"
+    before = tr.sim.layout
+    # A plan that still uses the dead rank is refused, never applied.
+    same = before.copy()
+    same.layout_id = 7
+    _put_plan(r, keys, 1, before, same)
+    tr.run_once()
+    assert tr.plans_refused_total == 1 and tr.sim.layout is before
+    # A plan that drops rank 13 (TP 4 -> 2 in that group) is applied and confirmed.
+    fixed = before.copy()
+    d, s, _ = fixed.coords()[13]
+    grp = fixed.groups[d][s]
+    fixed.groups[d][s] = [x for x in grp if x != 13][:2]
+    fixed.dead = [13]
+    fixed.standby = [x for x in grp if x not in fixed.groups[d][s] and x != 13]
+    fixed.layout_id = 8
+    _put_plan(r, keys, 2, before, fixed)
+    tr.run_once()
+    assert tr.plans_applied_total == 1
+    assert tr.sim.layout.layout_id == 8
+    assert read_layout(r, keys).layout_id == 8
+    acts = [json.loads(f[b"m"])[0] for _i, f in r.xrange(keys.actions)]
+    assert [(a["action"], a["plan_id"], a["actor"]) for a in acts] == [("applied", 2, "trainer")]
+    assert tr.last_step.true_state.status == "ok" and tr.sim.iteration == 2
+    tr.run_once()  # the plan is not applied twice
+    assert tr.plans_applied_total == 1
+    tr.close()
+    assert int(r.hget(keys.counters, "trainer_plans_refused_total")) == 1
+
+
+def test_time_scaled_pacing(r):
+    cfg = _cfg(iterations=2, speed=50.0, heartbeat_interval_s=0.5)
+    tr = SimTrainer(cfg, r)
+    t0 = time.time()
+    tr.run()
+    wall = time.time() - t0
+    sim_s = tr.sim.t_s
+    assert sim_s > 1.0
+    assert wall >= 0.9 * sim_s / 50.0
+    assert wall < sim_s  # much faster than real time
+    msgs, _ = _drain(r, JobKeys("simjob"))
+    beats = sorted({m.wall_time_s for m in msgs if isinstance(m, Heartbeat)})
+    assert np.allclose(np.diff(beats), 0.5)  # beat period on the simulated clock
+
+
+def test_cli_runs_and_checks_health(r, redis_server, tmp_path):
+    env = dict(os.environ)
+    url = redis_server.url
+    sc = tmp_path / "s.yaml"
+    sc.write_text("events:\n  - {at_iteration: 1, action: slow_device, rank: 2, severity: weak}\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "sim",
+        "--redis-url",
+        url,
+        "--job-id",
+        "clijob",
+        "--iterations",
+        "2",
+        "--speed",
+        "0",
+        "--microbatches",
+        "2",
+        "--scenario",
+        str(sc),
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    chk = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "sim",
+            "--redis-url",
+            url,
+            "--job-id",
+            "clijob",
+            "--check-health",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert chk.returncode == 0
+    chk2 = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "sim",
+            "--redis-url",
+            url,
+            "--job-id",
+            "nojob",
+            "--check-health",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert chk2.returncode == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("events:\n  - {at_iteration: 1, action: slow_device, rank: 2}\n")
+    out = subprocess.run(cmd[:-1] + [str(bad)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"{bad}:2:" in out.stderr
+    out = subprocess.run(cmd + ["--tp", "3"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "tp" in out.stderr

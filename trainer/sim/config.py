@@ -1,0 +1,190 @@
+"""Cluster-simulator settings: a validated dataclass built from CLI arguments and the environment.
+
+Every field is documented where it is declared; :meth:`SimConfig.validate`
+raises ``ValueError`` naming the field on a bad value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from resihp.keys import validate_job_id
+from resihp.pipeline.models import MODEL_PRESETS, get_preset
+from resihp.pipeline.schedule import SCHEDULE_KINDS
+from resihp.topology import Layout
+
+
+@dataclass
+class SimConfig:
+    """All simulator settings.  Units are in the names."""
+
+    # --- service plumbing -------------------------------------------------------
+    #: Redis URL (default $REDIS_URL; None = the library default).
+    redis_url: str | None = None
+    #: Job the simulated trainer reports as.
+    job_id: str = "default"
+    #: TTL of the trainer's health key (seconds).
+    health_ttl_s: float = 10.0
+
+    # --- the job ------------------------------------------------------------------
+    #: Model preset (resihp.pipeline.models.MODEL_PRESETS): layers, hidden, FLOPs.
+    model: str = "llama2-7b"
+    #: Parallel degrees; 0 takes the model's Table 3 setting.
+    tp: int = 0
+    pp: int = 0
+    dp: int = 0
+    #: Micro-batches per DP replica per iteration.
+    microbatches: int = 8
+    #: Token budget N of one packed micro-batch (4K-32K).
+    seq_len: int = 4096
+    #: Pipeline schedule: gpipe, 1f1b or zbh1.
+    schedule: str = "1f1b"
+    devices_per_node: int = 8
+    #: Extra idle devices after the job's ranks (available to the scheduler as spares).
+    spare_devices: int = 0
+    #: Scales the calibrated FLOP rate (1.0 = A100 at ~50 % MFU).
+    efficiency: float = 1.0
+
+    # --- running ----------------------------------------------------------------
+    #: Time scale: 10 runs ten times faster than real time; 0 runs unpaced.
+    speed: float = 1.0
+    #: Stop after this many completed iterations (0 = run until stopped).
+    iterations: int = 0
+    #: Heartbeat period of every live rank, in training time (wall period = this / speed).
+    heartbeat_interval_s: float = 1.0
+    #: Sigma of the lognormal noise on every chunk and transfer time.
+    noise: float = 0.03
+    seed: int = 0
+    #: Failure scenario file (docs/scenario.md); empty = none.
+    scenario: str = ""
+    #: Jobs with more ranks than this report chunk rows from TP rank 0 of each group only.
+    max_rank_report: int = 4096
+    #: Communication rows: "all" (RECV per P2P transfer + ALLREDUCE), "allreduce", "none".
+    comm_rows: str = "all"
+
+    # --- adaptation -------------------------------------------------------------
+    #: Communicator rebuild when groups, layers or exclusions change (seconds, §8.3: < 2 s).
+    reconfig_base_s: float = 1.5
+    #: Cost of a plan that only changes micro-batch routing (seconds).
+    reconfig_migration_s: float = 0.05
+    #: Bytes of parameter + optimizer state moved per parameter (bf16 weights, fp32 master, Adam).
+    state_bytes_per_param: float = 16.0
+    #: What a fail-stop does when no plan comes: "wait" for the scheduler (the real
+    #: behaviour, a hung job) or "drop_replica" (offline traces: restart without
+    #: the replicas that lost a device, paying reconfig_base_s).
+    fail_stop_policy: str = "wait"
+    #: How often plans are polled while the job is hung (wall seconds).
+    plan_poll_s: float = 0.25
+
+    # ------------------------------------------------------------ checks
+    def validate(self) -> SimConfig:
+        validate_job_id(self.job_id)
+        try:
+            pre = get_preset(self.model)
+        except ValueError as e:
+            raise ValueError(f"model: {e}") from None
+        self.model = pre.name
+        for name in ("tp", "pp", "dp", "spare_devices", "iterations", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {v!r}")
+        if self.tp and self.tp & (self.tp - 1):
+            raise ValueError(f"tp: must be a power of two, got {self.tp}")
+        if self.tp > self.devices_per_node:
+            raise ValueError(f"tp: {self.tp} exceeds devices_per_node {self.devices_per_node}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches: must be an integer >= 1, got {self.microbatches!r}")
+        if not isinstance(self.seq_len, int) or not 1024 <= self.seq_len <= 131072:
+            raise ValueError(f"seq_len: must be an integer in [1024, 131072], got {self.seq_len!r}")
+        kind = self.schedule.lower().replace("-", "").replace("_", "")
+        if kind not in SCHEDULE_KINDS or kind == "interleaved":
+            raise ValueError(f"schedule: must be gpipe, 1f1b or zbh1, got {self.schedule!r}")
+        self.schedule = kind
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node: must be >= 1, got {self.devices_per_node!r}")
+        for name in ("efficiency", "heartbeat_interval_s", "health_ttl_s", "plan_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        if not self.speed >= 0:
+            raise ValueError(f"speed: must be >= 0 (0 = unpaced), got {self.speed!r}")
+        if not 0 <= self.noise <= 1:
+            raise ValueError(f"noise: must be in [0, 1], got {self.noise!r}")
+        if not isinstance(self.max_rank_report, int) or self.max_rank_report < 0:
+            raise ValueError(
+                f"max_rank_report: must be an integer >= 0, got {self.max_rank_report!r}"
+            )
+        if self.comm_rows not in ("all", "allreduce", "none"):
+            raise ValueError(f"comm_rows: must be all, allreduce or none, got {self.comm_rows!r}")
+        if self.fail_stop_policy not in ("wait", "drop_replica"):
+            raise ValueError(
+                f"fail_stop_policy: must be wait or drop_replica, got {self.fail_stop_policy!r}"
+            )
+        for name in ("reconfig_base_s", "reconfig_migration_s", "state_bytes_per_param"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        tp, dp, pp = self.parallel()
+        if pp > pre.num_layers:
+            raise ValueError(f"pp: {pp} stages exceed the {pre.num_layers} layers of {pre.name}")
+        if tp * dp * pp > 1 << 20:
+            raise ValueError(f"tp*dp*pp: {tp * dp * pp} ranks is more than the simulator supports")
+        return self
+
+    def parallel(self) -> tuple[int, int, int]:
+        """(TP, DP, PP), Table 3 defaults filled in."""
+        t, d, p = get_preset(self.model).table3_parallel
+        return (self.tp or t, self.dp or d, self.pp or p)
+
+    def initial_layout(self) -> Layout:
+        tp, dp, pp = self.parallel()
+        pre = get_preset(self.model)
+        lay = Layout.uniform(
+            tp, pp, dp, pre.num_layers, self.microbatches, self.devices_per_node, self.schedule
+        )
+        if self.spare_devices:
+            lay.world_size += self.spare_devices
+            lay.standby = list(range(tp * pp * dp, lay.world_size))
+            lay.validate()
+        return lay
+
+    @property
+    def report_tp0_only(self) -> bool:
+        tp, dp, pp = self.parallel()
+        return tp * dp * pp > self.max_rank_report
+
+    # ------------------------------------------------------------ CLI
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        d = cls()
+        p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+        p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+        p.add_argument("--model", default=d.model, help=f"one of {sorted(MODEL_PRESETS)}")
+        for name in ("tp", "pp", "dp"):
+            p.add_argument(f"--{name}", type=int, default=0, help="0 = the model's Table 3 setting")
+        p.add_argument("--microbatches", type=int, default=d.microbatches)
+        p.add_argument("--seq-len", type=int, default=d.seq_len, help="token budget N (4096-32768)")
+        p.add_argument("--schedule", default=d.schedule, help="gpipe, 1f1b or zbh1")
+        p.add_argument("--devices-per-node", type=int, default=d.devices_per_node)
+        p.add_argument("--spare-devices", type=int, default=0)
+        p.add_argument("--efficiency", type=float, default=d.efficiency)
+        p.add_argument("--speed", type=float, default=d.speed, help="time scale (0 = unpaced)")
+        p.add_argument("--iterations", type=int, default=0, help="0 = until stopped")
+        p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
+        p.add_argument("--noise", type=float, default=d.noise)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--scenario", default="")
+        p.add_argument("--max-rank-report", type=int, default=d.max_rank_report)
+        p.add_argument("--comm-rows", default=d.comm_rows, choices=["all", "allreduce", "none"])
+        p.add_argument("--reconfig-base-s", type=float, default=d.reconfig_base_s)
+        p.add_argument("--reconfig-migration-s", type=float, default=d.reconfig_migration_s)
+        p.add_argument(
+            "--fail-stop-policy", default=d.fail_stop_policy, choices=["wait", "drop_replica"]
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SimConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        return cls(**kwargs).validate()

@@ -1,0 +1,173 @@
+"""The simulated trainer as a service: paces a ClusterSim in (scaled) real time, emits its telemetry
+through the trainer-side producer and follows adaptation plans.
+
+At start it registers the job, writes the initial layout and starts the
+producer.  ``run_once()`` does one step of the simulated cluster: at the
+iteration boundary it first applies the newest acknowledged plan (if any),
+then advances the simulation and replays the step's heartbeats at their
+simulated times divided by ``speed``; chunk rows and micro-batch stats are
+handed over when the iteration ends, as a real trainer does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import redis
+
+from resihp.bus import Health, incr_counter, register_job
+from resihp.keys import JobKeys
+from resihp.plans import PlanFollower, write_layout
+from resihp.producer import TelemetryProducer
+from resihp.topology import Layout, LayoutError
+from trainer.scenario import Scenario, load_scenario
+
+from .config import SimConfig
+from .core import ClusterSim, SimStep, heartbeat_messages, mb_stats_messages
+
+log = logging.getLogger(__name__)
+
+
+class SimTrainer:
+    """Simulated TP x PP x DP trainer bound to one job in Redis."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        client: redis.Redis,
+        scenario: Scenario | None = None,
+        producer: TelemetryProducer | None = None,
+    ):
+        self.cfg = config.validate()
+        self.client = client
+        self.keys = JobKeys(config.job_id)
+        if scenario is None and config.scenario:
+            scenario = load_scenario(config.scenario)
+        self.wall0 = time.time()
+        self.sim = ClusterSim(config, scenario, epoch_s=self.wall0)
+        self.producer = producer or TelemetryProducer(None, self.keys, client=client)
+        self.follower = PlanFollower(client, self.keys, actor="trainer")
+        self.health = Health(client, self.keys, "trainer", ttl_s=config.health_ttl_s)
+        self.started = False
+        self.steps_total = 0
+        self.iterations_total = 0
+        self.plans_applied_total = 0
+        self.plans_refused_total = 0
+        self.last_step: SimStep | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.started:
+            return
+        register_job(self.client, self.keys)
+        write_layout(self.client, self.keys, self.sim.layout)
+        self.producer.start()
+        self.health.beat("ok", layout_id=self.sim.layout.layout_id)
+        self.started = True
+
+    def close(self) -> None:
+        self.producer.close()
+
+    @property
+    def done(self) -> bool:
+        return self.cfg.iterations > 0 and self.sim.iteration >= self.cfg.iterations
+
+    # ------------------------------------------------------------ pacing
+    def _wall_at(self, t_s: float) -> float:
+        return self.wall0 + t_s / self.cfg.speed
+
+    def _sleep_until_sim(self, t_s: float, stop: threading.Event | None) -> None:
+        if self.cfg.speed <= 0:
+            return
+        delay = self._wall_at(t_s) - time.time()
+        if delay > 0:
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+
+    def _emit(self, step: SimStep, stop: threading.Event | None) -> int:
+        """Replay the step: heartbeats at their times, then rows and stats at its end."""
+        sent = 0
+        hb = step.heartbeats
+        if len(hb):
+            times = hb["wall_time_s"] - self.sim.epoch_s
+            cuts = [0, *(np.flatnonzero(np.diff(times)) + 1).tolist(), len(hb)]
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+                self._sleep_until_sim(float(times[a]), stop)
+                for m in heartbeat_messages(hb[a:b]):
+                    self.producer.heartbeat(m)
+                sent += b - a
+        self._sleep_until_sim(step.true_state.t_end_s, stop)
+        if len(step.chunk_rows):
+            self.producer.chunk_rows(step.chunk_rows)
+            sent += len(step.chunk_rows)
+        for m in mb_stats_messages(step.mb_stats):
+            self.producer.mb_stats(m)
+            sent += 1
+        return sent
+
+    # ------------------------------------------------------------ plans
+    def _follow_plans(self, stop: threading.Event | None) -> int:
+        sent = 0
+        for plan in self.follower.poll():
+            try:
+                new = Layout.from_dict(plan.after)
+            except (LayoutError, TypeError, ValueError) as e:
+                problem = f"malformed layout: {e}"
+            else:
+                problem = self.sim.check_layout(new)
+            if problem:
+                # Never retried: a plan that cannot run is the scheduler's to replace.
+                self.follower.applied.add(plan.plan_id)
+                self.plans_refused_total += 1
+                incr_counter(self.client, self.keys, "trainer_plans_refused_total")
+                log.warning("plan %s refused: %s", plan.plan_id, problem)
+                continue
+            step = self.sim.apply_layout(new)
+            sent += self._emit(step, stop)
+            self.follower.confirm_applied(
+                plan, new, comment=f"sim reconfiguration {step.true_state.reconfig_s:.2f}s"
+            )
+            self.plans_applied_total += 1
+            incr_counter(self.client, self.keys, "trainer_plans_applied_total")
+            log.info("applied plan %s (%s)", plan.plan_id, new.summary())
+            self.last_step = step
+        return sent
+
+    # ------------------------------------------------------------ loop
+    def run_once(self, stop: threading.Event | None = None) -> int:
+        """One step: plans at the boundary, then one iteration (or one hung interval)."""
+        if not self.started:
+            self.start()
+        sent = self._follow_plans(stop)
+        step = self.sim.step()
+        sent += self._emit(step, stop)
+        self.steps_total += 1
+        if step.true_state.status == "ok":
+            self.iterations_total += 1
+        elif step.true_state.status == "hung" and self.cfg.speed <= 0:
+            # Unpaced and hung: give the scheduler wall time to answer.
+            time.sleep(self.cfg.plan_poll_s)
+        self.last_step = step
+        self.health.beat(
+            "ok",
+            iteration=self.sim.iteration,
+            state=step.true_state.status,
+            layout_id=self.sim.layout.layout_id,
+            dropped_total=self.producer.dropped_total,
+        )
+        return sent
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        stop = stop or threading.Event()
+        self.start()
+        try:
+            while not stop.is_set() and not self.done:
+                self.run_once(stop)
+        finally:
+            self.close()
+        return 0
