@@ -183,6 +183,11 @@ class CollectorService:
             log.info("collector: heartbeat_k %d -> %d (detector_config)", self.liveness.k, k)
             self.liveness.set_k(k)
 
+    def _mark_outage(self) -> None:
+        if not self._outage:
+            self._count("collector_outages_total")
+        self._outage = True
+
     def _dead_letter(self, reason: str, raw: Any) -> None:
         bus.dead_letter(self.client, self.keys, self.keys.telemetry, SERVICE, reason, raw)
         self._count("collector_rejected_total")
@@ -205,7 +210,7 @@ class CollectorService:
             reconnects = self.consumer.stats.reconnects_total
             batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
             if self.consumer.stats.reconnects_total != reconnects:
-                self._outage = True
+                self._mark_outage()
                 return 0
             now = time.time()
             handled = self._ingest(batch, now)
@@ -224,7 +229,7 @@ class CollectorService:
             return handled
         except _REDIS_DOWN as e:
             log.warning("collector: redis unavailable (%s); retrying", e)
-            self._outage = True
+            self._mark_outage()
             time.sleep(0.2)
             return 0
 

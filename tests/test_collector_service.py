@@ -1,0 +1,290 @@
+"""CollectorService and its CLI against a real redis-server: records, liveness, layout, record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from collector.config import CollectorConfig
+from collector.service import CollectorService
+from collector.synth import iteration_rows
+from resihp.keys import JobKeys
+from resihp.producer import TelemetryProducer
+from resihp.schemas import (
+    ChunkBatch,
+    Heartbeat,
+    IterationRecord,
+    LivenessEvent,
+    MicroBatchStats,
+    decode_entry,
+    decode_json,
+)
+from resihp.topology import Layout
+
+pytestmark = pytest.mark.redis
+
+JOB = "svc"
+KEYS = JobKeys(JOB)
+
+
+def _layout(**kw) -> Layout:
+    args = dict(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4, devices_per_node=4)
+    args.update(kw)
+    return Layout.uniform(**args)
+
+
+def _set_layout(r, lay: Layout) -> None:
+    r.set(KEYS.layout, json.dumps(lay.to_dict()))
+
+
+def _service(r, **kw) -> CollectorService:
+    cfg = CollectorConfig(job_id=JOB, layout_poll_s=0.05, block_ms=5, **kw)
+    return CollectorService(cfg, r)
+
+
+def _stream(r, stream, cls):
+    out = []
+    for _id, fields in r.xrange(stream):
+        good, bad = decode_entry(fields)
+        assert not bad
+        out += [m for m in good if isinstance(m, cls)]
+    return out
+
+
+def _pump(svc, until, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        svc.run_once()
+        if until():
+            return True
+    return False
+
+
+def _mbs(it, dp, mb):
+    return MicroBatchStats(
+        iteration=it,
+        dp=dp,
+        microbatch=mb,
+        token_budget=64,
+        num_docs=2,
+        sum_sq_len=2048.0,
+        max_len=32,
+    )
+
+
+def test_records_published_and_entries_acked_only_after(r):
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r)
+    p = TelemetryProducer(None, KEYS, client=r, max_batch=16).start()
+    rows = iteration_rows(lay, 0, t0_s=1000.0)
+    hold = (rows["rank"] == 3) & (rows["microbatch"] == 3)
+    p.chunk_rows(rows[~hold])
+    for dp in range(2):
+        for mb in range(4):
+            p.mb_stats(_mbs(0, dp, mb))
+    assert p.flush()
+    group = KEYS.group("collector")
+    assert _pump(svc, lambda: r.xpending(KEYS.telemetry, group)["pending"] > 0)
+    for _ in range(5):
+        svc.run_once()
+    assert r.xlen(KEYS.iterations) == 0
+    # entries carrying rows of the open iteration stay pending until it is published
+    assert r.xpending(KEYS.telemetry, group)["pending"] == -(-int((~hold).sum()) // 16)
+    p.chunk_rows(rows[hold])
+    p.chunk_rows(rows[:40])  # a resent round: duplicates
+    assert p.flush()
+    assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 1)
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.complete and rec.iteration == 0 and rec.samples == 8 and rec.tokens == 8 * 64
+    assert rec.microbatches["sum_sq_len"] == [2048.0] * 8
+    assert rec.num_ranks_reporting == 8
+    assert len(rec.chunks["kind"]) == 2 * 2 * 4 * 2  # dp x stage x mb x {F,B}
+    assert _pump(svc, lambda: r.xpending(KEYS.telemetry, group)["pending"] == 0)
+    svc._flush_counters()
+    counters = {k.decode(): int(v) for k, v in r.hgetall(KEYS.counters).items()}
+    assert counters["iterations_published_total"] == 1
+    assert counters["chunk_rows_duplicate_total"] == 40
+    assert counters["chunk_rows_total"] == len(rows) + 40
+    p.close()
+
+
+def test_liveness_rank_node_rejoin_with_skewed_clocks(r):
+    iv = 0.25
+    lay = _layout()  # 8 ranks, 4 per node: nodes 0 and 1
+    _set_layout(r, lay)
+    svc = _service(r, heartbeat_interval_s=iv, heartbeat_k=2)
+    p = TelemetryProducer(None, KEYS, client=r, flush_interval_s=0.005).start()
+    # Rank clocks are hours apart; liveness must not care.
+    skew = {rank: (rank - 4) * 3600.0 for rank in range(8)}
+    beating = set(range(8))
+    events: list[tuple[float, LivenessEvent]] = []
+
+    def run_for(seconds):
+        end = time.monotonic() + seconds
+        next_beat = 0.0
+        while time.monotonic() < end:
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + iv
+                for rank in sorted(beating):
+                    p.heartbeat(
+                        Heartbeat(
+                            rank=rank, node=0, iteration=1, wall_time_s=time.time() + skew[rank]
+                        )
+                    )
+            svc.run_once()
+            for m in svc.published:
+                if isinstance(m, LivenessEvent) and all(m is not e for _, e in events):
+                    events.append((time.monotonic(), m))
+
+    run_for(1.5)
+    assert events == []
+    beating.discard(2)
+    t_stop = time.monotonic()
+    run_for(1.5)
+    assert [(e.scope, e.state, e.ranks) for _, e in events] == [("rank", "dead", [2])]
+    assert events[0][0] - t_stop <= 3 * iv + 0.35  # 3 intervals plus loop slack
+    beating -= {4, 5, 6, 7}
+    run_for(1.5)
+    assert [(e.scope, e.state, e.node) for _, e in events[1:]] == [("node", "dead", 1)]
+    assert events[1][1].ranks == [4, 5, 6, 7]
+    beating.add(2)
+    run_for(1.0)
+    assert [(e.scope, e.state, e.ranks) for _, e in events[2:]] == [("rank", "rejoined", [2])]
+    on_stream = _stream(r, KEYS.liveness, LivenessEvent)
+    assert [(e.scope, e.state) for e in on_stream] == [
+        ("rank", "dead"),
+        ("node", "dead"),
+        ("rank", "rejoined"),
+    ]
+    hb = {int(k): float(v) for k, v in r.hgetall(KEYS.node_heartbeat).items()}
+    assert set(hb) == {0, 1}
+    assert abs(hb[0] - time.time()) < 1.0  # collector-side time, not a skewed rank clock
+    assert time.time() - hb[1] > 1.0
+    p.close()
+
+
+def test_layout_change_is_reread_and_unknown_ranks_refused(r):
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r, grace_s=60.0, stale_s=60.0)
+    p = TelemetryProducer(None, KEYS, client=r).start()
+    rows = iteration_rows(lay, 0)
+    p.chunk_rows(rows[rows["rank"] != 7])
+    assert p.flush()
+    for _ in range(10):
+        svc.run_once()
+    assert r.xlen(KEYS.iterations) == 0
+    # The scheduler excludes rank 7: its TP group shrinks to one device.
+    lay2 = lay.copy()
+    lay2.groups[1][1] = [6]
+    lay2.dead = [7]
+    lay2.layout_id = 1
+    lay2.validate()
+    _set_layout(r, lay2)
+    assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 1)
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.complete and rec.layout_id == 1
+    assert svc.liveness.rank_state(7).alive is False
+    # Rows from the excluded rank are bad input now.
+    bad = iteration_rows(lay, 1)
+    p.chunk_rows(bad[bad["rank"] == 7])
+    assert p.flush()
+    assert _pump(svc, lambda: r.xlen(KEYS.deadletter) == 1)
+    ((_, f),) = r.xrange(KEYS.deadletter)
+    assert b"rank not in layout 1" in f[b"reason"]
+    assert json.loads(f[b"raw"])["ranks"] == [7]
+    p.close()
+
+
+def _cli(*args, timeout=60, **kw):
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "collector", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kw,
+    )
+
+
+def test_cli_runs_service_and_health_check(r, redis_server):
+    url = redis_server.url
+    lay = _layout()
+    _set_layout(r, lay)
+    assert _cli("--redis-url", url, "--job-id", JOB, "--check-health").returncode == 1
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "collector", "--redis-url", url, "--job-id", JOB],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        p = TelemetryProducer(None, KEYS, client=r).start()
+        for it in range(3):
+            p.chunk_rows(iteration_rows(lay, it, t0_s=float(it)))
+        assert p.flush()
+        deadline = time.monotonic() + 30
+        while r.xlen(KEYS.iterations) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        recs = _stream(r, KEYS.iterations, IterationRecord)
+        assert [(x.iteration, x.complete) for x in recs] == [(0, True), (1, True), (2, True)]
+        assert _cli("--redis-url", url, "--job-id", JOB, "--check-health").returncode == 0
+        assert _cli("--redis-url", url, "--job-id", "other", "--check-health").returncode == 1
+        p.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stderr.close()
+    assert proc.returncode == 0
+    bad = _cli("--redis-url", url, "--job-id", JOB, "--heartbeat-k", "0")
+    assert bad.returncode == 2 and "heartbeat_k" in bad.stderr
+
+
+def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
+    lay = _layout()
+    p = TelemetryProducer(None, KEYS, client=r, max_batch=50).start()
+    rows = iteration_rows(lay, 0)
+    p.chunk_rows(rows)
+    for i in range(5):
+        p.heartbeat(Heartbeat(rank=i, node=0, iteration=0, wall_time_s=1.0, seq=i))
+    p.mb_stats(_mbs(0, 1, 2))
+    assert p.flush()
+    r.xadd(KEYS.telemetry, {b"m": b"[{broken"})  # skipped, not written
+    out = tmp_path / "trace.jsonl"
+    res = _cli("--redis-url", redis_server.url, "--job-id", JOB, "record", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "1 invalid" in res.stderr
+    lines = out.read_text().splitlines()
+    msgs = [decode_json(line) for line in lines]
+    batches = [m for m in msgs if isinstance(m, ChunkBatch)]
+    assert sum(len(b) for b in batches) == len(rows)
+    assert np.array_equal(np.concatenate([b.rows for b in batches]), rows)
+    assert sorted(m.seq for m in msgs if isinstance(m, Heartbeat)) == list(range(5))
+    assert sum(isinstance(m, MicroBatchStats) for m in msgs) == 1
+    assert all(json.loads(line)["schema_version"] == 1 for line in lines)
+
+    # --duration follows entries that arrive while recording.
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "collector", "--redis-url", redis_server.url, "--job-id", JOB,
+            "record", "--out", str(out), "--from", "now", "--duration", "6",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    time.sleep(3.0)  # let it start and take the stream's current end
+    p.heartbeat(Heartbeat(rank=1, node=0, iteration=1, wall_time_s=2.0, seq=77))
+    assert p.flush()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    follow = [decode_json(line) for line in out.read_text().splitlines()]
+    assert [m.seq for m in follow] == [77]
+    p.close()
