@@ -255,3 +255,35 @@ def test_bad_shapes_rejected():
         dag.evaluate(np.ones(dag.num_chunks), np.ones(dag.num_edges + 1))
     with pytest.raises(ValueError, match="interleaved"):
         PipelineDAG.from_layout(Layout.uniform(1, 2, 1, 2, 2), "interleaved")
+
+
+def test_cyclic_migration_orders_fall_back_to_list_scheduling():
+    # Per-device ZB-H1 orders for these migrations wait on each other in a cycle.
+    lay = Layout.uniform(1, 3, 3, 3, 3, schedule="zbh1")
+    lay.migrations = [Migration(0, 0, 2, 1), Migration(0, 0, 1, 2), Migration(1, 0, 1, 2)]
+    lay.validate()
+    dag = PipelineDAG.from_layout(lay)
+    assert dag.schedule_fallback
+    rng = np.random.default_rng(5)
+    cost = rng.uniform(0.5, 1.5, dag.num_chunks)
+    edge = rng.uniform(0, 0.2, dag.num_edges)
+    assert dag.evaluate(cost, edge).pipeline_time_s == pytest.approx(
+        _explicit_longest_path(dag, cost, edge)
+    )
+    for d, s in itertools.product(range(lay.dp), range(lay.pp)):
+        run = dag.device_chunks(d, s)
+        assert (
+            sorted(run.tolist())
+            == np.flatnonzero((dag.chunk_dp == d) & (dag.chunk_stage == s)).tolist()
+        )
+        pos = {
+            (int(dag.chunk_src_dp[c]), int(dag.chunk_mb[c]), int(dag.chunk_kind[c])): i
+            for i, c in enumerate(run)
+        }
+        for (o, j, k), i in pos.items():
+            if k > 0:
+                assert pos[(o, j, k - 1)] < i  # F before B before W on the device
+    # Still better than no zero-bubble split at all.
+    g = PipelineDAG.from_layout(lay, "1f1b")
+    unit = _uniform_costs(dag)
+    assert dag.evaluate(unit).pipeline_time_s <= g.evaluate(_uniform_costs(g)).pipeline_time_s

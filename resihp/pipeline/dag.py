@@ -127,13 +127,18 @@ class _Compiled:
         pred_res, dev_last = self._resource_order(kind, p, slots, idx)
         level = _levels(pred_data, pred_res)
         if level is None:
-            # Cross-replica migrations can make per-device 1F1B orders wait on each other
-            # in a cycle; GPipe order (all F by (mb, owner), then all B, then all W) never can.
+            # Per-device orders taken from the single-replica schedule can wait on each
+            # other in a cycle once migrations tie replicas together.  Then every device's
+            # order comes from one list-scheduling run over the whole component (same
+            # priorities and memory limits as the schedule), which cannot deadlock.
             self.fallback = True
-            pred_res, dev_last = self._resource_order(
-                "gpipe_split" if self.split_w else "gpipe", p, slots, idx
-            )
+            pred_res, dev_last = _list_schedule_order(kind, p, slots, idx, pred_data, self.split_w)
             level = _levels(pred_data, pred_res)
+            if level is None:
+                pred_res, dev_last = self._resource_order(
+                    "gpipe_split" if self.split_w else "gpipe", p, slots, idx
+                )
+                level = _levels(pred_data, pred_res)
             if level is None:  # pragma: no cover - GPipe order is acyclic by construction
                 raise ValueError("pipeline DAG has a cycle even with GPipe ordering")
         # Renumber chunks in level order so each level is a contiguous slice.
@@ -228,6 +233,119 @@ class _Compiled:
             g += cost[:, a:b]
             t[:, a:b] = g
         return t[:, :n]
+
+
+def _list_schedule_order(kind, p, slots, idx, pred_data, split_w):
+    """Per-device orders from a unit-time list-scheduling run over a coupled component.
+
+    Each device, when free, runs (1) its lowest-slot ready B, else (2) its
+    lowest-slot ready F if ``F - B < p - s`` (1F1B activation limit; GPipe has
+    none) and, with W split, ``F - W < p``, else (3) its oldest pending W.
+    When no device can move, the activation limit is lifted for one device so
+    the run always completes.
+    """
+    cost = {KIND_F: 1, KIND_B: 1 if split_w else 2, KIND_W: 1}
+    devices = sorted(slots)
+    f_list, b_list = {}, {}
+    for dev in devices:
+        e, s = dev
+        items = sorted(slots[dev])
+        f_list[dev] = [idx[(d, j, s, KIND_F)] for j, d in items]
+        b_list[dev] = [idx[(d, j, s, KIND_B)] for j, d in items]
+    w_of = {}
+    if split_w:
+        for dev in devices:
+            e, s = dev
+            for j, d in slots[dev]:
+                w_of[idx[(d, j, s, KIND_B)]] = idx[(d, j, s, KIND_W)]
+    n = len(idx)
+    done_at = [None] * n
+    nf = dict.fromkeys(devices, 0)
+    nb = dict.fromkeys(devices, 0)
+    nw = dict.fromkeys(devices, 0)
+    pend_w = {dev: [] for dev in devices}
+    free_at = dict.fromkeys(devices, 0)
+    order = {dev: [] for dev in devices}
+    remaining = n
+    t = 0
+    limitless: set = set()
+    pd = pred_data.tolist()
+
+    def ready(c: int) -> bool:
+        u = pd[c]
+        return u < 0 or (done_at[u] is not None and done_at[u] <= t)
+
+    while remaining:
+        moved = False
+        busy = False
+        for dev in devices:
+            if free_at[dev] > t:
+                busy = True
+                continue
+            s = dev[1]
+            pick = None
+            for c in b_list[dev]:
+                if ready(c):
+                    pick = c
+                    break
+            if pick is None and f_list[dev]:
+                lim_ok = kind == "gpipe" or dev in limitless or nf[dev] - nb[dev] < p - s
+                if split_w and dev not in limitless:
+                    lim_ok = lim_ok and nf[dev] - nw[dev] < p
+                if lim_ok:
+                    for c in f_list[dev]:
+                        if ready(c):
+                            pick = c
+                            break
+            if pick is None and pend_w[dev]:
+                pick = pend_w[dev][0]
+            if pick is None:
+                continue
+            k = _chunk_kind_of(pick, f_list[dev], b_list[dev])
+            if k == KIND_F:
+                f_list[dev].remove(pick)
+                nf[dev] += 1
+            elif k == KIND_B:
+                b_list[dev].remove(pick)
+                nb[dev] += 1
+                if split_w:
+                    pend_w[dev].append(w_of[pick])
+            else:
+                pend_w[dev].pop(0)
+                nw[dev] += 1
+                k = KIND_W
+            done_at[pick] = t + cost[k]
+            free_at[dev] = t + cost[k]
+            order[dev].append(pick)
+            remaining -= 1
+            moved = True
+        if not moved and not busy:
+            # Nothing runs and nothing will finish: lift the limit on a device with a ready F.
+            for dev in devices:
+                if dev not in limitless and any(ready(c) for c in f_list[dev]):
+                    limitless.add(dev)
+                    break
+            else:  # pragma: no cover - data dependencies alone are acyclic
+                raise ValueError("list scheduling made no progress")
+            continue
+        t += 1
+    pred_res = np.full(n, -1, dtype=np.int64)
+    dev_last = {}
+    for dev in devices:
+        prev = -1
+        for c in order[dev]:
+            pred_res[c] = prev
+            prev = c
+        dev_last[dev] = prev
+    return pred_res, dev_last
+
+
+def _chunk_kind_of(c: int, f_list: list[int], b_list: list[int]) -> int:
+    if c in f_list:
+        return KIND_F
+    if c in b_list:
+        return KIND_B
+    return KIND_W
 
 
 def _levels(pred_data: np.ndarray, pred_res: np.ndarray) -> np.ndarray | None:
