@@ -37,7 +37,7 @@ body{font-family:system-ui,-apple-system,sans-serif;margin:0;background:#f6f7f9;
 .header a.active{color:#fff;font-weight:bold;border-bottom:2px solid #fff}
 .brand{font-weight:bold;font-size:18px;margin-right:12px}
 .job-select{width:220px;color:#222}
-.auth-box{margin-left:auto;font-size:13px}
+.auth-box{margin-left:auto;font-size:13px;flex-shrink:0;white-space:nowrap}
 .auth-box form{display:flex;gap:4px;align-items:center}
 .auth-box input{width:100px}
 .live{font-size:12px;color:#9fb3c8}

@@ -285,48 +285,50 @@ def stage_bubble_ratios(cols) -> dict[int, float]:
 
 
 def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_label) -> list:
+    """One bar trace per (kind, migrated?): uniform styling per trace keeps big figures cheap."""
     traces = []
     keep = np.isin(c["dp"], dps)
+    migrated_all = c["src_dp"] != c["dp"]
+    labels: dict[tuple[int, int], str] = {}
     for kind in [k for k in KIND_COLORS if k in set(c["kind"][keep].tolist())]:
-        m = keep & (c["kind"] == kind)
-        migrated = c["src_dp"][m] != c["dp"][m]
-        ys = [
-            row_label(d, s)
-            for d, s in zip(c["dp"][m].tolist(), c["stage"][m].tolist(), strict=True)
-        ]
-        traces.append(
-            go.Bar(
-                orientation="h",
-                base=((c["start_s"][m] - t0) * 1000).tolist(),
-                x=(c["duration_s"][m] * 1000).tolist(),
-                y=ys,
-                name=kind,
-                legendgroup=kind,
-                marker={
-                    "color": KIND_COLORS[kind],
-                    "line": {
-                        "color": ["#d62728" if mg else "rgba(0,0,0,0.25)" for mg in migrated],
-                        "width": [2.5 if mg else 0.5 for mg in migrated],
-                    },
-                    "pattern": {"shape": ["/" if mg else "" for mg in migrated]},
-                },
-                text=[
-                    f"{mb}" + (f"←dp{sd}" if mg else "")
-                    for mb, sd, mg in zip(
-                        c["microbatch"][m].tolist(), c["src_dp"][m].tolist(), migrated, strict=True
-                    )
-                ],
-                textposition="inside",
-                insidetextanchor="middle",
-                customdata=np.stack(
-                    [c["microbatch"][m], c["src_dp"][m], c["duration_s"][m] * 1000], axis=-1
-                ).tolist(),
-                hovertemplate=(
-                    f"{kind} mb %{{customdata[0]}} (owner dp%{{customdata[1]}})<br>"
-                    "start %{base:.2f} ms, %{customdata[2]:.2f} ms<extra>%{y}</extra>"
-                ),
+        for mg in (False, True):
+            m = keep & (c["kind"] == kind) & (migrated_all == mg)
+            if not m.any():
+                continue
+            ys = [
+                labels[(d, s)] if (d, s) in labels else labels.setdefault((d, s), row_label(d, s))
+                for d, s in zip(c["dp"][m].tolist(), c["stage"][m].tolist(), strict=True)
+            ]
+            text = c["microbatch"][m].astype(str).astype(object)
+            marker: dict[str, Any] = {
+                "color": KIND_COLORS[kind],
+                "line": {"color": "rgba(0,0,0,0.25)", "width": 0.5},
+            }
+            if mg:
+                marker["line"] = {"color": "#d62728", "width": 2.5}
+                marker["pattern"] = {"shape": "/"}
+                text = text + "←dp" + c["src_dp"][m].astype(str).astype(object)
+            traces.append(
+                go.Bar(
+                    orientation="h",
+                    base=(c["start_s"][m] - t0) * 1000,
+                    x=c["duration_s"][m] * 1000,
+                    y=np.asarray(ys, dtype=object),
+                    name=f"{kind} (migrated)" if mg else kind,
+                    legendgroup=kind,
+                    marker=marker,
+                    text=text,
+                    textposition="inside",
+                    insidetextanchor="middle",
+                    customdata=np.stack(
+                        [c["microbatch"][m], c["src_dp"][m], c["duration_s"][m] * 1000], axis=-1
+                    ),
+                    hovertemplate=(
+                        f"{kind} mb %{{customdata[0]}} (owner dp%{{customdata[1]}})<br>"
+                        "start %{base:.2f} ms, %{customdata[2]:.2f} ms<extra>%{y}</extra>"
+                    ),
+                )
             )
-        )
     return traces
 
 
@@ -359,14 +361,14 @@ def timeline_figure(
         subplot_titles=[name for name, _ in panels],
     )
     n_rows = 0
-    for i, (name, c) in enumerate(panels, start=1):
+    for i, (_name, c) in enumerate(panels, start=1):
         if not c:
             continue
         bub = bubble_ratios(c)
         t0 = float(c["start_s"].min())
 
-        def label(d, s, bub=bub, name=name):
-            return f"{name[0]} dp{d} s{s} ({bub.get((d, s), 0.0) * 100:.0f}% bubble)"
+        def label(d, s, bub=bub):
+            return f"dp{d} s{s} ({bub.get((d, s), 0.0) * 100:.0f}% bubble)"
 
         for tr in _timeline_traces(c, t0, dps, label):
             tr.showlegend = i == 1

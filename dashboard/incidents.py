@@ -167,25 +167,31 @@ def build_incident(
     proposed = first_snap(("proposed",))
     if proposed is None and snaps:
         proposed = min(snaps, key=lambda p: p.created_at_s)
+    # The scheduler's snapshot is the truth (it validates actions); an action alone counts
+    # only when no snapshot exists, and an override never does (it may have been refused).
+    verb = {"acknowledged": "acknowledge", "overridden": "override", "rejected": "reject"}
     decided_snap = first_snap(("acknowledged", "overridden", "rejected"))
-    decided_act = first_act(("acknowledge", "override", "reject"))
     decided_t, decided_name, decided_detail = None, "acknowledged", ""
-    cands = []
     if decided_snap is not None:
-        cands.append(
+        decided_t = decided_snap.updated_at_s or decided_snap.created_at_s
+        decided_name = decided_snap.state
+        who = next(
             (
-                decided_snap.updated_at_s or decided_snap.created_at_s,
-                decided_snap.state,
-                f"plan {decided_snap.plan_id}",
-            )
+                a.actor
+                for a in reversed(acts)
+                if a.plan_id == decided_snap.plan_id
+                and a.action == verb[decided_snap.state]
+                and a.at_s <= decided_t + 1e-3
+            ),
+            None,
         )
-    if decided_act is not None:
-        name = {"acknowledge": "acknowledged", "override": "overridden", "reject": "rejected"}[
-            decided_act.action
-        ]
-        cands.append((decided_act.at_s, name, f"plan {decided_act.plan_id} by {decided_act.actor}"))
-    if cands:
-        decided_t, decided_name, decided_detail = min(cands)
+        decided_detail = f"plan {decided_snap.plan_id}" + (f" by {who}" if who else "")
+    else:
+        decided_act = first_act(("acknowledge", "reject"))
+        if decided_act is not None:
+            decided_t = decided_act.at_s
+            decided_name = "rejected" if decided_act.action == "reject" else "acknowledged"
+            decided_detail = f"plan {decided_act.plan_id} by {decided_act.actor} (action sent)"
     applied_snap = first_snap(("applied",))
     applied_act = first_act(("applied",))
     applied_t = None

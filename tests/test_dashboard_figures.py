@@ -72,10 +72,10 @@ def test_timeline_marks_migrations_and_adds_predicted_panel():
     }
     fig = figures.timeline_figure(cols)
     bars = [t for t in fig.data if t.type == "bar"]
-    assert len(bars) == 1 and bars[0].name == "F"  # kind codes mapped to names
-    widths = list(bars[0].marker.line.width)
-    assert widths == [0.5, 2.5]  # the chunk owned by dp0 running on dp1 is outlined
-    assert "←dp0" in bars[0].text[1]
+    assert [b.name for b in bars] == ["F", "F (migrated)"]  # kind codes mapped to names
+    assert bars[0].marker.line.width == 0.5 and bars[1].marker.line.width == 2.5
+    assert bars[1].marker.pattern.shape == "/" and list(bars[1].y) == ["dp1 s0 (71% bubble)"]
+    assert bars[1].text[0] == "1←dp0"  # micro-batch 1 of dp0, running on dp1
     assert bars[0].base[0] == pytest.approx(0.0) and bars[0].x[0] == pytest.approx(200.0)
     fig2 = figures.timeline_figure(cols, predicted=cols)
     assert {t.yaxis for t in fig2.data} == {"y", "y2"}
@@ -94,7 +94,7 @@ def test_timeline_limits_replicas():
     fig = figures.timeline_figure(cols, max_replicas=4)
     assert len(fig.data[0].y) == 4
     fig = figures.timeline_figure(cols, dps=[7, 9])
-    assert sorted({y.split()[1] for y in fig.data[0].y}) == ["dp7", "dp9"]
+    assert sorted({y.split()[0] for y in fig.data[0].y}) == ["dp7", "dp9"]
 
 
 def test_skew_grid_16k_gpus_aggregates_and_drills_down():

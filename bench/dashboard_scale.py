@@ -1,0 +1,109 @@
+"""Dashboard cost at scale: what one live refresh of a 16,384-GPU job sends and takes.
+
+Prints, side by side, the aggregated device-skew heatmap against a naive
+one-cell-per-GPU heatmap (bytes sent to the browser, build time), the Redis
+read of 16k device-health entries, a /metrics render, and a pipeline timeline
+plus its DAG prediction for a PP16 x 64 micro-batch iteration.
+
+    python bench/dashboard_scale.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from dashboard import figures
+from dashboard.data import DashboardData
+from dashboard.metrics import render
+from dashboard.predict import predict_healthy
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.redis_client import EmbeddedRedis
+from resihp.topology import Layout
+
+
+def timed(fn, repeat: int = 3):
+    best = float("inf")
+    out = None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return out, best
+
+
+def main() -> None:
+    world, dpn = 16384, 8
+    rng = np.random.default_rng(0)
+    p = np.clip(rng.normal(0.98, 0.01, world), 0, 1)
+    p[rng.choice(world, 5, replace=False)] = 0.4
+    health = {r: {"p": float(p[r]), "state": "healthy"} for r in range(world)}
+    lay = Layout.uniform(tp=8, pp=16, dp=128, num_layers=80, num_microbatches=64)
+
+    def aggregated():
+        pa, st = figures.device_arrays(world, health, dead=[11, 12], standby=[40])
+        g = figures.skew_grid(pa, st, dpn, max_rows=64)
+        return figures.skew_heatmap_figure(g, dpn).to_json()
+
+    def naive():
+        import plotly.graph_objects as go
+
+        z = p.reshape(-1, dpn).tolist()
+        return go.Figure(go.Heatmap(z=z, y=[f"node {i}" for i in range(len(z))])).to_json()
+
+    def coords():
+        pa, _ = figures.device_arrays(world, health)
+        return figures.coord_heatmap_figure(pa, lay.groups).to_json()
+
+    agg_json, agg_s = timed(aggregated)
+    naive_json, naive_s = timed(naive)
+    coord_json, coord_s = timed(coords)
+    print(f"{'16,384 GPUs':<40}{'aggregated':>14}{'naive per-GPU':>16}{'ratio':>8}")
+    print(
+        f"{'skew heatmap JSON (bytes)':<40}{len(agg_json):>14,}{len(naive_json):>16,}"
+        f"{len(naive_json) / len(agg_json):>8.1f}"
+    )
+    print(
+        f"{'skew heatmap build (ms)':<40}{agg_s * 1e3:>14.1f}{naive_s * 1e3:>16.1f}"
+        f"{naive_s / agg_s:>8.1f}"
+    )
+    print(
+        f"{'(stage x DP) heatmap JSON bytes / ms':<40}{len(coord_json):>14,}{coord_s * 1e3:>16.1f}"
+    )
+
+    with EmbeddedRedis(appendonly=False) as srv:
+        r = srv.client()
+        keys = JobKeys("big")
+        bus.register_job(r, keys)
+        r.set(keys.layout, json.dumps(lay.to_dict()))
+        r.hset(keys.device_health, mapping={str(k): json.dumps(v) for k, v in health.items()})
+        r.hset(keys.node_heartbeat, mapping={str(n): time.time() for n in range(world // dpn)})
+        data = DashboardData(r, hash_ttl_s=0.0)
+        _, read_s = timed(lambda: data.device_health("big"))
+        text, metrics_s = timed(lambda: render(data), repeat=2)
+        print(f"{'read device_health hash (16k entries), ms':<40}{read_s * 1e3:>14.1f}")
+        print(f"{'/metrics render, ms / bytes':<40}{metrics_s * 1e3:>14.1f}{len(text):>16,}")
+
+    small = Layout.uniform(tp=1, pp=16, dp=4, num_layers=80, num_microbatches=64)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from dashboard_scenario import simulate
+
+    cols, _ = simulate(small, {5: 0.5}, 0.0)
+    hp = {r: {"p": 0.5 if r == 5 else 1.0} for r in range(small.world_size)}
+    fig_json, tl_s = timed(lambda: figures.timeline_figure(cols).to_json())
+    _, pred_s = timed(
+        lambda: predict_healthy(small, {"chunks": cols, "iteration": time.time()}, hp)
+    )
+    print(f"{'timeline PP16 x 64 mb x 4 DP: chunks':<40}{len(cols['stage']):>14,}")
+    print(f"{'timeline figure build ms / JSON bytes':<40}{tl_s * 1e3:>14.1f}{len(fig_json):>16,}")
+    print(f"{'DAG-predicted healthy timeline, ms':<40}{pred_s * 1e3:>14.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The dashboard in real headless chromium against a running stack.
+
+Real parts: a redis-server, the real scheduler service (``python -m scheduler``,
+manual mode) and the dashboard server (``python -m dashboard``), each in its
+own process.  The fail-slow is injected as telemetry the way the collector and
+detector publish it (iteration records whose rank 5 slows to p = 0.5 from
+iteration 40, the detector's FailureReport, device health); the scheduler
+turns the report into the proposed plan.  Then, in the browser: every page
+loads with live data, an unauthenticated Acknowledge is refused and publishes
+nothing, an operator logs in, an override with an infeasible partition shows
+the scheduler's refusal, Acknowledge changes the plan's state in Redis, and the
+incident export downloads a file that contains the recovery timeline.
+Screenshots of every page go to artifacts/screenshots/ (and two to docs/img/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dashboard_scenario import publish_job  # noqa: E402
+
+from resihp import bus  # noqa: E402
+from resihp.redis_client import free_port  # noqa: E402
+from resihp.schemas import IterationRecord  # noqa: E402
+
+pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "artifacts" / "screenshots"
+
+
+def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _plan(r, keys, pid: int) -> dict | None:
+    raw = r.hget(keys.plan_state, str(pid))
+    return json.loads(raw) if raw else None
+
+
+@pytest.fixture
+def stack(r, redis_server, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
+    env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    logs = []
+
+    def spawn(name, argv):
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed in teardown
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+
+    port = free_port()
+    spawn(
+        "scheduler",
+        ["scheduler", "--redis-url", redis_server.url, "--job-id", "job-a", "--mode", "manual"],
+    )
+    spawn(
+        "dashboard",
+        ["dashboard", "--redis-url", redis_server.url, "--job-id", "job-a", "--port", str(port)],
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return urllib.request.urlopen(url + "/", timeout=1).status == 200
+        except OSError:
+            return False
+
+    try:
+        _wait(up, 30, "the dashboard server")
+        _wait(lambda: _plan(r, sc["keys"], 1), 20, "the scheduler's plan")
+        yield sc, url
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in logs:
+            log.close()
+        for f in tmp_path.glob("*.log"):
+            text = f.read_text()
+            if "Traceback" in text:
+                print(f"--- {f.name}\n{text[-4000:]}")
+
+
+def test_dashboard_end_to_end(stack, r, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    sc, url = stack
+    keys = sc["keys"]
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 950}, accept_downloads=True)
+        page.set_default_timeout(15_000)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+
+        # Overview: layout, cards, figures and the open incident, then a live update.
+        page.goto(url + "/")
+        expect(page.locator("#ov-cards")).to_contain_text("DP2 x PP4 x TP2")
+        expect(page.locator("#ov-cards")).to_contain_text("1 pending")
+        expect(page.locator("#ov-incidents")).to_contain_text("fr-slow-1")
+        expect(page.locator("#ov-itertime")).to_contain_text("predicted (healthy)")
+        expect(page.locator("#ov-cards")).to_contain_text("59")
+        t = time.time()
+        bus.publish(
+            r,
+            keys.iterations,
+            IterationRecord(
+                iteration=60,
+                iteration_time_s=0.5,
+                start_s=t,
+                end_s=t + 0.5,
+                samples=32,
+                tokens=1,
+                num_ranks_reporting=16,
+            ),
+        )
+        t0 = time.monotonic()
+        expect(page.locator("#ov-cards")).to_contain_text("0.500 s", timeout=5_000)
+        assert time.monotonic() - t0 < 2.5  # live update within 2 s (+ render), no reload
+        page.screenshot(path=str(SHOTS / "overview.png"), full_page=True)
+
+        # Pipeline timeline of a slow iteration: observed and predicted panels, bubbles.
+        page.goto(url + "/timeline")
+        page.fill("#tl-iteration", "45")
+        page.press("#tl-iteration", "Enter")
+        expect(page.locator("#tl-graph")).to_contain_text("Iteration 45")
+        expect(page.locator("#tl-graph")).to_contain_text("predicted")
+        expect(page.locator("#tl-bubble-values")).to_contain_text("s1:")
+        expect(page.locator("#tl-info")).to_contain_text("predicted shown")
+        with page.expect_download() as dl:
+            page.click("#tl-download-btn")
+        trace = json.loads(Path(dl.value.path()).read_text())
+        tracks = {e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        assert tracks >= set(range(16))
+        page.screenshot(path=str(SHOTS / "pipeline_timeline.png"), full_page=True)
+
+        # Device skew: heatmap with the slow GPU, coordinate view, culprits.
+        page.goto(url + "/skew")
+        expect(page.locator("#sk-where")).to_contain_text("16 devices on 2 nodes")
+        expect(page.locator("#sk-heatmap")).to_contain_text("gpu5")
+        expect(page.locator("#sk-culprits")).to_contain_text("fail_slow_compute")
+        page.screenshot(path=str(SHOTS / "skew_heatmap.png"), full_page=True)
+
+        # Failures: the report row opens its evidence.
+        page.goto(url + "/failures")
+        cell = page.locator("#fl-table td", has_text="fr-slow-1")
+        cell.click()
+        expect(page.locator("#fl-evidence-json")).to_contain_text('"change_point": 40')
+        page.screenshot(path=str(SHOTS / "failures.png"), full_page=True)
+
+        # Plans, not logged in: the click is refused visibly and publishes nothing.
+        page.goto(url + "/plans")
+        expect(page.locator("#pl-state")).to_have_text("proposed")
+        expect(page.locator("#pl-diff")).to_contain_text("stage 1 layers")
+        page.click("#pl-ack")
+        expect(page.locator("#pl-action-refused")).to_contain_text("log in")
+        assert r.xlen(keys.actions) == 0 and _plan(r, keys, 1)["state"] == "proposed"
+
+        # Wrong password, then the operator logs in.
+        page.fill("#login-user", "alice")
+        page.fill("#login-password", "guess")
+        page.click("#login-submit")
+        expect(page.locator("#login-error")).to_contain_text("login failed")
+        page.fill("#login-user", "alice")
+        page.fill("#login-password", "wonderland")
+        page.click("#login-submit")
+        expect(page.locator("#operator-name")).to_contain_text("alice")
+
+        # Override with an infeasible partition: the scheduler refuses; the page shows why.
+        expect(page.locator("#pl-ov-layers")).not_to_have_value("")
+        page.fill("#pl-ov-layers", "10,10,10,10")
+        page.click("#pl-override")
+        expect(page.locator("#pl-action-sent")).to_contain_text("Sent override")
+        expect(page.locator("#pl-outcome-refused")).to_contain_text("sum to 32")
+        expect(page.locator("#pl-refusals")).to_contain_text("sum to 32")
+        refused = _plan(r, keys, 2)
+        assert refused["state"] == "refused" and refused["parent_plan_id"] == 1
+
+        # Acknowledge: an OperatorAction by alice, and the plan's state changes in Redis.
+        page.click("#pl-ack")
+        expect(page.locator("#pl-action-sent")).to_contain_text(
+            "Sent acknowledge for plan 1 as alice"
+        )
+        _wait(lambda: _plan(r, keys, 1)["state"] == "acknowledged", 10, "plan 1 acknowledged")
+        acts = [json.loads(f[b"m"])[0] for _, f in r.xrange(keys.actions)]
+        assert [(a["action"], a["actor"]) for a in acts] == [
+            ("override", "alice"),
+            ("acknowledge", "alice"),
+        ]
+        expect(page.locator("#pl-state")).to_have_text("acknowledged")
+        expect(page.locator("#pl-audit")).to_contain_text("alice")
+        page.screenshot(path=str(SHOTS / "plans.png"), full_page=True)
+
+        # Incident export: the downloaded HTML holds the recovery timeline.
+        page.goto(url + "/incidents?id=fr-slow-1")
+        expect(page.locator("#in-phases")).to_contain_text("acknowledged")
+        with page.expect_download() as dl:
+            page.click("#in-export-html")
+        html = Path(dl.value.path()).read_text()
+        assert dl.value.suggested_filename == "incident-fr-slow-1.html"
+        assert "Recovery timeline" in html and "plan proposed" in html and "acknowledged" in html
+        assert "<script src=" not in html
+        page.screenshot(path=str(SHOTS / "incidents.png"), full_page=True)
+
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        assert 'resihp_plans{job="job-a",state="acknowledged"} 1.0' in metrics
+        browser.close()
+    assert not errors, errors
+    img = ROOT / "docs" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    shutil.copy(SHOTS / "pipeline_timeline.png", img / "dashboard-pipeline-timeline.png")
+    shutil.copy(SHOTS / "skew_heatmap.png", img / "dashboard-skew-heatmap.png")
