@@ -132,3 +132,26 @@ def test_bad_inputs():
         CostModel(alpha_layer_s_per_token=1.0, beta_layer_s_per_token2=0.0, ratio_b=-1)
     with pytest.raises(ValueError, match="device speed"):
         cm.predict_iteration_s(lay, 4096, 1e6, {0: 0.0})
+
+
+def test_vectorized_edge_costs_follow_the_p2p_rule():
+    lay = Layout.uniform(4, 4, 3, 32, 5)
+    lay.groups[1][2] = lay.groups[1][2][:2]
+    lay.migrations = [Migration(2, 1, 3, 0), Migration(1, 2, 4, 1)]
+    lay.standby = [r for r in range(lay.world_size) if r not in lay.coords()]
+    lay.validate()
+    cm = cost_model_for("llama2-7b", 4096, lay)
+    dag = cm.dag_for(lay)
+    link = {5: 0.3, 40: 0.5}
+    got = cm.edge_costs(dag, lay, link)
+    ref = [
+        cm.p2p_time_s(
+            lay,
+            (int(dag.chunk_dp[a]), int(dag.chunk_stage[a])),
+            (int(dag.chunk_dp[b]), int(dag.chunk_stage[b])),
+            link,
+        )
+        for a, b in zip(dag.edge_src, dag.edge_dst, strict=True)
+    ]
+    assert np.allclose(got, ref)
+    assert len(set(np.round(got, 12))) >= 4  # heterogeneous TP, slow links, cross-replica edges

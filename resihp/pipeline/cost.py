@@ -248,20 +248,38 @@ class CostModel:
             )
         return self.ib_latency_s + size / min(t1, t2) / (self.ib_bytes_per_s * link) + gather
 
+    def _group_arrays(
+        self, layout: Layout, link_speed
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per (dp, stage) group: TP degree, node, slowest link factor (flattened dp*pp)."""
+        n = layout.dp * layout.pp
+        tdeg = np.ones(n)
+        node = np.full(n, -1, dtype=np.int64)
+        link = np.ones(n)
+        for d, st in enumerate(layout.groups):
+            for s, g in enumerate(st):
+                if g:
+                    i = d * layout.pp + s
+                    tdeg[i] = len(g)
+                    node[i] = layout.node_of(g[0])  # a TP group never spans nodes
+                    if link_speed:
+                        link[i] = max(min(link_speed.get(r, 1.0) for r in g), 1e-9)
+        return tdeg, node, link
+
     def edge_costs(
         self, dag: PipelineDAG, layout: Layout, link_speed: Mapping[int, float] | None = None
     ) -> np.ndarray:
-        """P2P time on every data edge of ``dag`` (seconds)."""
-        pp = layout.pp
-        src_dev = dag.chunk_dp[dag.edge_src] * pp + dag.chunk_stage[dag.edge_src]
-        dst_dev = dag.chunk_dp[dag.edge_dst] * pp + dag.chunk_stage[dag.edge_dst]
-        pair = src_dev * (layout.dp * pp) + dst_dev
-        uniq, inv = np.unique(pair, return_inverse=True)
-        vals = np.empty(len(uniq))
-        for i, code in enumerate(uniq.tolist()):
-            sd, dd = divmod(code, layout.dp * pp)
-            vals[i] = self.p2p_time_s(layout, divmod(sd, pp), divmod(dd, pp), link_speed)
-        return vals[inv]
+        """P2P time on every data edge of ``dag`` (seconds); same rule as :meth:`p2p_time_s`."""
+        tdeg, node, link = self._group_arrays(layout, link_speed)
+        src, dst = dag.edge_src_dev, dag.edge_dst_dev
+        size = self.p2p_bytes_per_microbatch
+        t1, t2 = tdeg[src], tdeg[dst]
+        same = node[src] == node[dst]
+        lk = np.minimum(link[src], link[dst])
+        bw = np.where(same, self.nvlink_bytes_per_s, self.ib_bytes_per_s) * lk
+        lat = np.where(same, self.nvlink_latency_s, self.ib_latency_s)
+        gather = (t2 - 1) / t2 * size / self.nvlink_bytes_per_s
+        return lat + size / np.minimum(t1, t2) / bw + gather
 
     # ------------------------------------------------------------ DP all-reduce
     def allreduce_costs(

@@ -502,6 +502,9 @@ class PipelineDAG:
         self.in_edge[self.edge_dst] = np.arange(self.num_edges)
         self.dev_last = dev_last
         self._dev_id = self.chunk_dp * self.pp + self.chunk_stage
+        # Device (dp * pp + stage) at each end of every P2P edge, for vectorized edge costs.
+        self.edge_src_dev = self._dev_id[self.edge_src]
+        self.edge_dst_dev = self._dev_id[self.edge_dst]
 
     @property
     def num_levels(self) -> int:
