@@ -203,3 +203,15 @@ def test_config_errors_name_the_field():
     ]:
         with pytest.raises(ValueError, match=field):
             _cfg(**kw).validate()
+
+
+def test_table6_calibration_reproduces_fault_free_throughput():
+    cfg = _cfg(model="llama2-13b", efficiency=0.0, noise=0.0, microbatches=8)
+    steps = list(simulate_run(cfg, iterations=4))
+    ts = [s.true_state for s in steps]
+    # Table 6 assumes single-document micro-batches (sum l^2 = N^2); packing real
+    # documents only makes attention cheaper, so the simulator is a little faster.
+    sps = np.mean([t.samples / t.iteration_time_s for t in ts])
+    assert 8.05 <= sps <= 8.05 * 1.1
+    with pytest.raises(ValueError, match="Table 6"):
+        _cfg(model="llama2-70b", efficiency=0.0).validate()

@@ -12,7 +12,12 @@ import os
 from dataclasses import dataclass
 
 from resihp.keys import validate_job_id
-from resihp.pipeline.models import MODEL_PRESETS, get_preset
+from resihp.pipeline.models import (
+    MODEL_PRESETS,
+    TABLE6_SAMPLES_PER_S,
+    get_preset,
+    table6_efficiency,
+)
 from resihp.pipeline.schedule import SCHEDULE_KINDS
 from resihp.topology import Layout
 
@@ -45,7 +50,8 @@ class SimConfig:
     devices_per_node: int = 8
     #: Extra idle devices after the job's ranks (available to the scheduler as spares).
     spare_devices: int = 0
-    #: Scales the calibrated FLOP rate (1.0 = A100 at ~50 % MFU).
+    #: Scales the calibrated FLOP rate (1.0 = A100 at ~50 % MFU); 0 = choose it so the
+    #: Table 3 layout's fault-free throughput matches the paper's Table 6.
     efficiency: float = 1.0
 
     # --- running ----------------------------------------------------------------
@@ -105,7 +111,11 @@ class SimConfig:
         self.schedule = kind
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ValueError(f"devices_per_node: must be >= 1, got {self.devices_per_node!r}")
-        for name in ("efficiency", "heartbeat_interval_s", "health_ttl_s", "plan_poll_s"):
+        if not self.efficiency >= 0:
+            raise ValueError(f"efficiency: must be > 0, or 0 for Table 6, got {self.efficiency!r}")
+        if self.efficiency == 0 and pre.name not in TABLE6_SAMPLES_PER_S:
+            raise ValueError(f"efficiency: 0 (Table 6) is not available for {pre.name}")
+        for name in ("heartbeat_interval_s", "health_ttl_s", "plan_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         if not self.speed >= 0:
@@ -149,6 +159,12 @@ class SimConfig:
             lay.validate()
         return lay
 
+    def flops_scale(self) -> float:
+        """The efficiency factor, resolving 0 to the Table 6 calibration."""
+        if self.efficiency > 0:
+            return self.efficiency
+        return table6_efficiency(self.model, self.seq_len, self.microbatches, self.schedule)
+
     @property
     def report_tp0_only(self) -> bool:
         tp, dp, pp = self.parallel()
@@ -168,7 +184,12 @@ class SimConfig:
         p.add_argument("--schedule", default=d.schedule, help="gpipe, 1f1b or zbh1")
         p.add_argument("--devices-per-node", type=int, default=d.devices_per_node)
         p.add_argument("--spare-devices", type=int, default=0)
-        p.add_argument("--efficiency", type=float, default=d.efficiency)
+        p.add_argument(
+            "--efficiency",
+            type=float,
+            default=d.efficiency,
+            help="FLOP-rate scale; 0 = match Table 6",
+        )
         p.add_argument("--speed", type=float, default=d.speed, help="time scale (0 = unpaced)")
         p.add_argument("--iterations", type=int, default=0, help="0 = until stopped")
         p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)

@@ -261,7 +261,7 @@ class ClusterSim:
             config.model,
             config.seq_len,
             self.layout,
-            flops=A100_EFFECTIVE_FLOPS * config.efficiency,
+            flops=A100_EFFECTIVE_FLOPS * config.flops_scale(),
         )
         seed = config.seed if scenario is None or scenario.seed is None else scenario.seed
         self.rng = np.random.default_rng(seed)
