@@ -30,7 +30,7 @@ from resihp.topology import Layout
 from scheduler.planner import plan
 from scheduler.policies import get_policy
 from scheduler.predict import Predictor
-from scheduler.simulate import SEVERITY_FACTOR, Event, calibrate, run_timeline
+from scheduler.simulate import SEVERITY_DROP, Event, calibrate, run_timeline
 
 MBS = 8
 FAULT_FREE = {
@@ -202,12 +202,12 @@ def fig9(models, seeds) -> list[str]:
     lo = {"none": 1.32, "adaptra": 1.18, "greyhound": 1.22}
     for model in models:
         layout = table3_layout(model, MBS)
-        for sev, fac in SEVERITY_FACTOR.items():
+        for sev in SEVERITY_DROP:
 
-            def scen(seed, layout=layout, fac=fac, sev=sev, model=model):
+            def scen(seed, layout=layout, sev=sev, model=model):
                 rng = random.Random(f"{model}-{sev}-{seed}")
                 r = rng.randrange(layout.world_size)
-                return [Event(600.0, None, "slow_device", (r,), factor=fac)], 7200.0
+                return [Event(600.0, None, "slow_device", (r,), severity=sev)], 7200.0
 
             row = {
                 pol: mean_runs(model, pol, scen, seeds)[0]
@@ -240,7 +240,7 @@ def mixed_events(
         if k % 2 == 0:
             out.append(Event(t, None, "kill_device", (r,)))
         else:
-            out.append(Event(t, None, "slow_device", (r,), factor=SEVERITY_FACTOR["medium"]))
+            out.append(Event(t, None, "slow_device", (r,), severity="medium"))
         t += every_s
         k += 1
     return out

@@ -35,8 +35,10 @@ from scheduler.planner import layout_runnable
 from scheduler.policies import Abort, Policy, get_policy
 from scheduler.predict import Predictor
 
-#: §8.3 unmitigated throughput drop of weak / medium / severe fail-slows -> speed factor.
-SEVERITY_FACTOR = {"weak": 0.65, "medium": 0.45, "severe": 0.30}
+#: §8.3 unmitigated throughput drop of weak / medium / severe fail-slows.
+SEVERITY_DROP = {"weak": 0.35, "medium": 0.55, "severe": 0.70}
+#: Fallback speed factor when a drop cannot be produced by slowing the targets.
+SEVERITY_FACTOR = {k: 1.0 - v for k, v in SEVERITY_DROP.items()}
 ACTIONS = ("kill_device", "kill_node", "slow_device", "slow_link", "recover", "rejoin")
 IB_BYTES_S = 20e9
 
@@ -54,6 +56,9 @@ class Event:
     node: int | None = None
     factor: float | None = None
     line: int = 0
+    severity: str | None = None
+    duration_s: float | None = None
+    duration_iterations: int | None = None
 
     def targets(self, devices_per_node: int) -> list[int]:
         out = list(self.ranks)
@@ -117,19 +122,39 @@ def load_events(text: str, source: str = "<scenario>") -> tuple[str, list[Event]
         if not ranks and node is None:
             raise bad(f"{action} needs 'rank', 'ranks' or 'node'")
         factor = it.get("factor")
+        severity = it.get("severity")
         if action in ("slow_device", "slow_link"):
-            if "severity" in it:
-                if it["severity"] not in SEVERITY_FACTOR:
-                    raise bad(f"severity must be one of {list(SEVERITY_FACTOR)}")
-                factor = SEVERITY_FACTOR[it["severity"]]
-            if not isinstance(factor, int | float) or not 0 < factor <= 1:
+            if severity is not None:
+                if severity not in SEVERITY_DROP:
+                    raise bad(f"severity must be one of {list(SEVERITY_DROP)}")
+                if factor is not None:
+                    raise bad(f"{action} needs exactly one of factor or severity")
+            elif not isinstance(factor, int | float) or not 0 < factor <= 1:
                 raise bad(f"{action} needs factor in (0, 1] or a severity")
+        dur_s, dur_it = it.get("duration_s"), it.get("duration_iterations")
+        if dur_s is not None and (not isinstance(dur_s, int | float) or dur_s <= 0):
+            raise bad(f"duration_s must be a number > 0, got {dur_s!r}")
+        if dur_it is not None and (not isinstance(dur_it, int) or dur_it <= 0):
+            raise bad(f"duration_iterations must be an integer > 0, got {dur_it!r}")
         try:
             at_s = float(it["at_s"]) if "at_s" in it else None
             at_it = int(it["at_iteration"]) if "at_iteration" in it else None
         except (TypeError, ValueError):
             raise bad("at_s / at_iteration must be numbers") from None
-        out.append(Event(at_s, at_it, action, tuple(ranks), node, factor, ln))
+        out.append(
+            Event(
+                at_s,
+                at_it,
+                action,
+                tuple(ranks),
+                node,
+                factor,
+                ln,
+                severity,
+                float(dur_s) if dur_s is not None else None,
+                dur_it,
+            )
+        )
     return name, out
 
 
@@ -146,6 +171,7 @@ class TimelineResult:
     segments: list[tuple[float, float, float]] = field(default_factory=list)  # (t0, t1, samples/s)
     adaptations: list[dict] = field(default_factory=list)
     planning_s: list[float] = field(default_factory=list)
+    unmodeled: list[str] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
@@ -165,6 +191,7 @@ class TimelineResult:
             "segments": [list(s) for s in self.segments],
             "adaptations": self.adaptations,
             "planning_s": self.planning_s,
+            "unmodeled": self.unmodeled,
         }
 
 
@@ -173,6 +200,32 @@ def calibrate(pred: Predictor, layout: Layout, samples_per_s: float) -> None:
     pred.time_scale = 1.0
     t = pred.iteration_s(layout, {})
     pred.time_scale = (layout.total_microbatches / samples_per_s) / t
+
+
+def severity_factor(pred: Predictor, layout: Layout, ranks: list[int], severity: str) -> float:
+    """Speed factor of ``ranks`` that makes ``layout``'s iteration time grow by 1/(1 - drop).
+
+    Same rule as the cluster simulator (docs/scenario.md): bisection on the
+    engine's prediction; falls back to ``1 - drop`` when slowing the targets
+    cannot cause the drop (e.g. they run no work).
+    """
+    drop = SEVERITY_DROP[severity]
+    t0 = pred.iteration_s(layout, {})
+    goal = t0 / (1.0 - drop)
+
+    def t(f: float) -> float:
+        return pred.iteration_s(layout, {r: f for r in ranks})
+
+    if t(0.01) < goal:
+        return SEVERITY_FACTOR[severity]
+    lo, hi = 0.01, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if t(mid) > goal:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _moved_bytes(old: list[Layout], new: list[Layout], pred: Predictor) -> float:
@@ -250,10 +303,22 @@ def run_timeline(
                     heapq.heappush(heap, (at + delay, seq, "react", ("stop", tg)))
                 else:  # an idle/standby device died: the policy learns of it, nothing halts
                     heapq.heappush(heap, (at + delay, seq, "learn", ("stop", tg)))
-            elif ev.action in ("slow_device", "slow_link"):
+            elif ev.action == "slow_link":
+                res.unmodeled.append(f"slow_link at {at:.0f}s (link speeds are not modeled here)")
+            elif ev.action == "slow_device":
+                fac = ev.factor
+                if ev.severity is not None:
+                    fac = severity_factor(pred, layout, tg, ev.severity)
                 for r in tg:
                     if true_p.get(r, 1.0) > 0:
-                        true_p[r] = ev.factor
+                        true_p[r] = fac
+                dur = ev.duration_s or (
+                    ev.duration_iterations * t_ff if ev.duration_iterations else None
+                )
+                if dur:
+                    rec = Event(at + dur, None, "recover", tuple(tg))
+                    heapq.heappush(heap, (at + dur, seq, "event", rec))
+                    seq += 1
                 if policy.handles_slow:
                     it_now = policy.iteration_s(state, true_p, pred)
                     delay = (
