@@ -51,7 +51,7 @@ class DetectorConfig:
     #: Stream entries read per stream per loop.
     batch_count: int = 200
     #: How long one read blocks when nothing is pending (milliseconds).
-    block_ms: int = 100
+    block_ms: int = 50
 
     # --- mode -----------------------------------------------------------------
     #: "resihp" (workload-aware, per-chunk residuals) or "greyhound" (baseline:

@@ -46,9 +46,11 @@ class FailStopTracker:
             "missed_beats": ev.missed_beats,
             "decision_latency_s": round(max(0.0, ev.detected_at_s - ev.last_seen_s), 6),
         }
+        if not ranks:
+            return None  # names nobody: nothing to report
         if ev.state == "dead":
             new = [r for r in ranks if r not in self.dead]
-            if not new and ranks:
+            if not new:
                 self.duplicates_total += 1
                 return None
             for r in new:

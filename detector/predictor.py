@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +38,19 @@ N_UNIT = 1e4
 SQ_UNIT = 1e8
 
 
-def _kind_codes(raw: list) -> np.ndarray:
+def _kind_codes(raw) -> np.ndarray:
+    """ChunkKind codes from names or ints (-1 for anything else)."""
+    try:
+        arr = np.asarray(raw)
+    except (TypeError, ValueError):
+        arr = np.asarray(raw, dtype=object)
+    if arr.dtype.kind == "U":
+        u, inv = np.unique(arr, return_inverse=True)
+        lut = np.array([_KIND_BY_NAME.get(str(x).upper(), -1) for x in u], dtype=np.int16)
+        return lut[inv].astype(np.int16)
+    if arr.dtype.kind in "iu":
+        ok = (arr >= 0) & (arr <= int(max(ChunkKind)))
+        return np.where(ok, arr, -1).astype(np.int16)
     out = np.full(len(raw), -1, dtype=np.int16)
     for i, k in enumerate(raw):
         if isinstance(k, str):
@@ -134,12 +146,7 @@ class IterationView:
             for d, j, nn, sq in zip(mdp, mmb, mn, msq, strict=True):
                 if d >= 0 and j >= 0 and np.isfinite(nn) and np.isfinite(sq) and nn > 0:
                     stats.setdefault((int(d), int(j)), (float(nn), float(sq)))
-        tn = np.full(len(kind), np.nan)
-        sq = np.full(len(kind), np.nan)
-        for i in range(len(kind)):
-            s = stats.get((int(src[i]), int(mb[i])))
-            if s is not None:
-                tn[i], sq[i] = s
+        tn, sq = _lookup_stats(stats, src, mb)
         direction = _comm_direction(dp, stage, src, mb, kind, start)
 
         rk = rec.ranks or {}
@@ -198,28 +205,38 @@ def _comm_direction(dp, stage, src, mb, kind, start) -> np.ndarray:
     p2p = np.flatnonzero((kind == SEND) | (kind == RECV))
     if not len(p2p):
         return out
-    f_start: dict[tuple, float] = {}
-    b_start: dict[tuple, float] = {}
-    for i in np.flatnonzero(kind <= int(ChunkKind.B)):
-        key = (int(dp[i]), int(stage[i]), int(src[i]), int(mb[i]))
-        (f_start if kind[i] == int(ChunkKind.F) else b_start)[key] = float(start[i])
+
+    def code(sel):
+        return ((dp[sel].astype(np.int64) * 4096 + stage[sel]) * 4096 + src[sel]) * 65536 + mb[sel]
+
+    def start_of(k: int) -> tuple[np.ndarray, np.ndarray]:
+        sel = kind == k
+        c = code(sel)
+        order = np.argsort(c, kind="stable")
+        return c[order], start[sel][order]
+
+    fc, fs = start_of(int(ChunkKind.F))
+    bc, bs = start_of(int(ChunkKind.B))
+    pc = code(p2p)
+    t = start[p2p]
+    st = stage[p2p]
     last_stage = int(stage.max()) if len(stage) else 0
-    for i in p2p:
-        key = (int(dp[i]), int(stage[i]), int(src[i]), int(mb[i]))
-        s = key[1]
-        t = float(start[i])
-        if kind[i] == RECV:
-            ref = f_start.get(key)
-            if ref is not None and np.isfinite(t):
-                out[i] = 1 if t <= ref else -1
-            else:
-                out[i] = 1 if s == last_stage and s > 0 else (-1 if s == 0 else 0)
-        else:
-            ref = b_start.get(key)
-            if ref is not None and np.isfinite(t):
-                out[i] = 1 if t < ref else -1
-            else:
-                out[i] = 1 if s == 0 else (-1 if s == last_stage else 0)
+
+    def ref(cs, ss):
+        if not len(cs):
+            return np.full(len(pc), np.nan)
+        pos = np.clip(np.searchsorted(cs, pc), 0, len(cs) - 1)
+        return np.where(cs[pos] == pc, ss[pos], np.nan)
+
+    is_recv = kind[p2p] == RECV
+    f_ref, b_ref = ref(fc, fs), ref(bc, bs)
+    known = np.where(is_recv, np.isfinite(f_ref), np.isfinite(b_ref)) & np.isfinite(t)
+    by_time = np.where(is_recv, np.where(t <= f_ref, 1, -1), np.where(t < b_ref, 1, -1))
+    # without the compute chunks: the first and last stages have one direction each
+    recv_edge = np.where((st == last_stage) & (st > 0), 1, np.where(st == 0, -1, 0))
+    send_edge = np.where(st == 0, 1, np.where(st == last_stage, -1, 0))
+    fallback = np.where(is_recv, recv_edge, send_edge)
+    out[p2p] = np.where(known, by_time, fallback)
     return out
 
 
@@ -330,7 +347,15 @@ class ChunkPredictor:
             if q is None:
                 q = self.comm[key] = deque(maxlen=64)
             q.append(val)
-            self.comm_median[key] = float(np.median(q))
+        if stats:
+            # one vectorized median over every key's history (NaN-padded)
+            keys = list(self.comm)
+            arr = np.full((len(keys), 64), np.nan)
+            for i, key in enumerate(keys):
+                q = self.comm[key]
+                arr[i, : len(q)] = q
+            meds = np.nanmedian(arr, axis=1)
+            self.comm_median.update(zip(keys, meds.tolist(), strict=True))
         self.iterations_fitted += 1
 
     def update_scales(self, v: IterationView, rate: float, exclude: set | None = None) -> None:
@@ -352,11 +377,15 @@ class ChunkPredictor:
             self.scale[key] = r if old is None or rate >= 1.0 else old * (1 - rate) + r * rate
 
     def _scales(self, dp: np.ndarray, stage: np.ndarray) -> np.ndarray:
-        if not self.scale:
+        if not self.scale or not len(dp):
             return np.ones(len(dp))
-        return np.array(
-            [self.scale.get((int(d), int(s)), 1.0) for d, s in zip(dp, stage, strict=True)]
-        )
+        nd = int(max(dp.max(), max(k[0] for k in self.scale))) + 1
+        ns = int(max(stage.max(), max(k[1] for k in self.scale))) + 1
+        table = np.ones((nd, ns))
+        for (d, s), f in self.scale.items():
+            if d >= 0 and s >= 0:
+                table[d, s] = f
+        return table[dp, stage]
 
     # ----------------------------------------------------------- predicting
     def cost(self, stage: int, kind: int, tokens_n: float, sum_sq: float) -> float:
@@ -635,15 +664,46 @@ def comm_stats(
     comm &= ~p2p | (v.direction != 0)
     if not comm.any():
         return {}
-    buckets: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
-    for i in np.flatnonzero(comm):
-        key = (int(v.dp[i]), int(v.stage[i]), int(v.kind[i]), int(v.direction[i]))
-        buckets[key].append(float(v.duration_s[i]))
+    d = v.dp[comm].astype(np.int64)
+    st = v.stage[comm].astype(np.int64)
+    k = v.kind[comm].astype(np.int64)
+    dr = v.direction[comm].astype(np.int64) + 1
+    code = ((d * 4096 + st) * 16 + k) * 4 + dr
+    dur = v.duration_s[comm]
+    order = np.lexsort((dur, code))
+    code, dur = code[order], dur[order]
+    starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    ends = np.r_[starts[1:], len(code)]
+    n = ends - starts
+    kk = (code[starts] // 4) % 16
+    q = np.where(kk == RECV, 0.2, 0.5)
+    pos = starts + q * (n - 1)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, ends - 1)
+    frac = pos - lo
+    val = dur[lo] * (1 - frac) + dur[hi] * frac
     out = {}
-    for key, vals in buckets.items():
-        a = np.asarray(vals)
-        out[key] = float(np.percentile(a, 20) if key[2] == RECV else np.median(a))
+    for c, x in zip(code[starts].tolist(), val.tolist(), strict=True):
+        out[(c // (4096 * 64), (c // 64) % 4096, (c // 4) % 16, c % 4 - 1)] = x
     return out
+
+
+def _lookup_stats(stats: dict, src: np.ndarray, mb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """N and sum l^2 of each chunk's micro-batch (nan when its stats are missing)."""
+    tn = np.full(len(src), np.nan)
+    sq = np.full(len(src), np.nan)
+    if not stats or not len(src):
+        return tn, sq
+    keys = np.fromiter((d * 1_000_003 + j for d, j in stats), dtype=np.int64, count=len(stats))
+    vals = np.array(list(stats.values()), dtype=float)
+    order = np.argsort(keys)
+    keys, vals = keys[order], vals[order]
+    want = src.astype(np.int64) * 1_000_003 + mb.astype(np.int64)
+    pos = np.clip(np.searchsorted(keys, want), 0, len(keys) - 1)
+    hit = keys[pos] == want
+    tn[hit] = vals[pos[hit], 0]
+    sq[hit] = vals[pos[hit], 1]
+    return tn, sq
 
 
 def link_of(key: tuple[int, int, int, int]) -> tuple[int, int]:

@@ -1,0 +1,208 @@
+"""The live detector service against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from collector.config import CollectorConfig
+from collector.service import CollectorService
+from detector.config import DetectorConfig
+from detector.service import DetectorService
+from detector.synthetic import SyntheticJob
+from resihp import bus
+from resihp.keys import JobKeys
+from resihp.schemas import FailureReport, Heartbeat, LivenessEvent, decode_entry
+from resihp.topology import Layout
+
+pytestmark = pytest.mark.redis
+
+LAY = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8)
+
+
+def _failures(r, keys) -> list[FailureReport]:
+    out = []
+    for _id, fields in r.xrange(keys.failures):
+        good, bad = decode_entry(fields)
+        assert not bad
+        out += good
+    return out
+
+
+def _svc(r, job="svc", **kw) -> DetectorService:
+    cfg = DetectorConfig(job_id=job, block_ms=10, **kw)
+    return DetectorService(cfg, r)
+
+
+def test_failstop_and_failslow_published_with_health(r):
+    keys = JobKeys("svc")
+    r.set(keys.layout, json.dumps(LAY.to_dict()))
+    svc = _svc(r)
+    job = SyntheticJob(LAY, seed=31)
+    victim = LAY.groups[1][1][0]
+    for i in range(60):
+        if i == 40:
+            job.rank_slow[victim] = 1.8
+        bus.publish(r, keys.iterations, job.next_record())
+    while svc.run_once():
+        pass
+    reps = _failures(r, keys)
+    assert [(x.kind, x.ranks) for x in reps] == [("fail_slow_compute", [victim])]
+    assert reps[0].evidence["rank_ratios"][str(victim)] > 1.5
+    h = json.loads(r.hget(keys.device_health, str(victim)))
+    assert h["state"] == "slow" and h["p"] == pytest.approx(1 / 1.8, abs=0.06)
+    # a dead node: reported before anything else in the same batch
+    dead = LAY.node_ranks(1)
+    bus.publish(r, keys.iterations, job.next_record())
+    bus.publish(
+        r,
+        keys.liveness,
+        LivenessEvent(
+            scope="node",
+            node=1,
+            ranks=dead,
+            state="dead",
+            detected_at_s=time.time(),
+            last_seen_s=time.time() - 2.5,
+            missed_beats=2,
+        ),
+    )
+    while svc.run_once():
+        pass
+    reps = _failures(r, keys)
+    assert reps[1].kind == "fail_stop" and reps[1].ranks == dead and reps[1].nodes == [1]
+    assert json.loads(r.hget(keys.device_health, str(dead[0])))["state"] == "dead"
+    assert int(r.hget(keys.counters, "detector_fail_stop_total")) == 1
+    # everything was acknowledged
+    for stream in (keys.iterations, keys.liveness):
+        assert r.xpending(stream, keys.group("detector"))["pending"] == 0
+
+
+def test_runtime_config_changes_without_restart(r):
+    keys = JobKeys("cfg")
+    svc = _svc(r, job="cfg")
+    svc.run_once()
+    seeded = {k.decode(): v.decode() for k, v in r.hgetall(keys.detector_config).items()}
+    assert seeded["heartbeat_k"] == "2" and seeded["threshold"] == "1.25"
+    r.hset(
+        keys.detector_config,
+        mapping={
+            "threshold": "1.4",
+            "cpd_penalty": "20",
+            "heartbeat_k": "3",
+            "disabled_ranks": "5,6",
+        },
+    )
+    svc.run_once()
+    assert svc.config.threshold == 1.4 and svc.config.cpd_penalty == 20.0
+    assert svc.config.heartbeat_k == 3 and svc.config.disabled_ranks == {5, 6}
+    assert svc.engine.config.threshold == 1.4  # the engine runs with it
+    assert svc.engine.failslow.idet.penalty == 20.0
+    r.hset(keys.detector_config, "threshold", "not-a-number")
+    svc.run_once()
+    assert svc.config.threshold == 1.4  # bad value ignored, old one kept
+    assert int(r.hget(keys.counters, "detector_config_rejected_total")) == 1
+    # a restart does not overwrite what operators set
+    svc2 = _svc(r, job="cfg")
+    svc2.run_once()
+    assert r.hget(keys.detector_config, "cpd_penalty") == b"20"
+    assert svc2.config.cpd_penalty == 20.0
+
+
+def test_disabled_rank_switch_applies_live(r):
+    keys = JobKeys("off")
+    r.set(keys.layout, json.dumps(LAY.to_dict()))
+    svc = _svc(r, job="off")
+    job = SyntheticJob(LAY, seed=32)
+    victim = LAY.groups[0][2][1]
+    for _ in range(30):
+        bus.publish(r, keys.iterations, job.next_record())
+    while svc.run_once():
+        pass
+    r.hset(keys.detector_config, "disabled_ranks", json.dumps([victim]))
+    job.rank_slow[victim] = 2.0
+    for _ in range(10):
+        bus.publish(r, keys.iterations, job.next_record())
+    while svc.run_once():
+        pass
+    assert _failures(r, keys) == []
+
+
+def test_bad_entries_go_to_dead_letter(r):
+    keys = JobKeys("bad")
+    svc = _svc(r, job="bad")
+    r.xadd(keys.iterations, {"m": b"{not json"})
+    r.xadd(keys.liveness, {"m": json.dumps([{"type": "liveness", "schema_version": 1}]).encode()})
+    svc.run_once()
+    svc.run_once()
+    assert r.xlen(keys.deadletter) == 2
+    assert _failures(r, keys) == []
+
+
+def test_failstop_latency_with_the_collector(r):
+    """Kill a rank's heartbeats: the FailureReport lands within 3 heartbeat intervals."""
+    interval = 0.4
+    job_id = "hb"
+    keys = JobKeys(job_id)
+    lay = Layout.uniform(tp=2, pp=2, dp=1, num_layers=4, num_microbatches=2, devices_per_node=2)
+    r.set(keys.layout, json.dumps(lay.to_dict()))
+    det = _svc(r, job=job_id)
+    det.run_once()  # seeds heartbeat_k for the collector
+    col = CollectorService(
+        CollectorConfig(
+            job_id=job_id,
+            heartbeat_interval_s=interval,
+            block_ms=5,
+            layout_poll_s=0.05,
+            heartbeat_k=5,
+        ),
+        r,
+    )
+    victim = 3
+    seq = 0
+    next_beat = time.time()
+    killed_at = None
+    reported_at = None
+    deadline = time.time() + 8.0
+    while time.time() < deadline and reported_at is None:
+        now = time.time()
+        if now >= next_beat:
+            for rank in range(lay.world_size):
+                if killed_at is not None and rank == victim:
+                    continue
+                hb = Heartbeat(
+                    rank=rank, node=lay.node_of(rank), iteration=0, wall_time_s=now, seq=seq
+                )
+                bus.publish(r, keys.telemetry, hb)
+            seq += 1
+            next_beat += interval
+            if seq == 4 and killed_at is None:
+                killed_at = time.time()  # the victim's next beat never comes
+        col.run_once()
+        det.run_once()
+        for rep in _failures(r, keys):
+            if rep.kind == "fail_stop":
+                reported_at = time.time()
+                assert rep.ranks == [victim] and rep.nodes == [lay.node_of(victim)]
+        time.sleep(0.005)
+    assert col.liveness.k == 2  # the collector took K from the detector's hash
+    assert reported_at is not None, "no fail_stop report"
+    latency = reported_at - killed_at
+    print(f"fail-stop latency {latency:.3f} s = {latency / interval:.2f} heartbeat intervals")
+    assert latency <= 3 * interval
+
+
+def test_run_loop_stops_and_beats_health(r):
+    keys = JobKeys("loop")
+    svc = _svc(r, job="loop")
+    stop = threading.Event()
+    t = threading.Thread(target=svc.run, args=(stop,), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert bus.Health.check(r, keys, "detector")
+    stop.set()
+    t.join(5)
+    assert not t.is_alive()
