@@ -1,0 +1,139 @@
+"""Policies on the analytical timeline and the ``simulate`` CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from resihp.pipeline.models import table3_layout
+from scheduler.policies import POLICIES, Abort, get_policy
+from scheduler.predict import Predictor
+from scheduler.simulate import (
+    Event,
+    ScenarioError,
+    calibrate,
+    load_events,
+    run_timeline,
+    severity_factor,
+)
+
+MODEL = "llama2-13b"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    lay = table3_layout(MODEL, 8)
+    pred = Predictor(MODEL)
+    calibrate(pred, lay, 8.05)
+    return lay, pred
+
+
+def test_calibration_hits_fault_free_throughput(setup):
+    lay, pred = setup
+    assert pred.samples_per_s(lay, {}) == pytest.approx(8.05, rel=1e-9)
+
+
+def test_baselines_drop_whole_groups_and_abort_when_a_stage_is_gone(setup):
+    lay, pred = setup
+    # rank 5 is replica 1 stage 0, rank 1 is replica 0 stage 0
+    st = get_policy("recycle").adapt([lay], {5: 0.0}, pred)
+    assert st[0].groups[1][0] == [] and len(st[0].migrations) == 8
+    with pytest.raises(Abort, match="stage 0"):
+        get_policy("recycle").adapt(st, {5: 0.0, 1: 0.0}, pred)
+    st2 = get_policy("resihp").adapt([lay], {5: 0.0, 1: 0.0}, pred)
+    assert all(st2[0].groups[d][0] for d in range(2))
+    with pytest.raises(Abort):
+        get_policy("greyhound").adapt([lay], {5: 0.0}, pred)
+
+
+def test_oobleck_rebuilds_heterogeneous_pipelines(setup):
+    lay, pred = setup
+    pol = get_policy("oobleck")
+    st = pol.adapt(pol.initial_state(lay), {5: 0.0}, pred)
+    assert sum(x.total_microbatches for x in st) == lay.total_microbatches
+    assert all(5 not in x.coords() for x in st)
+    assert sum(len(x.groups[0]) for x in st) == 7  # every intact TP group is reused
+
+
+def test_resihp_beats_baselines_on_fail_stop_timeline(setup):
+    lay, pred = setup
+    events = [Event(1800.0, None, "kill_device", (5,)), Event(5400.0, None, "kill_device", (1,))]
+    out = {
+        p: run_timeline(get_policy(p), lay, events, pred, 4 * 3600.0, MODEL)
+        for p in ("resihp", "recycle", "oobleck")
+    }
+    assert not out["resihp"].aborted
+    assert out["recycle"].aborted and out["recycle"].abort_at_s == pytest.approx(5400.0, abs=60)
+    assert out["resihp"].samples_per_s > out["oobleck"].samples_per_s
+    assert out["resihp"].samples_per_s < 8.05
+    # training halts between the kill and the reconfiguration
+    seg = [s for s in out["resihp"].segments if s[0] >= 1800.0 and s[1] <= 1830.0]
+    assert seg and seg[0][2] == 0.0
+
+
+def test_fail_slow_severity_matches_the_unmitigated_drop(setup):
+    lay, pred = setup
+    f = severity_factor(pred, lay, [5], "medium")
+    assert 0 < f < 1
+    t0 = pred.iteration_s(lay, {})
+    assert pred.iteration_s(lay, {5: f}) == pytest.approx(t0 / 0.45, rel=1e-3)
+    ev = [Event(600.0, None, "slow_device", (5,), severity="medium")]
+    none = run_timeline(get_policy("none"), lay, ev, pred, 7200.0, MODEL)
+    res = run_timeline(get_policy("resihp"), lay, ev, pred, 7200.0, MODEL)
+    grey = run_timeline(get_policy("greyhound"), lay, ev, pred, 7200.0, MODEL)
+    assert none.samples_per_s < grey.samples_per_s < res.samples_per_s
+
+
+def test_every_policy_runs_a_mixed_timeline(setup):
+    lay, pred = setup
+    ev = [
+        Event(600.0, None, "slow_device", (20,), factor=0.4),
+        Event(1200.0, None, "kill_device", (9,)),
+    ]
+    for name in POLICIES:
+        r = run_timeline(get_policy(name), lay, ev, pred, 3600.0, MODEL)
+        assert r.samples_per_s > 0
+        assert r.aborted == (name in ("none", "greyhound", "adaptra"))
+
+
+def test_scenario_errors_name_the_line():
+    text = "events:\n  - {at_s: 10, action: kill_device, rank: 1}\n  - {at_s: 20, action: slow_device, rank: 2}\n"
+    with pytest.raises(ScenarioError, match=r"s.yaml:3: slow_device needs factor"):
+        load_events(text, "s.yaml")
+    name, ev = load_events("name: x\nevents:\n  - {at_iteration: 5, action: kill_node, node: 1}\n")
+    assert name == "x" and ev[0].targets(8) == list(range(8, 16))
+
+
+def test_simulate_cli(tmp_path):
+    sc = tmp_path / "sc.yaml"
+    sc.write_text("events:\n  - {at_s: 600, action: kill_device, rank: 5}\n")
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "scheduler",
+        "simulate",
+        "--scenario",
+        str(sc),
+        "--policy",
+        "resihp",
+        "--out",
+        str(out),
+        "--model",
+        MODEL,
+        "--duration-s",
+        "3600",
+        "--fault-free-samples-per-s",
+        "8.05",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(out.read_text())
+    assert d["policy"] == "resihp" and not d["aborted"] and 0 < d["samples_per_s"] < 8.05
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("events:\n  - {at_s: 600, action: explode, rank: 5}\n")
+    p = subprocess.run(cmd[:5] + [str(bad)] + cmd[6:], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "bad.yaml:2" in p.stderr
