@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -166,7 +167,7 @@ class SchedulerService:
 
     # ------------------------------------------------------------ planning
     def _options(self) -> PlanOptions:
-        base = getattr(self.policy, "options", None) or PlanOptions()
+        base = copy.deepcopy(getattr(self.policy, "options", None) or PlanOptions())
         base.delta = self.config.delta
         return base
 
@@ -337,10 +338,26 @@ class SchedulerService:
             for entry_id, msgs in entries:
                 for m in msgs:
                     if isinstance(m, kind):
-                        if kind is FailureReport:
-                            self.handle_report(m)
-                        else:
-                            self.handle_action(m)
+                        try:
+                            if kind is FailureReport:
+                                self.handle_report(m)
+                            else:
+                                self.handle_action(m)
+                        except (redis.ConnectionError, redis.TimeoutError):
+                            raise  # not acked: re-delivered after reconnect
+                        except Exception as e:  # noqa: BLE001 - a bad message must not stop the service
+                            log.exception("failed to handle %s", type(m).__name__)
+                            bus.dead_letter(
+                                self.client,
+                                self.keys,
+                                consumer.stream,
+                                self.config.consumer,
+                                f"internal error handling {type(m).__name__}: {e!r}",
+                                m.to_dict(),
+                            )
+                            bus.incr_counter(
+                                self.client, self.keys, "scheduler_internal_errors_total"
+                            )
                         handled += 1
                     else:
                         bus.dead_letter(

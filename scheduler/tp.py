@@ -67,7 +67,8 @@ def select_subgroup(
     alive = [r for r in dict.fromkeys(candidates) if p.get(r, 1.0) > 0 and r not in must]
     if any(p.get(r, 1.0) <= 0 for r in must):
         return None
-    ranked = sorted(alive, key=lambda r: (-p.get(r, 1.0), r))
+    # stable sort: among equally fast devices the caller's order wins (current members first)
+    ranked = sorted(alive, key=lambda r: -p.get(r, 1.0))
     n = len(must) + len(ranked)
     if k_max is not None:
         n = min(n, k_max)

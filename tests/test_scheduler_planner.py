@@ -148,3 +148,24 @@ def test_balance_microbatches_minimizes_max():
     assert balance_microbatches([1.0, float("inf"), 1.0], 6) == [3, 0, 3]
     with pytest.raises(ValueError):
         balance_microbatches([float("inf")], 4)
+
+
+def test_keep_override_retains_a_device_the_scheduler_would_drop():
+    pred = PRED[80.0]
+    lay = Layout.uniform(4, 4, 2, 40, 8)
+    auto = plan(lay, {5: 0.3}, pred)
+    assert 5 not in auto.after.coords() and 5 in auto.after.standby
+    kept = plan(lay, {5: 0.3}, pred, PlanOptions(keep=(5,)))
+    assert 5 in kept.after.coords()
+    assert kept.predicted_after_s > 0
+
+
+def test_recovered_device_regrows_its_group_without_churn():
+    pred = PRED[80.0]
+    lay = Layout.uniform(4, 4, 2, 40, 8)
+    slow = plan(lay, {5: 0.3}, pred).after
+    assert len(slow.groups[1][0]) == 2
+    back = plan(slow, {}, pred).after
+    assert sorted(back.groups[1][0]) == [4, 5, 6, 7]
+    # healthy groups next to the standby keep their members
+    assert back.groups[0][0] == lay.groups[0][0]
