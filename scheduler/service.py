@@ -29,6 +29,7 @@ import redis
 
 from resihp import bus
 from resihp.keys import JobKeys
+from resihp.pipeline.models import MODEL_PRESETS
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction, SchemaError, decode_json
 from resihp.topology import Layout, LayoutError
 from scheduler.config import SchedulerConfig
@@ -96,13 +97,25 @@ def check_report(report: FailureReport, layout: Layout) -> None:
             pass  # a recovery of a slow device back to full speed is fine
 
 
+def infer_model(layout: Layout | None) -> str:
+    """The first Table 3 preset with the layout's layer count ('' when none matches)."""
+    if layout is None:
+        return ""
+    for name, pre in MODEL_PRESETS.items():
+        if pre.num_layers == layout.num_layers:
+            return name
+    return ""
+
+
 class SchedulerService:
     def __init__(self, config: SchedulerConfig, client: redis.Redis):
         self.config = config
         self.client = client
         self.keys = JobKeys(config.job_id)
         self.policy = get_policy(config.policy)
-        self.predictor = Predictor(config.model, config.seq_len, config.device_mem_gb)
+        self._predictor: Predictor | None = (
+            Predictor(config.model, config.seq_len, config.device_mem_gb) if config.model else None
+        )
         group = self.keys.group(SERVICE)
         self.failures = bus.StreamConsumer(
             client, self.keys, self.keys.failures, group, consumer=config.consumer
@@ -130,6 +143,18 @@ class SchedulerService:
             if isinstance(p, AdaptationPlan):
                 out[p.plan_id] = p
         return out
+
+    @property
+    def predictor(self) -> Predictor:
+        if self._predictor is None:
+            lay = self.layout()
+            self._predictor = Predictor(
+                infer_model(lay), self.config.seq_len, self.config.device_mem_gb
+            )
+            log.info(
+                "cost model: %s (inferred from the layout)", self._predictor.model or "generic"
+            )
+        return self._predictor
 
     def layout(self) -> Layout | None:
         raw = self.client.get(self.keys.layout)
@@ -281,6 +306,15 @@ class SchedulerService:
         )
         self.persist(ch)
         self.plans_total += 1
+        new = ch.plans[-1]
+        log.info(
+            "proposed plan %d (%s): %s, predicted %.3f s -> %.3f s",
+            new.plan_id,
+            self.config.mode,
+            reason,
+            new.predicted_before_s,
+            new.predicted_after_s,
+        )
         bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
 
     def handle_action(self, action: OperatorAction) -> None:

@@ -243,3 +243,12 @@ def test_config_rejects_bad_values():
         SchedulerConfig(policy="nope")
     with pytest.raises(ValueError, match="grace_period_s"):
         SchedulerConfig(grace_period_s=-1)
+
+
+def test_cost_model_inferred_from_layout_when_not_configured(r):
+    keys, lay = _setup(r)
+    svc = SchedulerService(SchedulerConfig(job_id=JOB, block_ms=10, grace_period_s=0.0), r)
+    assert svc.predictor.model == "llama2-13b"  # the 40-layer Table 3 preset
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    assert len(latest_plans(r, keys)) == 1
