@@ -202,7 +202,10 @@ class IterationAssembler:
             self._seen_ranks = s
 
     # ------------------------------------------------------------ input
-    def add_rows(self, rows: np.ndarray, now_s: float) -> AddResult:
+    def add_rows(self, rows: np.ndarray, now_s: float, checked: bool = False) -> AddResult:
+        """Take a batch of rows.  ``checked``: the rows already passed
+        ``ChunkBatch.check_rows`` (finite times, non-negative durations and
+        indices), so only the bounds of the dedup key are checked here."""
         res = AddResult()
         if not len(rows):
             return res
@@ -210,32 +213,38 @@ class IterationAssembler:
             raise TypeError(f"rows must have CHUNK_DTYPE, got {rows.dtype}")
         # Bad input first: out-of-range fields and ranks the layout does not run.
         bad = (
-            (rows["rank"] < 0)
-            | (rows["rank"] >= _LIMITS["rank"])
-            | (rows["dp"] < 0)
-            | (rows["stage"] < 0)
+            (rows["rank"] >= _LIMITS["rank"])
             | (rows["stage"] >= _LIMITS["stage"])
-            | (rows["microbatch"] < 0)
             | (rows["microbatch"] >= _LIMITS["microbatch"])
-            | (rows["src_dp"] < -1)
             | (rows["src_dp"] >= _LIMITS["src_dp"])
-            | (rows["kind"] < 0)
-            | (rows["kind"] > max(ChunkKind))
-            | (rows["iteration"] < 0)
-            | ~np.isfinite(rows["start_s"])
-            | ~np.isfinite(rows["end_s"])
-            | ~np.isfinite(rows["compute_s"])
-            | (rows["end_s"] < rows["start_s"])
         )
+        if not checked:
+            bad |= (
+                (rows["rank"] < 0)
+                | (rows["dp"] < 0)
+                | (rows["stage"] < 0)
+                | (rows["microbatch"] < 0)
+                | (rows["src_dp"] < -1)
+                | (rows["kind"] < 0)
+                | (rows["kind"] > max(ChunkKind))
+                | (rows["iteration"] < 0)
+                | ~np.isfinite(rows["start_s"])
+                | ~np.isfinite(rows["end_s"])
+                | ~np.isfinite(rows["compute_s"])
+                | (rows["end_s"] < rows["start_s"])
+            )
         if bad.any():
             res.rejected.append(("chunk rows: field out of range or absurd timing", rows[bad]))
             rows = rows[~bad]
         view = self.view
         if view is not None and len(rows):
             r = rows["rank"]
-            inside = r < view.world_size
-            unknown = ~inside.copy()
-            unknown[inside] = ~view.active[r[inside]]
+            if int(r.max()) < view.world_size:
+                unknown = ~view.active[r]
+            else:
+                inside = r < view.world_size
+                unknown = ~inside
+                unknown[inside] = ~view.active[r[inside]]
             if unknown.any():
                 res.rejected.append(
                     (f"chunk rows: rank not in layout {view.layout_id}", rows[unknown])
@@ -345,10 +354,9 @@ class IterationAssembler:
         self._mark_done(it)
         if not op.parts:
             return None  # micro-batch stats without any chunk: nothing to report
-        rows = np.concatenate(op.parts) if len(op.parts) > 1 else op.parts[0]
         return build_record(
             it,
-            rows,
+            op.parts,
             list(op.mbstats.values()),
             layout_id=self.view.layout_id if self.view is not None else 0,
             complete=complete,
@@ -366,14 +374,21 @@ def _group_reduce(keys: np.ndarray, *cols: tuple[np.ndarray, np.ufunc]):
 
 def build_record(
     iteration: int,
-    rows: np.ndarray,
+    rows: np.ndarray | list[np.ndarray],
     mbstats: list[MicroBatchStats],
     layout_id: int = 0,
     complete: bool = True,
 ) -> IterationRecord:
-    """Reduce one iteration's deduplicated rows to an IterationRecord."""
+    """Reduce one iteration's deduplicated rows (one array or a list of parts) to a record."""
+    parts = rows if isinstance(rows, list) else [rows]
     # Contiguous columns once: arithmetic on strided record fields is several times slower.
-    col = {n: np.ascontiguousarray(rows[n]) for n in CHUNK_DTYPE.names if n != "_pad"}
+    col = {
+        n: np.concatenate([p[n] for p in parts])
+        if len(parts) > 1
+        else np.ascontiguousarray(parts[0][n])
+        for n in CHUNK_DTYPE.names
+        if n != "_pad"
+    }
     kind = col["kind"]
     start = col["start_s"]
     dur = col["end_s"] - start
@@ -404,7 +419,7 @@ def build_record(
         "microbatch": gmb.tolist(),
         "kind": KIND_NAMES[gkind].tolist(),
         "start_s": gstart.tolist(),
-        "duration_s": gdur.tolist(),
+        "duration_s": np.round(gdur, 7).tolist(),
     }
 
     # Per rank: busy (compute chunks), pure compute, communication.
@@ -426,9 +441,9 @@ def build_record(
         "rank": rk.tolist(),
         "dp": rdp[rk].tolist(),
         "stage": rst[rk].tolist(),
-        "busy_s": busy_s[rk].tolist(),
-        "compute_s": comp_s[rk].tolist(),
-        "comm_s": np.maximum(comm_s[rk], 0.0).tolist(),
+        "busy_s": np.round(busy_s[rk], 7).tolist(),
+        "compute_s": np.round(comp_s[rk], 7).tolist(),
+        "comm_s": np.round(np.maximum(comm_s[rk], 0.0), 7).tolist(),
     }
 
     # Samples: distinct micro-batches (by owning replica) that ran compute.

@@ -236,6 +236,8 @@ class CollectorService:
     def _ingest(self, batch, now: float) -> int:
         parts: list[np.ndarray] = []
         part_entry: list[bytes] = []
+        singles: list[np.ndarray] = []
+        single_entry: list[bytes] = []
         handled = 0
         for entry_id, msgs in batch:
             carried = False
@@ -263,11 +265,11 @@ class CollectorService:
                         self._count("collector_late_mbstats_total")
                 elif isinstance(m, ChunkTiming):
                     try:
-                        parts.append(chunks_to_rows([m]))
+                        singles.append(chunks_to_rows([m]))
                     except (KeyError, ValueError, OverflowError) as e:
                         self._dead_letter(f"ChunkTiming: {e}", m.to_dict())
                         continue
-                    part_entry.append(entry_id)
+                    single_entry.append(entry_id)
                     carried = True
                 else:
                     self._dead_letter(
@@ -276,12 +278,16 @@ class CollectorService:
             if not carried:
                 self._ack_ready.append(entry_id)
         if parts:
-            self._add_rows(parts, part_entry, now)
+            self._add_rows(parts, part_entry, now, checked=True)
+        if singles:
+            self._add_rows(singles, single_entry, now, checked=False)
         return handled
 
-    def _add_rows(self, parts: list[np.ndarray], part_entry: list[bytes], now: float) -> None:
+    def _add_rows(
+        self, parts: list[np.ndarray], part_entry: list[bytes], now: float, checked: bool
+    ) -> None:
         rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        res = self.assembler.add_rows(rows, now)
+        res = self.assembler.add_rows(rows, now, checked=checked)
         self._count("chunk_rows_total", len(rows))
         self._count("chunk_rows_duplicate_total", res.duplicate_total)
         self._count("chunk_rows_late_total", res.late_total)
