@@ -152,7 +152,7 @@ class TelemetryProducer:
             self._held += take
             self._items.append((_ROWS, np.array(rows[:take], copy=True), take))
             full = self._held >= self.max_batch
-        if full:
+        if full and not self._wake.is_set():  # Event.set() costs a notify per call
             self._wake.set()
         return take
 
@@ -164,7 +164,7 @@ class TelemetryProducer:
             self._held += n
             self._items.append((kind, item, n))
             full = self._held >= self.max_batch
-        if full:
+        if full and not self._wake.is_set():  # Event.set() costs a notify per call
             self._wake.set()
         return True
 
