@@ -3,10 +3,14 @@
 Running ruptures over the whole history every iteration is too slow (Pelt-l2
 on 1,000 points takes ~230 ms), so each series keeps only its last
 ``window`` points, a two-sided CUSUM on the standardized values runs on every
-point (a few additions), and only when the screen alarms does ruptures'
-binary segmentation (l2 cost, ~2 ms on 48 points) locate the change inside the
-window.  A change is confirmed when the most recent segment has at least
-``min_after`` points and its mean differs from the preceding segment's.
+point (a few additions), and only when the screen alarms and the newest
+points sit clearly on the alarmed side does ruptures segment the window:
+``KernelCPD(kernel="linear")``, which is the l2 mean-shift cost with an exact
+PELT search in compiled code (~0.05 ms on 48 points; Binseg-l2, the other
+cheap choice, takes ~7 ms there because its cost loop is Python).  A change is
+confirmed when the most recent segment has at least ``min_after`` points, all
+on the new side of the midpoint, and its mean differs from the robust level
+(median) of everything before it.
 
 Values are standardized by the caller's noise scale, so the ruptures penalty
 is in units of the noise variance and one penalty fits every series.
@@ -140,6 +144,16 @@ class OnlineChangeDetector:
                 return None
         else:
             self._back = 0
+        # Cheap gate before ruptures: the newest min_after points must all sit
+        # clearly on the alarmed side (a persistent shift, not a burst).
+        tail = list(self.values)[-self.min_after :]
+        if len(tail) < self.min_after or any(
+            (x - self.center) / self.scale * self.alarm_dir < 1.0 + self.screen.k for x in tail
+        ):
+            if int(iteration) - self.alarm_since > self.window // 2:
+                self.alarm_since = None
+                self.screen.reset()
+            return None
         cp = self._segment(min_shift)
         if cp is not None:
             return cp
@@ -157,14 +171,17 @@ class OnlineChangeDetector:
         x = (np.asarray(self.values) - self.center) / self.scale
         self.segment_calls_total += 1
         try:
+            # KernelCPD with a linear kernel is exactly the l2 (mean-shift) cost with
+            # an optimal PELT search, compiled: ~0.05 ms on 48 points vs ~7 ms for
+            # Binseg's Python cost loop.
             bkps = (
-                rpt.Binseg(model="l2", min_size=self.min_size, jump=1)
+                rpt.KernelCPD(kernel="linear", min_size=self.min_size)
                 .fit(x)
                 .predict(pen=self.penalty)
             )
         except rpt.exceptions.BadSegmentationParameters:
             return None
-        cuts = [b for b in bkps if b < n]
+        cuts = [int(b) for b in bkps if b < n]
         if not cuts:
             return None
         last = cuts[-1]

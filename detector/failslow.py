@@ -587,6 +587,11 @@ class FailSlowDetector:
             loss, h_s, s_s = self._throughput_loss(self._post(cp, v), {g: factor})
             ranks, severity, rank_ratios = self._localize(g, factor, rr)
             ranks = [r for r in ranks if r not in cfg.disabled_ranks]
+            # The group's chunks got slower but no member's own compute time did:
+            # the time went into the TP collectives inside the chunks (a slow
+            # NVLink/NIC port), i.e. communication, not compute.
+            tp_comm = bool(rank_ratios) and max(rank_ratios.values()) < 1.0 + 0.25 * (factor - 1.0)
+            kind = "fail_slow_comm" if tp_comm else "fail_slow_compute"
             if loss >= cfg.min_throughput_loss and factor > 1.0 and ranks:
                 ev = self._evidence(
                     v,
@@ -611,10 +616,10 @@ class FailSlowDetector:
                 )
                 if iteration_cp is not None:
                     ev["iteration_change_point"] = iteration_cp.to_dict()
-                out.append(Finding("fail_slow_compute", v.iteration, ranks, severity, [], ev))
-                self.slow[("g", g)] = SlowState(
-                    "fail_slow_compute", ranks, v.iteration, factor, group=g
-                )
+                if tp_comm:
+                    ev["tp_collectives"] = True
+                out.append(Finding(kind, v.iteration, ranks, severity, [], ev))
+                self.slow[("g", g)] = SlowState(kind, ranks, v.iteration, factor, group=g)
                 self.stats.reports_total += 1
             else:
                 self.stats.below_cost_total += 1

@@ -1,0 +1,271 @@
+"""Detector accuracy and cost on simulator traces: the paper's Tables 4 and 5, ours beside Greyhound.
+
+For each setting (Table 3 layouts; Table 4 models, sequence lengths,
+micro-batches and schedules) it runs many short simulated jobs
+(``trainer.sim.simulate_run``: real document-length variability from the
+stdlib corpus, lognormal kernel noise), assembles IterationRecords with the
+collector's pure assembler, and feeds the same records to the ResiHP detector
+and to the Greyhound-style baseline.  Half of the jobs get one persistent
+fail-slow at a random iteration at least 50 iterations from either end:
+a slower GPU (compute) or a slower NIC/NVLink port (communication), with a
+strength drawn so that most cost 5-70 % throughput; jobs whose injected
+slowdown costs less than 5 % (true cost from the simulator's hidden state) are
+counted apart, since the bar is ">= 5 %".
+
+Printed per setting:
+* MTP / ITP MAPE: eq.-1 micro-batch (per stage) and DAG iteration-time
+  predictions vs observed, on healthy iterations after warm-up, predicted
+  before the iteration is seen;
+* false alarms per job: validations started while no fault was active; the
+  overhead per false alarm (ours: CPU time of the validation; Greyhound: the
+  training pause of its profiling + micro-benchmark validation, modeled as
+  calibration.md describes);
+* detection accuracy: healthy jobs with no fail-slow report, faulty jobs with a
+  report naming the slowed device after the injection and no wrong report;
+* detection delay: slow iterations seen up to and including the report.
+
+Then the detector's CPU time per iteration on a 256-GPU job (LLaMA2-70B,
+(4, 4, 16)) as a fraction of its iteration time.
+
+    python bench/detection.py            # 100 jobs per setting (a few minutes)
+    python bench/detection.py --quick    # 20 jobs per setting
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from collector.assembler import IterationAssembler
+from detector.config import DetectorConfig
+from detector.engine import Detector
+from detector.predictor import IterationView
+from trainer.scenario import parse_scenario
+from trainer.sim.config import SimConfig
+from trainer.sim.core import simulate_run
+
+#: (label, model, seq_len, micro-batches, schedule) after the paper's Table 4.
+SETTINGS = [
+    ("Small, 8K", "qwen2.5-7b", 8192, 4, "1f1b"),
+    ("Medium, 16K", "qwen2.5-14b", 16384, 8, "zbh1"),
+    ("Medium, 32K", "llama2-13b", 32768, 8, "1f1b"),
+]
+JOB_ITERS = 160
+MARGIN = 50
+BAR = 0.05
+
+
+@dataclass
+class JobResult:
+    setting: str
+    faulty: bool
+    what: str = ""
+    victim: int = -1
+    inject_at: int = -1
+    true_cost: float = 0.0
+    mtp_err: list = field(default_factory=list)
+    itp_err: list = field(default_factory=list)
+    modes: dict = field(default_factory=dict)  # mode -> dict
+
+
+def _records(steps, layout):
+    asm = IterationAssembler()
+    asm.set_layout(layout)
+    out = []
+    for st in steps:
+        if st.true_state.status != "ok":
+            continue
+        for m in st.mb_stats_messages():
+            asm.add_mb_stats(m, 0.0)
+        asm.add_rows(st.chunk_rows, 0.0)
+        out += asm.poll(0.0)
+    out += asm.flush()
+    return out
+
+
+def _mtp_errors(det: Detector, v: IterationView) -> list[float]:
+    """|predicted - observed| / observed of each micro-batch's compute on each stage."""
+    pred = det.failslow.pred.predict_compute(v)
+    m = v.compute_mask() & np.isfinite(pred)
+    if not m.any():
+        return []
+    key = (v.dp[m].astype(np.int64) * 4096 + v.stage[m]) * 65536 + v.mb[m]
+    _, inv = np.unique(key, return_inverse=True)
+    obs = np.bincount(inv, weights=v.duration_s[m])
+    prd = np.bincount(inv, weights=pred[m])
+    ok = obs > 0
+    return (np.abs(prd[ok] - obs[ok]) / obs[ok]).tolist()
+
+
+def run_job(args) -> JobResult:
+    label, model, seq, mbs, sched, seed, faulty = args
+    rng = np.random.default_rng(seed + 7919)
+    cfg = SimConfig(model=model, seq_len=seq, microbatches=mbs, schedule=sched, speed=0.0,
+                    iterations=JOB_ITERS, seed=seed, noise=0.03)
+    lay = cfg.initial_layout()
+    res = JobResult(label, faulty)
+    scenario = None
+    if faulty:
+        res.inject_at = int(rng.integers(MARGIN, JOB_ITERS - MARGIN))
+        res.victim = int(rng.choice(lay.active_ranks()))
+        if rng.random() < 0.5:
+            res.what = "compute"
+            f = float(rng.uniform(0.3, 0.85))
+            ev = f"{{at_iteration: {res.inject_at}, action: slow_device, rank: {res.victim}, factor: {f:.3f}}}"
+        else:
+            res.what = "comm"
+            f = float(rng.uniform(0.02, 0.3))
+            ev = f"{{at_iteration: {res.inject_at}, action: slow_link, rank: {res.victim}, factor: {f:.3f}}}"
+        scenario = parse_scenario(f"events:\n  - {ev}\n")
+    steps = list(simulate_run(cfg, scenario))
+    truth = {st.iteration: st.true_state for st in steps if st.true_state.status == "ok"}
+    recs = _records(steps, lay)
+    if faulty:
+        pre = [truth[i] for i in truth if i < res.inject_at]
+        post = [truth[i] for i in truth if i >= res.inject_at]
+        ratio_pre = sum(t.healthy_iteration_s for t in pre) / sum(t.iteration_time_s for t in pre)
+        ratio_post = sum(t.healthy_iteration_s for t in post) / sum(t.iteration_time_s for t in post)
+        res.true_cost = 1.0 - ratio_post / ratio_pre
+    for mode in ("resihp", "greyhound"):
+        det = Detector(DetectorConfig(mode=mode), layout=lay)
+        reports = []
+        cpu = 0.0
+        for rec in recs:
+            healthy_now = not faulty or rec.iteration < res.inject_at
+            if mode == "resihp" and det.failslow.ready and healthy_now:
+                v = IterationView.from_record(rec)
+                res.mtp_err += _mtp_errors(det, v)
+                p = det.failslow.predicted_iteration_time(v)
+                if np.isfinite(p):
+                    res.itp_err.append(abs(p - rec.iteration_time_s) / rec.iteration_time_s)
+            t0 = time.process_time()
+            reports += det.handle(rec)
+            cpu += time.process_time() - t0
+        log = det.failslow.stats.validation_log
+        fa = [e for e in log if not e.get("benign") and (not faulty or e["iteration"] < res.inject_at)]
+        slow_reps = [r for r in reports if r.kind.startswith("fail_slow")]
+        after = [r for r in slow_reps if faulty and r.iteration >= res.inject_at]
+        hit = [r for r in after if res.victim in r.ranks]
+        wrong = [r for r in slow_reps if not (faulty and r.iteration >= res.inject_at and res.victim in r.ranks)]
+        correct = (not slow_reps) if not faulty else (bool(hit) and not wrong)
+        res.modes[mode] = {
+            "fa": len(fa),
+            "fa_cost_s": [e.get("pause_s", 0.0) + e["cpu_s"] for e in fa],
+            "correct": correct,
+            "delay": (hit[0].iteration - res.inject_at + 1) if hit else None,
+            "kind_ok": bool(hit) and hit[0].kind == ("fail_slow_compute" if res.what == "compute" else "fail_slow_comm"),
+            "exact": bool(hit) and (hit[0].ranks == [res.victim] or res.what == "comm"),
+            "wrong": len(wrong),
+            "cpu_per_iter_s": cpu / max(1, len(recs)),
+        }
+    return res
+
+
+def _fmt_pct(x) -> str:
+    return f"{100 * x:.2f}%" if x == x else "n/a"
+
+
+def summarize(label: str, results: list[JobResult]) -> None:
+    mtp = float(np.mean(np.concatenate([r.mtp_err for r in results if r.mtp_err]))) if results else float("nan")
+    itp = float(np.mean(np.concatenate([r.itp_err for r in results if r.itp_err]))) if results else float("nan")
+    faulty = [r for r in results if r.faulty]
+    scored = [r for r in results if not r.faulty or r.true_cost >= BAR]
+    below = len(faulty) - sum(1 for r in faulty if r.true_cost >= BAR)
+    print(f"\n== {label}: {len(results)} jobs ({len(faulty)} with a fail-slow, {below} of them cost < 5 %)")
+    print(f"   MTP MAPE {_fmt_pct(mtp)}   ITP MAPE {_fmt_pct(itp)}")
+    print(f"   {'':28s}{'ResiHP':>14s}{'Greyhound':>14s}")
+    rows = {}
+    for mode in ("resihp", "greyhound"):
+        fa = np.mean([r.modes[mode]["fa"] for r in results])
+        costs = [c for r in results for c in r.modes[mode]["fa_cost_s"]]
+        acc = np.mean([r.modes[mode]["correct"] for r in scored]) if scored else float("nan")
+        hits = [r for r in faulty if r.true_cost >= BAR and r.modes[mode]["delay"] is not None]
+        delays = [r.modes[mode]["delay"] for r in hits]
+        kind = np.mean([r.modes[mode]["kind_ok"] for r in hits]) if hits else float("nan")
+        det_rate = len(hits) / max(1, sum(1 for r in faulty if r.true_cost >= BAR))
+        wrong = np.mean([r.modes[mode]["wrong"] for r in results])
+        strong = [r for r in faulty if r.true_cost >= 0.2]
+        det_strong = np.mean([r.modes[mode]["delay"] is not None for r in strong]) if strong else float("nan")
+        cpu = np.mean([r.modes[mode]["cpu_per_iter_s"] for r in results])
+        rows[mode] = [
+            f"{fa:.2f}",
+            (f"{1e3 * np.mean(costs):.1f} ms" if mode == "resihp" else f"{np.mean(costs):.2f} s") if costs else "-",
+            f"{acc:.3f}",
+            f"{det_rate:.3f}",
+            f"{det_strong:.3f}",
+            f"{kind:.3f}",
+            f"{wrong:.2f}",
+            (f"{np.mean(delays):.2f} / {np.max(delays)}" if delays else "-"),
+            f"{1e3 * cpu:.1f} ms",
+        ]
+    names = [
+        "false alarms / job",
+        "overhead / false alarm",
+        "detection accuracy",
+        "detected (cost >= 5 %)",
+        "detected (cost >= 20 %)",
+        "compute vs comm right",
+        "wrong reports / job",
+        "delay mean / max (iters)",
+        "detector CPU / iteration",
+    ]
+    for i, n in enumerate(names):
+        print(f"   {n:28s}{rows['resihp'][i]:>14s}{rows['greyhound'][i]:>14s}")
+
+
+def cpu_256(iterations: int = 60) -> None:
+    """Detector CPU per iteration on the 256-GPU LLaMA2-70B job vs its iteration time."""
+    cfg = SimConfig(model="llama2-70b", seq_len=4096, microbatches=16, schedule="1f1b", speed=0.0,
+                    iterations=iterations, seed=1, noise=0.03)
+    lay = cfg.initial_layout()
+    steps = list(simulate_run(cfg, None))
+    recs = _records(steps, lay)
+    det = Detector(DetectorConfig(), layout=lay)
+    cpu_warm, cpu_det = [], []
+    for rec in recs:
+        t0 = time.process_time()
+        det.handle(rec)
+        dt = time.process_time() - t0
+        (cpu_det if det.failslow.ready else cpu_warm).append(dt)
+    it_s = float(np.mean([r.iteration_time_s for r in recs]))
+    per = float(np.mean(cpu_det[1:])) if len(cpu_det) > 1 else float("nan")
+    chunks = len(recs[-1].chunks.get("kind", []))
+    print(f"\n== 256 GPUs, LLaMA2-70B (TP4, DP4, PP16), 16 micro-batches, {chunks} chunk entries/iteration")
+    print(f"   iteration time {it_s:.2f} s; detector CPU {1e3 * per:.1f} ms/iteration "
+          f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of an iteration (paper: 1.2-1.5 %)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="20 jobs per setting")
+    ap.add_argument("--jobs", type=int, default=None, help="jobs per setting (default 100)")
+    ap.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    ap.add_argument("--settings", default="all", help="comma-separated indices into the settings (0,1,2)")
+    a = ap.parse_args(argv)
+    n = a.jobs or (20 if a.quick else 100)
+    chosen = SETTINGS if a.settings == "all" else [SETTINGS[int(i)] for i in a.settings.split(",")]
+    t_all = time.time()
+    for si, (label, model, seq, mbs, sched) in enumerate(chosen):
+        t0 = time.time()
+        tasks = [(label, model, seq, mbs, sched, 1000 * si + j, j % 2 == 1) for j in range(n)]
+        if a.workers > 1:
+            with ProcessPoolExecutor(a.workers) as ex:
+                results = list(ex.map(run_job, tasks, chunksize=2))
+        else:
+            results = [run_job(t) for t in tasks]
+        summarize(f"{label} ({model}, {mbs} MBs, {sched})", results)
+        print(f"   [{time.time() - t0:.0f} s]")
+        sys.stdout.flush()
+    cpu_256()
+    print(f"\ntotal {time.time() - t_all:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
