@@ -94,6 +94,7 @@ class CollectorService:
         self._clock_offset_s = 0.0
         self._clock_next = 0.0
         self._check_next = 0.0
+        self._frontier_s = 0.0
         self._stats_next = 0.0
         self._outage = False
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -208,16 +209,24 @@ class CollectorService:
                 self.liveness.resume(time.time())
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
+            read_before = self.consumer.stats.read_total
             batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
             if self.consumer.stats.reconnects_total != reconnects:
                 self._mark_outage()
                 return 0
             now = time.time()
+            if batch:
+                self._frontier_s = max(self._frontier_s, self._arrival_s(batch[-1][0]))
+            # Behind in reading (a full batch came back): everything up to the read
+            # frontier has been seen, what arrived after it not yet, so judge
+            # liveness at the frontier, never at a time whose beats are unread.
+            behind = self.consumer.stats.read_total - read_before >= self.config.read_count
+            judge_s = min(now, self._frontier_s) if behind else now
             handled = self._ingest(batch, now)
             if now >= self._check_next:
                 self._check_next = now + self.config.check_every_s
                 self._runtime_k()
-                self._check_liveness(now)
+                self._check_liveness(judge_s, now)
             self._assemble(now)
             self._flush_outbox()
             if self._ack_ready:
@@ -356,10 +365,11 @@ class CollectorService:
             self._release(it)
         self._release_after_publish = []
 
-    def _check_liveness(self, now: float) -> None:
+    def _check_liveness(self, judge_s: float, now: float) -> None:
         if self._outage:
             return
-        for ev in self.liveness.check(now):
+        for ev in self.liveness.check(judge_s):
+            ev.detected_at_s = now
             log.warning(
                 "collector: %s %s node=%d ranks=%s", ev.scope, ev.state, ev.node, ev.ranks[:16]
             )

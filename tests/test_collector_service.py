@@ -24,6 +24,7 @@ from resihp.schemas import (
     MicroBatchStats,
     decode_entry,
     decode_json,
+    encode_entry,
 )
 from resihp.topology import Layout
 
@@ -288,3 +289,35 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     follow = [decode_json(line) for line in out.read_text().splitlines()]
     assert [m.seq for m in follow] == [77]
     p.close()
+
+
+def test_reading_backlog_is_not_mistaken_for_silence(r):
+    """Beats that sit unread in the stream while the collector catches up do not count
+    as missed: liveness is judged at the read frontier while behind."""
+    iv = 0.5
+    # No layout: ranks are tracked from their first beat read, which is 20 s old.
+    svc = _service(r, heartbeat_interval_s=iv, heartbeat_k=2, read_count=1, check_interval_s=0.01)
+    svc.run_once()
+    now_ms = int(r.time()[0] * 1000 + r.time()[1] / 1000)
+    for k in range(41):  # 20 s of beats, every rank every interval, already in the stream
+        beats = [
+            Heartbeat(rank=rank, node=rank // 4, iteration=0, wall_time_s=0.0, seq=k)
+            for rank in range(8)
+        ]
+        r.xadd(KEYS.telemetry, encode_entry(beats), id=f"{now_ms - 20_000 + k * 500}-0")
+    for _ in range(60):
+        svc.run_once()
+        time.sleep(0.011)  # a liveness check after every entry read
+        if svc.consumer.stats.read_total >= 41:
+            break
+    assert svc.consumer.stats.read_total >= 41
+    assert _stream(r, KEYS.liveness, LivenessEvent) == []
+    # Caught up, and then really silent: both nodes go down.
+    deadline = time.monotonic() + 5
+    while len(_stream(r, KEYS.liveness, LivenessEvent)) < 2 and time.monotonic() < deadline:
+        svc.run_once()
+    events = _stream(r, KEYS.liveness, LivenessEvent)
+    assert sorted((e.scope, e.state, e.node) for e in events) == [
+        ("node", "dead", 0),
+        ("node", "dead", 1),
+    ]
