@@ -2,7 +2,8 @@
 
 Prints figures side by side with their targets (256-GPU evaluation <= 1 ms).
 Run: ``python bench/engine.py`` (``--quick`` for fewer repetitions,
-``--no-sim`` to skip the simulator part).
+``--no-sim`` to skip the simulator part, ``--with-redis`` to also time the
+simulated trainer's whole telemetry path into a real redis-server).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sim", action="store_true")
+    ap.add_argument(
+        "--with-redis",
+        action="store_true",
+        help="also time the trainer path into a real redis-server",
+    )
     args = ap.parse_args(argv)
     reps = 20 if args.quick else 100
     print(f"compiled kernel available: {_kernel.available()}")
@@ -95,11 +101,13 @@ def main(argv=None) -> None:
     bench_dag("16384 GPUs zbh1 + 8 migrations", bigm, max(3, reps // 10), "llama2-70b")
     if not args.no_sim:
         try:
-            from trainer.sim.bench import bench_simulator
+            from trainer.sim.bench import bench_service, bench_simulator
         except ImportError as e:  # the simulator lands after the engine
             print(f"(simulator bench unavailable: {e})")
         else:
             bench_simulator(quick=args.quick)
+            if args.with_redis:
+                bench_service(quick=args.quick)
 
 
 if __name__ == "__main__":

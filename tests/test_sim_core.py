@@ -215,3 +215,25 @@ def test_table6_calibration_reproduces_fault_free_throughput():
     assert 8.05 <= sps <= 8.05 * 1.1
     with pytest.raises(ValueError, match="Table 6"):
         _cfg(model="llama2-70b", efficiency=0.0).validate()
+
+
+def test_trainer_package_stays_torch_free_and_dispatches():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trainer, trainer.sim, trainer.scenario, trainer.data.lengths, trainer.__main__;"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode
+        == 0
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "sim" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer", "tensorflow"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "unknown back end" in out.stderr

@@ -66,3 +66,47 @@ def bench_simulator(quick: bool = False) -> None:
         ),
         2,
     )
+
+
+def bench_service(quick: bool = False) -> None:
+    """The whole trainer path: simulation, message objects, producer and a real redis-server."""
+    from resihp.redis_client import EmbeddedRedis
+
+    from .service import SimTrainer
+
+    print("== simulated trainer through the producer into redis-server (unpaced) ==")
+    srv = EmbeddedRedis().start()
+    try:
+        client = srv.client()
+        for name, cfg in (
+            (
+                "256 GPUs llama2-70b TP4xPP16xDP4 64mb",
+                SimConfig(job_id="b256", model="llama2-70b", tp=4, pp=16, dp=4, microbatches=64),
+            ),
+            (
+                "16384 GPUs llama2-70b TP8xPP16xDP128",
+                SimConfig(job_id="b16k", model="llama2-70b", tp=8, pp=16, dp=128, microbatches=64),
+            ),
+        ):
+            cfg.schedule = "zbh1"
+            cfg.speed = 0.0
+            iters = 2 if quick or cfg.dp > 8 else 5
+            tr = SimTrainer(cfg, client)
+            tr.start()
+            tr.run_once()  # builds the layout context
+            tr.producer.flush(300)
+            t = time.perf_counter()
+            for _ in range(iters):
+                tr.run_once()
+            tr.producer.flush(300)
+            wall = (time.perf_counter() - t) / iters
+            sim_s = tr.last_step.true_state.iteration_time_s
+            print(
+                f"{name:<40} {wall:7.2f} s wall per {sim_s:6.2f} s simulated iteration "
+                f"(x{sim_s / wall:6.2f} real time), events sent={tr.producer.sent_total}, "
+                f"dropped={tr.producer.dropped_total}"
+            )
+            tr.close()
+            client.flushall()
+    finally:
+        srv.cleanup()

@@ -48,7 +48,14 @@ class SimTrainer:
             scenario = load_scenario(config.scenario)
         self.wall0 = time.time()
         self.sim = ClusterSim(config, scenario, epoch_s=self.wall0)
-        self.producer = producer or TelemetryProducer(None, self.keys, client=client)
+        if producer is None:
+            # Room for a few iterations of rows and beats: a 16k-rank job hands over
+            # ~10^6 rows at once, far past the producer's default queue bound.
+            per_iter = len(self.sim.ctx().template) + 8 * self.sim.layout.world_size
+            producer = TelemetryProducer(
+                None, self.keys, client=client, max_queue=max(100_000, 4 * per_iter)
+            )
+        self.producer = producer
         self.follower = PlanFollower(client, self.keys, actor="trainer")
         self.health = Health(client, self.keys, "trainer", ttl_s=config.health_ttl_s)
         self.started = False
