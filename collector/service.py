@@ -40,6 +40,7 @@ from resihp.schemas import (
     ChunkBatch,
     ChunkTiming,
     Heartbeat,
+    IterationRecord,
     Message,
     MicroBatchStats,
     chunks_to_rows,
@@ -52,15 +53,27 @@ SERVICE = "collector"
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
+try:  # pandas' bundled ujson: 3x faster than json on the float columns of big records
+    from pandas.io.json._json import ujson_dumps as _ujson_dumps
+except ImportError:  # pragma: no cover - pandas moved it; json is correct, just slower
+    _ujson_dumps = None
+
+
+def _dumps(d: dict[str, Any], fast: bool) -> str:
+    if fast and _ujson_dumps is not None:
+        # 15 decimals: epoch seconds keep every bit; values below 1 keep 1e-15 s.
+        return _ujson_dumps(d, double_precision=15, ensure_ascii=False)
+    return json.dumps(d, separators=(",", ":"), allow_nan=False)
+
+
 def encode_fast(msg: Message) -> dict[bytes, bytes]:
     """The entry ``schemas.encode_one`` would build, without ``dataclasses.asdict``'s deep
-    copy of every column list (seconds for the record of a 16k-GPU iteration)."""
+    copy of every column list and with a faster float formatter (seconds saved on the
+    record of a 16k-GPU iteration).  Decodes with ``schemas.decode_entry`` like any entry."""
     d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     d["type"] = msg.TYPE
     d["schema_version"] = SCHEMA_VERSION
-    return {
-        ENTRY_MESSAGES: ("[" + json.dumps(d, separators=(",", ":"), allow_nan=False) + "]").encode()
-    }
+    return {ENTRY_MESSAGES: ("[" + _dumps(d, fast=isinstance(msg, IterationRecord)) + "]").encode()}
 
 
 class CollectorService:
