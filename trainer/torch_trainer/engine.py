@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from resihp.schemas import ChunkKind
 
 from .model import StageModule, WeightGradStore, microbatch_loss
-from .parallel import Groups, Transfer
+from .parallel import Groups, Transfer, wait_work
 from .schedule import actions
 from .telemetry import RankTelemetry
 
@@ -156,7 +156,7 @@ class StageEngine:
             return
         tok = self.tel.begin()
         flat = _flatten_dense_tensors([p.grad for p in params])
-        dist.all_reduce(flat, group=self.g.dp_group)
+        wait_work(dist.all_reduce(flat, group=self.g.dp_group, async_op=True))
         for p, synced in zip(
             params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True
         ):

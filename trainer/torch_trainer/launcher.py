@@ -102,11 +102,18 @@ class JobLauncher:
     def _event(self, what: str, **kw) -> None:
         self.events.append({"what": what, "t": time.time(), "generation": self.gen, **kw})
 
-    def _write_gen(self, members: list[int], layout: Layout, reason: str) -> None:
-        self.store.set(
-            f"gen/{self.gen}",
-            json.dumps({"members": members, "layout": layout.to_dict(), "reason": reason}),
-        )
+    def _write_gen(
+        self, members: list[int], layout: Layout, reason: str, boundary: bool = False
+    ) -> None:
+        # boundary=True: members switch after a committed iteration (a plan);
+        # False: members abandon the running iteration (a failure).
+        desc = {
+            "members": members,
+            "layout": layout.to_dict(),
+            "reason": reason,
+            "boundary": boundary,
+        }
+        self.store.set(f"gen/{self.gen}", json.dumps(desc))
         self._event("generation_written", members=members, reason=reason, layout=layout.summary())
 
     def _connect_redis(self) -> None:
@@ -139,10 +146,12 @@ class JobLauncher:
             return None
         return lay
 
-    def _new_generation(self, layout: Layout, reason: str, plan=None) -> None:
+    def _new_generation(
+        self, layout: Layout, reason: str, plan=None, boundary: bool = False
+    ) -> None:
         self.gen += 1
         members = sorted(r for r, p in self.procs.items() if p.is_alive() and r not in self.dead)
-        self._write_gen(members, layout, reason)
+        self._write_gen(members, layout, reason, boundary)
         self.layout = layout
         if plan is not None:
             self.follower.applied.add(plan.plan_id)
@@ -244,7 +253,7 @@ class JobLauncher:
                     for plan in self.follower.poll():
                         lay = self._plan_layout(plan)
                         if lay is not None:
-                            self._new_generation(lay, f"plan {plan.plan_id}", plan)
+                            self._new_generation(lay, f"plan {plan.plan_id}", plan, boundary=True)
                 time.sleep(0.05)
             self._confirm()
         finally:

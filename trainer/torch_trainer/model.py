@@ -75,8 +75,10 @@ class TPComm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return t
+        from .parallel import wait_work
+
         t0 = time.perf_counter()
-        dist.all_reduce(t, group=self.group)
+        wait_work(dist.all_reduce(t, group=self.group, async_op=True))
         self.comm_time_s += time.perf_counter() - t0
         return t
 

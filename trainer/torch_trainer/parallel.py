@@ -18,6 +18,8 @@ so each chunk crosses between the stages exactly once.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,6 +30,90 @@ import torch.distributed as dist
 from resihp.topology import Layout
 
 from .model import TPComm
+
+
+class GenerationAborted(RuntimeError):
+    """Another member failed or the launcher moved on: leave this generation now."""
+
+
+#: Set by the worker's watchdog when this generation must be abandoned.  Every
+#: wait on a communication polls it, because a gloo operation blocked on a
+#: live-but-failed peer would otherwise only end at the group timeout.
+ABORT = threading.Event()
+
+
+class _Waiter:
+    """A thread that blocks in ``work.wait()`` so the caller can give up.
+
+    gloo point-to-point works never report ``is_completed()`` and a timed
+    ``wait`` closes the connection, so an abandonable wait has to block in
+    another thread.  On abort that thread stays blocked on a work that will
+    never finish; a fresh waiter replaces it.
+    """
+
+    def __init__(self):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="comm-waiter", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            work, done, err = self.q.get()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                err.append(e)
+            done.set()
+
+    def submit(self, work) -> tuple[threading.Event, list]:
+        done, err = threading.Event(), []
+        self.q.put((work, done, err))
+        return done, err
+
+
+_WAITER: _Waiter | None = None
+
+
+def wait_work(work) -> None:
+    """Wait for an async communication, abandoning it if ABORT is set."""
+    global _WAITER
+    if ABORT.is_set():
+        raise GenerationAborted("generation abandoned")
+    if _WAITER is None:
+        _WAITER = _Waiter()
+    done, err = _WAITER.submit(work)
+    while not done.wait(0.05):
+        if ABORT.is_set():
+            _WAITER = None  # the old waiter is stuck on this work
+            raise GenerationAborted("generation abandoned while waiting on communication")
+    if err:
+        raise err[0]
+
+
+#: Process groups of failed generations.  They are never shut down: shutting
+#: down a gloo group waits for its in-flight works, which may only end at the
+#: group timeout.  Holding a reference keeps their destructors from running.
+_GRAVEYARD: list = []
+
+
+def abandon_process_groups() -> None:
+    """Forget every process group of this generation without waiting on it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    w = c10d._world
+    _GRAVEYARD.append(list(w.pg_map.keys()))
+    c10d._update_default_pg(None)
+    for m in (
+        w.pg_map,
+        w.pg_names,
+        w.pg_group_ranks,
+        w.pg_backend_config,
+        w.pg_to_tag,
+        w.tags_to_pg,
+        w.pg_coalesce_state,
+    ):
+        m.clear()
+    c10d._unregister_all_process_groups()
+    w.group_count = 0
 
 
 class UnsupportedLayout(ValueError):
@@ -162,14 +248,14 @@ class Transfer:
             for b, j in zip(bufs, mine, strict=True)
         ]
         for w in works:
-            w.wait()
+            wait_work(w)
         if self.slow_comm_s:
             time.sleep(self.slow_comm_s)
         if tr == 1:
             return torch.cat(bufs).view(shape)
         local = torch.cat(bufs)
         gathered = [torch.empty_like(local) for _ in range(tr)]
-        dist.all_gather(gathered, local, group=self.g.tp.group)
+        wait_work(dist.all_gather(gathered, local, group=self.g.tp.group, async_op=True))
         # gathered[k] holds chunks j with j % tr == k, in increasing j.
         per = n // tr
         out = [None] * n
@@ -181,5 +267,5 @@ class Transfer:
 
     def wait_sends(self) -> None:
         for w in self.pending:
-            w.wait()
+            wait_work(w)
         self.pending = []

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from resihp.topology import Layout
 
 from .model import ModelConfig, StageModule, shard_dim
+from .parallel import wait_work
 
 
 def stage_layers(layout: Layout, stage: int) -> list[int]:
@@ -253,7 +254,7 @@ def redistribute(
             recv[t] = buf
             works.append(dist.irecv(buf, pg[pc.src], tag=t))
     for w in works:
-        w.wait()
+        wait_work(w)
     out: dict[str, torch.Tensor] = {}
     if me in new_c:
         parts: dict[str, list[tuple[int, torch.Tensor]]] = {}

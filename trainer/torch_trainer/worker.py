@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -34,7 +35,7 @@ from resihp.topology import Layout
 from .config import TrainConfig
 from .engine import StageEngine
 from .model import ModelConfig, StageModule, WeightGradStore
-from .parallel import build_groups
+from .parallel import ABORT, GenerationAborted, abandon_process_groups, build_groups, wait_work
 from .state import (
     active_coords,
     load_ckpt,
@@ -65,8 +66,9 @@ def _timeline(store, gen: int, event: str, rank: int) -> None:
 
 
 class Worker:
-    def __init__(self, rank: int, cfg: TrainConfig, store):
+    def __init__(self, rank: int, cfg: TrainConfig, store, watch_store=None):
         self.rank = rank
+        self.watch_store = watch_store
         self.cfg = cfg
         self.store = store
         self.mcfg = model_config(cfg)
@@ -111,8 +113,6 @@ class Worker:
             status = self._run_generation(gen, members, layout)
             if status == "done":
                 return 0
-            if status == "failed":
-                self.store.add(f"failed/{gen}", 1)
             gen += 1
 
     def _wait_gen(self, gen: int) -> dict | None:
@@ -124,7 +124,38 @@ class Worker:
             time.sleep(0.05)
         return None
 
+    def _watch(self, gen: int, stop: threading.Event) -> None:
+        """Abandon generation ``gen`` as soon as a member failed or the launcher
+        wrote a failure generation (boundary switches wait for the commit)."""
+        st = self.watch_store
+        while not stop.wait(0.05):
+            try:
+                if st.add(f"failed/{gen}", 0) > 0:
+                    ABORT.set()
+                    return
+                if st.check([f"gen/{gen + 1}"]):
+                    if not json.loads(st.get(f"gen/{gen + 1}")).get("boundary"):
+                        ABORT.set()
+                        return
+            except Exception as e:  # noqa: BLE001 - store gone: the launcher died; main loop will see it
+                print(f"[rank {self.rank}] watchdog stopped: {e!r}", flush=True)
+                return
+
     def _run_generation(self, gen: int, members: list[int], layout: Layout) -> str:
+        ABORT.clear()
+        stop = threading.Event()
+        watchdog = None
+        if self.watch_store is not None:
+            watchdog = threading.Thread(target=self._watch, args=(gen, stop), daemon=True)
+            watchdog.start()
+        try:
+            return self._generation(gen, members, layout)
+        finally:
+            stop.set()
+            if watchdog is not None:
+                watchdog.join(timeout=1)
+
+    def _generation(self, gen: int, members: list[int], layout: Layout) -> str:
         cfg = self.cfg
         self.tel.generation = gen
         pg_store = dist.PrefixStore(f"pg/{gen}", self.store)
@@ -141,9 +172,11 @@ class Worker:
             _timeline(self.store, gen, "groups_rebuilt", self.rank)
             self._move_state(gen, members, layout, groups)
             _timeline(self.store, gen, "state_moved", self.rank)
-            return self._train(gen, members, layout, groups)
+            status = self._train(gen, members, layout, groups)
         except (RuntimeError, dist.DistError, TimeoutError) as e:
             # A peer died or timed out: keep the last committed state, go to the next generation.
+            if not isinstance(e, GenerationAborted):
+                self.store.add(f"failed/{gen}", 1)
             print(
                 f"[rank {self.rank}] generation {gen} failed: {type(e).__name__}: {str(e)[:200]}",
                 flush=True,
@@ -152,19 +185,17 @@ class Worker:
                 traceback.print_exc()
             if self.module is not None:
                 self.state = local_state(self.module, self.opt)
+            abandon_process_groups()
             return "failed"
-        finally:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may fail to tear down; that is fine
-                pass
+        dist.destroy_process_group()
+        return status
 
     # --------------------------------------------------------------- state
     def _move_state(self, gen: int, members: list[int], layout: Layout, groups) -> None:
         cfg = self.cfg
         coords = active_coords(layout)
         t = torch.tensor([float(self.steps_done)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
         step = int(t.item())
         if gen == 0:
             self.steps_done = step
@@ -253,9 +284,11 @@ class Worker:
             switch = 1.0 if pg0 and self.store.check([f"gen/{gen + 1}"]) else 0.0
             # Commit point: once this succeeds every member has finished the iteration.
             t = torch.tensor([contrib, switch, it_time], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t[:2])
             t2 = t[2:].clone()
-            dist.all_reduce(t2, op=dist.ReduceOp.MAX)
+            w1 = dist.all_reduce(t[:2], async_op=True)
+            w2 = dist.all_reduce(t2, op=dist.ReduceOp.MAX, async_op=True)
+            wait_work(w1)
+            wait_work(w2)
             if self.opt is not None:
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -309,10 +342,11 @@ class Worker:
 def worker_entry(rank: int, cfg_dict: dict, host: str, port: int) -> None:
     cfg = TrainConfig.from_dict(cfg_dict)
     torch.set_num_threads(cfg.threads_per_worker)
-    store = dist.TCPStore(
-        host, port, is_master=False, timeout=timedelta(seconds=cfg.store_timeout_s)
-    )
-    w = Worker(rank, cfg, store)
+    to = timedelta(seconds=cfg.store_timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, timeout=to)
+    # The watchdog thread gets its own connection.
+    watch_store = dist.TCPStore(host, port, is_master=False, timeout=to)
+    w = Worker(rank, cfg, store, watch_store)
     try:
         code = w.run()
     finally:
