@@ -287,3 +287,29 @@ def test_cyclic_migration_orders_fall_back_to_list_scheduling():
     g = PipelineDAG.from_layout(lay, "1f1b")
     unit = _uniform_costs(dag)
     assert dag.evaluate(unit).pipeline_time_s <= g.evaluate(_uniform_costs(g)).pipeline_time_s
+
+
+def test_random_layouts_with_migrations_and_empty_replicas():
+    rng = np.random.default_rng(21)
+    for _ in range(80):
+        p, dp, m = int(rng.integers(2, 5)), int(rng.integers(2, 4)), int(rng.integers(1, 6))
+        kind = ["gpipe", "1f1b", "zbh1"][int(rng.integers(3))]
+        lay = Layout.uniform(1, p, dp, p, m, schedule=kind)
+        lay.microbatches = [int(x) for x in rng.integers(0, m + 1, dp)]
+        migs = {}
+        for _ in range(int(rng.integers(0, 7))):
+            s, d, e = int(rng.integers(p)), int(rng.integers(dp)), int(rng.integers(dp))
+            if lay.microbatches[d] and e != d:
+                migs[(s, d, int(rng.integers(lay.microbatches[d])))] = e
+        lay.migrations = [Migration(s, d, j, e) for (s, d, j), e in migs.items()]
+        lay.validate()
+        dag = PipelineDAG.from_layout(lay)
+        kinds = 3 if kind == "zbh1" else 2
+        assert dag.num_chunks == sum(lay.microbatches) * p * kinds
+        cost = rng.uniform(0.1, 1.0, dag.num_chunks)
+        edge = rng.uniform(0.0, 0.1, dag.num_edges)
+        res = dag.evaluate(cost, edge)
+        assert res.pipeline_time_s == pytest.approx(dag.brute_force_iteration(cost, edge))
+        if dag.num_chunks:
+            both = dag.evaluate_batch(np.stack([cost, 2 * cost]), edge)
+            assert both[0] == pytest.approx(res.iteration_time_s)

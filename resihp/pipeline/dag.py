@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -71,60 +72,110 @@ class EvalResult:
     schedule_fallback: bool = False
 
 
+class _ChunkIndex:
+    """Arithmetic chunk numbering of a component: (owner, mb, stage, kind) -> local id."""
+
+    def __init__(self, replicas: list[int], counts: list[int], p: int, k: int):
+        self.pos = {d: i for i, d in enumerate(replicas)}
+        sizes = np.asarray(counts, dtype=np.int64) * p * k
+        self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.p, self.k = p, k
+        self.n = int(sizes.sum())
+
+    def __getitem__(self, key: tuple[int, int, int, int]) -> int:
+        d, j, s, kind = key
+        return int(self.base[self.pos[d]]) + (j * self.p + s) * self.k + kind
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@lru_cache(maxsize=4096)
+def _order_arrays(kind: str, p: int, count: int, stage: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kind codes, slot numbers) of one device's order in ``build_schedule(kind, p, count)``."""
+    order = build_schedule(kind, p, count).order[stage]
+    kinds = np.fromiter((_KIND_CODE[c[0]] for c in order), dtype=np.int64, count=len(order))
+    slots = np.fromiter((c[1] for c in order), dtype=np.int64, count=len(order))
+    return kinds, slots
+
+
 class _Compiled:
-    """One component's chunks renumbered in topological-level order, ready to evaluate."""
+    """One component's chunks renumbered in topological-level order, ready to evaluate.
+
+    Built with whole-array operations: chunk (owner, mb, stage, kind) has the
+    arithmetic id ``base[owner] + (mb * pp + stage) * K + kind``, so data
+    predecessors are fixed offsets and each device's schedule order is one
+    gather.
+    """
 
     def __init__(self, replicas, layout: Layout, kind: str):
         self.replicas = list(replicas)
         p = layout.pp
         probe = build_schedule(kind, p, 1)
         self.split_w = probe.split_w
-        kinds = ("F", "B", "W") if self.split_w else ("F", "B")
-        mig = {}
-        rset = set(self.replicas)
-        for m in layout.migrations:
-            if m.src_dp in rset:
-                mig[(m.src_dp, m.stage, m.microbatch)] = m.dst_dp
-        stage, exe, src, mb, kd = [], [], [], [], []
-        idx: dict[tuple[int, int, int, int], int] = {}
-        slots: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-        for d in self.replicas:
-            for j in range(layout.microbatches[d]):
-                for s in range(p):
-                    e = mig.get((d, s, j), d)
-                    slots[(e, s)].append((j, d))
-                    for k in kinds:
-                        idx[(d, j, s, _KIND_CODE[k])] = len(stage)
-                        stage.append(s)
-                        exe.append(e)
-                        src.append(d)
-                        mb.append(j)
-                        kd.append(_KIND_CODE[k])
-        n = len(stage)
+        k = 3 if self.split_w else 2
+        reps = np.asarray(self.replicas, dtype=np.int64)
+        counts = [layout.microbatches[d] for d in self.replicas]
+        cidx = _ChunkIndex(self.replicas, counts, p, k)
+        m = np.asarray(counts, dtype=np.int64)
+        # One "triple" per (owner, mb, stage), in chunk order.
+        tri_r = np.repeat(np.arange(len(reps)), m * p)
+        tri_j = (
+            np.concatenate([np.repeat(np.arange(c), p) for c in counts])
+            if counts
+            else np.zeros(0, np.int64)
+        )
+        tri_s = (
+            np.concatenate([np.tile(np.arange(p), c) for c in counts])
+            if counts
+            else np.zeros(0, np.int64)
+        )
+        tri_j = tri_j.astype(np.int64)
+        tri_s = tri_s.astype(np.int64)
+        tri_d = reps[tri_r] if len(tri_r) else np.zeros(0, np.int64)
+        tri_e = tri_d.copy()
+        tri_off = np.concatenate([[0], np.cumsum(m * p)[:-1]]).astype(np.int64)
+        for mg in layout.migrations:
+            if mg.src_dp in cidx.pos:
+                tri_e[tri_off[cidx.pos[mg.src_dp]] + mg.microbatch * p + mg.stage] = mg.dst_dp
+        tri_first = (
+            cidx.base[tri_r] + (tri_j * p + tri_s) * k if len(tri_r) else np.zeros(0, np.int64)
+        )
+        n = cidx.n
+        ids = np.arange(n, dtype=np.int64)
+        stage = np.repeat(tri_s, k)
+        exe = np.repeat(tri_e, k)
+        src = np.repeat(tri_d, k)
+        mb = np.repeat(tri_j, k)
+        kd = np.tile(np.arange(k, dtype=np.int64), len(tri_s))
         pred_data = np.full(n, -1, dtype=np.int64)
-        e_src, e_dst, e_kind = [], [], []
-        last = p - 1
-        for (d, j, s, k), c in idx.items():
-            if k == KIND_F:
-                if s > 0:
-                    u = idx[(d, j, s - 1, KIND_F)]
-                    pred_data[c] = u
-                    e_src.append(u)
-                    e_dst.append(c)
-                    e_kind.append(EDGE_ACT)
-            elif k == KIND_B:
-                if s == last:
-                    pred_data[c] = idx[(d, j, s, KIND_F)]
-                else:
-                    u = idx[(d, j, s + 1, KIND_B)]
-                    pred_data[c] = u
-                    e_src.append(u)
-                    e_dst.append(c)
-                    e_kind.append(EDGE_GRAD)
-            else:
-                pred_data[c] = idx[(d, j, s, KIND_B)]
+        f_mid = (kd == KIND_F) & (stage > 0)
+        pred_data[f_mid] = ids[f_mid] - k
+        b_last = (kd == KIND_B) & (stage == p - 1)
+        pred_data[b_last] = ids[b_last] - 1
+        b_mid = (kd == KIND_B) & (stage < p - 1)
+        pred_data[b_mid] = ids[b_mid] + k
+        w = kd == KIND_W
+        pred_data[w] = ids[w] - 1
+        e_dst = np.concatenate([ids[f_mid], ids[b_mid]])
+        e_src = pred_data[e_dst]
+        e_kind = np.concatenate(
+            [
+                np.full(int(f_mid.sum()), EDGE_ACT, np.int8),
+                np.full(int(b_mid.sum()), EDGE_GRAD, np.int8),
+            ]
+        )
+        # Devices: triples grouped by (executing replica, stage), each sorted by (mb, owner).
+        dev_key = tri_e * p + tri_s
+        order = np.lexsort((tri_d, tri_j, dev_key))
+        keys_sorted = dev_key[order]
+        cuts = np.flatnonzero(np.diff(keys_sorted)) + 1
+        self._dev_groups = (
+            [(int(dev_key[g[0]]), g) for g in np.split(order, cuts) if len(g)] if len(order) else []
+        )
+        self._tri = (tri_d, tri_j, tri_s, tri_first)
         self.fallback = False
-        pred_res, dev_last = self._resource_order(kind, p, slots, idx)
+        pred_res, dev_last = self._resource_order(kind, p, k)
         level = _levels(pred_data, pred_res)
         if level is None:
             # Per-device orders taken from the single-replica schedule can wait on each
@@ -132,25 +183,30 @@ class _Compiled:
             # order comes from one list-scheduling run over the whole component (same
             # priorities and memory limits as the schedule), which cannot deadlock.
             self.fallback = True
-            pred_res, dev_last = _list_schedule_order(kind, p, slots, idx, pred_data, self.split_w)
+            slots = {
+                divmod(key, p): [(int(tri_j[t]), int(tri_d[t])) for t in g]
+                for key, g in self._dev_groups
+            }
+            pred_res, dev_last = _list_schedule_order(kind, p, slots, cidx, pred_data, self.split_w)
             level = _levels(pred_data, pred_res)
             if level is None:
                 pred_res, dev_last = self._resource_order(
-                    "gpipe_split" if self.split_w else "gpipe", p, slots, idx
+                    "gpipe_split" if self.split_w else "gpipe", p, k
                 )
                 level = _levels(pred_data, pred_res)
             if level is None:  # pragma: no cover - GPipe order is acyclic by construction
                 raise ValueError("pipeline DAG has a cycle even with GPipe ordering")
+        del self._dev_groups, self._tri
         # Renumber chunks in level order so each level is a contiguous slice.
         perm = np.argsort(level, kind="stable")
         inv = np.empty(n, dtype=np.int64)
         inv[perm] = np.arange(n)
         self.n = n
-        self.stage = np.asarray(stage, dtype=np.int64)[perm]
-        self.exec_dp = np.asarray(exe, dtype=np.int64)[perm]
-        self.src_dp = np.asarray(src, dtype=np.int64)[perm]
-        self.mb = np.asarray(mb, dtype=np.int64)[perm]
-        self.kind = np.asarray(kd, dtype=np.int8)[perm]
+        self.stage = stage[perm]
+        self.exec_dp = exe[perm]
+        self.src_dp = src[perm]
+        self.mb = mb[perm]
+        self.kind = kd.astype(np.int8)[perm]
 
         def remap(pred):
             out = np.full(n, n, dtype=np.int64)  # n = sentinel slot holding 0.0
@@ -161,9 +217,9 @@ class _Compiled:
 
         self.p0 = remap(pred_data)
         self.p1 = remap(pred_res)
-        self.edge_src = inv[np.asarray(e_src, dtype=np.int64)] if e_src else np.zeros(0, np.int64)
-        self.edge_dst = inv[np.asarray(e_dst, dtype=np.int64)] if e_dst else np.zeros(0, np.int64)
-        self.edge_kind = np.asarray(e_kind, dtype=np.int8)
+        self.edge_src = inv[e_src]
+        self.edge_dst = inv[e_dst]
+        self.edge_kind = e_kind
         self.dev_last = {key: int(inv[c]) for key, c in dev_last.items()}
         lv = level[perm]
         bounds = np.flatnonzero(np.diff(lv)) + 1
@@ -171,31 +227,31 @@ class _Compiled:
         ends = np.concatenate([bounds, [n]]).astype(int)
         self.levels = []
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            if a >= b:
+                continue
             p0 = self.p0[a:b]
             p1 = self.p1[a:b]
             has1 = bool((p1 != n).any())
             self.levels.append((a, b, p0, p1 if has1 else None))
         self.num_levels = len(self.levels)
 
-    @staticmethod
-    def _resource_order(kind, p, slots, idx):
-        n = len(idx)
+    def _resource_order(self, kind: str, p: int, k: int):
+        """pred_res and each device's last chunk for the per-device orders of ``kind``."""
+        tri_d, tri_j, tri_s, tri_first = self._tri
+        n = len(tri_first) * k
         pred_res = np.full(n, -1, dtype=np.int64)
         dev_last = {}
-        for (e, s), items in slots.items():
-            items = sorted(items)
+        for key, g in self._dev_groups:
+            e, s = divmod(key, p)
+            c = len(g)
             if kind in ("gpipe", "gpipe_split"):
-                ks = ("F", "B", "W") if kind == "gpipe_split" else ("F", "B")
-                order = [(k, i) for k in ks for i in range(len(items))]
+                ks = np.repeat(np.arange(3 if kind == "gpipe_split" else 2), c)
+                sl = np.tile(np.arange(c), 3 if kind == "gpipe_split" else 2)
             else:
-                order = build_schedule(kind, p, len(items)).order[s]
-            prev = -1
-            for k, slot in order:
-                j, d = items[slot]
-                c = idx[(d, j, s, _KIND_CODE[k])]
-                pred_res[c] = prev
-                prev = c
-            dev_last[(e, s)] = prev
+                ks, sl = _order_arrays(kind, p, c, s)
+            chain = tri_first[g][sl] + ks
+            pred_res[chain[1:]] = chain[:-1]
+            dev_last[(e, s)] = int(chain[-1])
         return pred_res, dev_last
 
     def run(self, cost: np.ndarray, in_edge: np.ndarray | None) -> np.ndarray:
@@ -349,37 +405,38 @@ def _chunk_kind_of(c: int, f_list: list[int], b_list: list[int]) -> int:
 
 
 def _levels(pred_data: np.ndarray, pred_res: np.ndarray) -> np.ndarray | None:
-    """Topological depth of every vertex (Kahn's algorithm), or None if there is a cycle."""
+    """Topological depth of every vertex (frontier-by-frontier Kahn), or None on a cycle."""
     n = len(pred_data)
-    indeg = (pred_data >= 0).astype(np.int64) + (pred_res >= 0)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for c in range(n):
-        u = pred_data[c]
-        if u >= 0:
-            succ[u].append(c)
-        u = pred_res[c]
-        if u >= 0:
-            succ[u].append(c)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.arange(n, dtype=np.int64)
+    src = np.concatenate([pred_data, pred_res])
+    dst = np.concatenate([ids, ids])
+    keep = src >= 0
+    src, dst = src[keep], dst[keep]
+    order = np.argsort(src, kind="stable")
+    succ = dst[order]
+    first = np.searchsorted(src[order], ids, side="left")
+    n_succ = np.bincount(src, minlength=n)
+    indeg = np.bincount(dst, minlength=n)
     level = np.zeros(n, dtype=np.int64)
-    indeg_l = indeg.tolist()
-    lv = level.tolist()
-    frontier = [c for c in range(n) if indeg_l[c] == 0]
-    seen = 0
-    while frontier:
-        nxt = []
-        for u in frontier:
-            seen += 1
-            lu = lv[u] + 1
-            for c in succ[u]:
-                if lv[c] < lu:
-                    lv[c] = lu
-                indeg_l[c] -= 1
-                if indeg_l[c] == 0:
-                    nxt.append(c)
-        frontier = nxt
+    frontier = np.flatnonzero(indeg == 0)
+    seen, lv = 0, 0
+    while frontier.size:
+        level[frontier] = lv
+        seen += frontier.size
+        cnt = n_succ[frontier]
+        total = int(cnt.sum())
+        if total == 0:
+            break
+        offs = np.repeat(first[frontier] - np.cumsum(cnt) + cnt, cnt) + np.arange(total)
+        nxt, dec = np.unique(succ[offs], return_counts=True)
+        indeg[nxt] -= dec
+        frontier = nxt[indeg[nxt] == 0]
+        lv += 1
     if seen != n:
         return None
-    return np.asarray(lv, dtype=np.int64)
+    return level
 
 
 @dataclass
@@ -582,6 +639,11 @@ class PipelineDAG:
         ic = self._in_edge_cost(edge_cost_s, None)
         end = self._ends(cost, ic)
         start = end - cost
+        if self.num_chunks == 0:
+            nan = np.full((self.dp, self.pp), np.nan)
+            return EvalResult(
+                0.0, 0.0, start, end, nan, np.zeros(self.dp), np.zeros((self.dp, self.pp))
+            )
         dev_end = np.where(self.dev_last >= 0, end[np.maximum(self.dev_last, 0)], np.nan)
         pipeline = float(np.nanmax(dev_end)) if self.num_chunks else 0.0
         ar = np.zeros(self.pp) if allreduce_s is None else np.asarray(allreduce_s, dtype=float)
@@ -630,6 +692,8 @@ class PipelineDAG:
         if cost.ndim != 2 or cost.shape[1] != self.num_chunks:
             raise ValueError(f"costs has shape {cost.shape}, expected (V, {self.num_chunks})")
         v = cost.shape[0]
+        if self.num_chunks == 0:
+            return np.zeros(v)
         ic = self._in_edge_cost(edge_costs, v)
         end = self._ends(cost, ic)
         valid = self.dev_last >= 0
