@@ -34,3 +34,30 @@ def reference_step(cfg: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
 
 def expected_shard(full_grads: dict[str, torch.Tensor], name: str, tp_size: int, tp_rank: int):
     return take_shard(full_grads[name], name, tp_size, tp_rank)
+
+
+def reference_losses(cfg: TrainConfig, iterations: int) -> list[float]:
+    """Loss per iteration of single-process training with the same optimizer."""
+    from trainer.data.corpus import PackedCorpus
+
+    from .state import make_optimizer
+
+    mcfg = model_config(cfg)
+    dtype = DTYPES[cfg.dtype]
+    corpus = PackedCorpus(cfg.data_dir or None, cfg.token_budget, cfg.seed, cfg.data_pattern)
+    model = StageModule(mcfg, list(range(mcfg.num_layers)), first=True, last=True, dtype=dtype)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    total = cfg.dp * cfg.microbatches
+    out = []
+    for it in range(iterations):
+        loss_sum = 0.0
+        for j in range(total):
+            mb = corpus.microbatch(it * total + j)
+            logits = model(torch.from_numpy(mb.tokens), mb.doc_lens)
+            loss = microbatch_loss(logits, torch.from_numpy(mb.targets)) / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss_sum)
+    return out
