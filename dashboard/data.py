@@ -325,13 +325,21 @@ class DashboardData:
 
     # ------------------------------------------------------------ layout / devices
     def layout(self, job_id: str) -> Layout | None:
+        """The current layout; parsed and validated once per distinct value (16k-GPU layouts
+        take tens of ms to check)."""
         raw = self.client.get(JobKeys(job_id).layout)
         if not raw:
             return None
+        c = self._cache(job_id)
+        hit = c.hash_cache.get("layout")
+        if hit and hit[1][0] == raw:
+            return hit[1][1]
         try:
-            return Layout.from_dict(json.loads(raw))
+            lay = Layout.from_dict(json.loads(raw))
         except (json.JSONDecodeError, LayoutError, UnicodeDecodeError):
-            return None
+            lay = None
+        c.hash_cache["layout"] = (time.monotonic(), (raw, lay))
+        return lay
 
     def device_health(self, job_id: str) -> dict[int, dict[str, Any]]:
         """rank -> {"p": float, "state": str, ...}; malformed values are skipped.

@@ -419,16 +419,18 @@ def device_arrays(
     """(p per rank with NaN = unknown, state code per rank: 0 active, 1 dead, 2 standby)."""
     p = np.full(world_size, np.nan)
     state = np.zeros(world_size, dtype=np.int8)
+    codes = {"dead": 1, "standby": 2}
+    ranks, ps, sts = [], [], []
     for r, d in device_health.items():
-        if 0 <= r < world_size:
-            v = d.get("p")
-            if isinstance(v, int | float):
-                p[r] = float(v)
-            st = str(d.get("state", ""))
-            if st == "dead":
-                state[r] = 1
-            elif st == "standby":
-                state[r] = 2
+        v = d.get("p")
+        ranks.append(r)
+        ps.append(float(v) if isinstance(v, int | float) else np.nan)
+        sts.append(codes.get(d.get("state"), 0))
+    if ranks:
+        ra = np.asarray(ranks, dtype=np.int64)
+        ok = (ra >= 0) & (ra < world_size)
+        p[ra[ok]] = np.asarray(ps, dtype=float)[ok]
+        state[ra[ok]] = np.asarray(sts, dtype=np.int8)[ok]
     idx = np.asarray([r for r in dead if 0 <= r < world_size], dtype=int)
     state[idx] = 1
     idx = np.asarray([r for r in standby if 0 <= r < world_size], dtype=int)
@@ -560,19 +562,30 @@ def coord_grid(
     pp = len(groups[0]) if dp else 0
     per = max(1, math.ceil(dp / max_cols))
     cols = math.ceil(dp / per) if dp else 0
+    # One flat gather, then a segmented min: one numpy pass for every TP group of the job.
+    flat, seg, tp = [], np.zeros((dp, pp), dtype=np.int64), np.zeros((dp, pp), dtype=np.int64)
+    for d in range(dp):
+        for s in range(pp):
+            grp = [r for r in groups[d][s] if 0 <= r < len(p)]
+            tp[d, s] = len(groups[d][s])
+            seg[d, s] = len(grp)
+            flat.extend(grp)
+    vals = p[np.asarray(flat, dtype=np.int64)] if flat else np.zeros(0)
+    vals = np.where(np.isnan(vals), np.inf, vals)
+    starts = np.concatenate([[0], np.cumsum(seg.reshape(-1))[:-1]])
+    gmin = np.full(dp * pp, np.inf)
+    nz = seg.reshape(-1) > 0
+    if vals.size:
+        gmin[nz] = np.minimum.reduceat(vals, starts[nz])
+    gmin = gmin.reshape(dp, pp)
     z, text = [], []
     for s in range(pp):
         zr, tr = [], []
         for c in range(cols):
-            vals, tps = [], []
-            for d in range(c * per, min((c + 1) * per, dp)):
-                grp = groups[d][s]
-                tps.append(len(grp))
-                vals.extend(p[r] for r in grp if 0 <= r < len(p))
-            arr = np.asarray(vals, dtype=float)
-            v = float(np.nanmin(arr)) if arr.size and not np.isnan(arr).all() else None
-            zr.append(None if v is None else round(v, 4))
-            tr.append(f"TP {'/'.join(map(str, sorted(set(tps))))}")
+            lo, hi = c * per, min((c + 1) * per, dp)
+            v = float(gmin[lo:hi, s].min())
+            zr.append(None if not math.isfinite(v) else round(v, 4))
+            tr.append(f"TP {'/'.join(map(str, sorted(set(tp[lo:hi, s].tolist()))))}")
         z.append(zr)
         text.append(tr)
     xl = [

