@@ -21,7 +21,7 @@ evaluates it with the shared pipeline engine and keeps it only if it helps
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,74 +68,85 @@ def progress_aware_migration(
     c = np.asarray(chunk_s, dtype=float).copy()
     alive = np.array(
         [[bool(layout.groups[d][s]) and np.isfinite(c[d, s]) for s in range(S)] for d in range(D)]
-    )
+    ).reshape(D, S)
     cap = np.full((D, S), 1 << 30) if act_cap is None else np.asarray(act_cap)
     own_inflight = np.array(
         [[min(S - s, layout.microbatches[d]) for s in range(S)] for d in range(D)]
-    )
-    pending = [[list(range(layout.microbatches[d])) for _ in range(S)] for d in range(D)]
+    ).reshape(D, S)
+    pending = [[deque(range(layout.microbatches[d])) for _ in range(S)] for d in range(D)]
+    pend_n = np.array([[layout.microbatches[d]] * S for d in range(D)], dtype=int).reshape(D, S)
     queue: list[list[list[tuple[int, int]]]] = [[[] for _ in range(S)] for _ in range(D)]
     ready: dict[tuple[int, int, int], float] = {
         (d, 0, j): 0.0 for d in range(D) for j in range(layout.microbatches[d])
     }
-    finishes: list[list[list[float]]] = [[[] for _ in range(S)] for _ in range(D)]
+    # completed forward chunks per executor, fed from per-stage heaps of finish times
+    done_n = np.zeros((D, S))
+    fin_heap: list[list[tuple[float, int]]] = [[] for _ in range(S)]
     queued_n = np.zeros((D, S), dtype=int)
     resident: list[list[list[float]]] = [
         [[] for _ in range(S)] for _ in range(D)
     ]  # migrated residence end times
     free_at = np.zeros((D, S))
     res = MigrationResult()
+    idx = np.arange(D)
 
     def progress(s: int, t: float) -> np.ndarray:
-        p = np.array([bisect_right(finishes[d][s], t) for d in range(D)], dtype=float)
-        return p - queued_n[:, s]
+        h = fin_heap[s]
+        while h and h[0][0] <= t:
+            _, d = heapq.heappop(h)
+            done_n[d, s] += 1
+        return done_n[:, s] - queued_n[:, s]
 
     def mem_ok(e: int, s: int, t_arrive: float) -> bool:
         live = sum(1 for end in resident[e][s] if end > t_arrive)
         return own_inflight[e, s] + live + 1 <= cap[e, s]
 
+    def take_last(d: int, s: int) -> int:
+        pend_n[d, s] -= 1
+        return pending[d][s].pop()
+
     def decide(s: int, t: float) -> None:
+        live_col = alive[:, s]
         while True:
-            owners = [d for d in range(D) if pending[d][s]]
-            if not owners:
+            own = pend_n[:, s] > 0
+            if not own.any():
+                return
+            dead_owners = np.flatnonzero(own & ~live_col)
+            if not live_col.any():
+                for d in dead_owners:
+                    while pending[d][s]:
+                        res.unplaced.append((int(d), s, take_last(d, s)))
+                return
+            if not len(dead_owners) and not balance:
                 return
             P = progress(s, t)
-            dead_owners = [d for d in owners if not alive[d, s]]
-            live_exec = [e for e in range(D) if alive[e, s]]
-            if not live_exec:
-                for d in dead_owners:
-                    res.unplaced.extend((d, s, j) for j in pending[d][s])
-                    pending[d][s] = []
-                return
-            if dead_owners:
-                d_min = dead_owners[0]
-            elif balance:
-                d_min = min(owners, key=lambda d: (P[d], -c[d, s], d))
+            if len(dead_owners):
+                d_min = int(dead_owners[0])
             else:
+                owners = np.flatnonzero(own)
+                o = np.lexsort((owners, -c[owners, s], P[owners]))
+                d_min = int(owners[o[0]])
+            mask = live_col.copy()
+            mask[d_min] = False
+            cand = idx[mask]
+            if not len(cand):
                 return
-            cands = sorted(
-                (e for e in live_exec if e != d_min), key=lambda e: (-P[e], free_at[e, s], e)
-            )
-            if not cands:
-                return
-            if alive[d_min, s] and P[cands[0]] - P[d_min] <= delta:
-                return
-            if (
-                alive[d_min, s]
-                and c[cands[0], s] >= c[d_min, s] * (1 + 1e-9)
-                and len(pending[d_min][s]) <= 1
-            ):
-                return  # moving the last chunk onto a slower executor cannot help
+            order = cand[np.lexsort((cand, free_at[cand, s], -P[cand]))]
+            top = int(order[0])
+            evict = not live_col[d_min]
+            if not evict:
+                if P[top] - P[d_min] <= delta:
+                    return
+                if c[top, s] >= c[d_min, s] * (1 + 1e-9) and pend_n[d_min, s] <= 1:
+                    return  # moving the last chunk onto a slower executor cannot help
+                order = order[:1]  # balancing moves work to d_max only
             j = pending[d_min][s][-1]
             placed = False
-            for e in cands:
-                if not alive[d_min, s] and P[e] < P[cands[0]]:
-                    pass  # fail-stop work may go to any peer with memory, fastest progress first
-                elif alive[d_min, s] and e != cands[0]:
-                    break  # balancing uses only d_max
-                t_arrive = max(t, free_at[e, s]) + (queued_n[e, s] + len(pending[e][s])) * c[e, s]
+            # fail-stop work may go to any peer with memory, fastest progress first
+            for e in order.tolist():
+                t_arrive = max(t, free_at[e, s]) + (queued_n[e, s] + pend_n[e, s]) * c[e, s]
                 if mem_ok(e, s, t_arrive):
-                    pending[d_min][s].pop()
+                    take_last(d_min, s)
                     queue[e][s].append((d_min, j))
                     queued_n[e, s] += 1
                     resident[e][s].append(t_arrive + (S - s) * c[e, s])
@@ -144,19 +155,24 @@ def progress_aware_migration(
                     break
                 res.memory_refusals_total += 1
             if not placed:
-                if not alive[d_min, s]:
-                    res.unplaced.append((d_min, s, pending[d_min][s].pop()))
+                if evict:
+                    res.unplaced.append((d_min, s, take_last(d_min, s)))
                     continue
                 return
 
     heap = [(0.0, d, s) for d in range(D) for s in range(S) if alive[d, s]]
     heapq.heapify(heap)
-    waiting: set[tuple[int, int]] = set()
-    decide_done: set[int] = set()
+    waiting: list[set[int]] = [set() for _ in range(S)]
     for s in range(S):  # fail-stop evictions happen before anything runs
         if not alive[:, s].all():
             decide(s, 0.0)
-            decide_done.add(s)
+    if not balance:
+        # evictions are decided up front; without balancing nothing else can change
+        for d in range(D):
+            for s in range(S):
+                if not alive[d, s]:
+                    res.unplaced.extend((d, s, j) for j in pending[d][s])
+        return res
     last_decide = [-1.0] * S
     while heap:
         t, e, s = heapq.heappop(heap)
@@ -175,30 +191,30 @@ def progress_aware_migration(
                 best = (r, 1 + k, d, j)
         if best is None:
             if pending[e][s] or queue[e][s]:
-                waiting.add((e, s))
+                waiting[s].add(e)
             continue
         r, src, d, j = best
         if src == 0:
-            pending[e][s].pop(0)
+            pending[e][s].popleft()
+            pend_n[e, s] -= 1
         else:
             queue[e][s].pop(src - 1)
             queued_n[e, s] -= 1
         start = max(t, r)
         fin = start + c[e, s]
-        finishes[e][s].append(fin)
+        heapq.heappush(fin_heap[s], (fin, e))
         free_at[e, s] = fin
         res.makespan_estimate_s = max(res.makespan_estimate_s, fin)
         if s + 1 < S:
             ready[(d, s + 1, j)] = fin
-            for w in [w for w in waiting if w[1] == s + 1]:
-                waiting.discard(w)
-                heapq.heappush(heap, (max(fin, free_at[w]), *w))
+            for w in waiting[s + 1]:
+                heapq.heappush(heap, (max(fin, free_at[w, s + 1]), w, s + 1))
+            waiting[s + 1].clear()
         heapq.heappush(heap, (fin, e, s))
     for d in range(D):
         for s in range(S):
-            for j in pending[d][s]:
-                if not alive[d, s]:
-                    res.unplaced.append((d, s, j))
+            if not alive[d, s]:
+                res.unplaced.extend((d, s, j) for j in pending[d][s])
     return res
 
 

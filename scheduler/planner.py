@@ -36,7 +36,7 @@ from scheduler.lifecycle import OverrideError, PlanDraft
 from scheduler.memory import inflight_1f1b
 from scheduler.pp import PartitionError, optimal_partition, partition_moves
 from scheduler.predict import Predictor
-from scheduler.tp import adapt_tp, p2p_moves
+from scheduler.tp import adapt_tp, clone_layout, p2p_moves
 
 
 class PlanningError(ValueError):
@@ -154,6 +154,7 @@ def plan(
     S = lay.pp
     w = predictor.per_layer_s(lay, p)  # [dp, stage]; inf where empty
     live = np.isfinite(w)
+    wmax_all = np.where(live, w, 0).max(axis=0)
     head = predictor.head_s(lay, p)
     e_head = list(np.where(live, head, 0).max(axis=0))
     caps = []
@@ -201,11 +202,11 @@ def plan(
             raise PlanningError(
                 f"no layer partition fits device memory (caps {caps}, {lay.num_layers} layers)"
             )
-    deltas = sorted({opt.delta, opt.delta + 1}) if opt.dp else []
-    variants = [(False, 0)] + [(True, dl) for dl in deltas]
+    evict_only = [(False, 0)]
+    balancing = [(True, opt.delta)] if opt.dp else []
     structs: list[tuple[float, Layout, list[dict]]] = []
 
-    def with_migrations(base: Layout) -> None:
+    def with_migrations(base: Layout, variants) -> None:
         f, b, wc = predictor.stage_chunk_s(base, p)
         chunk = f + b + wc
         act_cap = np.array(
@@ -230,7 +231,7 @@ def plan(
             if key in done:
                 continue
             done.add(key)
-            cand = copy.deepcopy(base)
+            cand = clone_layout(base)
             cand.migrations = sorted(mig.migrations, key=lambda x: x.to_list())
             try:
                 cand.validate()
@@ -239,7 +240,7 @@ def plan(
             structs.append((predictor.iteration_s(cand, p), cand, mig.moves()))
 
     for layers in cands:
-        base = copy.deepcopy(lay)
+        base = clone_layout(lay)
         base.layers = list(layers)
         counts = [list(lay.microbatches)]
         if opt.dp:
@@ -257,14 +258,21 @@ def plan(
             if bal != counts[0]:
                 counts.append(bal)
         for mbs in counts:
-            b2 = copy.deepcopy(base)
+            b2 = clone_layout(base)
             b2.microbatches = mbs
-            with_migrations(b2)
+            with_migrations(b2, evict_only)
     if not structs:
         raise PlanningError(
             "no feasible layout: fail-stop work cannot be placed on any live peer stage"
         )
     structs.sort(key=lambda x: x[0])
+    # Algorithm 1's balancing on the best eviction-only structure (each migration set is
+    # a new DAG, so only the most promising partition and counts get one)
+    if balancing:
+        b4 = clone_layout(structs[0][1])
+        b4.migrations = []
+        with_migrations(b4, balancing)
+        structs.sort(key=lambda x: x[0])
     best = structs[0]
     if opt.layers is None and (opt.pp or gone):
         # local search on the partition with each top structure fixed (batched engine runs)
@@ -276,17 +284,17 @@ def plan(
             if key in seen:
                 continue
             seen.add(key)
-            L, t = _climb(predictor, cand, p, caps, t0)
+            L, t = _climb(predictor, cand, p, caps, t0, wmax_all)
             if t < best[0] - 1e-12:
-                c2 = copy.deepcopy(cand)
+                c2 = clone_layout(cand)
                 c2.layers = L
                 best = (t, c2, mv)
         # Algorithm 1 once more at the improved partition
         if list(best[1].layers) not in [list(c) for c in cands]:
             n0 = len(structs)
-            b3 = copy.deepcopy(best[1])
+            b3 = clone_layout(best[1])
             b3.migrations = []
-            with_migrations(b3)
+            with_migrations(b3, evict_only + balancing)
             for item in structs[n0:]:
                 if item[0] < best[0] - 1e-12:
                     best = item
@@ -315,26 +323,46 @@ def plan(
     return PlanResult(after, before_s if runnable else -1.0, t_after, moves)
 
 
-def _climb(predictor: Predictor, lay: Layout, p, caps: list[int], t0: float, max_steps: int = 80):
-    """Steepest descent over one-layer moves between stages, evaluated in one batch per step."""
+def _climb(
+    predictor: Predictor,
+    lay: Layout,
+    p,
+    caps: list[int],
+    t0: float,
+    stage_cost: np.ndarray | None = None,
+    max_steps: int = 80,
+    focus: int = 3,
+):
+    """Steepest descent over one-layer moves between stages, evaluated in batches.
+
+    With more than 8 stages only moves out of the ``focus`` most loaded stages and
+    into the ``focus`` least loaded ones are tried (``stage_cost``: seconds per layer).
+    """
     L = list(lay.layers)
     t = t0
     S = len(L)
     run = predictor.layer_evaluator(lay, p)
     for _ in range(max_steps):
+        if S > 8 and stage_cost is not None:
+            load = np.asarray(L) * stage_cost
+            order = np.argsort(load)
+            srcs = set(order[-focus:].tolist())
+            dsts = set(order[:focus].tolist())
+            pairs = [
+                (a, b) for a in range(S) for b in range(S) if a != b and (a in srcs or b in dsts)
+            ]
+        else:
+            pairs = [(a, b) for a in range(S) for b in range(S) if a != b]
         nbrs = []
-        for a in range(S):
-            if L[a] <= 1:
-                continue
-            for b in range(S):
-                if b != a and L[b] + 1 <= caps[b]:
-                    n = list(L)
-                    n[a] -= 1
-                    n[b] += 1
-                    nbrs.append(n)
+        for a, b in pairs:
+            if L[a] > 1 and L[b] + 1 <= caps[b]:
+                n = list(L)
+                n[a] -= 1
+                n[b] += 1
+                nbrs.append(n)
         if not nbrs:
             break
-        ts = run(nbrs)
+        ts = np.concatenate([run(nbrs[i : i + 64]) for i in range(0, len(nbrs), 64)])
         i = int(np.argmin(ts))
         if ts[i] >= t - 1e-9:
             break

@@ -17,7 +17,6 @@ tensor with an intra-node all-gather, so identical data crosses nodes once.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +34,23 @@ class TPChoice:
     ranks: tuple[int, ...]
     k: int
     score: float
+
+
+def clone_layout(lay: Layout) -> Layout:
+    """A deep copy without validation (intermediate layouts may have empty groups)."""
+    return Layout(
+        world_size=lay.world_size,
+        devices_per_node=lay.devices_per_node,
+        num_layers=lay.num_layers,
+        groups=[[list(g) for g in st] for st in lay.groups],
+        layers=list(lay.layers),
+        microbatches=list(lay.microbatches),
+        standby=list(lay.standby),
+        dead=list(lay.dead),
+        migrations=list(lay.migrations),
+        layout_id=lay.layout_id,
+        schedule=lay.schedule,
+    )
 
 
 def feasible_degrees(k_min: int, n_executable: int) -> list[int]:
@@ -135,7 +151,7 @@ def adapt_tp(
     ranks are forced out.  With ``selective=False`` (the baselines) a group that
     lost any device is dropped whole and its live devices parked.
     """
-    lay = copy.deepcopy(layout)
+    lay = clone_layout(layout)
     keep_s, drop_s = set(keep), set(drop)
     dead = set(lay.dead) | {r for r in range(lay.world_size) if p.get(r, 1.0) <= 0}
     pool: dict[int, list[int]] = {}
