@@ -96,9 +96,19 @@ class SimTrainer:
             else:
                 time.sleep(delay)
 
+    def _backpressure(self, incoming: int) -> None:
+        """Unpaced runs outpace any Redis: wait until the producer has room instead of dropping."""
+        if self.cfg.speed > 0:
+            return  # paced: an overloaded producer drops and counts, as a real trainer's would
+        limit = self.producer.max_queue - incoming
+        deadline = time.monotonic() + 60.0
+        while self.producer.queued > max(0, limit) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def _emit(self, step: SimStep, stop: threading.Event | None) -> int:
         """Replay the step: heartbeats at their times, then rows and stats at its end."""
         sent = 0
+        self._backpressure(len(step.heartbeats) + len(step.chunk_rows) + len(step.mb_stats))
         hb = step.heartbeats
         if len(hb):
             times = hb["wall_time_s"] - self.sim.epoch_s
