@@ -237,3 +237,13 @@ def test_trainer_package_stays_torch_free_and_dispatches():
         [sys.executable, "-m", "trainer", "tensorflow"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "unknown back end" in out.stderr
+
+
+def test_link_severity_is_calibrated_too():
+    sc = parse_scenario(
+        "events:\n  - {at_iteration: 1, action: slow_link, rank: 6, severity: weak}\n"
+    )
+    steps = list(simulate_run(_cfg(noise=0.0), sc, iterations=2))
+    slow = steps[1].true_state
+    assert 0.01 <= slow.link_speed[6] < 0.5
+    assert 1 - slow.healthy_iteration_s / slow.iteration_time_s == pytest.approx(0.35, abs=0.03)
