@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qs
 
 from dash import Input, Output, State, dash_table, dcc, html, no_update
@@ -62,6 +63,7 @@ def layout(ctx: AppContext) -> html.Div:
                 className="panel",
             ),
             html.Div(id="in-detail", className="panel"),
+            dcc.Store(id="in-sig"),
         ]
     )
 
@@ -138,19 +140,27 @@ def register(app, ctx: AppContext) -> None:
 
     @app.callback(
         Output("in-detail", "children"),
+        Output("in-sig", "data"),
         Input("in-select", "value"),
         Input("tick", "n_intervals"),
         State("job", "value"),
+        State("in-sig", "data"),
     )
-    @redis_safe(1)
-    def detail(incident_id, _n, job):
+    @redis_safe(2)
+    def detail(incident_id, _n, job, last_sig):
         if not job or not incident_id:
-            return html.Div("No incident selected.")
+            return html.Div("No incident selected."), None
         try:
             inc = _load(ctx, job, incident_id)
         except inc_mod.IncidentNotFound as e:
-            return banner(str(e), "warn")
+            return banner(str(e), "warn"), None
         rows = inc.phase_rows()
+        sig = json.dumps(
+            [job, incident_id, rows, inc.throughput, len(inc.iterations), inc.iterations[-1:]],
+            default=str,
+        )
+        if sig == last_sig:
+            return no_update, no_update
         tp = inc.throughput
         return html.Div(
             [
@@ -202,7 +212,7 @@ def register(app, ctx: AppContext) -> None:
                 ),
                 dcc.Graph(figure=inc_mod.incident_figure(inc), config={"displaylogo": False}),
             ]
-        )
+        ), sig
 
     @app.callback(
         Output("in-download", "data"),

@@ -3,6 +3,8 @@ authenticated operator, scheduler refusals, the action stream and the audit log.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 from typing import Any
@@ -89,6 +91,7 @@ def layout(ctx: AppContext) -> html.Div:
                     html.Div(id="pl-action-result", style={"marginTop": "8px"}),
                     html.Div(id="pl-action-outcome"),
                     dcc.Store(id="pl-last-action"),
+                    dcc.Store(id="pl-sig"),
                 ],
                 className="panel",
             ),
@@ -265,19 +268,39 @@ def register(app, ctx: AppContext) -> None:
         Output("pl-audit", "children"),
         Output("pl-actions", "children"),
         Output("pl-action-outcome", "children"),
+        Output("pl-sig", "data"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
         Input("pl-plan", "value"),
+        Input("pl-last-action", "data"),
         State("pl-plan", "options"),
-        State("pl-last-action", "data"),
+        State("pl-sig", "data"),
     )
-    @redis_safe(8)
-    def refresh(_n, job, selected, options, last_action):
+    @redis_safe(9)
+    def refresh(_n, job, selected, last_action, options, last_sig):
         if not job:
-            return banner("no job selected", "info"), [], None, "", "", "", "", ""
+            return banner("no job selected", "info"), [], None, "", "", "", "", "", None
         orig = selected
         plans = ctx.data.plans(job)
         ordered = sorted(plans.values(), key=lambda p: p.plan_id, reverse=True)
+        audit_all = ctx.data.audit(job)
+        acts_all = ctx.data.actions(job)
+        # Re-render only on change: a redraw every tick would reset the tables' paging.
+        sig = hashlib.sha1(
+            json.dumps(
+                [
+                    job,
+                    selected,
+                    last_action,
+                    [p.to_dict() for p in ordered],
+                    len(audit_all),
+                    len(acts_all),
+                ],
+                default=str,
+            ).encode()
+        ).hexdigest()
+        if sig == last_sig:
+            return ("",) + (no_update,) * 7 + (sig,)
         opts = [{"label": _plan_label(p), "value": p.plan_id} for p in ordered]
         if selected not in plans:
             pending = [p for p in ordered if p.state == "proposed"]
@@ -302,7 +325,7 @@ def register(app, ctx: AppContext) -> None:
             if refused
             else "none"
         )
-        audit = ctx.data.audit(job)[-200:][::-1]
+        audit = audit_all[-200:][::-1]
         cols = ["at", "actor", "action", "plan_id", "result", "note", "new_plan_id", "override"]
         arows = [
             {
@@ -318,7 +341,7 @@ def register(app, ctx: AppContext) -> None:
             page_size=10,
             style_cell={"fontSize": 12, "textAlign": "left"},
         )
-        acts = ctx.data.actions(job)[-100:][::-1]
+        acts = acts_all[-100:][::-1]
         act_t = dash_table.DataTable(
             id="pl-actions-table",
             columns=[
@@ -346,6 +369,7 @@ def register(app, ctx: AppContext) -> None:
             audit_t,
             act_t,
             _outcome(audit, last_action),
+            sig,
         )
 
     @app.callback(
