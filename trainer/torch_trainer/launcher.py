@@ -248,7 +248,7 @@ class JobLauncher:
                         self._new_generation(self.layout, "communication failure without a death")
                         continue
                 self._confirm()
-                if self.follower is not None and time.time() - last_poll > 1.0:
+                if self.follower is not None and time.time() - last_poll > 0.2:
                     last_poll = time.time()
                     for plan in self.follower.poll():
                         lay = self._plan_layout(plan)
