@@ -196,3 +196,26 @@ def test_cli_runs_and_checks_health(r, redis_server, tmp_path):
     assert out.returncode == 2 and f"{bad}:2:" in out.stderr
     out = subprocess.run(cmd + ["--tp", "3"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "tp" in out.stderr
+
+
+def test_trains_through_a_redis_outage():
+    from resihp.redis_client import EmbeddedRedis, connect
+
+    srv = EmbeddedRedis()  # port chosen, server not running yet
+    try:
+        client = connect(srv.url, socket_timeout=2)
+        tr = SimTrainer(_cfg(job_id="outage"), client)
+        tr.run_once()
+        tr.run_once()
+        assert tr.sim.iteration == 2 and tr.redis_errors_total >= 2
+        srv.start()
+        tr.run_once()
+        keys = JobKeys("outage")
+        assert read_layout(client, keys) is not None
+        tr.producer.flush(30)
+        _msgs, rows = _drain(client, keys)
+        assert sorted(set(rows["iteration"].tolist())) == [0, 1, 2]  # queued rows were kept
+        assert tr.producer.dropped_total == 0
+        tr.close()
+    finally:
+        srv.cleanup()

@@ -59,6 +59,9 @@ class SimTrainer:
         self.follower = PlanFollower(client, self.keys, actor="trainer")
         self.health = Health(client, self.keys, "trainer", ttl_s=config.health_ttl_s)
         self.started = False
+        self._registered = False
+        self._unconfirmed: list[tuple] = []  # (plan, layout, comment) applied but not yet confirmed
+        self.redis_errors_total = 0
         self.steps_total = 0
         self.iterations_total = 0
         self.plans_applied_total = 0
@@ -67,13 +70,27 @@ class SimTrainer:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self.started:
-            return
-        register_job(self.client, self.keys)
-        write_layout(self.client, self.keys, self.sim.layout)
-        self.producer.start()
+        """Start the producer and register the job (retried each step while Redis is down)."""
+        if not self.started:
+            self.producer.start()
+            self.started = True
+        self._register()
+
+    def _register(self) -> bool:
+        if self._registered:
+            return True
+        try:
+            register_job(self.client, self.keys)
+            write_layout(self.client, self.keys, self.sim.layout)
+        except redis.RedisError as e:
+            self.redis_errors_total += 1
+            log.warning(
+                "cannot register the job yet (%s); training goes on, telemetry is queued", e
+            )
+            return False
+        self._registered = True
         self.health.beat("ok", layout_id=self.sim.layout.layout_id)
-        self.started = True
+        return True
 
     def close(self) -> None:
         self.producer.close()
@@ -129,8 +146,16 @@ class SimTrainer:
 
     # ------------------------------------------------------------ plans
     def _follow_plans(self, stop: threading.Event | None) -> int:
+        """Apply the newest acknowledged plan; Redis trouble only postpones it."""
+        try:
+            self._confirm_pending()
+            plans = self.follower.poll()
+        except redis.RedisError as e:
+            self.redis_errors_total += 1
+            log.warning("plan poll failed (%s); retrying at the next boundary", e)
+            return 0
         sent = 0
-        for plan in self.follower.poll():
+        for plan in plans:
             try:
                 new = Layout.from_dict(plan.after)
             except (LayoutError, TypeError, ValueError) as e:
@@ -141,26 +166,42 @@ class SimTrainer:
                 # Never retried: a plan that cannot run is the scheduler's to replace.
                 self.follower.applied.add(plan.plan_id)
                 self.plans_refused_total += 1
-                incr_counter(self.client, self.keys, "trainer_plans_refused_total")
+                try:
+                    incr_counter(self.client, self.keys, "trainer_plans_refused_total")
+                except redis.RedisError:
+                    self.redis_errors_total += 1
                 log.warning("plan %s refused: %s", plan.plan_id, problem)
                 continue
             step = self.sim.apply_layout(new)
-            sent += self._emit(step, stop)
-            self.follower.confirm_applied(
-                plan, new, comment=f"sim reconfiguration {step.true_state.reconfig_s:.2f}s"
+            self.follower.applied.add(plan.plan_id)
+            self._unconfirmed.append(
+                (plan, new, f"sim reconfiguration {step.true_state.reconfig_s:.2f}s")
             )
+            sent += self._emit(step, stop)
             self.plans_applied_total += 1
-            incr_counter(self.client, self.keys, "trainer_plans_applied_total")
             log.info("applied plan %s (%s)", plan.plan_id, new.summary())
             self.last_step = step
+            try:
+                self._confirm_pending()
+            except redis.RedisError as e:
+                self.redis_errors_total += 1
+                log.warning("plan %s applied, confirmation postponed (%s)", plan.plan_id, e)
         return sent
+
+    def _confirm_pending(self) -> None:
+        """Write the layout and the ``applied`` action of plans applied while Redis was away."""
+        while self._unconfirmed:
+            plan, layout, comment = self._unconfirmed[0]
+            self.follower.confirm_applied(plan, layout, comment=comment)
+            incr_counter(self.client, self.keys, "trainer_plans_applied_total")
+            self._unconfirmed.pop(0)
 
     # ------------------------------------------------------------ loop
     def run_once(self, stop: threading.Event | None = None) -> int:
         """One step: plans at the boundary, then one iteration (or one hung interval)."""
-        if not self.started:
+        if not self.started or not self._registered:
             self.start()
-        sent = self._follow_plans(stop)
+        sent = self._follow_plans(stop) if self._registered else 0
         step = self.sim.step()
         sent += self._emit(step, stop)
         self.steps_total += 1
