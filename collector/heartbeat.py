@@ -23,6 +23,7 @@ defaults (I = 1 s, K = 2) and a check every I/4 the decision comes within
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from resihp.schemas import LivenessEvent
@@ -75,17 +76,21 @@ class NodeMonitor:
     ) -> None:
         st = self.ranks.get(rank)
         if st is None:
-            st = self.ranks[rank] = RankState(rank, self.node, arrival_s)
+            st = self.ranks[rank] = RankState(rank, self.node, -math.inf)
+        # Invariant: last_heard_s >= every device's last_arrival_s.
         if arrival_s > st.last_arrival_s:
             st.last_arrival_s = arrival_s
-        st.seq = max(st.seq, seq)
-        st.iteration = max(st.iteration, iteration)
-        st.generation = max(st.generation, generation)
+            if arrival_s > self.last_heard_s:
+                self.last_heard_s = arrival_s
+        if seq > st.seq:
+            st.seq = seq
+        if iteration > st.iteration:
+            st.iteration = iteration
+        if generation > st.generation:
+            st.generation = generation
         if not st.alive:
             st.alive = True
             st.rejoined = True
-        if arrival_s > self.last_heard_s:
-            self.last_heard_s = arrival_s
 
     def missed(self, last_s: float, now_s: float) -> int:
         if last_s == -math.inf:
@@ -153,6 +158,8 @@ class LivenessCoordinator:
         self.monitors: dict[int, NodeMonitor] = {}
         self.node_down: set[int] = set()
         self._rank_node: dict[int, int] = {}
+        #: rank -> node for ranks heard but not expected (set from the layout)
+        self.node_of: Callable[[int], int] | None = None
 
     # ------------------------------------------------------------ configuration
     def set_k(self, k: int) -> None:
@@ -221,6 +228,8 @@ class LivenessCoordinator:
         if known is not None:
             node = known
         else:
+            if self.node_of is not None:  # the layout knows better than the beat
+                node = self.node_of(rank)
             self._rank_node[rank] = node
         self._monitor(node).observe(rank, arrival_s, seq, iteration, generation)
 

@@ -181,6 +181,7 @@ class CollectorService:
         for r in dead:
             expected[r] = layout.node_of(r)
         self.liveness.set_expected(expected, dead, now)
+        self.liveness.node_of = layout.node_of
         log.info("collector: layout %d (%s)", layout.layout_id, layout.summary())
 
     def _runtime_k(self) -> None:
@@ -261,9 +262,18 @@ class CollectorService:
         singles: list[np.ndarray] = []
         single_entry: list[bytes] = []
         handled = 0
+        beats = 0
+        observe = self.liveness.observe
         for entry_id, msgs in batch:
             carried = False
+            arrival_s = self._arrival_s(entry_id)
             for m in msgs:
+                # Heartbeats first: they are the many small messages of a big job.
+                if type(m) is Heartbeat:
+                    beats += 1
+                    # the coordinator maps known ranks to their layout node itself
+                    observe(m.rank, m.node, arrival_s, m.seq, m.iteration, m.generation)
+                    continue
                 if isinstance(m, ChunkBatch):
                     parts.append(m.rows)
                     part_entry.append(entry_id)
@@ -271,13 +281,7 @@ class CollectorService:
                     handled += len(m.rows)
                     continue
                 handled += 1
-                if isinstance(m, Heartbeat):
-                    self._count("heartbeats_total")
-                    node = self.layout.node_of(m.rank) if self.layout is not None else m.node
-                    self.liveness.observe(
-                        m.rank, node, self._arrival_s(entry_id), m.seq, m.iteration, m.generation
-                    )
-                elif isinstance(m, MicroBatchStats):
+                if isinstance(m, MicroBatchStats):
                     if self.layout is not None and m.dp >= self.layout.dp:
                         self._dead_letter(
                             f"MicroBatchStats: unknown replica dp={m.dp} (layout has {self.layout.dp})",
@@ -299,6 +303,8 @@ class CollectorService:
                     )
             if not carried:
                 self._ack_ready.append(entry_id)
+        handled += beats
+        self._count("heartbeats_total", beats)
         if parts:
             self._add_rows(parts, part_entry, now, checked=True)
         if singles:

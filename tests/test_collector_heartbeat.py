@@ -159,3 +159,18 @@ def test_runtime_k_change_and_validation():
     beats[0] = (0, _beats(0, 3))
     events = _run(coord, beats, 20)
     assert 3 + 5 * IV < events[0][0] <= 3 + 6 * IV
+
+
+def test_ranks_known_only_from_their_beats():
+    # No layout: ranks are tracked from their first beat, with the node it names.
+    coord = LivenessCoordinator(IV, k=2)
+    beats = {r: (r // 4, _beats(1, 20, 0.1 * r)) for r in range(8)}
+    beats[1] = (0, _beats(1, 6))
+    for r in range(4, 8):
+        beats[r] = (1, _beats(1, 12, 0.1 * r))
+    events = _run(coord, beats, 20)
+    got = [(e.scope, e.state, e.node, e.ranks) for _, e in events]
+    assert got == [("rank", "dead", 0, [1]), ("node", "dead", 1, [4, 5, 6, 7])]
+    node_ev = events[1][1]
+    assert 12 < node_ev.last_seen_s <= 12.8  # the node's last beat, a real time
+    assert coord.node_last_heard()[1] == node_ev.last_seen_s
