@@ -114,6 +114,21 @@ def test_follows_acknowledged_plans_and_refuses_impossible_ones(r):
     assert int(r.hget(keys.counters, "trainer_plans_refused_total")) == 1
 
 
+def test_truth_file_records_hidden_state(r, tmp_path):
+    from trainer.scenario import parse_scenario
+
+    out = tmp_path / "truth.jsonl"
+    sc = parse_scenario(
+        "events:\n  - {at_iteration: 1, action: slow_device, rank: 4, factor: 0.5}\n"
+    )
+    SimTrainer(_cfg(iterations=2, truth_out=str(out)), r, scenario=sc).run()
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["ok", "ok"]
+    assert lines[0]["compute_speed"] == {} and lines[1]["compute_speed"] == {"4": 0.5}
+    assert lines[1]["iteration_time_s"] > lines[1]["healthy_iteration_s"] * 1.2
+    assert "slow_device" in lines[1]["events"][0]
+
+
 def test_time_scaled_pacing(r):
     cfg = _cfg(iterations=2, speed=50.0, heartbeat_interval_s=0.5)
     tr = SimTrainer(cfg, r)

@@ -66,6 +66,8 @@ class SimConfig:
     seed: int = 0
     #: Failure scenario file (docs/scenario.md); empty = none.
     scenario: str = ""
+    #: Append the hidden ground truth of every step here as JSON lines (empty = off).
+    truth_out: str = ""
     #: Jobs with more ranks than this report chunk rows from TP rank 0 of each group only.
     max_rank_report: int = 4096
     #: Communication rows: "all" (RECV per P2P transfer + ALLREDUCE), "allreduce", "none".
@@ -197,6 +199,11 @@ class SimConfig:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--scenario", default="")
         p.add_argument("--max-rank-report", type=int, default=d.max_rank_report)
+        p.add_argument(
+            "--truth-out",
+            default="",
+            help="write each step's hidden ground truth here (JSON lines)",
+        )
         p.add_argument("--comm-rows", default=d.comm_rows, choices=["all", "allreduce", "none"])
         p.add_argument("--reconfig-base-s", type=float, default=d.reconfig_base_s)
         p.add_argument("--reconfig-migration-s", type=float, default=d.reconfig_migration_s)

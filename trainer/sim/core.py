@@ -78,6 +78,27 @@ class TrueState:
     samples: int = 0
     tokens: int = 0
 
+    def to_dict(self, iteration: int) -> dict:
+        """JSON-ready summary: timings, events and every device that is not healthy."""
+        slow = np.flatnonzero(self.compute_speed != 1.0)
+        slow_links = np.flatnonzero(self.link_speed != 1.0)
+        return {
+            "iteration": iteration,
+            "status": self.status,
+            "layout_id": self.layout.layout_id,
+            "t_start_s": self.t_start_s,
+            "t_end_s": self.t_end_s,
+            "iteration_time_s": self.iteration_time_s,
+            "healthy_iteration_s": self.healthy_iteration_s,
+            "reconfig_s": self.reconfig_s,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "events": [e.describe() for e in self.events],
+            "dead": np.flatnonzero(~self.alive).tolist(),
+            "compute_speed": {int(r): float(self.compute_speed[r]) for r in slow},
+            "link_speed": {int(r): float(self.link_speed[r]) for r in slow_links},
+        }
+
 
 @dataclass
 class SimStep:

@@ -11,6 +11,7 @@ handed over when the iteration ends, as a real trainer does.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -67,6 +68,7 @@ class SimTrainer:
         self.plans_applied_total = 0
         self.plans_refused_total = 0
         self.last_step: SimStep | None = None
+        self._truth = open(config.truth_out, "a") if config.truth_out else None  # noqa: SIM115
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -94,6 +96,14 @@ class SimTrainer:
 
     def close(self) -> None:
         self.producer.close()
+        if self._truth is not None:
+            self._truth.close()
+            self._truth = None
+
+    def _record_truth(self, step: SimStep) -> None:
+        if self._truth is not None:
+            self._truth.write(json.dumps(step.true_state.to_dict(step.iteration)) + "\n")
+            self._truth.flush()
 
     @property
     def done(self) -> bool:
@@ -125,6 +135,7 @@ class SimTrainer:
     def _emit(self, step: SimStep, stop: threading.Event | None) -> int:
         """Replay the step: heartbeats at their times, then rows and stats at its end."""
         sent = 0
+        self._record_truth(step)
         self._backpressure(len(step.heartbeats) + len(step.chunk_rows) + len(step.mb_stats))
         hb = step.heartbeats
         if len(hb):
