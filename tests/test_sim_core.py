@@ -160,6 +160,10 @@ def test_drop_replica_policy_and_migration_only_plan_cost():
     repart = sim.layout.copy()
     repart.layers = [18, 14]
     assert sim.reconfig_cost_s(sim.layout, repart) > sim.cfg.reconfig_base_s
+    slow_restart = sim.reconfig_cost_s(sim.layout, repart, base_s=30.0)
+    assert slow_restart == pytest.approx(
+        sim.reconfig_cost_s(sim.layout, repart) + 30.0 - sim.cfg.reconfig_base_s
+    )
 
 
 def test_slow_link_lengthens_its_transfers():

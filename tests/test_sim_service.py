@@ -61,8 +61,9 @@ def test_emits_telemetry_and_writes_layout(r):
     assert health["status"] == "ok" and health["iteration"] == 3
 
 
-def _put_plan(r, keys, plan_id, before: Layout, after: Layout, state="acknowledged"):
+def _put_plan(r, keys, plan_id, before: Layout, after: Layout, state="acknowledged", moves=()):
     plan = AdaptationPlan(
+        moves=list(moves),
         plan_id=plan_id,
         state=state,
         created_at_s=time.time(),
@@ -100,9 +101,11 @@ def test_follows_acknowledged_plans_and_refuses_impossible_ones(r):
     fixed.dead = [13]
     fixed.standby = [x for x in grp if x not in fixed.groups[d][s] and x != 13]
     fixed.layout_id = 8
-    _put_plan(r, keys, 2, before, fixed)
+    _put_plan(r, keys, 2, before, fixed, moves=[{"what": "reconfig", "pause_s": 12.0}])
+    t_before = tr.sim.t_s
     tr.run_once()
     assert tr.plans_applied_total == 1
+    assert tr.sim.t_s - t_before > 12.0  # the plan's own pause, then one iteration
     assert tr.sim.layout.layout_id == 8
     assert read_layout(r, keys).layout_id == 8
     acts = [json.loads(f[b"m"])[0] for _i, f in r.xrange(keys.actions)]

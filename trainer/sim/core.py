@@ -594,9 +594,13 @@ class ClusterSim:
         return step
 
     # ------------------------------------------------------------ adaptation
-    def reconfig_cost_s(self, old: Layout, new: Layout) -> float:
-        """Communicator rebuild plus parameter/optimizer-state transfer for a layout change."""
+    def reconfig_cost_s(self, old: Layout, new: Layout, base_s: float | None = None) -> float:
+        """Communicator rebuild plus parameter/optimizer-state transfer for a layout change.
+
+        ``base_s`` replaces the configured rebuild pause (a policy's own restart cost).
+        """
         cfg = self.cfg
+        base = cfg.reconfig_base_s if base_s is None else float(base_s)
         same_struct = (
             old.groups == new.groups
             and old.layers == new.layers
@@ -626,14 +630,14 @@ class ClusterSim:
                     if missing:
                         nbytes = missing * per_layer / len(g)
                         worst = max(worst, nbytes / self.cm.ib_bytes_per_s)
-        return cfg.reconfig_base_s + worst
+        return base + worst
 
-    def apply_layout(self, layout: Layout, events=()) -> SimStep:
+    def apply_layout(self, layout: Layout, events=(), base_s: float | None = None) -> SimStep:
         """Switch to ``layout`` at this iteration boundary, paying the reconfiguration cost."""
         problem = self.check_layout(layout)
         if problem:
             raise ValueError(f"cannot apply layout: {problem}")
-        cost = self.reconfig_cost_s(self.layout, layout)
+        cost = self.reconfig_cost_s(self.layout, layout, base_s)
         t0 = self.t_s
         self.layout = layout
         self._ctx = None

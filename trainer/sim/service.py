@@ -183,7 +183,7 @@ class SimTrainer:
                     self.redis_errors_total += 1
                 log.warning("plan %s refused: %s", plan.plan_id, problem)
                 continue
-            step = self.sim.apply_layout(new)
+            step = self.sim.apply_layout(new, base_s=_pause_hint(plan))
             self.follower.applied.add(plan.plan_id)
             self._unconfirmed.append(
                 (plan, new, f"sim reconfiguration {step.true_state.reconfig_s:.2f}s")
@@ -240,3 +240,13 @@ class SimTrainer:
         finally:
             self.close()
         return 0
+
+
+def _pause_hint(plan) -> float | None:
+    """A plan may name its own rebuild pause: a move ``{"what": "reconfig", "pause_s": X}``."""
+    for mv in plan.moves or []:
+        if isinstance(mv, dict) and mv.get("what") == "reconfig":
+            v = mv.get("pause_s")
+            if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 3600:
+                return float(v)
+    return None
