@@ -105,6 +105,7 @@ class StreamConsumer:
     stats: ConsumerStats = field(default_factory=ConsumerStats)
     _claim_next: float = 0.0
     _pending_checked: bool = False
+    _pending_cursor: bytes | str = "0"
 
     def ensure_group(self) -> None:
         try:
@@ -153,10 +154,14 @@ class StreamConsumer:
         if not self._pending_checked:
             # After our own restart, first re-deliver what we read but never acked.
             self.ensure_group()
+            # Walk the pending list with a cursor: a caller that acks later (or
+            # never, for some entries) must not be handed the same first page forever.
             resp = self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: "0"}, count=count
+                self.group, self.consumer, {self.stream: self._pending_cursor}, count=count
             )
             entries = resp[0][1] if resp else []
+            if entries:
+                self._pending_cursor = entries[-1][0]
             if len(entries) < count:
                 self._pending_checked = True
             if entries:
