@@ -251,3 +251,26 @@ def test_link_severity_is_calibrated_too():
     slow = steps[1].true_state
     assert 0.01 <= slow.link_speed[6] < 0.5
     assert 1 - slow.healthy_iteration_s / slow.iteration_time_s == pytest.approx(0.35, abs=0.03)
+
+
+def test_simulate_run_follow_hook_and_scenario_path(tmp_path):
+    path = tmp_path / "kill.yaml"
+    path.write_text("events:\n  - {at_iteration: 2, action: kill_device, rank: 6}\n")
+
+    def follow(sim, step):
+        if step.true_state.status != "hung":
+            return None
+        new = sim.layout.copy()
+        d, s, _ = new.coords()[6]
+        keep = [r for r in new.groups[d][s] if r != 6][:2]
+        new.standby = [r for r in new.groups[d][s] if r not in keep and r != 6]
+        new.groups[d][s] = keep
+        new.dead = [6]
+        new.layout_id += 1
+        return new
+
+    steps = list(simulate_run(_cfg(scenario=str(path)), follow=follow, iterations=4))
+    statuses = [s.true_state.status for s in steps]
+    assert statuses == ["ok", "ok", "hung", "reconfig", "ok", "ok"]
+    assert steps[-1].true_state.layout.layout_id == 1
+    assert 6 not in set(steps[-1].chunk_rows["rank"])

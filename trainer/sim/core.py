@@ -690,6 +690,10 @@ def simulate_run(
     yielded too.  Each step unpacks as ``(iteration, chunk_rows, mb_stats,
     heartbeats, true_state)``.
     """
+    if scenario is None and config.scenario:
+        from trainer.scenario import load_scenario
+
+        scenario = load_scenario(config.scenario)
     sim = ClusterSim(config, scenario, epoch_s=epoch_s)
     target = config.iterations if iterations is None else iterations
     limit = max_steps if max_steps is not None else max(1000, 100 * max(target, 1))
