@@ -190,3 +190,31 @@ def test_redis_restart_mid_run_loses_nothing_and_kills_nobody():
         ]
         assert dead == []
         assert admin.xpending(KEYS.telemetry, KEYS.group("collector"))["pending"] == 0
+
+
+def test_collector_crash_mid_iteration_loses_nothing(r):
+    lay = _layout()
+    r.set(KEYS.layout, json.dumps(lay.to_dict()))
+    cfg = CollectorConfig(job_id=JOB, block_ms=5, read_count=4)
+    rows = iteration_rows(lay, 0)
+    pieces = np.array_split(rows, 20)
+    for piece in pieces[:12]:
+        r.xadd(KEYS.telemetry, encode_entry(None, piece))
+    first = CollectorService(cfg, r)
+    for _ in range(10):
+        first.run_once()
+    group = KEYS.group("collector")
+    assert r.xpending(KEYS.telemetry, group)["pending"] == 12  # read, held, not acked
+    del first  # crashes with half an iteration in memory
+    for piece in pieces[12:]:
+        r.xadd(KEYS.telemetry, encode_entry(None, piece))
+    second = CollectorService(cfg, r)  # same instance name: re-reads its pending entries
+    deadline = time.monotonic() + 10
+    while not _records(r) and time.monotonic() < deadline:
+        second.run_once()
+    (rec,) = _records(r)
+    assert rec.complete and rec.num_ranks_reporting == 8
+    assert len(rec.chunks["kind"]) == 2 * 2 * 4 * 2
+    for _ in range(3):
+        second.run_once()
+    assert r.xpending(KEYS.telemetry, group)["pending"] == 0
