@@ -53,7 +53,10 @@ class TrainConfig:
     slow_at_iteration: int = 0
     slow_comm_rank: int = -1
     slow_comm_s: float = 0.0
-    scenario: str = ""
+    scenario: str = (
+        ""  # trainer/scenario.py file (kill_device/kill_node/slow_device/slow_link/recover)
+    )
+    link_base_delay_s: float = 0.005  # slow_link factor f adds (1/f - 1) x this per P2P transfer
     dump_grads_dir: str = ""  # tests: dump gradients of iteration 0 before the step
     threads_per_worker: int = 1
 

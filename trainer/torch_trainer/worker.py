@@ -97,7 +97,14 @@ class Worker:
         self.layout: Layout | None = None
         self.module = None
         self.opt = None
-        self.killed_once = False
+        self.cursor = None
+        if cfg.scenario:
+            from trainer.scenario import ScenarioCursor, load_scenario
+
+            self.cursor = ScenarioCursor(load_scenario(cfg.scenario))
+        self.t_start = time.time()
+        self.scn_compute_stretch = 1.0  # from slow_device events
+        self.scn_link_delay_s = 0.0  # from slow_link events
 
     # ---------------------------------------------------------------- main
     def run(self) -> int:
@@ -242,6 +249,38 @@ class Worker:
         self.steps_done = step
         self.tel.dp, self.tel.stage = d, s
 
+    # ------------------------------------------------------------ failures
+    def _die(self) -> None:
+        self.store.set("timeline/kill", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _apply_scenario(self, it: int) -> None:
+        """Fire this rank's due scenario events (trainer/scenario.py format)."""
+        from trainer.scenario import default_factor
+
+        for ev in self.cursor.due(it, time.time() - self.t_start):
+            if self.rank not in ev.targets(self.cfg.devices_per_node):
+                continue
+            print(f"[rank {self.rank}] scenario: {ev.describe()}", flush=True)
+            f = (
+                ev.factor
+                if ev.factor is not None
+                else (default_factor(ev.severity) if ev.severity else 1.0)
+            )
+            if ev.action in ("kill_device", "kill_node"):
+                self._die()
+            elif ev.action == "slow_device":
+                self.scn_compute_stretch = 1.0 / f
+            elif ev.action == "slow_link":
+                self.scn_link_delay_s = (1.0 / f - 1.0) * self.cfg.link_base_delay_s
+            elif ev.action == "recover":
+                if ev.what in ("all", "compute"):
+                    self.scn_compute_stretch = 1.0
+                if ev.what in ("all", "link"):
+                    self.scn_link_delay_s = 0.0
+            else:  # rejoin: a dead process does not come back in this trainer
+                print(f"[rank {self.rank}] scenario action {ev.action!r} not supported", flush=True)
+
     # --------------------------------------------------------------- train
     def _train(self, gen: int, members: list[int], layout: Layout, groups) -> str:
         cfg = self.cfg
@@ -264,15 +303,18 @@ class Worker:
         first_done = False
         for it in range(self.steps_done, cfg.iterations):
             self.tel.iteration = it
-            if self.rank == cfg.kill_rank and it == cfg.kill_at_iteration and gen == 0:
-                self.store.set("timeline/kill", repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.rank == cfg.kill_rank and it == cfg.kill_at_iteration:
+                self._die()
+            if self.cursor is not None:
+                self._apply_scenario(it)
             if engine is not None:
-                engine.slow_factor = (
+                flag = (
                     cfg.slow_factor
                     if self.rank == cfg.slow_rank and it >= cfg.slow_at_iteration
                     else 1.0
                 )
+                engine.slow_factor = max(flag, self.scn_compute_stretch)
+                engine.xfer.slow_comm_s = slow_comm + self.scn_link_delay_s
                 res = engine.run_iteration(it)
                 engine.allreduce_grads()
                 if cfg.dump_grads_dir and it == 0:
