@@ -190,6 +190,9 @@ def test_cli_runs_and_checks_health(r, redis_server, tmp_path):
         timeout=60,
     )
     assert chk.returncode == 0
+    generic = [sys.executable, "-m", "trainer", "--check-health", "--redis-url", url]
+    assert subprocess.run(generic + ["--job-id", "clijob"], env=env, timeout=60).returncode == 0
+    assert subprocess.run(generic + ["--job-id", "nojob"], env=env, timeout=60).returncode == 1
     chk2 = subprocess.run(
         [
             sys.executable,

@@ -1,7 +1,13 @@
-"""Entry point: ``python -m trainer sim ...`` (cluster simulator) or ``python -m trainer torch ...``."""
+"""Entry point: ``python -m trainer sim ...`` (cluster simulator) or ``python -m trainer torch ...``.
+
+``python -m trainer --check-health [--redis-url URL] [--job-id ID]`` exits 0 when the
+job's trainer (either back end) has a fresh ``ok`` health key, 1 otherwise.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 USAGE = (
@@ -9,11 +15,26 @@ USAGE = (
 )
 
 
+def _check_health(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer")
+    p.add_argument("--check-health", action="store_true", required=True)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+    args = p.parse_args(argv)
+    from resihp.bus import Health
+    from resihp.keys import JobKeys
+    from resihp.redis_client import connect
+
+    return 0 if Health.check(connect(args.redis_url), JobKeys(args.job_id), "trainer") else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if "--check-health" in argv and argv[0].startswith("-"):
+        return _check_health(argv)
     backend, rest = argv[0], argv[1:]
     if backend == "sim":
         from trainer.sim import main as sim_main
