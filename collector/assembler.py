@@ -46,7 +46,9 @@ _LIMITS = {
     "microbatch": 1 << _MB_BITS,
     "src_dp": (1 << _SRC_BITS) - 1,
 }
-_ZB_SCHEDULES = ("zbh1", "zbh", "zb", "zbv")
+#: Compute chunks per micro-batch on one device, by schedule (resihp.pipeline.schedule):
+#: ZB-H1 splits B and W; interleaved 1F1B runs 2 virtual stages per device by default.
+_COMPUTE_CHUNKS_PER_MB = {"zbh1": 3, "zbh": 3, "interleaved": 4}
 
 
 def dedup_keys(rows: np.ndarray) -> np.ndarray:
@@ -147,8 +149,8 @@ class LayoutView:
         for m in layout.migrations:
             per_stage[m.src_dp, m.stage] -= 1
             per_stage[m.dst_dp, m.stage] += 1
-        zb = layout.schedule.lower().replace("-", "").replace("_", "") in _ZB_SCHEDULES
-        kinds = 3 if zb else 2
+        name = layout.schedule.lower().replace("-", "").replace("_", "")
+        kinds = _COMPUTE_CHUNKS_PER_MB.get(name, 2)
         self.expected_compute = np.zeros(n, dtype=np.int64)
         for r, (d, s, t) in layout.coords().items():
             self.active[r] = True

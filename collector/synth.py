@@ -32,7 +32,7 @@ def iteration_rows(
     ranks = np.flatnonzero(view.active)
     n_mb = layout.microbatches
     kinds = [ChunkKind.F, ChunkKind.B]
-    if layout.schedule.lower().startswith("zb"):
+    if layout.schedule.lower().replace("-", "") in ("zbh1", "zbh"):
         kinds.append(ChunkKind.W)
     if comm:
         kinds.append(ChunkKind.SEND)
