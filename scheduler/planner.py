@@ -257,6 +257,19 @@ def plan(
             bal = balance_microbatches(per, lay.total_microbatches, 1)
             if bal != counts[0]:
                 counts.append(bal)
+        # Fig. 8(a): a replica that lost a whole stage can also be set aside, its
+        # micro-batches spread over the intact replicas (no stage-level eviction needed)
+        broken = [d for d in range(base.dp) if any(not g for g in base.groups[d])]
+        if broken and len(broken) < base.dp:
+            f, b, wc = predictor.stage_chunk_s(base, p)
+            chunk = f + b + wc
+            per = [float("inf") if d in broken else float(np.max(chunk[d])) for d in range(base.dp)]
+            try:
+                spare = balance_microbatches(per, lay.total_microbatches, 1)
+            except ValueError:
+                spare = None
+            if spare is not None and spare not in counts:
+                counts.append(spare)
         for mbs in counts:
             b2 = clone_layout(base)
             b2.microbatches = mbs
