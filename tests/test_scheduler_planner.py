@@ -169,3 +169,14 @@ def test_recovered_device_regrows_its_group_without_churn():
     assert sorted(back.groups[1][0]) == [4, 5, 6, 7]
     # healthy groups next to the standby keep their members
     assert back.groups[0][0] == lay.groups[0][0]
+
+
+def test_replica_set_aside_when_peers_have_no_memory_for_evicted_work():
+    # 24 GB devices: the surviving stage-1 group has no room for extra activations,
+    # so replica 1 (which lost stage 1 entirely) hands all its micro-batches over
+    pred = PRED[24.0]
+    lay = Layout.uniform(4, 4, 2, 40, 8)
+    assert not memory_violations(lay, pred)
+    res = plan(lay, {12: 0.0, 13: 0.0, 14: 0.0, 15: 0.0}, pred)
+    assert res.after.microbatches == [16, 0] and res.after.migrations == []
+    assert not memory_violations(res.after, pred)
