@@ -169,6 +169,29 @@ class Heartbeat(Message):
     def check(self) -> None:
         _nonneg("Heartbeat", rank=self.rank, node=self.node, seq=self.seq)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        # Hot path (a 16k-GPU job sends 16k beats/s): well-typed input skips the generic
+        # per-field checks; anything else takes Message.from_dict for its exact error.
+        try:
+            rank, node, it, wall = d["rank"], d["node"], d["iteration"], d["wall_time_s"]
+        except KeyError:
+            return super().from_dict(d)
+        seq, gen = d.get("seq", 0), d.get("generation", 0)
+        if (
+            type(rank) is int
+            and type(node) is int
+            and type(it) is int
+            and type(seq) is int
+            and type(gen) is int
+            and (type(wall) is float or type(wall) is int)
+            and math.isfinite(wall)
+        ):
+            msg = cls(rank, node, it, float(wall), seq, gen)
+            msg.check()
+            return msg
+        return super().from_dict(d)
+
 
 @dataclass
 class ChunkTiming(Message):

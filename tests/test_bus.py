@@ -209,3 +209,35 @@ def test_restarted_consumer_walks_its_whole_pending_list_without_acking(r):
         # published) must still move through its pending list, then to new entries.
         seen += [m.seq for _, msgs in again.read(count=10, block_ms=10) for m in msgs]
     assert seen == list(range(35))
+
+
+def test_heartbeat_fast_decode_agrees_with_the_generic_one():
+    from resihp.schemas import Message, SchemaError
+
+    base = _hb(3).to_dict()
+    variants = [
+        base,
+        {**base, "wall_time_s": 7},
+        {**base, "seq": True},
+        {**base, "rank": 2.0},
+        {**base, "rank": -1},
+        {**base, "node": "0"},
+        {**base, "wall_time_s": float("nan")},
+        {**base, "wall_time_s": float("inf")},
+        {**base, "generation": None},
+        {k: v for k, v in base.items() if k != "seq"},
+        {k: v for k, v in base.items() if k != "wall_time_s"},
+        {**base, "extra": 1},
+    ]
+    for d in variants:
+        try:
+            fast = Heartbeat.from_dict(d)
+        except SchemaError as e:
+            fast = ("error", e.reason)
+        try:
+            slow = Message.from_dict.__func__(Heartbeat, d)
+        except SchemaError as e:
+            slow = ("error", e.reason)
+        assert fast == slow, d
+        if not isinstance(fast, tuple):
+            assert type(fast.wall_time_s) is float
