@@ -150,3 +150,38 @@ def test_severity_defaults_follow_the_paper():
     assert default_factor("weak") == pytest.approx(0.65)
     assert default_factor("medium") == pytest.approx(0.45)
     assert default_factor("severe") == pytest.approx(0.30)
+
+
+def test_generators_round_trip_and_respect_limits(tmp_path):
+    from trainer.scenario import dump_scenario, failslow_scenario, failstop_scenario
+
+    fs = failstop_scenario(16, 1800, 8 * 3600, seed=3)
+    assert len(fs.events) == 8  # the 30-minute scenario stops at half the cluster
+    killed = [r for e in fs.events for r in e.ranks]
+    assert len(set(killed)) == 8 and all(0 <= r < 16 for r in killed)
+    fl = failslow_scenario(64, 24000, seed=1)
+    gaps = [b.at_s - a.at_s for a, b in zip(fl.events, fl.events[1:], strict=False)]
+    assert 150 < sum(gaps) / len(gaps) < 350  # Poisson, mean 240 s
+    assert all(60 < e.duration_s < 180 and e.severity == "medium" for e in fl.events)
+    for sc, name in ((fs, "fs.yaml"), (fl, "fl.json")):
+        dump_scenario(sc, tmp_path / name)
+        back = load_scenario(tmp_path / name)
+        assert [(e.action, e.at_s, e.ranks, e.duration_s) for e in back.events] == [
+            (e.action, e.at_s, e.ranks, e.duration_s) for e in sc.events
+        ]
+
+
+def test_scenario_cli(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("events:\n  - {at_iteration: 1, action: kill_node, node: 40}\n")
+    cmd = [sys.executable, "-m", "trainer", "scenario", "check", str(bad), "--world", "64"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"{bad}:2: node 40 outside" in out.stderr
+    gen = tmp_path / "g.yaml"
+    cmd = [sys.executable, "-m", "trainer", "scenario", "failstop", "--world", "8"]
+    cmd += ["--every-s", "60", "--horizon-s", "600", "--out", str(gen)]
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    assert len(load_scenario(gen).events) == 4

@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.sim import main as sim_main
 
         return sim_main(rest)
+    if backend == "scenario":
+        from trainer.scenario import main as scenario_main
+
+        return scenario_main(rest)
     if backend == "torch":
         from trainer.torch_trainer import main as torch_main  # torch loads only here
 

@@ -363,3 +363,173 @@ class ScenarioCursor:
     @property
     def pending(self) -> list[ScenarioEvent]:
         return list(self._pending)
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def scenario_to_dict(sc: Scenario) -> dict[str, Any]:
+    """The file form of a scenario (round-trips through :func:`parse_scenario`)."""
+    events = []
+    for ev in sc.events:
+        d: dict[str, Any] = {"action": ev.action}
+        if ev.at_iteration is not None:
+            d["at_iteration"] = ev.at_iteration
+        else:
+            d["at_s"] = ev.at_s
+        if ev.node is not None:
+            d["node"] = ev.node
+        if len(ev.ranks) == 1:
+            d["rank"] = ev.ranks[0]
+        elif ev.ranks:
+            d["ranks"] = list(ev.ranks)
+        for key in ("factor", "severity", "duration_iterations", "duration_s"):
+            v = getattr(ev, key)
+            if v is not None:
+                d[key] = v
+        if ev.action == "recover" and ev.what != "all":
+            d["what"] = ev.what
+        events.append(d)
+    out: dict[str, Any] = {"name": sc.name or "generated", "events": events}
+    if sc.seed is not None:
+        out["seed"] = sc.seed
+    return out
+
+
+def dump_scenario(sc: Scenario, path: str | Path) -> None:
+    p = Path(path)
+    data = scenario_to_dict(sc)
+    if p.suffix == ".json":
+        p.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        p.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def failstop_scenario(
+    world_size: int,
+    every_s: float,
+    horizon_s: float,
+    *,
+    devices_per_event: int = 1,
+    min_alive_fraction: float = 0.5,
+    seed: int = 0,
+) -> Scenario:
+    """Monotonic fail-stops every ``every_s`` seconds (paper §8.3: 2h / 1h / 30m), random devices,
+    never below ``min_alive_fraction`` of the cluster."""
+    import random
+
+    if every_s <= 0 or horizon_s <= 0 or world_size < 1 or devices_per_event < 1:
+        raise ValueError("every_s, horizon_s, world_size and devices_per_event must be positive")
+    rng = random.Random(seed)
+    alive = list(range(world_size))
+    floor = int(round(world_size * min_alive_fraction))
+    events = []
+    t = every_s
+    while t <= horizon_s and len(alive) - devices_per_event >= floor:
+        victims = sorted(rng.sample(alive, devices_per_event))
+        alive = [r for r in alive if r not in victims]
+        events.append(ScenarioEvent(action="kill_device", at_s=float(t), ranks=tuple(victims)))
+        t += every_s
+    name = f"fail-stop every {every_s:g}s over {horizon_s:g}s"
+    return Scenario(events=events, name=name, seed=seed)
+
+
+def failslow_scenario(
+    world_size: int,
+    horizon_s: float,
+    *,
+    mean_interarrival_s: float = 240.0,
+    duration_mean_s: float = 120.0,
+    duration_sd_s: float = 20.0,
+    severity: str = "medium",
+    seed: int = 0,
+) -> Scenario:
+    """Transient compute fail-slows with Poisson arrivals and normal durations (Greyhound's
+    injection: mean 240 s apart, lasting N(120 s, 20 s))."""
+    import random
+
+    if severity not in SEVERITY_DROP:
+        raise ValueError(f"severity must be one of {list(SEVERITY_DROP)}")
+    if mean_interarrival_s <= 0 or horizon_s <= 0 or world_size < 1:
+        raise ValueError("mean_interarrival_s, horizon_s and world_size must be positive")
+    rng = random.Random(seed)
+    events = []
+    t = rng.expovariate(1.0 / mean_interarrival_s)
+    while t <= horizon_s:
+        dur = max(1.0, rng.gauss(duration_mean_s, duration_sd_s))
+        events.append(
+            ScenarioEvent(
+                action="slow_device",
+                at_s=round(t, 3),
+                ranks=(rng.randrange(world_size),),
+                severity=severity,
+                duration_s=round(dur, 3),
+            )
+        )
+        t += rng.expovariate(1.0 / mean_interarrival_s)
+    return Scenario(
+        events=events, name=f"{severity} fail-slows, Poisson {mean_interarrival_s:g}s", seed=seed
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer scenario {check,failstop,failslow}``: validate or generate scenario files."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m trainer scenario", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ck = sub.add_parser("check", help="parse a scenario file and print its events")
+    ck.add_argument("file")
+    ck.add_argument("--world", type=int, default=0, help="also check ranks against this world size")
+    ck.add_argument("--devices-per-node", type=int, default=8)
+    fs = sub.add_parser("failstop", help="monotonic fail-stops at a fixed period")
+    fs.add_argument("--world", type=int, required=True)
+    fs.add_argument("--every-s", type=float, required=True)
+    fs.add_argument("--horizon-s", type=float, required=True)
+    fs.add_argument("--devices-per-event", type=int, default=1)
+    fs.add_argument("--min-alive-fraction", type=float, default=0.5)
+    fl = sub.add_parser("failslow", help="Poisson transient fail-slows")
+    fl.add_argument("--world", type=int, required=True)
+    fl.add_argument("--horizon-s", type=float, required=True)
+    fl.add_argument("--mean-interarrival-s", type=float, default=240.0)
+    fl.add_argument("--duration-mean-s", type=float, default=120.0)
+    fl.add_argument("--duration-sd-s", type=float, default=20.0)
+    fl.add_argument("--severity", default="medium", choices=list(SEVERITY_DROP))
+    for sp in (fs, fl):
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--out", required=True, help="file to write (.yaml or .json)")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "check":
+            sc = load_scenario(a.file)
+            if a.world:
+                sc.check(a.world, a.devices_per_node)
+            for ev in sc.events:
+                print(f"{ev.where()}: {ev.describe()}")
+            return 0
+        if a.cmd == "failstop":
+            sc = failstop_scenario(
+                a.world,
+                a.every_s,
+                a.horizon_s,
+                devices_per_event=a.devices_per_event,
+                min_alive_fraction=a.min_alive_fraction,
+                seed=a.seed,
+            )
+        else:
+            sc = failslow_scenario(
+                a.world,
+                a.horizon_s,
+                mean_interarrival_s=a.mean_interarrival_s,
+                duration_mean_s=a.duration_mean_s,
+                duration_sd_s=a.duration_sd_s,
+                severity=a.severity,
+                seed=a.seed,
+            )
+    except (ScenarioError, ValueError) as e:
+        print(f"scenario: {e}", file=sys.stderr)
+        return 2
+    dump_scenario(sc, a.out)
+    print(f"wrote {len(sc.events)} events to {a.out}")
+    return 0
