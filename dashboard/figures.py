@@ -101,6 +101,20 @@ def throughput_figure(
     return fig
 
 
+#: Evidence keys holding the predicted healthy iteration time, most specific first.
+PREDICTED_KEYS = ("predicted_healthy_s", "predicted_s", "predicted_iteration_time_s")
+OBSERVED_KEYS = ("observed_s", "observed_iteration_time_s", "observed_at_change_s")
+
+
+def evidence_number(ev: dict[str, Any], *keys: str) -> float | None:
+    """The first of ``keys`` in ``ev`` that holds a finite number."""
+    for k in keys:
+        v = ev.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+    return None
+
+
 def predicted_series(
     rows: list[dict[str, Any]],
     failures: list[FailureReport] = (),
@@ -109,13 +123,13 @@ def predicted_series(
     """Predicted healthy iteration time per row.
 
     Priority: the record's own ``predicted_iteration_time_s``; else the latest
-    failure evidence ``predicted_s`` reported at or before that iteration; else
+    failure evidence (``PREDICTED_KEYS``) reported at or before that iteration; else
     the DAG prediction for the current layout (``healthy_predicted_s``).
     """
     evid = sorted(
-        (f.iteration, float(f.evidence["predicted_s"]))
+        (f.iteration, v)
         for f in failures
-        if isinstance(f.evidence.get("predicted_s"), int | float)
+        if (v := evidence_number(f.evidence, *PREDICTED_KEYS)) is not None
     )
     out: list[float | None] = []
     j, current = 0, healthy_predicted_s
@@ -784,8 +798,9 @@ def evidence_figure(f: FailureReport) -> go.Figure:
             row=1,
             col=1,
         )
-    obs, pred = f.evidence.get("observed_s"), f.evidence.get("predicted_s")
-    if isinstance(obs, int | float) or isinstance(pred, int | float):
+    obs = evidence_number(f.evidence, *OBSERVED_KEYS)
+    pred = evidence_number(f.evidence, *PREDICTED_KEYS)
+    if obs is not None or pred is not None:
         fig.add_trace(
             go.Bar(
                 x=["observed", "predicted"],

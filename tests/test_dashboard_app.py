@@ -128,7 +128,7 @@ def test_submit_action_and_override_builder(app, r):
         build_override("", "a", "", [])
 
 
-def test_overview_callback_returns_live_cards(app):
+def _overview(app):
     req = {
         "output": app.callback_map and next(k for k in app.callback_map if "ov-status" in k),
         "outputs": [
@@ -150,7 +150,11 @@ def test_overview_callback_returns_live_cards(app):
     }
     res = app.server.test_client().post("/_dash-update-component", json=req)
     assert res.status_code == 200
-    out = res.json["response"]
+    return res.json["response"]
+
+
+def test_overview_callback_returns_live_cards(app):
+    out = _overview(app)
     text = json.dumps(out["ov-cards"])
     assert "DP2 x PP4 x TP2" in text and "1 pending" in text
     names = [t.get("name") for t in out["ov-itertime"]["figure"]["data"]]
@@ -189,3 +193,23 @@ def test_check_health_cli(redis_server, r):
         timeout=60,
     )
     assert bad.returncode == 2 and "port" in bad.stderr
+
+
+def test_overview_shows_liveness_events(app, r):
+    from resihp import bus
+    from resihp.schemas import LivenessEvent
+
+    bus.publish(
+        r,
+        JobKeys("job-a").liveness,
+        LivenessEvent(
+            scope="node",
+            node=1,
+            ranks=list(range(8, 16)),
+            state="dead",
+            detected_at_s=1.0e9,
+            last_seen_s=1.0e9 - 2,
+        ),
+    )
+    text = json.dumps(_overview(app)["ov-cards"])
+    assert "node 1 dead" in text and "card bad" in text

@@ -143,6 +143,19 @@ def test_predicted_series_priority_and_change_points():
     fails = [_failure("a", "fail_slow_compute", [1], 0.0, it=3, predicted_s=0.9, change_point=2)]
     assert figures.predicted_series(rows, fails, 0.8) == [0.8, 0.8, 0.8, 0.9, 0.9, 0.7]
     assert figures.change_points(fails) == [2]
+    # The detector's own keys: predicted_healthy_s wins, change point given as a dict.
+    det = _failure(
+        "b",
+        "fail_slow_compute",
+        [1],
+        0.0,
+        it=4,
+        predicted_healthy_s=0.6,
+        predicted_iteration_time_s=0.95,
+        change_point={"iteration": 3, "direction": 1},
+    )
+    assert figures.predicted_series(rows[:5], [det]) == [None] * 4 + [0.6]
+    assert figures.change_points([det]) == [3]
     fig = figures.iteration_time_figure(rows, fails, 0.8)
     names = [t.name for t in fig.data]
     assert "predicted (healthy)" in names and "failure" in names

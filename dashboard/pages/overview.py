@@ -58,6 +58,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
         "plans": plans,
         "open_incidents": open_inc,
         "health": d.service_health(job),
+        "liveness": d.liveness(job)[-20:],
         "device_health": d.device_health(job),
     }
 
@@ -126,6 +127,21 @@ def register(app, ctx: AppContext) -> None:
                     "iteration",
                     last["iteration"],
                     f"{last['iteration_time_s']:.3f} s, {last['samples_per_s']:.1f} samples/s",
+                )
+            )
+        live = s["liveness"]
+        if live:
+            last = live[-1]
+            dead_now = {r for e in live for r in e.ranks if e.state == "dead"} - {
+                r for e in live for r in e.ranks if e.state in ("alive", "rejoined")
+            }
+            cards.append(
+                card(
+                    "liveness",
+                    f"{last.scope} {last.node if last.scope == 'node' else last.ranks[:4]} {last.state}",
+                    f"at {figures._ts(last.detected_at_s).strftime('%H:%M:%S')}; "
+                    f"{len(live)} recent events",
+                    "bad" if dead_now else "ok",
                 )
             )
         pending = [p for p in s["plans"].values() if p.state == "proposed"]
