@@ -252,3 +252,49 @@ def test_cost_model_inferred_from_layout_when_not_configured(r):
     publish(r, keys.failures, _report())
     svc.run_once()
     assert len(latest_plans(r, keys)) == 1
+
+
+def test_cli_act_and_check_health(r, redis_server):
+    import subprocess
+    import sys
+
+    keys, lay = _setup(r)
+    base = [sys.executable, "-m", "scheduler"]
+    url = ["--redis-url", redis_server.url, "--job-id", JOB]
+    hc = subprocess.run(base + url + ["--check-health"], capture_output=True, timeout=60)
+    assert hc.returncode == 1  # no scheduler running yet
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    (p1,) = latest_plans(r, keys).values()
+    hc = subprocess.run(base + url + ["--check-health"], capture_output=True, timeout=60)
+    assert hc.returncode == 0
+    act = subprocess.run(
+        base
+        + [
+            "act",
+            "override",
+            "--plan-id",
+            str(p1.plan_id),
+            "--actor",
+            "cli-op",
+            "--override",
+            '{"layers": [10, 10, 10, 10]}',
+            *url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert act.returncode == 0, act.stderr
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[p1.plan_id].state == "overridden"
+    assert Layout.from_dict(plans[max(plans)].after).layers == [10, 10, 10, 10]
+    bad = subprocess.run(
+        base + ["act", "override", "--plan-id", "1", "--override", "{nope", *url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
