@@ -276,7 +276,6 @@ class SchedulerService:
                 self.p[r] = sev.get(r, 1.0)
             else:
                 self.p[r] = sev.get(r, 0.5)
-        p = self.speeds(layout)
         if report.kind == "recovery":
             back = [r for r in report.ranks if r in layout.dead]
             if back:
@@ -287,6 +286,7 @@ class SchedulerService:
                         "standby": sorted(set(layout.standby) | set(back)),
                     }
                 )
+        p = self.speeds(layout)
         reason = f"{report.kind} on ranks {report.ranks} (report {report.report_id})"
         try:
             draft = self.make_draft(layout, p, reason=reason)

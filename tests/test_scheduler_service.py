@@ -298,3 +298,23 @@ def test_cli_act_and_check_health(r, redis_server):
         timeout=60,
     )
     assert bad.returncode == 2 and "not JSON" in bad.stderr
+
+
+def test_recovered_device_rejoins_through_a_plan(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=0.0)
+    publish(r, keys.failures, _report(ranks=(5,), rid="stop"))
+    svc.run_once()
+    svc.run_once()
+    fol = PlanFollower(r, keys)
+    (p1,) = fol.poll()
+    fol.confirm_applied(p1, Layout.from_dict(p1.after))
+    svc.run_once()
+    publish(r, keys.failures, _report("recovery", ranks=(5,), rid="back"))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    p2 = plans[max(plans)]
+    assert p2.failure_ids == ["back"]
+    after = Layout.from_dict(p2.after)
+    assert 5 not in after.dead and sorted(after.groups[1][0]) == [4, 5, 6, 7]
+    assert p2.predicted_after_s < p2.predicted_before_s
