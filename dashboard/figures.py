@@ -850,16 +850,42 @@ def plan_diff_rows(before: dict[str, Any], after: dict[str, Any]) -> list[dict[s
         b = ", ".join(map(str, before.get(key) or [])) or "-"
         a = ", ".join(map(str, after.get(key) or [])) or "-"
         rows.append({"what": name, "before": b, "after": a, "changed": b != a})
-    mb, ma = len(before.get("migrations") or []), len(after.get("migrations") or [])
+    mig_b, mig_a = before.get("migrations") or [], after.get("migrations") or []
+
+    def _mig(ms: list) -> str:
+        txt = ", ".join(f"s{m[0]} dp{m[1]} mb{m[2]}->dp{m[3]}" for m in ms[:6])
+        return f"{len(ms)}" + (f": {txt}" if txt else "") + (" ..." if len(ms) > 6 else "")
+
     rows.append(
         {
             "what": "migrated micro-batch stages",
-            "before": str(mb),
-            "after": str(ma),
-            "changed": mb != ma,
+            "before": _mig(mig_b),
+            "after": _mig(mig_a),
+            "changed": mig_b != mig_a,
+        }
+    )
+    act_b, act_a = _active(before), _active(after)
+    left, joined = sorted(act_b - act_a), sorted(act_a - act_b)
+    rows.append(
+        {"what": "ranks leaving work", "before": "", "after": _short(left), "changed": bool(left)}
+    )
+    rows.append(
+        {
+            "what": "ranks joining work",
+            "before": "",
+            "after": _short(joined),
+            "changed": bool(joined),
         }
     )
     return rows
+
+
+def _active(layout: dict[str, Any]) -> set[int]:
+    return {r for st in layout.get("groups") or [] for g in st for r in g}
+
+
+def _short(ranks: list[int], n: int = 16) -> str:
+    return (", ".join(map(str, ranks[:n])) + (" ..." if len(ranks) > n else "")) or "-"
 
 
 def plan_layers_figure(

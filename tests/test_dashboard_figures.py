@@ -192,6 +192,9 @@ def test_plan_diff_rows_flag_changes():
     assert not rows["stage 2 layers"]["changed"]
     assert rows["stage 1 TP per DP replica"]["after"] == "1/2"
     assert rows["standby ranks"]["changed"] and not rows["dead ranks"]["changed"]
+    assert rows["ranks leaving work"]["after"] == "4, 5" and rows["ranks leaving work"]["changed"]
+    assert not rows["ranks joining work"]["changed"]
+    assert not rows["migrated micro-batch stages"]["changed"]
 
 
 def test_dag_prediction_recovers_the_healthy_timeline():
