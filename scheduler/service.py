@@ -87,14 +87,6 @@ def check_report(report: FailureReport, layout: Layout) -> None:
             raise ReportRefused(
                 f"rank(s) {gone} already excluded (dead in layout {layout.layout_id})"
             )
-    else:
-        healthy = [
-            r
-            for r in report.ranks
-            if r not in dead and r in layout.coords() and sev.get(r, 1.0) >= 1.0
-        ]
-        if healthy and len(healthy) == len(report.ranks) and not report.severity:
-            pass  # a recovery of a slow device back to full speed is fine
 
 
 def infer_model(layout: Layout | None) -> str:
