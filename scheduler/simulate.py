@@ -392,6 +392,15 @@ def main_simulate(args) -> int:
         print(str(e), file=sys.stderr)
         return 2
     layout = table3_layout(pre.name, args.microbatches)
+    for ev in events:
+        bad = [r for r in ev.targets(layout.devices_per_node) if r >= layout.world_size]
+        if bad:
+            print(
+                f"{args.scenario}:{ev.line}: rank(s) {bad} outside the {pre.name} job's "
+                f"{layout.world_size} ranks",
+                file=sys.stderr,
+            )
+            return 2
     pred = Predictor(pre.name, args.seq_len)
     if args.fault_free_samples_per_s:
         calibrate(pred, layout, args.fault_free_samples_per_s)

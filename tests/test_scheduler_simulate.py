@@ -137,3 +137,7 @@ def test_simulate_cli(tmp_path):
     bad.write_text("events:\n  - {at_s: 600, action: explode, rank: 5}\n")
     p = subprocess.run(cmd[:5] + [str(bad)] + cmd[6:], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "bad.yaml:2" in p.stderr
+    far = tmp_path / "far.yaml"
+    far.write_text("events:\n  - {at_s: 600, action: kill_device, rank: 99}\n")
+    p = subprocess.run(cmd[:5] + [str(far)] + cmd[6:], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "far.yaml:2" in p.stderr and "outside" in p.stderr
