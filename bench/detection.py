@@ -46,9 +46,10 @@ from collector.assembler import IterationAssembler
 from detector.config import DetectorConfig
 from detector.engine import Detector
 from detector.predictor import IterationView
+from trainer.data.lengths import LengthSampler, stdlib_document_lengths
 from trainer.scenario import parse_scenario
 from trainer.sim.config import SimConfig
-from trainer.sim.core import simulate_run
+from trainer.sim.core import ClusterSim
 
 #: (label, model, seq_len, micro-batches, schedule) after the paper's Table 4.
 SETTINGS = [
@@ -59,6 +60,52 @@ SETTINGS = [
 JOB_ITERS = 160
 MARGIN = 50
 BAR = 0.05
+WORKLOAD = "mixture"
+
+
+class MixtureSampler:
+    """Multi-source data: phases of short- and of long-document sources.
+
+    The stdlib corpus split at its median length gives two real sources; the
+    loader stays on one for a geometric number of iterations (mean 20), as
+    multi-source pretraining pipelines do.  Every iteration's micro-batches come
+    from the current source, so iteration time shifts for many iterations at a
+    time: the workload change a Greyhound-style detector mistakes for a
+    fail-slow.  (``--workload shuffled`` keeps the simulator's globally
+    shuffled corpus, whose iteration-to-iteration variability is smaller.)
+    """
+
+    def __init__(self, token_budget: int, seed: int, mean_phase_iters: float = 20.0):
+        docs = stdlib_document_lengths()
+        med = np.median(docs)
+        self.src = [
+            LengthSampler(token_budget, seed, docs[docs <= med]),
+            LengthSampler(token_budget, seed + 1, docs[docs > med]),
+        ]
+        self.cursor = [0, 0]
+        self.rng = np.random.default_rng(seed + 17)
+        self.which = int(self.rng.integers(2))
+        self.left = int(self.rng.geometric(1 / mean_phase_iters))
+        self.mean = mean_phase_iters
+
+    def stats(self, first: int, count: int):
+        if self.left <= 0:
+            self.which = 1 - self.which
+            self.left = int(self.rng.geometric(1 / self.mean))
+        self.left -= 1
+        st = self.src[self.which].stats(self.cursor[self.which], count)
+        self.cursor[self.which] += count
+        return st
+
+
+def simulate(cfg: SimConfig, scenario, workload: str):
+    sim = ClusterSim(cfg, scenario)
+    if workload == "mixture":
+        sim.sampler = MixtureSampler(cfg.seq_len, cfg.seed)
+    steps = []
+    while sim.iteration < cfg.iterations and len(steps) < 10 * cfg.iterations:
+        steps.append(sim.step())
+    return steps
 
 
 @dataclass
@@ -104,10 +151,18 @@ def _mtp_errors(det: Detector, v: IterationView) -> list[float]:
 
 
 def run_job(args) -> JobResult:
-    label, model, seq, mbs, sched, seed, faulty = args
+    label, model, seq, mbs, sched, seed, faulty, workload = args
     rng = np.random.default_rng(seed + 7919)
-    cfg = SimConfig(model=model, seq_len=seq, microbatches=mbs, schedule=sched, speed=0.0,
-                    iterations=JOB_ITERS, seed=seed, noise=0.03)
+    cfg = SimConfig(
+        model=model,
+        seq_len=seq,
+        microbatches=mbs,
+        schedule=sched,
+        speed=0.0,
+        iterations=JOB_ITERS,
+        seed=seed,
+        noise=0.03,
+    )
     lay = cfg.initial_layout()
     res = JobResult(label, faulty)
     scenario = None
@@ -123,14 +178,16 @@ def run_job(args) -> JobResult:
             f = float(rng.uniform(0.02, 0.3))
             ev = f"{{at_iteration: {res.inject_at}, action: slow_link, rank: {res.victim}, factor: {f:.3f}}}"
         scenario = parse_scenario(f"events:\n  - {ev}\n")
-    steps = list(simulate_run(cfg, scenario))
+    steps = simulate(cfg, scenario, workload)
     truth = {st.iteration: st.true_state for st in steps if st.true_state.status == "ok"}
     recs = _records(steps, lay)
     if faulty:
         pre = [truth[i] for i in truth if i < res.inject_at]
         post = [truth[i] for i in truth if i >= res.inject_at]
         ratio_pre = sum(t.healthy_iteration_s for t in pre) / sum(t.iteration_time_s for t in pre)
-        ratio_post = sum(t.healthy_iteration_s for t in post) / sum(t.iteration_time_s for t in post)
+        ratio_post = sum(t.healthy_iteration_s for t in post) / sum(
+            t.iteration_time_s for t in post
+        )
         res.true_cost = 1.0 - ratio_post / ratio_pre
     for mode in ("resihp", "greyhound"):
         det = Detector(DetectorConfig(mode=mode), layout=lay)
@@ -148,18 +205,25 @@ def run_job(args) -> JobResult:
             reports += det.handle(rec)
             cpu += time.process_time() - t0
         log = det.failslow.stats.validation_log
-        fa = [e for e in log if not e.get("benign") and (not faulty or e["iteration"] < res.inject_at)]
+        fa = [
+            e for e in log if not e.get("benign") and (not faulty or e["iteration"] < res.inject_at)
+        ]
         slow_reps = [r for r in reports if r.kind.startswith("fail_slow")]
         after = [r for r in slow_reps if faulty and r.iteration >= res.inject_at]
         hit = [r for r in after if res.victim in r.ranks]
-        wrong = [r for r in slow_reps if not (faulty and r.iteration >= res.inject_at and res.victim in r.ranks)]
+        wrong = [
+            r
+            for r in slow_reps
+            if not (faulty and r.iteration >= res.inject_at and res.victim in r.ranks)
+        ]
         correct = (not slow_reps) if not faulty else (bool(hit) and not wrong)
         res.modes[mode] = {
             "fa": len(fa),
             "fa_cost_s": [e.get("pause_s", 0.0) + e["cpu_s"] for e in fa],
             "correct": correct,
             "delay": (hit[0].iteration - res.inject_at + 1) if hit else None,
-            "kind_ok": bool(hit) and hit[0].kind == ("fail_slow_compute" if res.what == "compute" else "fail_slow_comm"),
+            "kind_ok": bool(hit)
+            and hit[0].kind == ("fail_slow_compute" if res.what == "compute" else "fail_slow_comm"),
             "exact": bool(hit) and (hit[0].ranks == [res.victim] or res.what == "comm"),
             "wrong": len(wrong),
             "cpu_per_iter_s": cpu / max(1, len(recs)),
@@ -172,12 +236,22 @@ def _fmt_pct(x) -> str:
 
 
 def summarize(label: str, results: list[JobResult]) -> None:
-    mtp = float(np.mean(np.concatenate([r.mtp_err for r in results if r.mtp_err]))) if results else float("nan")
-    itp = float(np.mean(np.concatenate([r.itp_err for r in results if r.itp_err]))) if results else float("nan")
+    mtp = (
+        float(np.mean(np.concatenate([r.mtp_err for r in results if r.mtp_err])))
+        if results
+        else float("nan")
+    )
+    itp = (
+        float(np.mean(np.concatenate([r.itp_err for r in results if r.itp_err])))
+        if results
+        else float("nan")
+    )
     faulty = [r for r in results if r.faulty]
     scored = [r for r in results if not r.faulty or r.true_cost >= BAR]
     below = len(faulty) - sum(1 for r in faulty if r.true_cost >= BAR)
-    print(f"\n== {label}: {len(results)} jobs ({len(faulty)} with a fail-slow, {below} of them cost < 5 %)")
+    print(
+        f"\n== {label}: {len(results)} jobs ({len(faulty)} with a fail-slow, {below} of them cost < 5 %)"
+    )
     print(f"   MTP MAPE {_fmt_pct(mtp)}   ITP MAPE {_fmt_pct(itp)}")
     print(f"   {'':28s}{'ResiHP':>14s}{'Greyhound':>14s}")
     rows = {}
@@ -191,11 +265,17 @@ def summarize(label: str, results: list[JobResult]) -> None:
         det_rate = len(hits) / max(1, sum(1 for r in faulty if r.true_cost >= BAR))
         wrong = np.mean([r.modes[mode]["wrong"] for r in results])
         strong = [r for r in faulty if r.true_cost >= 0.2]
-        det_strong = np.mean([r.modes[mode]["delay"] is not None for r in strong]) if strong else float("nan")
+        det_strong = (
+            np.mean([r.modes[mode]["delay"] is not None for r in strong])
+            if strong
+            else float("nan")
+        )
         cpu = np.mean([r.modes[mode]["cpu_per_iter_s"] for r in results])
         rows[mode] = [
             f"{fa:.2f}",
-            (f"{1e3 * np.mean(costs):.1f} ms" if mode == "resihp" else f"{np.mean(costs):.2f} s") if costs else "-",
+            (f"{1e3 * np.mean(costs):.1f} ms" if mode == "resihp" else f"{np.mean(costs):.2f} s")
+            if costs
+            else "-",
             f"{acc:.3f}",
             f"{det_rate:.3f}",
             f"{det_strong:.3f}",
@@ -221,10 +301,18 @@ def summarize(label: str, results: list[JobResult]) -> None:
 
 def cpu_256(iterations: int = 60) -> None:
     """Detector CPU per iteration on the 256-GPU LLaMA2-70B job vs its iteration time."""
-    cfg = SimConfig(model="llama2-70b", seq_len=4096, microbatches=16, schedule="1f1b", speed=0.0,
-                    iterations=iterations, seed=1, noise=0.03)
+    cfg = SimConfig(
+        model="llama2-70b",
+        seq_len=4096,
+        microbatches=16,
+        schedule="1f1b",
+        speed=0.0,
+        iterations=iterations,
+        seed=1,
+        noise=0.03,
+    )
     lay = cfg.initial_layout()
-    steps = list(simulate_run(cfg, None))
+    steps = simulate(cfg, None, "mixture")
     recs = _records(steps, lay)
     det = Detector(DetectorConfig(), layout=lay)
     cpu_warm, cpu_det = [], []
@@ -236,24 +324,41 @@ def cpu_256(iterations: int = 60) -> None:
     it_s = float(np.mean([r.iteration_time_s for r in recs]))
     per = float(np.mean(cpu_det[1:])) if len(cpu_det) > 1 else float("nan")
     chunks = len(recs[-1].chunks.get("kind", []))
-    print(f"\n== 256 GPUs, LLaMA2-70B (TP4, DP4, PP16), 16 micro-batches, {chunks} chunk entries/iteration")
-    print(f"   iteration time {it_s:.2f} s; detector CPU {1e3 * per:.1f} ms/iteration "
-          f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of an iteration (paper: 1.2-1.5 %)")
+    print(
+        f"\n== 256 GPUs, LLaMA2-70B (TP4, DP4, PP16), 16 micro-batches, {chunks} chunk entries/iteration"
+    )
+    print(
+        f"   iteration time {it_s:.2f} s; detector CPU {1e3 * per:.1f} ms/iteration "
+        f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of an iteration (paper: 1.2-1.5 %)"
+    )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="20 jobs per setting")
     ap.add_argument("--jobs", type=int, default=None, help="jobs per setting (default 100)")
     ap.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))
-    ap.add_argument("--settings", default="all", help="comma-separated indices into the settings (0,1,2)")
+    ap.add_argument(
+        "--settings", default="all", help="comma-separated indices into the settings (0,1,2)"
+    )
+    ap.add_argument(
+        "--workload",
+        choices=["mixture", "shuffled"],
+        default=WORKLOAD,
+        help="data order: multi-source phases (default) or the globally shuffled corpus",
+    )
     a = ap.parse_args(argv)
     n = a.jobs or (20 if a.quick else 100)
     chosen = SETTINGS if a.settings == "all" else [SETTINGS[int(i)] for i in a.settings.split(",")]
     t_all = time.time()
+    print(f"{n} jobs per setting, {JOB_ITERS} iterations each, workload: {a.workload}")
     for si, (label, model, seq, mbs, sched) in enumerate(chosen):
         t0 = time.time()
-        tasks = [(label, model, seq, mbs, sched, 1000 * si + j, j % 2 == 1) for j in range(n)]
+        tasks = [
+            (label, model, seq, mbs, sched, 1000 * si + j, j % 2 == 1, a.workload) for j in range(n)
+        ]
         if a.workers > 1:
             with ProcessPoolExecutor(a.workers) as ex:
                 results = list(ex.map(run_job, tasks, chunksize=2))

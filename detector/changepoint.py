@@ -94,12 +94,16 @@ class OnlineChangeDetector:
         h_sigma: float = 4.0,
         min_after: int = 2,
         direction: int = 0,
+        persistence: bool = True,
     ):
         self.window = window
         self.min_size = min_size
         self.penalty = penalty
         self.min_after = max(min_after, min_size)
         self.direction = direction  # 0 both, +1 only up, -1 only down
+        # ResiHP's refinements; the Greyhound baseline turns them off (its
+        # Bayesian detector flags a single outlying iteration as a change)
+        self.persistence = persistence
         self.screen = CusumScreen(k_sigma, h_sigma)
         self.iters: deque[int] = deque(maxlen=window)
         self.values: deque[float] = deque(maxlen=window)
@@ -133,6 +137,8 @@ class OnlineChangeDetector:
             self.screen.reset()
         if self.alarm_since is None:
             return None
+        if not self.persistence:
+            return self._segment(min_shift)
         # A transient spike: the series is back at its baseline for min_after
         # points, so there is nothing persistent for ruptures to find.
         if z * self.alarm_dir < 1.0:
@@ -201,7 +207,9 @@ class OnlineChangeDetector:
         if abs(after - before) < max(min_shift, 0.0):
             return None
         mid = (before + after) / 2
-        if (sgn > 0 and (post <= mid).any()) or (sgn < 0 and (post >= mid).any()):
+        if self.persistence and (
+            (sgn > 0 and (post <= mid).any()) or (sgn < 0 and (post >= mid).any())
+        ):
             return None
         return ChangePoint(
             iteration=self.iters[last],

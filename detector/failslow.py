@@ -47,6 +47,7 @@ from detector.predictor import (
     IterationPredictor,
     IterationView,
     comm_stats,
+    grouped_median,
     infer_layout,
     link_of,
 )
@@ -129,6 +130,7 @@ class FailSlowDetector:
         self.idet = self._new_det(direction=1)
         self.recent: deque[IterationView] = deque(maxlen=cfg.cpd_window)
         self.pending: deque[IterationView] = deque()
+        self._folds = 0
         self.slow: dict[tuple, SlowState] = {}
         self.last_iteration = -1
         self.paused_until_layout = False
@@ -257,7 +259,7 @@ class FailSlowDetector:
         outliers: dict[Group, float] = {}
         for _pass in range(2):
             self.pred.fits.clear()
-            self.pred.coef.clear()
+            self.pred._coef.clear()
             skip = slow | set(outliers)
             for v in views:
                 self.pred.observe(v, exclude=skip)
@@ -395,14 +397,17 @@ class FailSlowDetector:
                     c[key] = float(np.log(val / base))
         # per-rank compute time against the group's predicted compute
         rr: dict[int, float] = {}
-        if len(v.rank):
-            gpred: dict[Group, float] = {}
-            for d, s, p in zip(v.dp[cm], v.stage[cm], pred[cm], strict=True):
-                gpred[(int(d), int(s))] = gpred.get((int(d), int(s)), 0.0) + float(p)
-            for r, d, s, cs in zip(v.rank, v.rank_dp, v.rank_stage, v.rank_compute_s, strict=True):
-                gp = gpred.get((int(d), int(s)))
-                if gp and gp > 0 and np.isfinite(cs) and cs > 0:
-                    rr[int(r)] = float(np.log(cs / gp))
+        if len(v.rank) and cm.any():
+            gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+            keys, inv = np.unique(gk, return_inverse=True)
+            gsum = np.bincount(inv, weights=pred[cm])
+            rk = v.rank_dp.astype(np.int64) * 4096 + v.rank_stage
+            pos = np.clip(np.searchsorted(keys, rk), 0, len(keys) - 1)
+            gp = np.where(keys[pos] == rk, gsum[pos], np.nan)
+            cs = v.rank_compute_s
+            ok = np.isfinite(gp) & (gp > 0) & np.isfinite(cs) & (cs > 0)
+            if ok.any():
+                rr = dict(zip(v.rank[ok].tolist(), np.log(cs[ok] / gp[ok]).tolist(), strict=True))
         return x, c, rr
 
     # ------------------------------------------------------------ detect
@@ -443,8 +448,23 @@ class FailSlowDetector:
                 self.stats.iteration_changepoints_total += 1
                 findings += self._iteration_changepoint(icp, x, c, rr, v)
 
+        # Concurrent shifts (one slow NIC slows its TP collectives and both of
+        # its pipeline links) are costed together: each alone may hide in the
+        # pipeline's slack while together they cost throughput.
+        joint: dict = {}
         for what, key, cp in candidates:
-            findings += self._validate(what, key, cp, x, c, rr, v)
+            if what == "compute":
+                joint[key] = float(np.exp(cp.mean_after - self.mu.get(key, 0.0)))
+            else:
+                d, lo = link_of(key)
+                f = float(np.exp(cp.mean_after - self.comm_mu.get(key, 0.0)))
+                joint[("link", d, lo)] = max(joint.get(("link", d, lo), 1.0), f)
+        found: list[Finding] = []
+        for what, key, cp in candidates:
+            found += self._validate(
+                what, key, cp, x, c, rr, v, joint=joint if len(joint) > 1 else None
+            )
+        findings += self._merge_comm(found)
 
         findings += self._recovery(x, c, v)
         self._fold_healthy(v)
@@ -570,6 +590,7 @@ class FailSlowDetector:
         observed_s: float | None = None,
         predicted_s: float | None = None,
         signal: str | None = None,
+        joint: dict | None = None,
     ) -> list[Finding]:
         t0 = time.process_time()
         cfg = self.cfg
@@ -584,7 +605,7 @@ class FailSlowDetector:
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
                 return []
-            loss, h_s, s_s = self._throughput_loss(self._post(cp, v), {g: factor})
+            loss, h_s, s_s = self._throughput_loss(self._post(cp, v), joint or {g: factor})
             ranks, severity, rank_ratios = self._localize(g, factor, rr)
             ranks = [r for r in ranks if r not in cfg.disabled_ranks]
             # The group's chunks got slower but no member's own compute time did:
@@ -642,7 +663,9 @@ class FailSlowDetector:
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
                 return []
-            loss, h_s, s_s = self._throughput_loss(self._post(cp, v), {("link", d, lo): factor})
+            loss, h_s, s_s = self._throughput_loss(
+                self._post(cp, v), joint or {("link", d, lo): factor}
+            )
             a_ranks = self.group_ranks.get(ends[0], [])
             b_ranks = self.group_ranks.get(ends[1], [])
             links = [[a, b] for a, b in zip(a_ranks, b_ranks, strict=False)]
@@ -686,6 +709,54 @@ class FailSlowDetector:
                 }
             )
         return out
+
+    def _merge_comm(self, found: list[Finding]) -> list[Finding]:
+        """One report per slow port: links that end at a group whose TP collectives
+        slowed, or two slow links sharing a group, name that group."""
+        groups = [f for f in found if f.kind == "fail_slow_comm" and "group" in f.evidence]
+        links = [f for f in found if f.kind == "fail_slow_comm" and "link" in f.evidence]
+        if not links:
+            return found
+        drop: set[int] = set()
+        for g in groups:
+            gd, gs = g.evidence["group"]["dp"], g.evidence["group"]["stage"]
+            for lf in links:
+                ld, stages = lf.evidence["link"]["dp"], lf.evidence["link"]["stages"]
+                if ld == gd and gs in stages:
+                    g.links += lf.links
+                    g.evidence.setdefault("slow_links", []).append(lf.evidence["link"])
+                    drop.add(id(lf))
+        rest = [lf for lf in links if id(lf) not in drop]
+        by_group: dict[Group, list[Finding]] = {}
+        for lf in rest:
+            d, (a, b) = lf.evidence["link"]["dp"], lf.evidence["link"]["stages"]
+            by_group.setdefault((d, a), []).append(lf)
+            by_group.setdefault((d, b), []).append(lf)
+        merged: list[Finding] = []
+        for gk, lfs in sorted(by_group.items(), key=lambda kv: -len(kv[1])):
+            lfs = [lf for lf in lfs if id(lf) not in drop]
+            if len(lfs) < 2 or not self.group_ranks.get(gk):
+                continue
+            ranks = [r for r in self.group_ranks[gk] if r not in self.cfg.disabled_ranks]
+            if not ranks:
+                continue
+            p = min(min(lf.severity.values()) for lf in lfs)
+            ev = dict(lfs[0].evidence)
+            ev["slow_links"] = [lf.evidence["link"] for lf in lfs]
+            ev["port_of_group"] = {"dp": gk[0], "stage": gk[1]}
+            merged.append(
+                Finding(
+                    "fail_slow_comm",
+                    lfs[0].iteration,
+                    sorted(ranks),
+                    {r: p for r in ranks},
+                    [pair for lf in lfs for pair in lf.links],
+                    ev,
+                )
+            )
+            for lf in lfs:
+                drop.add(id(lf))
+        return [f for f in found if id(f) not in drop] + merged
 
     def _localize(self, g: Group, factor: float, rr: dict[int, float]):
         """Slow rank(s) inside the TP group from their own compute time."""
@@ -786,7 +857,9 @@ class FailSlowDetector:
                 if det.alarm_since is not None and det.alarm_since <= w.iteration + lag:
                     bad.add(g)
             self.pred.observe(w, exclude=bad)
-            self.pred.update_scales(w, rate=0.02, exclude=bad)
+            self._folds += 1
+            if self._folds % 4 == 0:  # scales drift slowly; 4x the rate every 4th iteration
+                self.pred.update_scales(w, rate=0.08, exclude=bad)
 
     # ---------------------------------------------------------- baseline
     def predicted_iteration_time(self, v: IterationView) -> float:
@@ -800,16 +873,12 @@ def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> di
     if not mask.any():
         return {}
     gk = v.dp[mask].astype(np.int64) * 4096 + v.stage[mask]
-    vals = values[mask]
-    order = np.argsort(gk, kind="stable")
-    gk, vals = gk[order], vals[order]
-    cuts = np.flatnonzero(np.diff(gk)) + 1
-    out = {}
-    for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(gk)], strict=True):
-        m = float(np.median(vals[a:b]))
-        if np.isfinite(m):
-            out[(int(gk[a] // 4096), int(gk[a] % 4096))] = m
-    return out
+    keys, meds = grouped_median(gk, values[mask])
+    return {
+        (g // 4096, g % 4096): m
+        for g, m in zip(keys.tolist(), meds.tolist(), strict=True)
+        if np.isfinite(m)
+    }
 
 
 def _robust(xs: list[float], floor: float) -> tuple[float, float]:

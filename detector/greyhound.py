@@ -40,14 +40,17 @@ class GreyhoundDetector(FailSlowDetector):
         super().__init__(cfg, layout)
         self.last_cp_iteration = -(10**9)
         self.pause_s_total = 0.0
+        # Greyhound's Bayesian detector flags the newest point as soon as its
+        # change probability passes 0.8; one outlying iteration can do that.
         self.idet = OnlineChangeDetector(
             window=cfg.cpd_window,
-            min_size=cfg.cpd_min_size,
+            min_size=1,
             penalty=cfg.cpd_penalty,
-            k_sigma=cfg.screen_k_sigma,
-            h_sigma=cfg.screen_h_sigma,
-            min_after=cfg.confirm_iters,
+            k_sigma=0.0,  # no CUSUM screen worth the name: every outlying point is examined
+            h_sigma=1.0,
+            min_after=1,
             direction=0,
+            persistence=False,
         )
 
     def validation_pause_s(self) -> float:

@@ -128,7 +128,7 @@ class IterationView:
         idx = np.flatnonzero(ok)
         dups = 0
         if len(idx):
-            _, first = np.unique(key, axis=0, return_index=True)
+            first = _first_of_rows(key)
             dups = len(idx) - len(first)
             idx = idx[np.sort(first)]
         dp, stage, src, mb, kind, dur, start = (
@@ -281,15 +281,28 @@ class ChunkPredictor:
 
     forget: float = 0.98
     fits: dict[tuple[int, int], _RLS2] = field(default_factory=dict)
-    coef: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    _coef: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    _dirty: bool = False
+    _comm_since: int = 0
     scale: dict[tuple[int, int], float] = field(default_factory=dict)  # (dp, stage) -> factor
     comm: dict[tuple[int, int, int, int], deque] = field(default_factory=dict)
     comm_median: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
     iterations_fitted: int = 0
 
+    @property
+    def coef(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """alpha, beta per (stage, kind), solved lazily after new observations."""
+        if self._dirty:
+            self._dirty = False
+            for k, fit in self.fits.items():
+                c = fit.solve()
+                if c is not None:
+                    self._coef[k] = c
+        return self._coef
+
     def reset(self) -> None:
         self.fits.clear()
-        self.coef.clear()
+        self._coef.clear()
         self.scale.clear()
         self.comm.clear()
         self.comm_median.clear()
@@ -298,7 +311,7 @@ class ChunkPredictor:
     def reset_stages(self, stages: set[int]) -> None:
         for key in [k for k in self.fits if k[0] in stages]:
             del self.fits[key]
-            self.coef.pop(key, None)
+            self._coef.pop(key, None)
         for key in [k for k in self.scale if k[1] in stages]:
             del self.scale[key]
         for key in [k for k in self.comm if k[1] in stages]:
@@ -336,10 +349,7 @@ class ChunkPredictor:
                 if fit is None:
                     fit = self.fits[k] = _RLS2()
                 fit.add(x[sel], y[sel])
-            for k, fit in self.fits.items():
-                c = fit.solve()
-                if c is not None:
-                    self.coef[k] = c
+            self._dirty = True
         # P2P / collectives: median over iterations of each key's per-iteration statistic
         stats = comm_stats(v, keep)
         for key, val in stats.items():
@@ -347,8 +357,11 @@ class ChunkPredictor:
             if q is None:
                 q = self.comm[key] = deque(maxlen=64)
             q.append(val)
-        if stats:
-            # one vectorized median over every key's history (NaN-padded)
+        self._comm_since += 1
+        if stats and (self._comm_since >= 4 or len(self.comm_median) < len(self.comm)):
+            # one vectorized median over every key's history (NaN-padded), every
+            # few iterations: a healthy baseline does not move faster than that
+            self._comm_since = 0
             keys = list(self.comm)
             arr = np.full((len(keys), 64), np.nan)
             for i, key in enumerate(keys):
@@ -366,12 +379,10 @@ class ChunkPredictor:
             return
         ratio = v.duration_s[cm] / pred[cm]
         gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
-        for g in np.unique(gk):
-            key = (int(g // 4096), int(g % 4096))
-            if exclude and key in exclude:
-                continue
-            r = float(np.median(ratio[gk == g]))
-            if not np.isfinite(r) or r <= 0:
+        keys, meds = grouped_median(gk, ratio)
+        for g, r in zip(keys.tolist(), meds.tolist(), strict=True):
+            key = (g // 4096, g % 4096)
+            if (exclude and key in exclude) or not np.isfinite(r) or r <= 0:
                 continue
             old = self.scale.get(key)
             self.scale[key] = r if old is None or rate >= 1.0 else old * (1 - rate) + r * rate
@@ -686,6 +697,29 @@ def comm_stats(
     for c, x in zip(code[starts].tolist(), val.tolist(), strict=True):
         out[(c // (4096 * 64), (c // 64) % 4096, (c // 4) % 16, c % 4 - 1)] = x
     return out
+
+
+def grouped_median(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys and the median of the values of each (vectorized)."""
+    if not len(keys):
+        return keys[:0], values[:0]
+    order = np.lexsort((values, keys))
+    k, x = keys[order], values[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    ends = np.r_[starts[1:], len(k)]
+    lo = starts + (ends - starts - 1) // 2
+    hi = starts + (ends - starts) // 2
+    return k[starts], (x[lo] + x[hi]) / 2
+
+
+def _first_of_rows(key: np.ndarray) -> np.ndarray:
+    """Index of the first occurrence of every distinct row of a 2-D int array."""
+    order = np.lexsort(key.T[::-1])
+    sk = key[order]
+    new = np.ones(len(sk), dtype=bool)
+    new[1:] = (sk[1:] != sk[:-1]).any(axis=1)
+    # lexsort is stable, so within equal rows the earliest index comes first
+    return order[new]
 
 
 def _lookup_stats(stats: dict, src: np.ndarray, mb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
