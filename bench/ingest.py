@@ -22,7 +22,10 @@ What runs, on this machine, at the same time:
 At most ``--depth`` iterations are in flight (the producer waits for the
 collector), so Redis memory stays bounded and the rate is a sustained one.
 The sustained rate is measured from the first row sent to the last record
-published; the steady rate leaves out the first iteration.
+published; the steady rate leaves out the first iteration.  This machine is
+shared, so wall-clock rates move with its load (printed); the last two lines
+divide by CPU time instead: the collector alone on one core, and collector +
+producer + redis-server on two.
 
     python bench/ingest.py                  # 16,384-GPU layout, 5 iterations
     python bench/ingest.py --tp-dedup       # drop TP peers' rows on arrival
@@ -210,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     this_rate = job_rate(lay.world_size, a.microbatches, 3, a.iteration_s)
     dl = client.xlen(keys.deadletter)
     rec_bytes = [len(encode_fast(r)[b"m"]) for r in recs[:1]]
+    all_cpu_s = collector_cpu_s + info["producer_cpu_s"] + (_redis_cpu(client) - redis_cpu0)
     redis_cpu_s = _redis_cpu(client) - redis_cpu0
 
     print(f"layout           : {lay.summary()}  world={lay.world_size}  schedule=zbh1")
@@ -236,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         (f"this layout at {a.iteration_s:g} s/iteration", this_rate),
         ("measured sustained (end to end)", sustained),
         ("measured steady (after the first iteration)", steady),
+        ("collector capacity on one core (CPU time)", events / max(collector_cpu_s, 1e-9)),
+        ("all three on this machine's 2 cores (CPU time)", 2 * events / max(all_cpu_s, 1e-9)),
     ]:
         print(f"{name:<44}{v:>12,.0f}{v / r256:>11.1f}x{v / r16k:>11.2f}x")
     client.close()

@@ -69,8 +69,11 @@ class CollectorConfig:
     tp_dedup: bool = False
 
     # --- outputs -----------------------------------------------------------------
-    #: Approximate MAXLEN of the iterations stream (records of large jobs are big).
+    #: Approximate MAXLEN of the iterations stream.
     iterations_maxlen: int = 2_000
+    #: ...and at most about this many MB of records in it: a 16,384-GPU job's record is
+    #: ~13 MB, so its stream keeps ~80 iterations instead of 2,000 (26 GB).
+    iterations_budget_mb: float = 1024.0
     #: Approximate MAXLEN of the liveness stream.
     liveness_maxlen: int = DEFAULT_STREAM_MAXLEN
 
@@ -96,6 +99,7 @@ class CollectorConfig:
             "layout_poll_s",
             "grace_s",
             "stale_s",
+            "iterations_budget_mb",
         )
         for name in positive:
             v = getattr(self, name)
@@ -146,6 +150,7 @@ class CollectorConfig:
         )
         p.add_argument("--read-count", type=int, default=cls.read_count)
         p.add_argument("--iterations-maxlen", type=int, default=cls.iterations_maxlen)
+        p.add_argument("--iterations-budget-mb", type=float, default=cls.iterations_budget_mb)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> CollectorConfig:
@@ -161,6 +166,7 @@ class CollectorConfig:
             tp_dedup=a.tp_dedup,
             read_count=a.read_count,
             iterations_maxlen=a.iterations_maxlen,
+            iterations_budget_mb=a.iterations_budget_mb,
         )
 
     def replace(self, **changes) -> CollectorConfig:

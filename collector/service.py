@@ -374,7 +374,12 @@ class CollectorService:
     def _flush_outbox(self) -> None:
         while self._outbox:
             stream, msg, maxlen = self._outbox[0]
-            self.client.xadd(stream, encode_fast(msg), maxlen=maxlen, approximate=True)
+            fields = encode_fast(msg)
+            if isinstance(msg, IterationRecord):
+                size = max(1, len(fields[ENTRY_MESSAGES]))
+                budget = int(self.config.iterations_budget_mb * 1e6 // size)
+                maxlen = max(16, min(maxlen, budget))
+            self.client.xadd(stream, fields, maxlen=maxlen, approximate=True)
             self._outbox.popleft()
             self.published.append(msg)
             if len(self.published) > 64:
