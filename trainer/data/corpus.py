@@ -73,8 +73,15 @@ class PackedCorpus:
         pattern: str = "*.py",
         max_doc_tokens: int | None = None,
         min_doc_tokens: int = 2,
+        token_budgets: tuple[int, ...] = (),
+        repeat_index: int = -1,
     ):
-        if token_budget < 2:
+        """``token_budgets``: draw each micro-batch's N from these (seeded per
+        index) instead of ``token_budget``; ``repeat_index`` >= 0: every index
+        returns that one micro-batch (timing noise floor)."""
+        if token_budgets:
+            token_budget = max(token_budgets)
+        if token_budget < 2 or any(b < 2 for b in token_budgets):
             raise ValueError(f"token_budget must be >= 2, got {token_budget}")
         root = Path(data_dir) if data_dir else default_data_dir()
         if not root.is_dir():
@@ -86,6 +93,9 @@ class PackedCorpus:
         self.root = root
         self.files = files
         self.token_budget = token_budget
+        self.token_budgets = tuple(token_budgets)
+        self.repeat_index = repeat_index
+        self.seed = seed
         self.max_doc_tokens = max_doc_tokens or token_budget
         self.min_doc_tokens = min_doc_tokens
         self._packed: list[PackedMicroBatch] = []
@@ -112,8 +122,13 @@ class PackedCorpus:
             self._pieces = [p for p in self._pieces if len(p) >= self.min_doc_tokens] or [raw[:m]]
         return self._pieces.pop(0)
 
+    def budget_of(self, index: int) -> int:
+        if not self.token_budgets:
+            return self.token_budget
+        return random.Random(self.seed * 1_000_003 + index).choice(self.token_budgets)
+
     def _pack_one(self) -> PackedMicroBatch:
-        n = self.token_budget
+        n = self.budget_of(len(self._packed))
         segs: list[bytes] = []
         left = n
         while left > 0:
@@ -147,6 +162,8 @@ class PackedCorpus:
         """Global micro-batch ``index`` (packed on demand, then cached)."""
         if index < 0:
             raise ValueError(f"micro-batch index must be >= 0, got {index}")
+        if self.repeat_index >= 0:
+            index = self.repeat_index
         while len(self._packed) <= index:
             self._packed.append(self._pack_one())
         return self._packed[index]

@@ -30,6 +30,8 @@ class TrainConfig:
     num_heads: int = 4
     ffn_hidden: int = 192
     token_budget: int = 512  # N tokens per packed micro-batch
+    token_budgets: str = ""  # comma list: draw N per micro-batch from these (predictor bench)
+    repeat_microbatch: int = -1  # >= 0: every micro-batch is this one (timing noise floor)
     lr: float = 3e-3
     weight_decay: float = 0.0
     seed: int = 0
@@ -58,6 +60,8 @@ class TrainConfig:
     )
     link_base_delay_s: float = 0.005  # slow_link factor f adds (1/f - 1) x this per P2P transfer
     dump_grads_dir: str = ""  # tests: dump gradients of iteration 0 before the step
+    dump_telemetry: bool = False  # benches: each rank saves its chunk rows to out_dir
+    telemetry_ab: bool = False  # benches: record chunks on even iterations only (A/B overhead)
     threads_per_worker: int = 1
 
     def validate(self) -> TrainConfig:
@@ -76,8 +80,9 @@ class TrainConfig:
             raise ValueError(f"dtype must be float32|float64|bfloat16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.token_budget < 2 or (self.token_budget * self.hidden) % 8:
-            raise ValueError("token_budget must be >= 2 and token_budget*hidden divisible by 8")
+        for n in [self.token_budget, *self.budgets]:
+            if n < 2 or (n * self.hidden) % 8:
+                raise ValueError(f"token budget {n}: must be >= 2 and N*hidden divisible by 8")
         if self.slow_factor < 1.0:
             raise ValueError(f"slow_factor must be >= 1, got {self.slow_factor}")
         if self.pg_timeout_s <= 0:
@@ -85,6 +90,15 @@ class TrainConfig:
         if self.kill_rank >= self.world_size:
             raise ValueError(f"kill_rank {self.kill_rank} outside world of {self.world_size}")
         return self
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in self.token_budgets.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(
+                f"token_budgets must be a comma list of integers: {self.token_budgets!r}"
+            ) from None
 
     @property
     def world_size(self) -> int:

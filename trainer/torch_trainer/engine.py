@@ -87,7 +87,6 @@ class StageEngine:
         fwd: dict[int, tuple] = {}
         loss_sum = 0.0
         compute_s = 0.0
-        n = self.corpus.token_budget
         for kind, j in self.plan:
             mb = self.corpus.microbatch(self.global_index(iteration, j))
             if kind == "F":
@@ -97,7 +96,9 @@ class StageEngine:
                         tel.mb_stats(iteration, g.dp, j, mb)
                 else:
                     tok = tel.begin()
-                    x = self.xfer.recv((n, self.hidden), self.dtype, self.prev, j, backward=False)
+                    x = self.xfer.recv(
+                        (mb.token_budget, self.hidden), self.dtype, self.prev, j, backward=False
+                    )
                     tel.end(tok, ChunkKind.RECV, j)
                     x = x.to(self.device).requires_grad_(True)
                 c0, tp0 = time.perf_counter(), mod.tp.comm_time_s

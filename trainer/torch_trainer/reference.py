@@ -10,16 +10,14 @@ import torch
 
 from .config import TrainConfig
 from .model import StageModule, microbatch_loss, take_shard
-from .worker import DTYPES, model_config
+from .worker import DTYPES, make_corpus, model_config
 
 
 def reference_step(cfg: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and full gradients of iteration 0 (global batch = dp x microbatches)."""
-    from trainer.data.corpus import PackedCorpus
-
     mcfg = model_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    corpus = PackedCorpus(cfg.data_dir or None, cfg.token_budget, cfg.seed, cfg.data_pattern)
+    corpus = make_corpus(cfg)
     model = StageModule(mcfg, list(range(mcfg.num_layers)), first=True, last=True, dtype=dtype)
     total = cfg.dp * cfg.microbatches
     loss_sum = 0.0
@@ -38,13 +36,11 @@ def expected_shard(full_grads: dict[str, torch.Tensor], name: str, tp_size: int,
 
 def reference_losses(cfg: TrainConfig, iterations: int) -> list[float]:
     """Loss per iteration of single-process training with the same optimizer."""
-    from trainer.data.corpus import PackedCorpus
-
     from .state import make_optimizer
 
     mcfg = model_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    corpus = PackedCorpus(cfg.data_dir or None, cfg.token_budget, cfg.seed, cfg.data_pattern)
+    corpus = make_corpus(cfg)
     model = StageModule(mcfg, list(range(mcfg.num_layers)), first=True, last=True, dtype=dtype)
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
     total = cfg.dp * cfg.microbatches

@@ -40,10 +40,11 @@ class RankTelemetry:
         self._seq = 0
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self.paused = False  # A/B overhead measurement: skip chunk recording
 
     @property
     def enabled(self) -> bool:
-        return self.producer is not None or self.keep_rows
+        return (self.producer is not None or self.keep_rows) and not self.paused
 
     # ----------------------------------------------------------- heartbeats
     def start_heartbeats(self, interval_s: float = 0.5) -> None:
@@ -123,7 +124,7 @@ class RankTelemetry:
         self.n += 1
 
     def mb_stats(self, iteration: int, dp: int, microbatch: int, mb) -> None:
-        if self.producer is None:
+        if self.producer is None or self.paused:
             return
         self.producer.mb_stats(
             MicroBatchStats(

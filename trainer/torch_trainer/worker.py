@@ -26,6 +26,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,6 +62,19 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     )
 
 
+def make_corpus(cfg: TrainConfig):
+    from trainer.data.corpus import PackedCorpus
+
+    return PackedCorpus(
+        cfg.data_dir or None,
+        cfg.token_budget,
+        cfg.seed,
+        cfg.data_pattern,
+        token_budgets=cfg.budgets,
+        repeat_index=cfg.repeat_microbatch,
+    )
+
+
 def _timeline(store, gen: int, event: str, rank: int) -> None:
     store.set(f"timeline/{gen}/{event}/{rank}", repr(time.time()))
 
@@ -80,17 +94,19 @@ class Worker:
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         )
         self.backend = "nccl" if self.cuda else "gloo"
-        from trainer.data.corpus import PackedCorpus
-
-        self.corpus = PackedCorpus(
-            cfg.data_dir or None, cfg.token_budget, cfg.seed, cfg.data_pattern
-        )
+        self.corpus = make_corpus(cfg)
         self.producer = None
         if cfg.redis_url and cfg.telemetry:
             from resihp.producer import TelemetryProducer
 
             self.producer = TelemetryProducer(cfg.redis_url, JobKeys(cfg.job_id)).start()
-        self.tel = RankTelemetry(self.producer, rank, rank // cfg.devices_per_node, self.cuda)
+        self.tel = RankTelemetry(
+            self.producer,
+            rank,
+            rank // cfg.devices_per_node,
+            self.cuda,
+            keep_rows=cfg.dump_telemetry,
+        )
         self.tel.start_heartbeats(cfg.heartbeat_interval_s)
         self.steps_done = 0
         self.state: dict[str, torch.Tensor] = {}
@@ -119,6 +135,11 @@ class Worker:
             layout = Layout.from_dict(desc["layout"])
             status = self._run_generation(gen, members, layout)
             if status == "done":
+                if self.cfg.dump_telemetry and self.tel.kept:
+                    np.save(
+                        os.path.join(self.cfg.out_dir, f"chunks_rank{self.rank}.npy"),
+                        np.concatenate(self.tel.kept),
+                    )
                 return 0
             gen += 1
 
@@ -307,6 +328,7 @@ class Worker:
                 self._die()
             if self.cursor is not None:
                 self._apply_scenario(it)
+            self.tel.paused = cfg.telemetry_ab and it % 2 == 1
             if engine is not None:
                 flag = (
                     cfg.slow_factor
