@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 _KIND_CODE = {"F": 0, "B": 1, "W": 2}
 _KIND_NAME = {0: "F", 1: "B", 2: "W"}
 _cache: OrderedDict[tuple, dict | None] = OrderedDict()
+_lock = threading.Lock()  # Flask serves callbacks from several threads
 
 
 def _group_p(layout: Layout, device_health: dict[int, dict[str, Any]]) -> np.ndarray:
@@ -58,16 +60,18 @@ def predict_healthy(
         record.get("end_s"),
         tuple(sorted((k, v.get("p")) for k, v in (device_health or {}).items()))[:4096],
     )
-    if key in _cache:
-        return _cache[key]
+    with _lock:
+        if key in _cache:
+            return _cache[key]
     try:
         res = _predict(layout, record, device_health or {})
     except Exception as e:  # noqa: BLE001 - a prediction is optional; never break a page
         log.info("no DAG prediction: %s", e)
         res = None
-    _cache[key] = res
-    while len(_cache) > 32:
-        _cache.popitem(last=False)
+    with _lock:
+        _cache[key] = res
+        while len(_cache) > 32:
+            _cache.popitem(last=False)
     return res
 
 

@@ -139,6 +139,8 @@ def _overview(app):
                 ("ov-throughput", "figure"),
                 ("ov-itertime", "figure"),
                 ("ov-incidents", "children"),
+                ("ov-layout", "figure"),
+                ("ov-layout-sig", "data"),
             )
         ],
         "inputs": [
@@ -146,7 +148,7 @@ def _overview(app):
             {"id": "job", "property": "value", "value": "job-a"},
         ],
         "changedPropIds": ["tick.n_intervals"],
-        "state": [],
+        "state": [{"id": "ov-layout-sig", "property": "data", "value": None}],
     }
     res = app.server.test_client().post("/_dash-update-component", json=req)
     assert res.status_code == 200
@@ -160,6 +162,10 @@ def test_overview_callback_returns_live_cards(app):
     names = [t.get("name") for t in out["ov-itertime"]["figure"]["data"]]
     assert "observed" in names and "predicted (healthy)" in names
     assert "fr-slow-1" in json.dumps(out["ov-incidents"])
+    heat = out["ov-layout"]["figure"]["data"][0]
+    assert heat["type"] == "heatmap" and heat["z"][1][0] == 0.5  # stage 1 of dp0 holds rank 5
+    heat = out["ov-layout"]["figure"]["data"][0]
+    assert heat["type"] == "heatmap" and heat["z"][1][0] == 0.5  # stage 1 of dp0 holds rank 5
 
 
 def test_check_health_cli(redis_server, r):

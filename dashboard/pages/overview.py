@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 
-from dash import Input, Output, dash_table, dcc, html
+from dash import Input, Output, State, dash_table, dcc, html, no_update
 
 from dashboard import figures, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
@@ -19,6 +20,8 @@ def layout(ctx: AppContext) -> html.Div:
         [
             html.Div(id="ov-status"),
             html.Div(id="ov-cards", className="cards"),
+            html.Div(dcc.Graph(id="ov-layout", config={"displaylogo": False}), className="panel"),
+            dcc.Store(id="ov-layout-sig"),
             html.Div(
                 [
                     html.Div(
@@ -70,11 +73,14 @@ def register(app, ctx: AppContext) -> None:
         Output("ov-throughput", "figure"),
         Output("ov-itertime", "figure"),
         Output("ov-incidents", "children"),
+        Output("ov-layout", "figure"),
+        Output("ov-layout-sig", "data"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
+        State("ov-layout-sig", "data"),
     )
-    @redis_safe(5)
-    def refresh(_n, job):
+    @redis_safe(7)
+    def refresh(_n, job, layout_sig):
         if not job:
             return (
                 banner("No job has reported into this Redis yet.", "info"),
@@ -82,6 +88,8 @@ def register(app, ctx: AppContext) -> None:
                 figures.empty_figure("no job"),
                 figures.empty_figure("no job"),
                 "",
+                figures.empty_figure("no job"),
+                None,
             )
         s = summarize(ctx, job)
         rows, lay = s["rows"], s["layout"]
@@ -199,4 +207,27 @@ def register(app, ctx: AppContext) -> None:
             )
         else:
             table = html.Div("none", id="ov-no-incidents")
-        return "", cards, thr, itf, table
+        health = s["device_health"]
+        sig = json.dumps(
+            [
+                job,
+                lay.layout_id if lay else None,
+                lay.world_size if lay else 0,
+                sorted((k, v.get("p"), v.get("state")) for k, v in health.items())
+                if len(health) <= 4096
+                else len(health),
+            ],
+            default=str,
+        )
+        if sig == layout_sig:
+            lay_fig = no_update
+        elif lay is None:
+            lay_fig = figures.empty_figure("no layout yet")
+        else:
+            p, _state = figures.device_arrays(lay.world_size, health, lay.dead, lay.standby)
+            lay_fig = figures.coord_heatmap_figure(p, lay.groups)
+            lay_fig.update_layout(
+                title="Layout and health: min p_i of each TP group (stage x DP replica)",
+                height=max(200, 80 + 24 * lay.pp),
+            )
+        return "", cards, thr, itf, table, lay_fig, sig
