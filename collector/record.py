@@ -2,8 +2,12 @@
 
 One wire message per line, in stream order: heartbeats, micro-batch stats and
 other messages as their ``to_dict()``; packed chunk rows as
-``ChunkBatch.to_dict()`` (columnar, one line per stream entry's batch).  The
-format is described in docs/trace-format.md; the detector's replay reads it.
+``ChunkBatch.to_dict()`` (columnar, one line per stream entry's batch).  Each
+line also carries ``arrival_s``, when Redis appended its entry (the time the
+collector judges liveness by); readers that do not know it ignore it.  The
+job's layout is written as a ``{"type": "layout", "layout": {...}}`` line first
+and again whenever it changes while following.  The format is described in
+docs/trace-format.md; the detector's replay reads it.
 
 Reading uses plain XREAD (no consumer group), so recording never takes
 entries away from the collector.  Entries that fail validation are skipped and
@@ -30,6 +34,37 @@ class RecordStats:
     messages_total: int = 0
     chunk_rows_total: int = 0
     invalid_total: int = 0
+    layouts_total: int = 0
+
+
+def _entry_time_s(entry_id: str) -> float:
+    return int(entry_id.split("-", 1)[0]) / 1000.0
+
+
+class _LayoutWatch:
+    """Writes the layout line when the layout key changes (checked at most once a second)."""
+
+    def __init__(self, client: redis.Redis, keys: JobKeys, out: IO[str], stats: RecordStats):
+        self.client, self.keys, self.out, self.stats = client, keys, out, stats
+        self.raw: bytes | None = None
+        self.next_s = 0.0
+
+    def poll(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self.next_s:
+            return
+        self.next_s = now + 1.0
+        raw = self.client.get(self.keys.layout)
+        if raw is None or raw == self.raw:
+            return
+        self.raw = raw
+        try:
+            layout = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return  # not a layout a reader could use; the collector dead-letters it
+        self.out.write(json.dumps({"type": "layout", "layout": layout}, separators=(",", ":")))
+        self.out.write("\n")
+        self.stats.layouts_total += 1
 
 
 def record(
@@ -46,6 +81,8 @@ def record(
     also follow new entries until ``duration_s`` has passed.
     """
     stats = RecordStats()
+    watch = _LayoutWatch(client, keys, out, stats)
+    watch.poll(force=True)
     last = "0-0" if from_start else "$"
     if last == "$":
         info = client.xinfo_stream(keys.telemetry) if client.exists(keys.telemetry) else None
@@ -70,8 +107,11 @@ def record(
             remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
             resp = client.xread({keys.telemetry: last}, count=count, block=min(remaining_ms, 500))
             entries = resp[0][1] if resp else []
+        if end_id is None:
+            watch.poll()
         for entry_id, fields in entries:
             last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            arrival_s = _entry_time_s(last)
             stats.entries_total += 1
             good, bad = decode_entry(fields)
             stats.invalid_total += len(bad)
@@ -80,7 +120,9 @@ def record(
                     stats.chunk_rows_total += len(m)
                 else:
                     stats.messages_total += 1
-                out.write(json.dumps(m.to_dict(), separators=(",", ":"), allow_nan=False))
+                d = m.to_dict()
+                d["arrival_s"] = arrival_s
+                out.write(json.dumps(d, separators=(",", ":"), allow_nan=False))
                 out.write("\n")
         if end_id is not None:
             if not entries or last == end_id:
@@ -99,7 +141,8 @@ def main(
             st = record(client, keys, f, duration_s, from_start)
     print(
         f"recorded {st.entries_total} entries: {st.messages_total} messages, "
-        f"{st.chunk_rows_total} chunk rows, {st.invalid_total} invalid (skipped)",
+        f"{st.chunk_rows_total} chunk rows, {st.invalid_total} invalid (skipped), "
+        f"{st.layouts_total} layout(s)",
         file=sys.stderr,
     )
     return 0

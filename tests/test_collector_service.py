@@ -259,6 +259,7 @@ def test_cli_runs_service_and_health_check(r, redis_server):
 
 def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     lay = _layout()
+    _set_layout(r, lay)
     p = TelemetryProducer(None, KEYS, client=r, max_batch=50).start()
     rows = iteration_rows(lay, 0)
     p.chunk_rows(rows)
@@ -272,15 +273,20 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "1 invalid" in res.stderr
     lines = out.read_text().splitlines()
-    msgs = [decode_json(line) for line in lines]
+    first = json.loads(lines[0])
+    assert first["type"] == "layout" and Layout.from_dict(first["layout"]) == lay
+    msgs = [decode_json(line) for line in lines[1:]]
     batches = [m for m in msgs if isinstance(m, ChunkBatch)]
     assert sum(len(b) for b in batches) == len(rows)
     assert np.array_equal(np.concatenate([b.rows for b in batches]), rows)
     assert sorted(m.seq for m in msgs if isinstance(m, Heartbeat)) == list(range(5))
     assert sum(isinstance(m, MicroBatchStats) for m in msgs) == 1
-    assert all(json.loads(line)["schema_version"] == 1 for line in lines)
+    for line in lines[1:]:
+        d = json.loads(line)
+        assert d["schema_version"] == 1
+        assert abs(d["arrival_s"] - time.time()) < 60  # Redis' append time, not the rank's
 
-    # --duration follows entries that arrive while recording.
+    # --duration follows entries (and layout changes) that arrive while recording.
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "collector", "--redis-url", redis_server.url, "--job-id", JOB,
@@ -292,10 +298,19 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     time.sleep(3.0)  # let it start and take the stream's current end
     p.heartbeat(Heartbeat(rank=1, node=0, iteration=1, wall_time_s=2.0, seq=77))
     assert p.flush()
+    lay2 = lay.copy()
+    lay2.layout_id = 5
+    _set_layout(r, lay2)
+    p.heartbeat(Heartbeat(rank=1, node=0, iteration=1, wall_time_s=2.0, seq=78))
+    time.sleep(1.2)
+    p.heartbeat(Heartbeat(rank=1, node=0, iteration=1, wall_time_s=2.0, seq=79))
+    assert p.flush()
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    follow = [decode_json(line) for line in out.read_text().splitlines()]
-    assert [m.seq for m in follow] == [77]
+    follow = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [d["type"] for d in follow][0] == "layout"
+    assert [d["layout"]["layout_id"] for d in follow if d["type"] == "layout"] == [0, 5]
+    assert [d["seq"] for d in follow if d["type"] == "heartbeat"] == [77, 78, 79]
     p.close()
 
 
