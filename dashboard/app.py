@@ -32,14 +32,16 @@ PAGES = [overview, timeline, skew, failures, plans, incidents]
 
 _CSS = """
 body{font-family:system-ui,-apple-system,sans-serif;margin:0;background:#f6f7f9;color:#222}
-.header{display:flex;align-items:center;gap:18px;padding:8px 18px;background:#1f2d3d;color:#fff;flex-wrap:wrap}
+.header{display:flex;align-items:center;gap:12px;padding:8px 18px;background:#1f2d3d;color:#fff;flex-wrap:wrap}
 .header a{color:#cfe3ff;text-decoration:none;margin-right:12px;font-size:15px}
 .header a.active{color:#fff;font-weight:bold;border-bottom:2px solid #fff}
 .brand{font-weight:bold;font-size:18px;margin-right:12px}
-.job-select{width:220px;color:#222}
+.job-select{width:190px;color:#222}
 .auth-box{margin-left:auto;font-size:13px;flex-shrink:0;white-space:nowrap}
 .auth-box form{display:flex;gap:4px;align-items:center}
-.auth-box input{width:100px}
+.auth-box .dash-input-container{flex:0 0 96px;width:96px}
+.auth-box .dash-input-hidden{display:none}
+.auth-box input{width:100%}
 .live{font-size:12px;color:#9fb3c8}
 .page{padding:14px 18px}
 .cards{display:flex;gap:12px;flex-wrap:wrap;margin-bottom:12px}

@@ -232,6 +232,12 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="together"):
         operators_from_env({"RESIHP_OPERATOR_USER": "carol"})
     assert DashboardConfig().host == "127.0.0.1" and DashboardConfig().port == 8050
+    from dashboard.__main__ import _serve_parser
+    from dashboard.config import config_from_args
+
+    cfg = config_from_args(_serve_parser().parse_args([]), env={"REDIS_URL": "redis://x:1/0"})
+    assert (cfg.host, cfg.port, cfg.redis_url) == ("127.0.0.1", 8050, "redis://x:1/0")
+    assert cfg.refresh_interval_s <= 1.0 and cfg.operators == {}
 
 
 def test_evidence_figure_and_failure_rows():
