@@ -257,13 +257,14 @@ def test_bad_shapes_rejected():
         PipelineDAG.from_layout(Layout.uniform(1, 2, 1, 2, 2), "interleaved")
 
 
-def test_cyclic_migration_orders_fall_back_to_list_scheduling():
-    # Per-device ZB-H1 orders for these migrations wait on each other in a cycle.
+def test_migrations_that_deadlock_naive_per_device_orders():
+    # Per-device ZB-H1 orders rebuilt for each device's own micro-batch count wait on
+    # each other in a cycle here; the shared logical clock orders them safely.
     lay = Layout.uniform(1, 3, 3, 3, 3, schedule="zbh1")
     lay.migrations = [Migration(0, 0, 2, 1), Migration(0, 0, 1, 2), Migration(1, 0, 1, 2)]
     lay.validate()
     dag = PipelineDAG.from_layout(lay)
-    assert dag.schedule_fallback
+    assert not dag.schedule_fallback
     rng = np.random.default_rng(5)
     cost = rng.uniform(0.5, 1.5, dag.num_chunks)
     edge = rng.uniform(0, 0.2, dag.num_edges)
@@ -283,6 +284,15 @@ def test_cyclic_migration_orders_fall_back_to_list_scheduling():
         for (o, j, k), i in pos.items():
             if k > 0:
                 assert pos[(o, j, k - 1)] < i  # F before B before W on the device
+    # A migrated chunk runs right after the local chunk of the same micro-batch index.
+    run = dag.device_chunks(1, 0).tolist()
+    moved = next(
+        c
+        for c in run
+        if dag.chunk_src_dp[c] == 0 and dag.chunk_mb[c] == 2 and dag.chunk_kind[c] == 0
+    )
+    before = run[run.index(moved) - 1]
+    assert (dag.chunk_src_dp[before], dag.chunk_mb[before], dag.chunk_kind[before]) == (1, 2, 0)
     # Still better than no zero-bubble split at all.
     g = PipelineDAG.from_layout(lay, "1f1b")
     unit = _uniform_costs(dag)

@@ -73,7 +73,7 @@ class EvalResult:
 
 
 class _ChunkIndex:
-    """Arithmetic chunk numbering of a component: (owner, mb, stage, kind) -> local id."""
+    """Arithmetic chunk numbering: (owner, mb, stage, kind) -> base[owner] + (mb*pp + stage)*K + kind."""
 
     def __init__(self, replicas: list[int], counts: list[int], p: int, k: int):
         self.pos = {d: i for i, d in enumerate(replicas)}
@@ -82,21 +82,16 @@ class _ChunkIndex:
         self.p, self.k = p, k
         self.n = int(sizes.sum())
 
-    def __getitem__(self, key: tuple[int, int, int, int]) -> int:
-        d, j, s, kind = key
-        return int(self.base[self.pos[d]]) + (j * self.p + s) * self.k + kind
 
-    def __len__(self) -> int:
-        return self.n
-
-
-@lru_cache(maxsize=4096)
-def _order_arrays(kind: str, p: int, count: int, stage: int) -> tuple[np.ndarray, np.ndarray]:
-    """(kind codes, slot numbers) of one device's order in ``build_schedule(kind, p, count)``."""
-    order = build_schedule(kind, p, count).order[stage]
-    kinds = np.fromiter((_KIND_CODE[c[0]] for c in order), dtype=np.int64, count=len(order))
-    slots = np.fromiter((c[1] for c in order), dtype=np.int64, count=len(order))
-    return kinds, slots
+@lru_cache(maxsize=256)
+def _logical_times(kind: str, p: int, m: int) -> np.ndarray:
+    """``[kind, mb, stage]`` start times of the ``(kind, p, m)`` schedule under unit costs."""
+    sched = build_schedule(kind, p, m)
+    out = np.zeros((3, max(m, 1), p), dtype=np.int64)
+    for (k, j, vs), t in sched.unit_start_times().items():
+        out[_KIND_CODE[k], j, vs] = t
+    out.setflags(write=False)
+    return out
 
 
 class _Compiled:
@@ -138,9 +133,6 @@ class _Compiled:
         for mg in layout.migrations:
             if mg.src_dp in cidx.pos:
                 tri_e[tri_off[cidx.pos[mg.src_dp]] + mg.microbatch * p + mg.stage] = mg.dst_dp
-        tri_first = (
-            cidx.base[tri_r] + (tri_j * p + tri_s) * k if len(tri_r) else np.zeros(0, np.int64)
-        )
         n = cidx.n
         ids = np.arange(n, dtype=np.int64)
         stage = np.repeat(tri_s, k)
@@ -165,38 +157,13 @@ class _Compiled:
                 np.full(int(b_mid.sum()), EDGE_GRAD, np.int8),
             ]
         )
-        # Devices: triples grouped by (executing replica, stage), each sorted by (mb, owner).
-        dev_key = tri_e * p + tri_s
-        order = np.lexsort((tri_d, tri_j, dev_key))
-        keys_sorted = dev_key[order]
-        cuts = np.flatnonzero(np.diff(keys_sorted)) + 1
-        self._dev_groups = (
-            [(int(dev_key[g[0]]), g) for g in np.split(order, cuts) if len(g)] if len(order) else []
+        pred_res, dev_last, topo = _resource_order(
+            kind, p, max(counts, default=0), stage, exe, src, mb, kd
         )
-        self._tri = (tri_d, tri_j, tri_s, tri_first)
+        level = _levels_in_order(pred_data, pred_res, topo)
+        if level is None:  # pragma: no cover - the logical clock below rules cycles out
+            raise ValueError("pipeline DAG has a cycle")
         self.fallback = False
-        pred_res, dev_last = self._resource_order(kind, p, k)
-        level = _levels(pred_data, pred_res)
-        if level is None:
-            # Per-device orders taken from the single-replica schedule can wait on each
-            # other in a cycle once migrations tie replicas together.  Then every device's
-            # order comes from one list-scheduling run over the whole component (same
-            # priorities and memory limits as the schedule), which cannot deadlock.
-            self.fallback = True
-            slots = {
-                divmod(key, p): [(int(tri_j[t]), int(tri_d[t])) for t in g]
-                for key, g in self._dev_groups
-            }
-            pred_res, dev_last = _list_schedule_order(kind, p, slots, cidx, pred_data, self.split_w)
-            level = _levels(pred_data, pred_res)
-            if level is None:
-                pred_res, dev_last = self._resource_order(
-                    "gpipe_split" if self.split_w else "gpipe", p, k
-                )
-                level = _levels(pred_data, pred_res)
-            if level is None:  # pragma: no cover - GPipe order is acyclic by construction
-                raise ValueError("pipeline DAG has a cycle even with GPipe ordering")
-        del self._dev_groups, self._tri
         # Renumber chunks in level order so each level is a contiguous slice.
         perm = np.argsort(level, kind="stable")
         inv = np.empty(n, dtype=np.int64)
@@ -235,25 +202,6 @@ class _Compiled:
             self.levels.append((a, b, p0, p1 if has1 else None))
         self.num_levels = len(self.levels)
 
-    def _resource_order(self, kind: str, p: int, k: int):
-        """pred_res and each device's last chunk for the per-device orders of ``kind``."""
-        tri_d, tri_j, tri_s, tri_first = self._tri
-        n = len(tri_first) * k
-        pred_res = np.full(n, -1, dtype=np.int64)
-        dev_last = {}
-        for key, g in self._dev_groups:
-            e, s = divmod(key, p)
-            c = len(g)
-            if kind in ("gpipe", "gpipe_split"):
-                ks = np.repeat(np.arange(3 if kind == "gpipe_split" else 2), c)
-                sl = np.tile(np.arange(c), 3 if kind == "gpipe_split" else 2)
-            else:
-                ks, sl = _order_arrays(kind, p, c, s)
-            chain = tri_first[g][sl] + ks
-            pred_res[chain[1:]] = chain[:-1]
-            dev_last[(e, s)] = int(chain[-1])
-        return pred_res, dev_last
-
     def run(self, cost: np.ndarray, in_edge: np.ndarray | None) -> np.ndarray:
         """End times for cost rows ``cost[R, n]`` (or a vector); same shape as ``cost``."""
         if use_kernel():
@@ -291,117 +239,57 @@ class _Compiled:
         return t[:, :n]
 
 
-def _list_schedule_order(kind, p, slots, idx, pred_data, split_w):
-    """Per-device orders from a unit-time list-scheduling run over a coupled component.
+def _resource_order(kind, p, m_max, stage, exe, src, mb, kd):
+    """Every device's chunk order, from one logical clock shared by the whole component.
 
-    Each device, when free, runs (1) its lowest-slot ready B, else (2) its
-    lowest-slot ready F if ``F - B < p - s`` (1F1B activation limit; GPipe has
-    none) and, with W split, ``F - W < p``, else (3) its oldest pending W.
-    When no device can move, the activation limit is lifted for one device so
-    the run always completes.
+    Each chunk ``(kind, mb j, stage s)`` gets the start time ``L`` of the same
+    chunk in the single-replica schedule of ``m_max`` micro-batches run with unit
+    costs.  A device runs its chunks in ``L`` order; a micro-batch migrated in
+    runs right after the local chunk with the same ``L`` (ties broken by
+    "local first", then owner).  Without migrations this is exactly the
+    schedule (a replica with fewer micro-batches gets its restriction, which for
+    GPipe and 1F1B is the schedule of that count).  Every data and resource
+    edge of the schedule moves forward in ``L`` and ties only join chunks of the
+    same device in a fixed order, so no combination of migrations can deadlock.
     """
-    cost = {KIND_F: 1, KIND_B: 1 if split_w else 2, KIND_W: 1}
-    devices = sorted(slots)
-    f_list, b_list = {}, {}
-    for dev in devices:
-        e, s = dev
-        items = sorted(slots[dev])
-        f_list[dev] = [idx[(d, j, s, KIND_F)] for j, d in items]
-        b_list[dev] = [idx[(d, j, s, KIND_B)] for j, d in items]
-    w_of = {}
-    if split_w:
-        for dev in devices:
-            e, s = dev
-            for j, d in slots[dev]:
-                w_of[idx[(d, j, s, KIND_B)]] = idx[(d, j, s, KIND_W)]
-    n = len(idx)
-    done_at = [None] * n
-    nf = dict.fromkeys(devices, 0)
-    nb = dict.fromkeys(devices, 0)
-    nw = dict.fromkeys(devices, 0)
-    pend_w = {dev: [] for dev in devices}
-    free_at = dict.fromkeys(devices, 0)
-    order = {dev: [] for dev in devices}
-    remaining = n
-    t = 0
-    limitless: set = set()
-    pd = pred_data.tolist()
-
-    def ready(c: int) -> bool:
-        u = pd[c]
-        return u < 0 or (done_at[u] is not None and done_at[u] <= t)
-
-    while remaining:
-        moved = False
-        busy = False
-        for dev in devices:
-            if free_at[dev] > t:
-                busy = True
-                continue
-            s = dev[1]
-            pick = None
-            for c in b_list[dev]:
-                if ready(c):
-                    pick = c
-                    break
-            if pick is None and f_list[dev]:
-                lim_ok = kind == "gpipe" or dev in limitless or nf[dev] - nb[dev] < p - s
-                if split_w and dev not in limitless:
-                    lim_ok = lim_ok and nf[dev] - nw[dev] < p
-                if lim_ok:
-                    for c in f_list[dev]:
-                        if ready(c):
-                            pick = c
-                            break
-            if pick is None and pend_w[dev]:
-                pick = pend_w[dev][0]
-            if pick is None:
-                continue
-            k = _chunk_kind_of(pick, f_list[dev], b_list[dev])
-            if k == KIND_F:
-                f_list[dev].remove(pick)
-                nf[dev] += 1
-            elif k == KIND_B:
-                b_list[dev].remove(pick)
-                nb[dev] += 1
-                if split_w:
-                    pend_w[dev].append(w_of[pick])
-            else:
-                pend_w[dev].pop(0)
-                nw[dev] += 1
-                k = KIND_W
-            done_at[pick] = t + cost[k]
-            free_at[dev] = t + cost[k]
-            order[dev].append(pick)
-            remaining -= 1
-            moved = True
-        if not moved and not busy:
-            # Nothing runs and nothing will finish: lift the limit on a device with a ready F.
-            for dev in devices:
-                if dev not in limitless and any(ready(c) for c in f_list[dev]):
-                    limitless.add(dev)
-                    break
-            else:  # pragma: no cover - data dependencies alone are acyclic
-                raise ValueError("list scheduling made no progress")
-            continue
-        t += 1
+    n = len(stage)
     pred_res = np.full(n, -1, dtype=np.int64)
-    dev_last = {}
-    for dev in devices:
-        prev = -1
-        for c in order[dev]:
-            pred_res[c] = prev
-            prev = c
-        dev_last[dev] = prev
-    return pred_res, dev_last
+    if n == 0:
+        return pred_res, {}, np.zeros(0, dtype=np.int64)
+    lt = _logical_times(kind, p, m_max)
+    lkey = lt[kd, mb, stage]
+    dev = exe * p + stage
+    moved = (src != exe).astype(np.int64)
+    order = np.lexsort((src, moved, lkey, dev))
+    same = dev[order[1:]] == dev[order[:-1]]
+    pred_res[order[1:][same]] = order[:-1][same]
+    last = np.flatnonzero(np.r_[~same, True])
+    dev_last = {divmod(int(dev[order[i]]), p): int(order[i]) for i in last}
+    # The same keys without the device: every edge moves forward, a topological order.
+    topo = np.lexsort((src, moved, lkey))
+    return pred_res, dev_last, topo
 
 
-def _chunk_kind_of(c: int, f_list: list[int], b_list: list[int]) -> int:
-    if c in f_list:
-        return KIND_F
-    if c in b_list:
-        return KIND_B
-    return KIND_W
+def _levels_in_order(
+    pred_data: np.ndarray, pred_res: np.ndarray, topo: np.ndarray
+) -> np.ndarray | None:
+    """Topological depth of every vertex given a topological order (one kernel pass if compiled)."""
+    n = len(pred_data)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    pos[topo] = np.arange(n)
+    p0 = np.where(pred_data >= 0, pos[np.maximum(pred_data, 0)], n)[topo]
+    p1 = np.where(pred_res >= 0, pos[np.maximum(pred_res, 0)], n)[topo]
+    here = np.arange(n)
+    if ((p0 < n) & (p0 >= here)).any() or ((p1 < n) & (p1 >= here)).any():
+        return _levels(pred_data, pred_res)  # not topological: let Kahn find the cycle
+    end = _kernel.longest_path(p0, p1, np.ones(n), None)
+    if end is None:
+        return _levels(pred_data, pred_res)
+    level = np.empty(n, dtype=np.int64)
+    level[topo] = np.rint(end).astype(np.int64) - 1
+    return level
 
 
 def _levels(pred_data: np.ndarray, pred_res: np.ndarray) -> np.ndarray | None:

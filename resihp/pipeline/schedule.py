@@ -111,6 +111,17 @@ class Schedule:
         if stuck is not None:
             raise ValueError(f"{self.kind}: deadlock, {stuck}")
 
+    def unit_start_times(self) -> dict[tuple[str, int, int], int]:
+        """Start time of every chunk ``(kind, mb, vstage)`` with F=B=W=1 (fused B=2), free P2P.
+
+        Every data and resource edge goes strictly forward in these times, so they
+        are a logical clock that orders chunks consistently across devices.
+        """
+        done = _simulate_unit(self, want_done=True)
+        assert isinstance(done, dict)
+        cost = {"F": 1, "B": 1 if self.split_w else 2, "W": 1}
+        return {c: t - cost[c[0]] for c, t in done.items()}
+
     def makespan_units(self, f: int = 1, b: int = 1, w: int = 1) -> int:
         """Iteration length with integer chunk costs and free P2P (for tests and docs)."""
         t = _simulate_unit(self, f, b, w, want_time=True)
@@ -128,7 +139,14 @@ def _deps(sched: Schedule, k: str, j: int, vs: int) -> list[tuple[str, int, int]
     return [("B", j, vs)]
 
 
-def _simulate_unit(sched: Schedule, f: int = 1, b: int = 1, w: int = 1, want_time: bool = False):
+def _simulate_unit(
+    sched: Schedule,
+    f: int = 1,
+    b: int = 1,
+    w: int = 1,
+    want_time: bool = False,
+    want_done: bool = False,
+):
     """Run the schedule with integer costs; return None (or the makespan) or a deadlock message."""
     cost = {"F": f, "B": b if sched.split_w else b + w, "W": w}
     queues = [deque(sched.chunks_of(s)) for s in range(sched.num_stages)]
@@ -150,6 +168,8 @@ def _simulate_unit(sched: Schedule, f: int = 1, b: int = 1, w: int = 1, want_tim
     if any(queues):
         heads = [f"stage {s} waits at {q[0][0]}{q[0][1]}" for s, q in enumerate(queues) if q]
         return "; ".join(heads[:4])
+    if want_done:
+        return done
     if want_time:
         return max(done.values()) if done else 0
     return None
