@@ -323,3 +323,22 @@ def test_random_layouts_with_migrations_and_empty_replicas():
         if dag.num_chunks:
             both = dag.evaluate_batch(np.stack([cost, 2 * cost]), edge)
             assert both[0] == pytest.approx(res.iteration_time_s)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_replicas_with_fewer_microbatches_run_their_own_schedule(kind):
+    lay = Layout.uniform(1, 4, 3, 4, 8, schedule=kind)
+    lay.microbatches = [8, 5, 3]
+    lay.migrations = [Migration(2, 0, 7, 2)]  # couples replicas 0 and 2 into one component
+    lay.validate()
+    dag = PipelineDAG.from_layout(lay)
+    for d, m in enumerate(lay.microbatches):
+        sched = build_schedule(kind, 4, m)
+        for s in range(4):
+            run = [
+                ("FB"[dag.chunk_kind[c]], int(dag.chunk_mb[c]))
+                for c in dag.device_chunks(d, s)
+                if dag.chunk_src_dp[c] == d
+            ]
+            expect = [c for c in sched.order[s] if not (d == 0 and s == 2 and c[1] == 7)]
+            assert run == expect, (d, s)
