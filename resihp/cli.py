@@ -63,6 +63,23 @@ def _build_parser() -> argparse.ArgumentParser:
         help="extra argument passed to the trainer (repeatable), e.g. --trainer-arg=--speed=5",
     )
     up.add_argument("--scenario", help="failure scenario file for the trainer (docs/scenario.md)")
+    up.add_argument(
+        "--demo",
+        action="store_true",
+        help="inject the bundled demo failures (examples/demo.yaml: a fail-slow, then a fail-stop)",
+    )
+    up.add_argument(
+        "--model",
+        default=None,
+        help="model preset for the simulator and the scheduler's cost model "
+        "(e.g. llama2-7b: 16 GPUs, llama2-70b: 256 GPUs; default: the simulator's)",
+    )
+    up.add_argument(
+        "--grace-period-s",
+        type=float,
+        default=None,
+        help="auto mode: seconds a proposed plan waits for an operator before it is applied",
+    )
     up.add_argument("--dashboard-host", default="127.0.0.1")
     up.add_argument("--dashboard-port", type=int, default=8050)
     up.add_argument("--duration", type=float, default=None, help="stop by itself after SECONDS")

@@ -26,6 +26,7 @@ from resihp.redis_client import EmbeddedRedis
 from resihp.status import STACK_FILE, collect_status, summary_line
 
 SERVICES = ("collector", "detector", "scheduler", "dashboard")
+DEMO_SCENARIO = Path(__file__).resolve().parent / "data" / "demo.yaml"
 
 
 def service_exists(name: str) -> bool:
@@ -91,6 +92,10 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
         argv = [name, *common]
         if name == "scheduler":
             argv += ["--mode", args.mode]
+            if args.grace_period_s is not None:
+                argv += ["--grace-period-s", str(args.grace_period_s)]
+            if args.model:
+                argv += ["--model", args.model]
         if name == "dashboard":
             argv += ["--host", args.dashboard_host, "--port", str(args.dashboard_port)]
         cmds.append((name, argv))
@@ -98,6 +103,8 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
         argv = ["trainer", args.trainer, *common]
         if args.scenario:
             argv += ["--scenario", args.scenario]
+        if args.model and args.trainer == "sim":
+            argv += ["--model", args.model]
         argv += list(args.trainer_arg)
         cmds.append(("trainer", argv))
     return cmds
@@ -105,6 +112,8 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
 
 def run_stack(args) -> int:
     validate_job_id(args.job_id)
+    if args.demo and not args.scenario:
+        args.scenario = str(DEMO_SCENARIO)
     state_dir = Path(args.state_dir)
     log_dir = state_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,111 @@
+"""The whole loop, as a user runs it: `resihp up` with the simulator injecting a fail-slow and
+then a fail-stop; the detector reports both, the scheduler plans, the trainer applies the
+plans, and throughput comes back.  Every part is a real process on a real redis-server."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resihp.keys import JobKeys
+from resihp.plans import latest_plans, read_layout
+from resihp.redis_client import connect, free_port
+from resihp.schemas import FailureReport, IterationRecord, decode_entry
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+SCENARIO = """
+events:
+  - {at_iteration: 30, action: slow_device, rank: 4, severity: medium}
+  - {at_iteration: 70, action: kill_device, rank: 9}
+"""
+
+
+def _messages(client, stream, cls):
+    out = []
+    for _, fields in client.xrange(stream):
+        good, _ = decode_entry(fields)
+        out += [m for m in good if isinstance(m, cls)]
+    return out
+
+
+def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_path):
+    scen = tmp_path / "scenario.yaml"
+    scen.write_text(SCENARIO)
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "up",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--dashboard-port",
+            str(free_port()),
+            "--scenario",
+            str(scen),
+            "--grace-period-s",
+            "1",
+            "--trainer-arg=--speed=10",
+            "--duration",
+            "150",
+            "--no-summary",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    keys = JobKeys("default")
+    try:
+        stack_file = tmp_path / "st" / "stack.json"
+        deadline = time.time() + 60
+        while not stack_file.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        client = connect(json.loads(stack_file.read_text())["redis_url"])
+        deadline = time.time() + 140
+        done = False
+        while time.time() < deadline and not done:
+            time.sleep(1)
+            layout = read_layout(client, keys)
+            done = layout is not None and 9 in layout.dead and layout.layout_id >= 2
+            if done:  # let a few iterations run on the final layout
+                target = client.xlen(keys.iterations) + 5
+                while client.xlen(keys.iterations) < target and time.time() < deadline:
+                    time.sleep(0.5)
+        reports = _messages(client, keys.failures, FailureReport)
+        plans = latest_plans(client, keys)
+        records = _messages(client, keys.iterations, IterationRecord)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert done, (
+        f"final layout never excluded rank 9; reports={[(r.kind, r.ranks) for r in reports]}\n{out}"
+    )
+    kinds = [(r.kind, r.ranks) for r in reports]
+    slow = [r for r in reports if r.kind == "fail_slow_compute"]
+    stop = [r for r in reports if r.kind == "fail_stop"]
+    assert slow and slow[0].ranks == [4], kinds
+    assert 30 <= slow[0].iteration <= 33, "fail-slow detected within 3 iterations"
+    assert slow[0].severity["4"] < 0.8 and "predicted_healthy_s" in json.dumps(slow[0].evidence)
+    assert stop and 9 in stop[0].ranks, kinds
+    # no false alarm before the injected slowdown
+    assert all(r.iteration >= 30 for r in reports), kinds
+    assert sum(p.state in ("applied", "superseded") for p in plans.values()) >= 2
+    # throughput: degraded while slow and unplanned, back up after the plans
+    by_it = {r.iteration: r.samples_per_s for r in records if r.complete}
+    healthy = sorted(v for k, v in by_it.items() if 5 <= k < 30)
+    slowed = [v for k, v in by_it.items() if 31 <= k <= 32]
+    final = [r.samples_per_s for r in records[-3:]]
+    assert healthy and slowed and final
+    median_healthy = healthy[len(healthy) // 2]
+    assert max(slowed) < 0.8 * median_healthy
+    assert min(final) > max(slowed)
+    assert proc.returncode == 0
