@@ -136,14 +136,25 @@ class Predictor:
             self._dags.move_to_end(key)
         return dag
 
-    def iteration_s(self, layout: Layout, p: dict[int, float]) -> float:
-        """Predicted iteration time; inf when a TP group holds a dead device."""
+    def iteration_s(
+        self, layout: Layout, p: dict[int, float], allreduce_replicas: int | None = None
+    ) -> float:
+        """Predicted iteration time; inf when a TP group holds a dead device.
+
+        ``allreduce_replicas``: charge the DP all-reduce as if each stage had this many
+        replicas (a single pipeline that is one of several, e.g. Oobleck's).
+        """
         if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
             return float("inf")
         dag = self.dag(layout)
         cost = self.cost.chunk_costs(dag, layout, self.seq_len, self._sq, p)
         edges = self.cost.edge_costs(dag, layout)
-        ar = self.cost.allreduce_costs(layout)
+        if allreduce_replicas and allreduce_replicas > layout.dp:
+            wide = copy.copy(layout)
+            wide.groups = [layout.groups[0]] * allreduce_replicas
+            ar = self.cost.allreduce_costs(wide)
+        else:
+            ar = self.cost.allreduce_costs(layout)
         return dag.evaluate(cost, edges, ar).iteration_time_s * self.time_scale
 
     def layer_evaluator(self, layout: Layout, p: dict[int, float]):

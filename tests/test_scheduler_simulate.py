@@ -141,3 +141,11 @@ def test_simulate_cli(tmp_path):
     far.write_text("events:\n  - {at_s: 600, action: kill_device, rank: 99}\n")
     p = subprocess.run(cmd[:5] + [str(far)] + cmd[6:], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "far.yaml:2" in p.stderr and "outside" in p.stderr
+
+
+def test_oobleck_split_pipelines_match_the_engine_when_healthy(setup):
+    lay, pred = setup
+    pol = get_policy("oobleck")
+    assert pol.iteration_s(pol.initial_state(lay), {}, pred) == pytest.approx(
+        pred.iteration_s(lay, {}), rel=1e-9
+    )

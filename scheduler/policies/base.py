@@ -267,27 +267,14 @@ class Oobleck(Policy):
             lay.microbatches = [mm]
 
     def iteration_s(self, state, p, pred):
-        ts = [
-            pred.iteration_s(lay, p) if layout_runnable(lay, p) else float("inf") for lay in state
-        ]
-        # DP gradient all-reduce across the pipelines (each pipeline alone has none)
+        # every pipeline also joins the DP gradient all-reduce across all pipelines
         D = len(state)
-        ar = 0.0
-        if D > 1:
-            ar = max(
-                2.0
-                * (D - 1)
-                / D
-                * lay.layers[s]
-                * pred.layer_params
-                * 2.0
-                / max(len(lay.groups[0][s]), 1)
-                / 22e9
-                * pred.time_scale
-                for lay in state
-                for s in range(lay.pp)
-            )
-        return max(ts) + ar
+        return max(
+            pred.iteration_s(lay, p, allreduce_replicas=D)
+            if layout_runnable(lay, p)
+            else float("inf")
+            for lay in state
+        )
 
 
 class NoAdaptation(Policy):
