@@ -124,6 +124,7 @@ def test_records_published_and_entries_acked_only_after(r):
     p.close()
 
 
+@pytest.mark.slow
 def test_liveness_rank_node_rejoin_with_skewed_clocks(r):
     iv = 0.25
     lay = _layout()  # 8 ranks, 4 per node: nodes 0 and 1
@@ -225,6 +226,7 @@ def _cli(*args, timeout=60, **kw):
     )
 
 
+@pytest.mark.slow
 def test_cli_runs_service_and_health_check(r, redis_server):
     url = redis_server.url
     lay = _layout()
@@ -257,6 +259,7 @@ def test_cli_runs_service_and_health_check(r, redis_server):
     assert bad.returncode == 2 and "heartbeat_k" in bad.stderr
 
 
+@pytest.mark.slow
 def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     lay = _layout()
     _set_layout(r, lay)

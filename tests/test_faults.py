@@ -118,6 +118,7 @@ def test_bad_telemetry_is_dead_lettered_and_the_service_keeps_going(r):
     assert [x.iteration for x in _records(r)] == [0, 1]
 
 
+@pytest.mark.slow
 def test_redis_restart_mid_run_loses_nothing_and_kills_nobody():
     iv = 0.3
     lay = _layout()
