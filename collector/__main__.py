@@ -72,7 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.duration is not None and args.duration <= 0:
             print("collector record: --duration must be > 0", file=sys.stderr)
             return 2
-        return record.main(client, keys, args.out, args.duration, args.from_ == "start")
+        import redis
+
+        try:
+            return record.main(client, keys, args.out, args.duration, args.from_ == "start")
+        except redis.RedisError as e:
+            print(f"collector record: Redis error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"collector record: cannot write {args.out}: {e}", file=sys.stderr)
+            return 2
 
     from collector.service import CollectorService
     from resihp.bus import register_job
