@@ -102,15 +102,23 @@ class _JobCache:
     audit: _StreamTail = field(default_factory=_StreamTail)
     liveness: _StreamTail = field(default_factory=_StreamTail)
     iteration_ids: dict[int, str] = field(default_factory=dict)
+    records: dict[tuple[str, int | None], dict | None] = field(default_factory=dict)
     hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
 
 
 class DashboardData:
     """Reads one Redis on behalf of every page; thread-safe (Flask serves threads)."""
 
-    def __init__(self, client: redis.Redis, history: int = 2000, hash_ttl_s: float = 0.5):
+    def __init__(
+        self,
+        client: redis.Redis,
+        history: int = 2000,
+        hash_ttl_s: float = 0.5,
+        read_budget_bytes: int = 32_000_000,
+    ):
         self.client = client
         self.history = history
+        self.read_budget_bytes = read_budget_bytes
         self.hash_ttl_s = hash_ttl_s
         self._caches: dict[str, _JobCache] = {}
         self._lock = threading.Lock()
@@ -124,26 +132,46 @@ class DashboardData:
             return c
 
     def _tail(self, stream: str, tail: _StreamTail, maxlen: int, parse) -> list:
-        """Append newly arrived entries of ``stream`` to ``tail`` (parsed by ``parse``)."""
+        """Append newly arrived entries of ``stream`` to ``tail`` (parsed by ``parse``).
+
+        Reads are bounded in bytes as well as entries: an IterationRecord of a big job
+        carries every chunk timing and can weigh megabytes, so the batch size follows the
+        newest entry's size (``read_budget_bytes`` per round trip).
+        """
         newest = self.client.xrevrange(stream, count=1)
         if not newest:
             if tail.last_id != "0-0":  # stream deleted (e.g. Redis flushed): start over
                 tail.items.clear()
                 tail.last_id = "0-0"
             return list(tail.items)
-        if _id_tuple(newest[0][0]) < _id_tuple(tail.last_id):
+        newest_id, newest_fields = newest[0]
+        if _s(newest_id) == tail.last_id:
+            return list(tail.items)  # nothing new: one small round trip per refresh
+        if _id_tuple(newest_id) < _id_tuple(tail.last_id):
             tail.items.clear()
             tail.last_id = "0-0"
-        if tail.last_id == "0-0" and maxlen:
-            # First read: only the most recent ``maxlen`` entries matter.
-            entries = self.client.xrevrange(stream, count=maxlen)[::-1]
+        size = max(1, sum(len(k) + len(v) for k, v in newest_fields.items()))
+        per_read = max(1, min(_BATCH, self.read_budget_bytes // size))
+        if tail.last_id == "0-0":
+            # First read: only the most recent entries matter (at most ``maxlen``, and
+            # no more than one read budget of them).
+            entries = self.client.xrevrange(stream, count=min(maxlen, per_read))[::-1]
             self._absorb(entries, tail, maxlen, parse)
+        read = 0
         while True:
-            entries = self.client.xrange(stream, min=f"({tail.last_id}", count=_BATCH)
+            entries = self.client.xrange(stream, min=f"({tail.last_id}", count=per_read)
             if not entries:
                 break
             self._absorb(entries, tail, maxlen, parse)
-            if len(entries) < _BATCH:
+            read += len(entries)
+            if len(entries) < per_read:
+                break
+            if read >= maxlen:
+                # Far behind (the dashboard was paused): skip to the newest entries.
+                tail.items.clear()
+                tail.last_id = "0-0"
+                entries = self.client.xrevrange(stream, count=min(maxlen, per_read))[::-1]
+                self._absorb(entries, tail, maxlen, parse)
                 break
         return list(tail.items)
 
@@ -237,9 +265,15 @@ class DashboardData:
             eid = self._cache(job_id).iteration_ids.get(int(iteration))
             if eid is None:
                 return None
+        c = self._cache(job_id)
+        key = (eid, iteration)
+        with c.lock:
+            if key in c.records:
+                return c.records[key]
         entries = self.client.xrange(keys.iterations, min=eid, max=eid)
         if not entries:
             return None
+        found = None
         for item in _entry_items(entries[0][1]):
             if item.get("type") != IterationRecord.TYPE:
                 continue
@@ -249,8 +283,14 @@ class DashboardData:
                 decode_message(item)
             except SchemaError:
                 continue
-            return item
-        return None
+            found = item
+            break
+        with c.lock:
+            # Records of big jobs are large and every page asks for the latest each second.
+            c.records[key] = found
+            while len(c.records) > 4:
+                c.records.pop(next(iter(c.records)))
+        return found
 
     # ------------------------------------------------------------ failures / plans / actions
     def failures(self, job_id: str) -> list[FailureReport]:
