@@ -219,3 +219,16 @@ def test_overview_shows_liveness_events(app, r):
     )
     text = json.dumps(_overview(app)["ov-cards"])
     assert "node 1 dead" in text and "card bad" in text
+
+
+def test_redis_outage_shows_a_banner_not_an_error():
+    from resihp.redis_client import connect, free_port
+
+    dead = connect(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    app = create_app(DashboardConfig(job_id="job-a"), client=dead)
+    c = app.server.test_client()
+    assert c.get("/").status_code == 200
+    out = _overview(app)
+    assert "Redis unavailable" in json.dumps(out["ov-status"])
+    metrics = c.get("/metrics").get_data(as_text=True)
+    assert "resihp_dashboard_redis_up 0" in metrics
