@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--backend", default="auto", help="auto | gloo | nccl (gloo lets ranks share a GPU)"
+    )
     ap.add_argument("--overhead", action="store_true", help="also measure telemetry overhead")
+    ap.add_argument("--only-overhead", action="store_true", help="measure telemetry overhead only")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="resihp-predictor-"))
@@ -95,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         telemetry=False,
         dump_telemetry=True,
         device=a.device,
+        backend=a.backend,
         pg_timeout_s=120.0,
     )
     budgets = [int(x) for x in a.budgets.split(",")]
+    if a.only_overhead:
+        overhead(base, out)
+        return 0
     print(
         f"predictor bench: PP{a.pp} {a.schedule} M={a.microbatches} budgets={budgets} "
         f"hidden={a.hidden} layers={a.layers} on {a.device}; output {out}"
@@ -227,9 +235,13 @@ def overhead(base: dict, out: Path) -> float:
     srv = EmbeddedRedis().start()
     try:
         cfg = TrainConfig(
-            **{**base, "dump_telemetry": False, "telemetry": True},
+            **{
+                **base,
+                "dump_telemetry": False,
+                "telemetry": True,
+                "iterations": max(base["iterations"], 40),
+            },
             token_budget=512,
-            iterations=max(base["iterations"], 40),
             telemetry_ab=True,
             redis_url=srv.url,
             job_id="overhead",

@@ -38,7 +38,8 @@ class TrainConfig:
     data_dir: str = ""  # empty: the Python standard library sources
     data_pattern: str = "*.py"
     dtype: str = "float32"
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    device: str = "cpu"  # cpu | cuda
+    backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | gloo | nccl
     devices_per_node: int = 8
     pg_timeout_s: float = 30.0
     store_timeout_s: float = 120.0
@@ -78,6 +79,10 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"dtype must be float32|float64|bfloat16, got {self.dtype!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("backend nccl needs device cuda")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         for n in [self.token_budget, *self.budgets]:

@@ -52,6 +52,7 @@ class StageEngine:
         device: torch.device,
         slow_factor: float = 1.0,
         slow_comm_s: float = 0.0,
+        comm_device: torch.device | None = None,
     ):
         self.g = groups
         self.module = module
@@ -61,7 +62,8 @@ class StageEngine:
         self.schedule = schedule
         self.device = device
         self.slow_factor = slow_factor
-        self.xfer = Transfer(groups, slow_comm_s, device)
+        self.comm_device = comm_device or device
+        self.xfer = Transfer(groups, slow_comm_s, self.comm_device)
         lay = groups.layout
         self.pp = lay.pp
         self.num_mb = lay.microbatches[groups.dp]
@@ -156,8 +158,9 @@ class StageEngine:
         if self.g.dp_size < 2:
             return
         tok = self.tel.begin()
-        flat = _flatten_dense_tensors([p.grad for p in params])
+        flat = _flatten_dense_tensors([p.grad for p in params]).to(self.comm_device)
         wait_work(dist.all_reduce(flat, group=self.g.dp_group, async_op=True))
+        flat = flat.to(self.device)
         for p, synced in zip(
             params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True
         ):

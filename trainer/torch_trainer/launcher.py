@@ -223,6 +223,7 @@ class JobLauncher:
             self.procs[r] = p
         last_poll = 0.0
         failed_seen = 0
+        return_code = 0
         try:
             while True:
                 newly_dead = {
@@ -231,7 +232,19 @@ class JobLauncher:
                     if r not in self.dead and p.exitcode is not None and p.exitcode != 0
                 }
                 if newly_dead:
-                    self._on_death(newly_dead)
+                    try:
+                        self._on_death(newly_dead)
+                    except (UnsupportedLayout, ValueError) as e:
+                        print(
+                            f"[launcher] cannot continue after losing {sorted(self.dead)}: {e}",
+                            flush=True,
+                        )
+                        self._event("unrecoverable", reason=str(e))
+                        for p in self.procs.values():
+                            if p.is_alive():
+                                p.kill()
+                        return_code = 1
+                        break
                     continue
                 if all(p.exitcode is not None for r, p in self.procs.items() if r not in self.dead):
                     break
@@ -263,6 +276,8 @@ class JobLauncher:
                 if p.is_alive():
                     p.kill()
             self._write_timeline()
+        if return_code:
+            return return_code
         bad = [r for r, p in self.procs.items() if r not in self.dead and p.exitcode != 0]
         if bad:
             print(f"[launcher] workers {bad} exited abnormally", flush=True)

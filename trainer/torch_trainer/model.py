@@ -66,10 +66,11 @@ class ModelConfig:
 class TPComm:
     """The TP group of one stage; times its collectives (for compute_s)."""
 
-    def __init__(self, group=None, size: int = 1, rank: int = 0):
+    def __init__(self, group=None, size: int = 1, rank: int = 0, stage_cpu: bool = False):
         self.group = group
         self.size = size
         self.rank = rank
+        self.stage_cpu = stage_cpu  # gloo with GPU tensors: reduce a host copy
         self.comm_time_s = 0.0  # accumulated wall time inside TP collectives
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,12 @@ class TPComm:
         from .parallel import wait_work
 
         t0 = time.perf_counter()
-        wait_work(dist.all_reduce(t, group=self.group, async_op=True))
+        if self.stage_cpu and t.is_cuda:
+            host = t.cpu()
+            wait_work(dist.all_reduce(host, group=self.group, async_op=True))
+            t.copy_(host)
+        else:
+            wait_work(dist.all_reduce(t, group=self.group, async_op=True))
         self.comm_time_s += time.perf_counter() - t0
         return t
 

@@ -164,7 +164,9 @@ class Groups:
         return self.layout.groups[dp][stage]
 
 
-def build_groups(layout: Layout, members: list[int], me: int, timeout_s: float) -> Groups:
+def build_groups(
+    layout: Layout, members: list[int], me: int, timeout_s: float, stage_cpu: bool = False
+) -> Groups:
     """Create every TP and DP group of ``layout`` (collective over all members)."""
     check_runnable(layout)
     g = Groups(layout=layout, members=list(members), me=me, timeout_s=timeout_s)
@@ -181,7 +183,7 @@ def build_groups(layout: Layout, members: list[int], me: int, timeout_s: float) 
             pg = dist.new_group([g.pg_rank(r) for r in grp], timeout=to)
             g.all_groups.append(pg)
             if me in grp and g.active:
-                g.tp = TPComm(pg, len(grp), grp.index(me))
+                g.tp = TPComm(pg, len(grp), grp.index(me), stage_cpu)
     # DP groups: same stage and TP index across replicas that run micro-batches.
     for s in range(layout.pp):
         reps = [d for d in range(layout.dp) if layout.microbatches[d] > 0 and layout.groups[d][s]]
@@ -227,9 +229,10 @@ class Transfer:
         for j in range(n):
             if j % ts == self.g.tp_index:
                 dst = self.g.pg_rank(dst_ranks[j % tr])
-                self.pending.append(
-                    dist.isend(chunks[j].contiguous(), dst, tag=p2p_tag(microbatch, backward, j))
-                )
+                part = chunks[j].contiguous()
+                if part.device != self.device:
+                    part = part.to(self.device)  # gloo with GPU tensors: send a host copy
+                self.pending.append(dist.isend(part, dst, tag=p2p_tag(microbatch, backward, j)))
 
     def recv(
         self, shape, dtype, src_ranks: list[int], microbatch: int, backward: bool

@@ -93,7 +93,10 @@ class Worker:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         )
-        self.backend = "nccl" if self.cuda else "gloo"
+        self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if self.cuda else "gloo")
+        # gloo moves host tensors: with GPU compute, communication stages through the host
+        # (lets several ranks share one GPU, which NCCL refuses).
+        self.comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.corpus = make_corpus(cfg)
         self.producer = None
         if cfg.redis_url and cfg.telemetry:
@@ -196,7 +199,9 @@ class Worker:
             timeout=timeout,
         )
         try:
-            groups = build_groups(layout, members, self.rank, cfg.pg_timeout_s)
+            groups = build_groups(
+                layout, members, self.rank, cfg.pg_timeout_s, stage_cpu=self.backend == "gloo"
+            )
             _timeline(self.store, gen, "groups_rebuilt", self.rank)
             self._move_state(gen, members, layout, groups)
             _timeline(self.store, gen, "state_moved", self.rank)
@@ -222,7 +227,7 @@ class Worker:
     def _move_state(self, gen: int, members: list[int], layout: Layout, groups) -> None:
         cfg = self.cfg
         coords = active_coords(layout)
-        t = torch.tensor([float(self.steps_done)], device=self.device)
+        t = torch.tensor([float(self.steps_done)], device=self.comm_device)
         wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
         step = int(t.item())
         if gen == 0:
@@ -244,7 +249,7 @@ class Worker:
                 cfg.ckpt,
                 step,
                 self.dtype,
-                self.device,
+                self.comm_device,
             )
             self.store.set(f"moved/{gen}/{self.rank}", json.dumps(info))
             self.state = new_state
@@ -319,6 +324,7 @@ class Worker:
                 self.device,
                 slow,
                 slow_comm,
+                self.comm_device,
             )
         pg0 = members.index(self.rank) == 0
         first_done = False
@@ -347,7 +353,9 @@ class Worker:
                 contrib, it_time = 0.0, 0.0
             switch = 1.0 if pg0 and self.store.check([f"gen/{gen + 1}"]) else 0.0
             # Commit point: once this succeeds every member has finished the iteration.
-            t = torch.tensor([contrib, switch, it_time], dtype=torch.float64, device=self.device)
+            t = torch.tensor(
+                [contrib, switch, it_time], dtype=torch.float64, device=self.comm_device
+            )
             t2 = t[2:].clone()
             w1 = dist.all_reduce(t[:2], async_op=True)
             w2 = dist.all_reduce(t2, op=dist.ReduceOp.MAX, async_op=True)

@@ -1,0 +1,170 @@
+"""Single-process parts of the torch trainer: real-document packing, per-document
+attention isolation, pipeline action lists, local recovery plans and the
+state-move planner (which shards go where on a layout change)."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from resihp.topology import Layout
+from trainer.data.corpus import IGNORE_INDEX, PackedCorpus
+from trainer.torch_trainer.launcher import local_plan
+from trainer.torch_trainer.model import ModelConfig, StageModule
+from trainer.torch_trainer.parallel import UnsupportedLayout
+from trainer.torch_trainer.schedule import actions
+from trainer.torch_trainer.state import plan_pieces, stage_param_names
+
+EMAIL = Path(sysconfig.get_paths()["stdlib"]) / "email"
+
+
+# ------------------------------------------------------------------ corpus
+
+
+def test_packing_fills_budget_with_real_document_segments():
+    c = PackedCorpus(EMAIL, token_budget=300, seed=3)
+    text = b"".join(p.read_bytes() for p in c.files)
+    for g in range(20):
+        mb = c.microbatch(g)
+        assert mb.tokens.shape == (300,) and sum(mb.doc_lens) == 300
+        assert mb.sum_sq_len == sum(n * n for n in mb.doc_lens) and mb.max_len == max(mb.doc_lens)
+        pos = 0
+        for n in mb.doc_lens:
+            seg = mb.tokens[pos : pos + n]
+            assert bytes(seg.astype(np.uint8)) in text  # a real piece of a real file
+            assert (mb.targets[pos : pos + n - 1] == seg[1:]).all()
+            assert mb.targets[pos + n - 1] == IGNORE_INDEX  # no target across documents
+            pos += n
+    # Several documents share a micro-batch somewhere: sum l^2 really varies.
+    sq = [c.microbatch(g).sum_sq_len for g in range(20)]
+    assert min(sq) < 300**2 == max(sq)
+
+
+def test_packing_is_deterministic_and_indexable_out_of_order():
+    a = PackedCorpus(EMAIL, token_budget=128, seed=1)
+    b = PackedCorpus(EMAIL, token_budget=128, seed=1)
+    late = b.microbatch(7)
+    assert (a.microbatch(7).tokens == late.tokens).all()
+    assert a.microbatch(7).doc_lens == late.doc_lens
+    other = PackedCorpus(EMAIL, token_budget=128, seed=2)
+    assert not (other.microbatch(0).tokens == a.microbatch(0).tokens).all()
+
+
+def test_variable_budgets_and_repeat():
+    c = PackedCorpus(EMAIL, token_budgets=(64, 128), seed=0)
+    sizes = {c.microbatch(g).token_budget for g in range(30)}
+    assert sizes == {64, 128}
+    r = PackedCorpus(EMAIL, token_budget=64, repeat_index=0)
+    assert r.microbatch(5) is r.microbatch(0)
+
+
+def test_bad_data_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        PackedCorpus(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no files matching"):
+        PackedCorpus(tmp_path)
+
+
+def test_attention_is_per_document():
+    """A document's outputs do not depend on the documents packed before it,
+    and its RoPE positions restart at its first token."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden=32, num_layers=2, num_heads=4, ffn_hidden=64)
+    m = StageModule(cfg, [0, 1], first=True, last=True, dtype=torch.float64)
+    doc = torch.randint(0, 256, (40,))
+    a, b = torch.randint(0, 256, (25,)), torch.randint(0, 256, (60,))
+    out_a = m(torch.cat([a, doc]), (25, 40))[25:]
+    out_b = m(torch.cat([b, doc]), (60, 40))[60:]
+    alone = m(doc, (40,))
+    torch.testing.assert_close(out_a, alone)
+    torch.testing.assert_close(out_b, alone)
+    # one 65-token causal document is a different computation
+    joined = m(torch.cat([a, doc]), (65,))[25:]
+    assert not torch.allclose(joined, alone)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 4), (4, 4), (4, 2), (3, 7)])
+def test_action_lists_are_complete_and_ordered(kind, pp, m):
+    for s in range(pp):
+        acts = actions(kind, s, pp, m)
+        kinds = ("F", "B", "W") if kind == "zbh1" else ("F", "B")
+        assert sorted(acts) == sorted((k, j) for k in kinds for j in range(m))
+        pos = {a: i for i, a in enumerate(acts)}
+        for j in range(m):
+            assert pos[("F", j)] < pos[("B", j)]
+            if kind == "zbh1":
+                assert pos[("B", j)] < pos[("W", j)]
+        if kind != "gpipe":
+            # 1F1B memory bound: never more than pp - s micro-batches in flight
+            live = peak = 0
+            for k, _ in acts:
+                live += k == "F"
+                live -= k == "B"
+                peak = max(peak, live)
+            assert peak <= pp - s
+
+
+def test_zbh1_defers_w_on_early_stages_only():
+    last = actions("zbh1", 3, 4, 6)
+    assert last[:3] == [("F", 0), ("B", 0), ("W", 0)]
+    first = actions("zbh1", 0, 4, 6)
+    # stage 0 postpones 3 W chunks into its cool-down
+    assert first[-3:] == [("W", 3), ("W", 4), ("W", 5)]
+    assert actions("1f1b", 0, 4, 6) == [a for a in first if a[0] != "W"]
+
+
+# ------------------------------------------------------------------- plans
+
+
+def test_local_plan_drops_hit_replica_and_keeps_global_batch():
+    lay = Layout.uniform(2, 2, 2, num_layers=4, num_microbatches=3)
+    new = local_plan(lay, {5})  # rank 5 = tp1, dp0... of stage 1
+    assert new.dp == 1 and new.total_microbatches == 6 and 5 in new.dead
+    assert all(5 not in g for st in new.groups for g in st)
+    assert set(new.standby) == {r for st in lay.groups[lay.coords()[5][0]] for r in st} - {5}
+
+
+def test_local_plan_single_replica_shrinks_tp():
+    lay = Layout.uniform(2, 2, 1, num_layers=4, num_microbatches=2)
+    new = local_plan(lay, {1})
+    assert new.groups[0] == [[0], [2, 3]]
+    with pytest.raises(UnsupportedLayout):
+        local_plan(Layout.uniform(1, 2, 1, num_layers=4, num_microbatches=2), {1})
+
+
+def test_state_moves_reshard_tp_and_follow_layers():
+    cfg = ModelConfig(hidden=32, num_layers=4, num_heads=4, ffn_hidden=64)
+    old = Layout.uniform(2, 2, 2, num_layers=4, num_microbatches=2)
+    # rank 1 (dp0 stage0 tp1) dies; replica 1 survives whole. New layout: replica 0's
+    # stage 0 runs TP1 on rank 0 and layers move: [1, 3].
+    new = old.copy()
+    new.dead = [1]
+    new.groups[0][0] = [0]
+    new.layers = [1, 3]
+    new.groups = [new.groups[0]]
+    new.microbatches = [4]
+    new.standby = [2, 3, 6, 7]
+    new.validate()
+    survivors = set(range(8)) - {1}
+    pieces, counts = plan_pieces(cfg, old, new, survivors)
+    assert counts["from_disk"] == 0
+    # rank 0 needs the full attn.wq of layer 0 (TP1): both halves from replica 1 (ranks 2, 3)
+    wq = [p for p in pieces if p.dst == 0 and p.name == "layers.0.attn.wq.weight"]
+    assert sorted((p.src, p.src_lo, p.src_hi, p.dim) for p in wq) == [(2, 0, 16, 1), (3, 0, 16, 1)]
+    # layer 1 moves to stage 1 (ranks 4, 5 at TP2); its only complete old holder is
+    # replica 1's stage 0 (TP2 on ranks 2, 3): rank 5's half comes from rank 3 alone
+    l1 = [p for p in pieces if p.dst == 5 and p.name == "layers.1.mlp.w_down.weight"]
+    assert [(p.src, p.src_lo, p.src_hi, p.dim) for p in l1] == [(3, 0, 32, 2)]
+    needed = {
+        (r, n) for r, (d, s, _t) in new.coords().items() for n in stage_param_names(cfg, new, s)
+    }
+    got = {(p.dst, p.name) for p in pieces}
+    assert got <= needed and counts["kept"] + len({(p.dst, p.name) for p in pieces}) == len(needed)
