@@ -1,11 +1,13 @@
 """Offline replay: a recorded trace through collector assembly and the same Detector.
 
 A trace (docs/trace-format.md) is JSON lines, one wire message per line, as
-``python -m collector record`` writes them: heartbeats, micro-batch stats and
-packed chunk batches (``ChunkBatch.to_dict``).  Replay rebuilds what the live
-collector would have published — IterationRecords from the collector's pure
-assembler, LivenessEvents from its two-level heartbeat coordinator — on the
-trace's own clock (heartbeat ``wall_time_s`` and chunk end times), and feeds
+``python -m collector record`` writes them: layout lines, heartbeats,
+micro-batch stats and packed chunk batches (``ChunkBatch.to_dict``), each
+with its ``arrival_s``.  Replay rebuilds what the live collector would have
+published — IterationRecords from the collector's pure assembler,
+LivenessEvents from its two-level heartbeat coordinator — on the trace's own
+clock (``arrival_s``; for traces without it, heartbeat ``wall_time_s`` and
+chunk end times), and feeds
 them to :class:`detector.engine.Detector`, the code the live service runs.
 Lines that are already IterationRecords or LivenessEvents (a trace of the
 service streams) go to the detector directly; a ``{"type": "layout",
@@ -82,15 +84,19 @@ class TraceReplayer:
             expected, set(layout.dead), self.now_s if self.now_s > float("-inf") else 0.0
         )
 
-    def feed(self, msg) -> list[FailureReport]:
+    def feed(self, msg, arrival_s: float | None = None) -> list[FailureReport]:
+        """One trace message. ``arrival_s`` (the Redis append time the recorder
+        writes) is the clock liveness is judged by; without it, the sender's
+        own times stand in."""
         out: list[FailureReport] = []
+        if arrival_s is not None:
+            self._advance(arrival_s)
         if isinstance(msg, Heartbeat):
-            self._advance(msg.wall_time_s)
-            self.liveness.observe(
-                msg.rank, msg.node, msg.wall_time_s, msg.seq, msg.iteration, msg.generation
-            )
+            t = arrival_s if arrival_s is not None else msg.wall_time_s
+            self._advance(t)
+            self.liveness.observe(msg.rank, msg.node, t, msg.seq, msg.iteration, msg.generation)
         elif isinstance(msg, ChunkBatch):
-            if len(msg.rows):
+            if len(msg.rows) and arrival_s is None:
                 self._advance(float(msg.rows["end_s"].max()))
             res = self.assembler.add_rows(msg.rows, self.now_s)
             for reason, _rows in res.rejected:
@@ -127,8 +133,10 @@ class TraceReplayer:
         return out
 
 
-def read_trace(lines: Iterable[str], stats: ReplayStats) -> Iterator[tuple[int, object]]:
-    """Decoded messages with their line numbers; bad lines are counted and named."""
+def read_trace(
+    lines: Iterable[str], stats: ReplayStats
+) -> Iterator[tuple[int, object, float | None]]:
+    """(line number, decoded message, arrival_s or None); bad lines are counted and named."""
     for no, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
@@ -142,13 +150,16 @@ def read_trace(lines: Iterable[str], stats: ReplayStats) -> Iterator[tuple[int, 
             continue
         if isinstance(d, dict) and d.get("type") == "layout":
             try:
-                yield no, Layout.from_dict(d.get("layout", d))
+                yield no, Layout.from_dict(d.get("layout", d)), None
             except LayoutError as e:
                 stats.bad_lines_total += 1
                 stats.errors.append(f"line {no}: bad layout: {e}")
             continue
+        arrival = d.get("arrival_s") if isinstance(d, dict) else None
+        if not isinstance(arrival, int | float) or isinstance(arrival, bool):
+            arrival = None
         try:
-            yield no, decode_message(d)
+            yield no, decode_message(d), arrival
         except SchemaError as e:
             stats.bad_lines_total += 1
             stats.errors.append(f"line {no}: {e.reason}")
@@ -169,11 +180,11 @@ def replay(
             if out is not None:
                 out.write(r.to_json() + "\n")
 
-    for _no, msg in read_trace(lines, rp.stats):
+    for _no, msg, arrival in read_trace(lines, rp.stats):
         if isinstance(msg, Layout):
             rp.set_layout(msg)
             continue
-        emit(rp.feed(msg))
+        emit(rp.feed(msg, arrival))
     emit(rp.finish())
     return reports, rp.stats
 
