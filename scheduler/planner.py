@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -394,7 +394,3 @@ def override_options(base: PlanOptions, override: Mapping) -> PlanOptions:
     if "migration" in override:
         o.dp = bool(override["migration"])
     return o
-
-
-def ranks_of(layout: Layout) -> Iterable[int]:
-    return range(layout.world_size)

@@ -271,7 +271,6 @@ def run_timeline(
 
     now = 0.0
     cur = rate(0.0)
-    points = sorted({0.0})
 
     def advance(to: float) -> None:
         nonlocal now, cur
@@ -285,7 +284,6 @@ def run_timeline(
             res.segments.append((now, to, cur))
             now = to
 
-    del points
     while heap:
         at, _, kind, payload = heapq.heappop(heap)
         if at >= duration_s:

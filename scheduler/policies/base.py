@@ -94,9 +94,7 @@ class ResiHP(Policy):
             res = plan(lay, p, pred, opt)
         except PlanningError as e:
             raise Abort(str(e)) from e
-        if not self.options.dp:
-            # ablations without workload migration still need fail-stop evictions only
-            pass
+        # ablations without workload migration still get the planner's fail-stop evictions
         return [res.after]
 
 
@@ -185,7 +183,7 @@ class Oobleck(Policy):
         self, groups: list[list[int]], ref: Layout, pred: Predictor, m: int
     ) -> Layout | None:
         P = len(groups)
-        caps = [pred.memory.layer_cap(len(g), min(P - s, m) + 0) for s, g in enumerate(groups)]
+        caps = [pred.memory.layer_cap(len(g), min(P - s, m)) for s, g in enumerate(groups)]
         try:
             layers = optimal_partition(ref.num_layers, [1.0] * P, m, caps)
         except PartitionError:
