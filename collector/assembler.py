@@ -171,20 +171,47 @@ class IterationAssembler:
         stale_s: float = 30.0,
         max_open: int = 8,
         tp_dedup: bool = False,
+        stall_s: float = 2.0,
     ):
         self.grace_s = float(grace_s)
         self.stale_s = float(stale_s)
         self.max_open = int(max_open)
         self.tp_dedup = bool(tp_dedup)
+        self.stall_s = float(stall_s)
         self.view: LayoutView | None = None
         self.open: dict[int, _Open] = {}
         self._done: set[int] = set()
         self._done_floor = -1  # every iteration <= this is finalized
+        # iteration -> layout_id it was published incomplete under (recent ones)
+        self._incomplete_under: dict[int, int] = {}
+        self._ready: list[IterationRecord] = []
         self._rank_max_iter = np.full(0, -1, dtype=np.int64)
         self._seen_ranks = np.zeros(0, dtype=bool)
 
     # ------------------------------------------------------------ layout
-    def set_layout(self, layout: Layout | None) -> None:
+    def set_layout(self, layout: Layout | None, now_s: float | None = None) -> None:
+        """Switch to a new layout.
+
+        A layout change follows a fail-stop (the iteration that was running when a
+        rank died is re-run under the new layout) or a plan applied between
+        iterations.  Open iterations that have stalled (no row for ``stall_s``) are
+        the abandoned attempt: they are published incomplete under the old layout
+        now, and their re-run may reopen them (see :meth:`finalized`).  An
+        iteration still receiving rows keeps assembling under the new layout.
+        """
+        old_id = self.view.layout_id if self.view is not None else None
+        if (
+            now_s is not None
+            and self.view is not None
+            and layout is not None
+            and layout.layout_id != old_id
+        ):
+            for it in sorted(self.open):
+                op = self.open[it]
+                if now_s - op.last_s >= self.stall_s and not self._complete(op):
+                    rec = self._finalize(it, complete=False)
+                    if rec is not None:
+                        self._ready.append(rec)
         self.view = LayoutView(layout, self.tp_dedup) if layout is not None else None
 
     @property
@@ -192,6 +219,11 @@ class IterationAssembler:
         return self.view.world_size if self.view is not None else None
 
     def finalized(self, iteration: int) -> bool:
+        """Published already.  An iteration published incomplete under an older
+        layout is not: rows for it now are its re-run, and reopen it."""
+        lid = self._incomplete_under.get(iteration)
+        if lid is not None and self.view is not None and lid != self.view.layout_id:
+            return False
         return iteration <= self._done_floor or iteration in self._done
 
     def _grow(self, size: int) -> None:
@@ -321,7 +353,8 @@ class IterationAssembler:
 
     def poll(self, now_s: float) -> list[IterationRecord]:
         """Records of every iteration that is now complete or given up on, oldest first."""
-        out: list[IterationRecord] = []
+        out: list[IterationRecord] = self._ready
+        self._ready = []
         for it in sorted(self.open):
             op = self.open[it]
             if self._complete(op):
@@ -337,7 +370,8 @@ class IterationAssembler:
 
     def flush(self) -> list[IterationRecord]:
         """Finalize everything still open (shutdown), as incomplete unless complete."""
-        out = []
+        out: list[IterationRecord | None] = list(self._ready)
+        self._ready = []
         for it in sorted(self.open):
             out.append(self._finalize(it, complete=self._complete(self.open[it])))
         return [r for r in out if r is not None]
@@ -354,6 +388,11 @@ class IterationAssembler:
     def _finalize(self, it: int, complete: bool) -> IterationRecord | None:
         op = self.open.pop(it)
         self._mark_done(it)
+        self._incomplete_under.pop(it, None)
+        if not complete and self.view is not None:
+            self._incomplete_under[it] = self.view.layout_id
+            if len(self._incomplete_under) > 1000:
+                del self._incomplete_under[min(self._incomplete_under)]
         if not op.parts:
             return None  # micro-batch stats without any chunk: nothing to report
         return build_record(

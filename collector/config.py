@@ -64,6 +64,10 @@ class CollectorConfig:
     #: At most this many iterations are assembled at once; the oldest is
     #: published incomplete beyond it.
     max_open_iterations: int = 8
+    #: When the layout changes, an open iteration that got no row for this long is
+    #: the attempt a fail-stop abandoned: it is published incomplete at once, and
+    #: its re-run under the new layout is assembled afresh (seconds).
+    stall_s: float = 2.0
     #: Drop chunk rows of non-zero TP indices on arrival (less work, but no
     #: per-rank view inside a TP group).
     tp_dedup: bool = False
@@ -99,6 +103,7 @@ class CollectorConfig:
             "layout_poll_s",
             "grace_s",
             "stale_s",
+            "stall_s",
             "iterations_budget_mb",
         )
         for name in positive:

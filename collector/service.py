@@ -100,6 +100,7 @@ class CollectorService:
             stale_s=config.stale_s,
             max_open=config.max_open_iterations,
             tp_dedup=config.tp_dedup,
+            stall_s=config.stall_s,
         )
         self.layout: Layout | None = None
         self._layout_raw: bytes | None = None
@@ -172,7 +173,7 @@ class CollectorService:
     def set_layout(self, layout: Layout, now: float | None = None) -> None:
         now = time.time() if now is None else now
         self.layout = layout
-        self.assembler.set_layout(layout)
+        self.assembler.set_layout(layout, now)
         self.consumer.max_rank = layout.world_size
         expected = {r: layout.node_of(r) for r in layout.active_ranks()}
         for r in layout.standby:

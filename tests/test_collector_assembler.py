@@ -242,3 +242,52 @@ def test_without_layout_records_follow_the_ranks_seen():
     assert a.poll(1.9) == []
     (rec,) = a.poll(2.0)
     assert (rec.iteration, rec.complete, rec.num_ranks_reporting) == (0, False, 8)
+
+
+def _without_rank(lay: Layout, rank: int, layout_id: int) -> Layout:
+    new = lay.copy()
+    for d, stages in enumerate(new.groups):
+        for s, grp in enumerate(stages):
+            if rank in grp:
+                new.groups[d][s] = [r for r in grp if r != rank][:1]
+    new.dead = [rank]
+    new.layout_id = layout_id
+    new.validate()
+    return new
+
+
+def test_iteration_rerun_after_a_fail_stop_is_assembled_under_the_new_layout():
+    lay = _layout()  # TP2: ranks 6 and 7 form replica 1's stage-1 group
+    a = _asm(lay, stale_s=1e9, grace_s=1e9)
+    a.add_rows(iteration_rows(lay, 4), 0.0)
+    assert [r.iteration for r in a.poll(0.0)] == [4]
+    attempt = iteration_rows(lay, 5)
+    a.add_rows(attempt[attempt["start_s"] < 0.05], 1.0)  # rank 7 dies mid-iteration
+    assert a.poll(5.0) == []
+    # Seconds later the scheduler's new layout drops rank 7; iteration 5 is run again.
+    new = _without_rank(lay, 7, layout_id=1)
+    a.set_layout(new, now_s=6.0)
+    (abandoned,) = a.poll(6.0)
+    assert (abandoned.iteration, abandoned.complete, abandoned.layout_id) == (5, False, 0)
+    rerun = iteration_rows(new, 5, t0_s=10.0)
+    a.add_rows(rerun, 10.5)
+    (rec,) = a.poll(10.5)
+    assert (rec.iteration, rec.complete, rec.layout_id) == (5, True, 1)
+    assert 7 not in rec.ranks["rank"]
+    assert rec.start_s == pytest.approx(10.0)  # the re-run only, not the abandoned attempt
+    # A complete iteration is never reopened.
+    assert a.add_rows(rerun[:5], 11.0).late_total == 5
+
+
+def test_layout_change_between_iterations_keeps_an_iteration_in_progress():
+    lay = _layout()
+    a = _asm(lay, stale_s=1e9, grace_s=1e9)
+    new = lay.copy()
+    new.layout_id = 3
+    rows = iteration_rows(new, 8)
+    a.add_rows(rows[: len(rows) // 2], 20.0)
+    a.set_layout(new, now_s=20.2)  # rows arrived 0.2 s ago: still running
+    assert a.poll(20.2) == []
+    a.add_rows(rows[len(rows) // 2 :], 20.5)
+    (rec,) = a.poll(20.5)
+    assert (rec.iteration, rec.complete, rec.layout_id) == (8, True, 3)

@@ -183,7 +183,8 @@ def test_liveness_rank_node_rejoin_with_skewed_clocks(r):
 def test_layout_change_is_reread_and_unknown_ranks_refused(r):
     lay = _layout()
     _set_layout(r, lay)
-    svc = _service(r, grace_s=60.0, stale_s=60.0)
+    # stall_s: the open iteration counts as still running when the layout changes
+    svc = _service(r, grace_s=60.0, stale_s=60.0, stall_s=60.0)
     p = TelemetryProducer(None, KEYS, client=r).start()
     rows = iteration_rows(lay, 0)
     p.chunk_rows(rows[rows["rank"] != 7])
