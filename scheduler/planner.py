@@ -332,6 +332,11 @@ def plan(
     moves += p2p_moves(after)
     if list(after.layers) != list(layout.layers) or gone:
         moves += partition_moves(layout.layers, after.layers, predictor.memory.layer_state_bytes)
+    moves += [
+        {"what": "microbatches", "dp": d, "from": a, "to": b}
+        for d, (a, b) in enumerate(zip(layout.microbatches, after.microbatches, strict=True))
+        if a != b
+    ]
     moves += mig_moves
     return PlanResult(after, before_s if runnable else -1.0, t_after, moves)
 

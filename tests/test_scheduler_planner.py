@@ -179,4 +179,5 @@ def test_replica_set_aside_when_peers_have_no_memory_for_evicted_work():
     assert not memory_violations(lay, pred)
     res = plan(lay, {12: 0.0, 13: 0.0, 14: 0.0, 15: 0.0}, pred)
     assert res.after.microbatches == [16, 0] and res.after.migrations == []
+    assert {"what": "microbatches", "dp": 1, "from": 8, "to": 0} in res.moves
     assert not memory_violations(res.after, pred)
