@@ -22,7 +22,11 @@ An iteration is published
   of it arrived for ``stale_s`` (a dead rank stalls its peers), or when more
   than ``max_open`` iterations are open.
 
-Rows of an iteration that was already published are dropped and counted.
+Rows of an iteration that was already published are dropped and counted,
+except for the re-run of an iteration a fail-stop abandoned: when the layout
+changes, open iterations without a row for ``stall_s`` are published
+incomplete under the old layout, and rows for them under the new layout
+reopen them (:meth:`IterationAssembler.set_layout`).
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ class CollectorConfig:
     claim_idle_ms: int = 120_000
     #: TTL of the collector's health key (seconds).
     health_ttl_s: float = 10.0
-    #: How often the layout key is re-read (seconds).
-    layout_poll_s: float = 1.0
+    #: How often the layout key is re-read (seconds); a change is only parsed.
+    layout_poll_s: float = 0.5
 
     # --- liveness (§5.1) -----------------------------------------------------------
     #: Heartbeat period of the trainer ranks (seconds).
