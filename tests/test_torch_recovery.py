@@ -47,18 +47,33 @@ def _check_curve(cfg, rows):
     assert got == pytest.approx(want, rel=1e-9)
 
 
-def test_kill_rank_drops_replica_and_continues(tmp_path):
-    # PP2 x DP2; rank 1 is replica 1's stage 0. Replica 0 takes all micro-batches.
+def test_kill_drops_replica_then_rejoin_restores_it(tmp_path):
+    # PP2 x DP2; rank 1 is replica 1's stage 0. Replica 0 takes all micro-batches;
+    # when rank 1 re-joins (a fresh process), replica 1 is rebuilt by copying
+    # parameters and optimizer state from replica 0.
     cfg, rows, tl = _run(
-        tmp_path, pp=2, dp=2, microbatches=2, kill_rank=1, kill_at_iteration=2, schedule="zbh1"
+        tmp_path,
+        pp=2,
+        dp=2,
+        microbatches=2,
+        iterations=7,
+        kill_rank=1,
+        kill_at_iteration=2,
+        rejoin_at_iteration=3,
+        schedule="zbh1",
     )
     _check_curve(cfg, rows)
-    assert [r["generation"] for r in rows] == [0, 0, 1, 1]
-    gen1 = tl["workers"]["1"]
+    gens = [r["generation"] for r in rows]
+    assert gens[:2] == [0, 0] and gens[2] == 1 and gens[-1] == 2 and gens == sorted(gens)
+    gen1, gen2 = tl["workers"]["1"], tl["workers"]["2"]
     # Survivors of replica 0 keep their state in place; nothing came from disk.
     assert gen1["moved"]["from_disk"] == 0 and gen1["moved"]["kept"] > 0
     # Recovery did not wait for any group timeout.
     assert gen1["first_iteration_done"] - tl["kill_t"] < cfg.pg_timeout_s / 2
+    # Re-join: the restored replica's ranks got every tensor from the live replica.
+    assert gen2["moved"]["from_replica"] > 0 and gen2["moved"]["bytes_sent"] > 0
+    layouts = [e["layout"] for e in tl["events"] if e["what"] == "generation_written"]
+    assert layouts[-1].startswith("DP2xPP2") and "dead=0" in layouts[-1]
 
 
 def test_kill_tp_rank_reshards_from_persistent_state(tmp_path):

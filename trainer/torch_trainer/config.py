@@ -51,6 +51,7 @@ class TrainConfig:
     plan_wait_s: float = 5.0  # after a death: wait this long for a scheduler plan
     kill_rank: int = -1
     kill_at_iteration: int = -1
+    rejoin_at_iteration: int = -1  # restart the dead ranks once training reaches it
     slow_rank: int = -1
     slow_factor: float = 1.0
     slow_at_iteration: int = 0

@@ -51,6 +51,32 @@ def initial_layout(cfg: TrainConfig) -> Layout:
     )
 
 
+def restore_plan(current: Layout, launch: Layout, alive: set[int]) -> Layout:
+    """After ranks re-join: bring back every launch replica whose ranks are all
+    alive and idle again, and spread the global batch over the replicas."""
+    new = current.copy()
+    new.layout_id = current.layout_id + 1
+    new.dead = sorted(set(current.dead) - alive)
+    active = set(current.active_ranks())
+    back = []
+    for grp in launch.groups:
+        ranks = {r for st in grp for r in st}
+        if grp not in current.groups and ranks <= alive and not ranks & active:
+            back.append(grp)
+    order = {json.dumps(g): i for i, g in enumerate(launch.groups)}
+    groups = sorted(current.groups + back, key=lambda g: order.get(json.dumps(g), len(order)))
+    total = current.total_microbatches
+    base, extra = divmod(total, len(groups))
+    new.groups = groups
+    new.microbatches = [base + (1 if i < extra else 0) for i in range(len(groups))]
+    used = {r for g in groups for st in g for r in st}
+    new.standby = sorted(r for r in alive if r not in used)
+    new.migrations = []
+    new.validate()
+    check_runnable(new)
+    return new
+
+
 def local_plan(layout: Layout, dead: set[int]) -> Layout:
     """The launcher's own plan when no scheduler plan is available."""
     new = layout.copy()
@@ -93,6 +119,13 @@ class JobLauncher:
         self.dead: set[int] = set()
         self.gen = 0
         self.layout = initial_layout(cfg)
+        self.launch_layout = self.layout.copy()
+        self.cursor = None
+        if cfg.scenario:
+            from trainer.scenario import ScenarioCursor, load_scenario
+
+            self.cursor = ScenarioCursor(load_scenario(cfg.scenario))
+        self.t_start = time.time()
         self.store = None
         self.follower = None
         self.client = None
@@ -110,6 +143,7 @@ class JobLauncher:
         desc = {
             "members": members,
             "layout": layout.to_dict(),
+            "prev_layout": self.layout.to_dict() if self.gen > 0 else None,
             "reason": reason,
             "boundary": boundary,
         }
@@ -175,6 +209,40 @@ class JobLauncher:
         self._event("plan_chosen", plan_id=plan.plan_id if plan else 0, layout=chosen.summary())
         self._new_generation(chosen, f"fail-stop of ranks {sorted(ranks)}", plan)
 
+    def _spawn(self, rank: int, start_gen: int) -> None:
+        p = self.ctx.Process(
+            target=worker_entry,
+            args=(rank, self.cfg.to_dict(), "127.0.0.1", self.store.port, start_gen),
+            name=f"resihp-torch-rank{rank}",
+        )
+        p.start()
+        self.procs[rank] = p
+
+    def _progress(self) -> int:
+        key = "progress/iteration"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def _check_rejoin(self) -> None:
+        """Scenario ``rejoin`` events (or --rejoin-at-iteration): restart dead ranks."""
+        it = self._progress()
+        ranks: set[int] = set()
+        if 0 <= self.cfg.rejoin_at_iteration <= it and self.dead:
+            ranks |= self.dead
+            self.cfg.rejoin_at_iteration = -1
+        if self.cursor is not None:
+            for ev in self.cursor.due(it, time.time() - self.t_start):
+                if ev.action == "rejoin":
+                    ranks |= set(ev.targets(self.cfg.devices_per_node)) & self.dead
+        if not ranks:
+            return
+        self._event("rejoin", ranks=sorted(ranks), at_iteration=it)
+        for r in sorted(ranks):
+            self.dead.discard(r)
+            self._spawn(r, self.gen + 1)
+        alive = {r for r, p in self.procs.items() if r not in self.dead}
+        lay = restore_plan(self.layout, self.launch_layout, alive)
+        self._new_generation(lay, f"ranks {sorted(ranks)} re-joined", boundary=True)
+
     def _confirm(self) -> None:
         still = []
         for gen, plan, layout in self.pending_confirm:
@@ -214,13 +282,7 @@ class JobLauncher:
         self._connect_redis()
         self._write_gen(list(range(cfg.world_size)), self.layout, "launch")
         for r in range(cfg.world_size):
-            p = self.ctx.Process(
-                target=worker_entry,
-                args=(r, cfg.to_dict(), "127.0.0.1", self.store.port),
-                name=f"resihp-torch-rank{r}",
-            )
-            p.start()
-            self.procs[r] = p
+            self._spawn(r, 0)
         last_poll = 0.0
         failed_seen = 0
         return_code = 0
@@ -261,6 +323,7 @@ class JobLauncher:
                         self._new_generation(self.layout, "communication failure without a death")
                         continue
                 self._confirm()
+                self._check_rejoin()
                 if self.follower is not None and time.time() - last_poll > 0.2:
                     last_poll = time.time()
                     for plan in self.follower.poll():

@@ -80,8 +80,11 @@ def _timeline(store, gen: int, event: str, rank: int) -> None:
 
 
 class Worker:
-    def __init__(self, rank: int, cfg: TrainConfig, store, watch_store=None):
+    def __init__(self, rank: int, cfg: TrainConfig, store, watch_store=None, start_gen: int = 0):
         self.rank = rank
+        self.start_gen = start_gen
+        # A re-joined rank starts with no state; it gets all of it from its peers.
+        self.fresh = start_gen > 0
         self.watch_store = watch_store
         self.cfg = cfg
         self.store = store
@@ -127,7 +130,7 @@ class Worker:
 
     # ---------------------------------------------------------------- main
     def run(self) -> int:
-        gen = 0
+        gen = self.start_gen
         while True:
             desc = self._wait_gen(gen)
             if desc is None:
@@ -136,6 +139,8 @@ class Worker:
             if self.rank not in members:
                 return 0
             layout = Layout.from_dict(desc["layout"])
+            if desc.get("prev_layout"):
+                self.layout = Layout.from_dict(desc["prev_layout"])
             status = self._run_generation(gen, members, layout)
             if status == "done":
                 if self.cfg.dump_telemetry and self.tel.kept:
@@ -227,13 +232,18 @@ class Worker:
     def _move_state(self, gen: int, members: list[int], layout: Layout, groups) -> None:
         cfg = self.cfg
         coords = active_coords(layout)
-        t = torch.tensor([float(self.steps_done)], device=self.comm_device)
+        mine = float(2**40) if self.fresh else float(self.steps_done)
+        t = torch.tensor([mine], device=self.comm_device)
         wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
         step = int(t.item())
         if gen == 0:
             self.steps_done = step
         else:
-            if self.steps_done > step:  # committed one step more than a peer: roll back
+            if self.fresh:
+                self.state = {}
+                if self.cursor is not None:  # events before this rank re-joined are history
+                    self.cursor.due(step - 1, time.time() - self.t_start)
+            elif self.steps_done > step:  # committed one step more than a peer: roll back
                 self.state = load_ckpt(cfg.ckpt, step, self.rank)
                 self.steps_done = step
             elif self.module is not None:
@@ -253,6 +263,7 @@ class Worker:
             )
             self.store.set(f"moved/{gen}/{self.rank}", json.dumps(info))
             self.state = new_state
+            self.fresh = False
         self.layout = layout
         self.module = self.opt = None
         if self.rank not in coords:
@@ -383,6 +394,8 @@ class Worker:
                         )
                         + "\n"
                     )
+            if pg0:
+                self.store.set("progress/iteration", str(it + 1))
             if not first_done:
                 _timeline(self.store, gen, "first_iteration_done", self.rank)
                 first_done = True
@@ -411,14 +424,14 @@ class Worker:
             self.producer.close()
 
 
-def worker_entry(rank: int, cfg_dict: dict, host: str, port: int) -> None:
+def worker_entry(rank: int, cfg_dict: dict, host: str, port: int, start_gen: int = 0) -> None:
     cfg = TrainConfig.from_dict(cfg_dict)
     torch.set_num_threads(cfg.threads_per_worker)
     to = timedelta(seconds=cfg.store_timeout_s)
     store = dist.TCPStore(host, port, is_master=False, timeout=to)
     # The watchdog thread gets its own connection.
     watch_store = dist.TCPStore(host, port, is_master=False, timeout=to)
-    w = Worker(rank, cfg, store, watch_store)
+    w = Worker(rank, cfg, store, watch_store, start_gen)
     try:
         code = w.run()
     finally:
