@@ -77,6 +77,10 @@ def encode_fast(msg: Message) -> dict[bytes, bytes]:
 
 
 class CollectorService:
+    """One collector for one job: ``run_once()`` does one bounded step (read a batch,
+    judge liveness when due, publish finished iterations, acknowledge what is safe);
+    ``run(stop)`` loops it and keeps the health key fresh."""
+
     def __init__(self, config: CollectorConfig, client: redis.Redis):
         self.config = config
         self.client = client

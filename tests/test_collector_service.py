@@ -348,3 +348,21 @@ def test_reading_backlog_is_not_mistaken_for_silence(r):
         ("node", "dead", 0),
         ("node", "dead", 1),
     ]
+
+
+def test_invalid_layout_is_dead_lettered_and_the_old_one_kept(r):
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r)
+    svc.run_once()
+    assert svc.layout == lay
+    r.set(KEYS.layout, json.dumps({**lay.to_dict(), "layers": [1, 1]}))  # 2 layers, model has 4
+    time.sleep(0.06)
+    for _ in range(3):
+        svc.run_once()
+    assert svc.layout == lay
+    ((_, f),) = r.xrange(KEYS.deadletter)
+    assert f[b"reason"].startswith(b"invalid layout") and f[b"source"] == KEYS.layout.encode()
+    # still assembling under the layout it had
+    r.xadd(KEYS.telemetry, encode_entry(None, iteration_rows(lay, 0)))
+    assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 1)
