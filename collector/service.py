@@ -420,8 +420,9 @@ class CollectorService:
             "open_iterations": len(self.assembler.open),
             "pending_entries": len(self._pending),
             "layout_id": self.layout.layout_id if self.layout is not None else None,
-            # how far behind the newest telemetry the collector has read (seconds)
-            "lag_s": round(max(0.0, time.time() - self._frontier_s), 3)
+            # age of the newest telemetry entry read: grows when the collector falls
+            # behind, or when the job stops sending
+            "last_telemetry_age_s": round(max(0.0, time.time() - self._frontier_s), 3)
             if self._frontier_s
             else None,
             "deadletter_total": self.consumer.stats.deadletter_total,
