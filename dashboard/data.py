@@ -79,6 +79,10 @@ class IterationSummary:
     complete: bool
     predicted_iteration_time_s: float | None
     entry_id: str
+    #: Wall time the record reached Redis (its entry id). Records carry the trainer's clock
+    #: (the simulator's is simulated time), while failures, plans and actions carry wall
+    #: time; timelines that mix them use this.
+    published_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -237,6 +241,7 @@ class DashboardData:
                     complete=rec.complete,
                     predicted_iteration_time_s=pred,
                     entry_id=eid,
+                    published_s=_id_tuple(eid)[0] / 1000.0,
                 )
             )
         return out

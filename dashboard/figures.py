@@ -46,6 +46,11 @@ def _ts(t: float) -> datetime:
     return datetime.fromtimestamp(t, tz=UTC)
 
 
+def wall_end(row: dict[str, Any]) -> float:
+    """When an iteration ended on the wall clock (its publish time when known)."""
+    return row.get("published_s") or row["end_s"]
+
+
 def empty_figure(message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
@@ -65,7 +70,7 @@ def throughput_figure(
     """samples/s over wall time; failures and recovery phases as vertical markers."""
     if not rows:
         return empty_figure("no iterations yet")
-    x = [_ts(r["end_s"]) for r in rows]
+    x = [_ts(wall_end(r)) for r in rows]
     fig = go.Figure(
         go.Scatter(
             x=x,

@@ -17,7 +17,9 @@ Choices where the issue is silent: the incident id is the FailureReport's
 first iteration after the plan was applied (or after detection when no plan
 was applied) from which the median of three consecutive iterations reaches
 ``recovery_fraction`` of the pre-onset median, or a ``recovery`` report on the
-same ranks, whichever comes first.
+same ranks, whichever comes first.  Iterations are placed on the wall clock by
+their publish time (stream entry id), because failures, plans and actions are
+stamped with wall time while records carry the trainer's clock.
 """
 
 from __future__ import annotations
@@ -116,18 +118,39 @@ def list_incidents(failures: list[FailureReport]) -> list[FailureReport]:
     return [f for f in failures if f.kind != "recovery"]
 
 
+def _wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with wall-clock ``wall_start_s``/``wall_end_s``.
+
+    Failures, plans and actions are stamped with wall time; iteration records with the
+    trainer's clock (simulated time in the simulator).  The end of an iteration on the wall
+    is its publish time; its start is the previous iteration's end.
+    """
+    out = []
+    prev = None
+    for r in rows:
+        end = figures.wall_end(r)
+        if prev is not None and prev["iteration"] == r["iteration"] - 1:
+            start = min(prev["wall_end_s"], end)
+        else:
+            start = end - r["iteration_time_s"]
+        w = {**r, "wall_start_s": start, "wall_end_s": end}
+        out.append(w)
+        prev = w
+    return out
+
+
 def _onset_s(f: FailureReport, rows: list[dict[str, Any]]) -> float:
     ev = f.evidence
     by_it = {r["iteration"]: r for r in rows}
     cp = figures.change_points([f])
     if cp and cp[0] in by_it:
-        return min(by_it[cp[0]]["start_s"], f.detected_at_s)
+        return min(by_it[cp[0]]["wall_start_s"], f.detected_at_s)
     for key in ("onset_s", "last_seen_s"):
         v = ev.get(key)
         if isinstance(v, int | float) and v > 0:
             return min(float(v), f.detected_at_s)
     if f.iteration in by_it:
-        return min(by_it[f.iteration]["start_s"], f.detected_at_s)
+        return min(by_it[f.iteration]["wall_start_s"], f.detected_at_s)
     return f.detected_at_s
 
 
@@ -143,7 +166,7 @@ def build_incident(
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
-    rows = sorted(iteration_rows, key=lambda r: r["iteration"])
+    rows = _wall_rows(sorted(iteration_rows, key=lambda r: r["iteration"]))
     onset = _onset_s(f, rows)
 
     plan_ids = {p.plan_id for p in plan_history if incident_id in p.failure_ids}
@@ -207,16 +230,16 @@ def build_incident(
             f"plan {applied_act.plan_id} by {applied_act.actor}",
         )
 
-    before = [r["samples_per_s"] for r in rows if r["end_s"] <= onset][-50:]
+    before = [r["samples_per_s"] for r in rows if r["wall_end_s"] <= onset][-50:]
     baseline = _median(before)
     recovered_t, recovered_detail = None, ""
     start = applied_t if applied_t is not None else f.detected_at_s
     if baseline:
-        after_rows = [r for r in rows if r["start_s"] >= start]
+        after_rows = [r for r in rows if r["wall_start_s"] >= start]
         for i in range(len(after_rows) - 2):
             win = [r["samples_per_s"] for r in after_rows[i : i + 3]]
             if statistics.median(win) >= recovery_fraction * baseline:
-                recovered_t = after_rows[i]["end_s"]
+                recovered_t = after_rows[i]["wall_end_s"]
                 recovered_detail = (
                     f"iteration {after_rows[i]['iteration']}: "
                     f">= {recovery_fraction:.0%} of pre-failure throughput"
@@ -251,17 +274,17 @@ def build_incident(
     during = [
         r["samples_per_s"]
         for r in rows
-        if r["end_s"] > onset and (end is None or r["end_s"] <= end)
+        if r["wall_end_s"] > onset and (end is None or r["wall_end_s"] <= end)
     ]
-    after = [r["samples_per_s"] for r in rows if end is not None and r["end_s"] > end][:50]
+    after = [r["samples_per_s"] for r in rows if end is not None and r["wall_end_s"] > end][:50]
     throughput = {
         "before": _median(before),
         "during": _median(during),
         "after": _median(after),
     }
-    idx_lo = next((i for i, r in enumerate(rows) if r["end_s"] > onset), len(rows))
+    idx_lo = next((i for i, r in enumerate(rows) if r["wall_end_s"] > onset), len(rows))
     idx_hi = (
-        next((i for i, r in enumerate(rows) if r["end_s"] > end), len(rows))
+        next((i for i, r in enumerate(rows) if r["wall_end_s"] > end), len(rows))
         if end is not None
         else len(rows)
     )
@@ -289,6 +312,9 @@ def build_incident(
                     "iteration_time_s",
                     "samples_per_s",
                     "predicted_iteration_time_s",
+                    "published_s",
+                    "wall_start_s",
+                    "wall_end_s",
                 )
                 if k in r
             }

@@ -14,7 +14,13 @@ import time
 
 from resihp import bus
 from resihp.keys import JobKeys
-from resihp.schemas import AdaptationPlan, FailureReport, IterationRecord, OperatorAction
+from resihp.schemas import (
+    AdaptationPlan,
+    FailureReport,
+    IterationRecord,
+    OperatorAction,
+    encode_one,
+)
 from resihp.topology import Layout
 
 F_S, B_S = 0.010, 0.020  # healthy per-layer-stage chunk times (s) for 8 layers
@@ -127,7 +133,12 @@ def publish_job(
         )
         d = rec.to_dict()
         d["predicted_iteration_time_s"] = healthy_t
-        pipe.xadd(keys.iterations, {b"m": ("[" + json.dumps(d) + "]").encode()})
+        # Entry id = the wall time the record was "published" (the end of the iteration).
+        pipe.xadd(
+            keys.iterations,
+            {b"m": ("[" + json.dumps(d) + "]").encode()},
+            id=f"{int((t + dur) * 1000)}-0",
+        )
         times[it] = (t, t + dur)
         t += dur + gap
     pipe.execute()
@@ -231,7 +242,7 @@ def publish_recovery(r, scenario: dict, applied_at_s: float, iterations: int = 1
             num_ranks_reporting=16,
             chunks=cols,
         )
-        bus.publish(r, keys.iterations, rec)
+        r.xadd(keys.iterations, encode_one(rec), id=f"{int((t + dur) * 1000)}-0")
         t += dur + 0.002
 
 
