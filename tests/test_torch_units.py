@@ -13,7 +13,7 @@ import torch
 
 from resihp.topology import Layout
 from trainer.data.corpus import IGNORE_INDEX, PackedCorpus
-from trainer.torch_trainer.launcher import local_plan
+from trainer.torch_trainer.launcher import local_plan, migrate_plan, restore_plan
 from trainer.torch_trainer.model import ModelConfig, StageModule
 from trainer.torch_trainer.parallel import UnsupportedLayout
 from trainer.torch_trainer.schedule import actions
@@ -168,3 +168,27 @@ def test_state_moves_reshard_tp_and_follow_layers():
     }
     got = {(p.dst, p.name) for p in pieces}
     assert got <= needed and counts["kept"] + len({(p.dst, p.name) for p in pieces}) == len(needed)
+
+
+def test_migrate_plan_moves_lost_stage_round_robin():
+    lay = Layout.uniform(1, 2, 3, num_layers=4, num_microbatches=4)
+    # rank = d + 3*s: rank 4 is replica 1, stage 1
+    new = migrate_plan(lay, {4})
+    assert new.groups[1][1] == [] and new.groups[1][0] == [1]
+    moved = sorted((m.stage, m.src_dp, m.microbatch, m.dst_dp) for m in new.migrations)
+    assert moved == [(1, 1, 0, 0), (1, 1, 1, 2), (1, 1, 2, 0), (1, 1, 3, 2)]
+    # a TP group that keeps a survivor cannot be migrated away: fall back to exclusion
+    tp2 = Layout.uniform(2, 2, 2, num_layers=4, num_microbatches=2)
+    with pytest.raises(UnsupportedLayout):
+        migrate_plan(tp2, {0})
+    assert local_plan(tp2, {0}, "migrate").dp == 1
+
+
+def test_restore_plan_brings_back_replica_of_rejoined_ranks():
+    lay = Layout.uniform(1, 2, 2, num_layers=4, num_microbatches=3)
+    down = local_plan(lay, {1})
+    assert down.dp == 1 and down.microbatches == [6]
+    up = restore_plan(down, lay, alive={0, 1, 2, 3})
+    assert up.groups == lay.groups and up.microbatches == [3, 3] and not up.dead
+    still = restore_plan(down, lay, alive={0, 2, 3})  # rank 1 not back: nothing to restore
+    assert still.groups == down.groups and 3 in still.standby

@@ -65,17 +65,32 @@ class StageEngine:
         self.comm_device = comm_device or device
         self.xfer = Transfer(groups, slow_comm_s, self.comm_device)
         lay = groups.layout
+        self.lay = lay
         self.pp = lay.pp
-        self.num_mb = lay.microbatches[groups.dp]
         self.global_mb = lay.total_microbatches
-        self.prev = lay.groups[groups.dp][groups.stage - 1] if groups.stage > 0 else None
-        self.next = lay.groups[groups.dp][groups.stage + 1] if groups.stage < self.pp - 1 else None
+        s, d = groups.stage, groups.dp
+        # Stage-level micro-batch migration (Layout.migrations): (stage, src_dp, mb) -> dst_dp.
+        self.moved = {(m.stage, m.src_dp, m.microbatch): m.dst_dp for m in lay.migrations}
+        own = [(d, j) for j in range(lay.microbatches[d]) if (s, d, j) not in self.moved]
+        foreign = sorted(
+            (m.src_dp, m.microbatch) for m in lay.migrations if m.stage == s and m.dst_dp == d
+        )
+        # Own micro-batches first, migrated-in ones after them, all under one
+        # 1F1B/ZB-H1/GPipe order; sends never block, so a migrated-in
+        # micro-batch only waits on its owner's neighbouring stages.
+        self.tasks = own + foreign
         self.hidden = module.cfg.hidden
         self.dtype = next(module.parameters()).dtype
-        self.plan = actions(schedule, groups.stage, self.pp, self.num_mb)
+        self.plan = [(k, self.tasks[i]) for k, i in actions(schedule, s, self.pp, len(self.tasks))]
 
-    def global_index(self, iteration: int, j: int) -> int:
-        return iteration * self.global_mb + mb_offset(self.g.layout, self.g.dp) + j
+    def executor(self, src_dp: int, stage: int, j: int) -> int:
+        return self.moved.get((stage, src_dp, j), src_dp)
+
+    def peer_group(self, src_dp: int, stage: int, j: int) -> list[int]:
+        return self.lay.groups[self.executor(src_dp, stage, j)][stage]
+
+    def global_index(self, iteration: int, src_dp: int, j: int) -> int:
+        return iteration * self.global_mb + mb_offset(self.lay, src_dp) + j
 
     def _stretch(self, t0: float) -> None:
         if self.slow_factor > 1.0:
@@ -86,22 +101,28 @@ class StageEngine:
         t_start = time.perf_counter()
         tel, g, mod = self.tel, self.g, self.module
         tel.begin_iteration(iteration)
-        fwd: dict[int, tuple] = {}
+        fwd: dict[tuple[int, int], tuple] = {}
         loss_sum = 0.0
         compute_s = 0.0
-        for kind, j in self.plan:
-            mb = self.corpus.microbatch(self.global_index(iteration, j))
+        s = g.stage
+        for kind, (e, j) in self.plan:
+            gi = self.global_index(iteration, e, j)
+            mb = self.corpus.microbatch(gi)
             if kind == "F":
                 if mod.first:
                     x = torch.from_numpy(mb.tokens).to(self.device)
                     if g.tp_index == 0:
-                        tel.mb_stats(iteration, g.dp, j, mb)
+                        tel.mb_stats(iteration, e, j, mb)
                 else:
                     tok = tel.begin()
                     x = self.xfer.recv(
-                        (mb.token_budget, self.hidden), self.dtype, self.prev, j, backward=False
+                        (mb.token_budget, self.hidden),
+                        self.dtype,
+                        self.peer_group(e, s - 1, j),
+                        gi,
+                        backward=False,
                     )
-                    tel.end(tok, ChunkKind.RECV, j)
+                    tel.end(tok, ChunkKind.RECV, j, src_dp=e)
                     x = x.to(self.device).requires_grad_(True)
                 c0, tp0 = time.perf_counter(), mod.tp.comm_time_s
                 tok = tel.begin()
@@ -110,19 +131,21 @@ class StageEngine:
                     tgt = torch.from_numpy(mb.targets).to(self.device)
                     out = microbatch_loss(out, tgt) / self.global_mb
                     loss_sum += float(out.detach())
-                tel.end(tok, ChunkKind.F, j, mod.tp.comm_time_s - tp0)
+                tel.end(tok, ChunkKind.F, j, mod.tp.comm_time_s - tp0, src_dp=e)
                 self._stretch(c0)
                 compute_s += time.perf_counter() - c0
                 if not mod.last:
-                    self.xfer.send(out, self.next, j, backward=False)
-                fwd[j] = (x, out)
+                    self.xfer.send(out, self.peer_group(e, s + 1, j), gi, backward=False)
+                fwd[(e, j)] = (x, out)
             elif kind == "B":
-                x, out = fwd.pop(j)
+                x, out = fwd.pop((e, j))
                 grad = None
                 if not mod.last:
                     tok = tel.begin()
-                    grad = self.xfer.recv(out.shape, self.dtype, self.next, j, backward=True)
-                    tel.end(tok, ChunkKind.RECV, j)
+                    grad = self.xfer.recv(
+                        out.shape, self.dtype, self.peer_group(e, s + 1, j), gi, backward=True
+                    )
+                    tel.end(tok, ChunkKind.RECV, j, src_dp=e)
                     grad = grad.to(self.device)
                 c0, tp0 = time.perf_counter(), mod.tp.comm_time_s
                 tok = tel.begin()
@@ -131,18 +154,18 @@ class StageEngine:
                     self.store.begin()
                 torch.autograd.backward(out, grad)
                 if zb:
-                    self.store.end(j)
-                tel.end(tok, ChunkKind.B, j, mod.tp.comm_time_s - tp0)
+                    self.store.end(gi)
+                tel.end(tok, ChunkKind.B, j, mod.tp.comm_time_s - tp0, src_dp=e)
                 self._stretch(c0)
                 compute_s += time.perf_counter() - c0
                 if not mod.first:
-                    self.xfer.send(x.grad, self.prev, j, backward=True)
+                    self.xfer.send(x.grad, self.peer_group(e, s - 1, j), gi, backward=True)
                 del x, out
             else:  # W
                 c0 = time.perf_counter()
                 tok = tel.begin()
-                self.store.run(j)
-                tel.end(tok, ChunkKind.W, j)
+                self.store.run(gi)
+                tel.end(tok, ChunkKind.W, j, src_dp=e)
                 self._stretch(c0)
                 compute_s += time.perf_counter() - c0
         self.xfer.wait_sends()

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from resihp.keys import JobKeys
-from resihp.topology import Layout
+from resihp.topology import Layout, Migration
 
 from .config import TrainConfig
 from .parallel import UnsupportedLayout, check_runnable
@@ -77,8 +77,47 @@ def restore_plan(current: Layout, launch: Layout, alive: set[int]) -> Layout:
     return new
 
 
-def local_plan(layout: Layout, dead: set[int]) -> Layout:
+def migrate_plan(layout: Layout, dead: set[int]) -> Layout:
+    """ReCycle-style: a (replica, stage) that lost its whole TP group keeps its
+    other stages; its micro-batches run that stage on other replicas, round-robin."""
+    new = layout.copy()
+    new.dead = sorted(set(new.dead) | dead)
+    new.layout_id = layout.layout_id + 1
+    for d in range(layout.dp):
+        for s in range(layout.pp):
+            grp = layout.groups[d][s]
+            if not set(grp) & dead:
+                continue
+            if set(grp) - dead:
+                raise UnsupportedLayout(
+                    f"replica {d} stage {s} keeps part of its TP group; migration needs it all gone"
+                )
+            new.groups[d][s] = []
+    migs = []
+    for s in range(layout.pp):
+        hosts = [d for d in range(new.dp) if new.groups[d][s]]
+        if not hosts:
+            raise UnsupportedLayout(f"stage {s} has no surviving replica to migrate to")
+        k = 0
+        for d in range(new.dp):
+            if new.groups[d][s]:
+                continue
+            for j in range(new.microbatches[d]):
+                migs.append(Migration(s, d, j, hosts[k % len(hosts)]))
+                k += 1
+    new.migrations = migs
+    new.validate()
+    check_runnable(new)
+    return new
+
+
+def local_plan(layout: Layout, dead: set[int], policy: str = "exclude_replica") -> Layout:
     """The launcher's own plan when no scheduler plan is available."""
+    if policy == "migrate" and layout.dp > 1:
+        try:
+            return migrate_plan(layout, dead)
+        except UnsupportedLayout as e:
+            print(f"[launcher] migration not possible ({e}); excluding the replica", flush=True)
     new = layout.copy()
     new.dead = sorted(set(new.dead) | dead)
     new.layout_id = layout.layout_id + 1
@@ -205,7 +244,7 @@ class JobLauncher:
                         chosen, plan = lay, p
                 time.sleep(0.1)
         if chosen is None:
-            chosen = local_plan(self.layout, self.dead)
+            chosen = local_plan(self.layout, self.dead, self.cfg.recovery_policy)
         self._event("plan_chosen", plan_id=plan.plan_id if plan else 0, layout=chosen.summary())
         self._new_generation(chosen, f"fail-stop of ranks {sorted(ranks)}", plan)
 

@@ -121,20 +121,20 @@ class UnsupportedLayout(ValueError):
 
 
 def check_runnable(layout: Layout) -> None:
-    if layout.migrations:
-        raise UnsupportedLayout(
-            "stage-level micro-batch migrations are not implemented in the torch trainer"
-        )
+    layout.validate()  # among others: a (replica, stage) without devices has all work migrated
+    if any(layout.microbatches[m.dst_dp] <= 0 for m in layout.migrations):
+        raise UnsupportedLayout("micro-batches can only migrate to a replica that runs its own")
     for s in range(layout.pp):
-        degs = {len(layout.groups[d][s]) for d in range(layout.dp) if layout.microbatches[d] > 0}
+        degs = {
+            len(layout.groups[d][s])
+            for d in range(layout.dp)
+            if layout.microbatches[d] > 0 and layout.groups[d][s]
+        }
         if len(degs) > 1:
             raise UnsupportedLayout(
                 f"stage {s} has TP degrees {sorted(degs)} across replicas; DP gradient "
                 "all-reduce between differently sharded replicas is not implemented"
             )
-        for d in range(layout.dp):
-            if not layout.groups[d][s] and layout.microbatches[d] > 0:
-                raise UnsupportedLayout(f"replica {d} stage {s} has no devices")
 
 
 @dataclass

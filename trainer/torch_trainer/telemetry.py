@@ -13,6 +13,7 @@ so only on CPU; -1 on GPU).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -20,6 +21,20 @@ import numpy as np
 import torch
 
 from resihp.schemas import CHUNK_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
+
+
+def _costed(fn):
+    """Account the caller-side time of a telemetry call in ``self.cost_s``."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.cost_s += time.perf_counter() - t0
+
+    return wrapper
 
 
 class RankTelemetry:
@@ -41,6 +56,7 @@ class RankTelemetry:
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self.paused = False  # A/B overhead measurement: skip chunk recording
+        self.cost_s = 0.0  # time the training thread spent in telemetry calls
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +96,7 @@ class RankTelemetry:
             self._hb_thread.join(timeout=2)
 
     # --------------------------------------------------------------- chunks
+    @_costed
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
         self.n = 0
@@ -89,6 +106,7 @@ class RankTelemetry:
             self._anchor = (torch.cuda.Event(enable_timing=True), time.time())
             self._anchor[0].record()
 
+    @_costed
     def begin(self):
         if not self.enabled:
             return None
@@ -98,6 +116,7 @@ class RankTelemetry:
             return ev
         return time.perf_counter()
 
+    @_costed
     def end(self, token, kind: ChunkKind, microbatch: int, tp_comm_s: float = 0.0, src_dp=-1):
         if token is None:
             return
@@ -123,6 +142,7 @@ class RankTelemetry:
             row["compute_s"] = max(0.0, t1 - token - tp_comm_s)
         self.n += 1
 
+    @_costed
     def mb_stats(self, iteration: int, dp: int, microbatch: int, mb) -> None:
         if self.producer is None or self.paused:
             return
@@ -139,6 +159,7 @@ class RankTelemetry:
             )
         )
 
+    @_costed
     def flush(self) -> np.ndarray:
         """Hand this iteration's rows to the producer; returns them."""
         if not self.n:

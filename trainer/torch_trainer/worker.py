@@ -125,6 +125,7 @@ class Worker:
 
             self.cursor = ScenarioCursor(load_scenario(cfg.scenario))
         self.t_start = time.time()
+        self.tel_cost_prev_s = 0.0  # telemetry calls' cost in the previous iteration
         self.scn_compute_stretch = 1.0  # from slow_device events
         self.scn_link_delay_s = 0.0  # from slow_link events
 
@@ -346,6 +347,7 @@ class Worker:
             if self.cursor is not None:
                 self._apply_scenario(it)
             self.tel.paused = cfg.telemetry_ab and it % 2 == 1
+            tel_c0 = self.tel.cost_s
             if engine is not None:
                 flag = (
                     cfg.slow_factor
@@ -367,7 +369,9 @@ class Worker:
             t = torch.tensor(
                 [contrib, switch, it_time], dtype=torch.float64, device=self.comm_device
             )
-            t2 = t[2:].clone()
+            t2 = torch.tensor(
+                [it_time, self.tel_cost_prev_s], dtype=torch.float64, device=self.comm_device
+            )
             w1 = dist.all_reduce(t[:2], async_op=True)
             w2 = dist.all_reduce(t2, op=dist.ReduceOp.MAX, async_op=True)
             wait_work(w1)
@@ -379,6 +383,8 @@ class Worker:
             self.steps_done = it + 1
             if engine is not None:
                 self.tel.flush()
+                # Telemetry cost of this iteration (reported with the next commit).
+                self.tel_cost_prev_s = self.tel.cost_s - tel_c0
             if pg0:
                 with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
                     f.write(
@@ -387,6 +393,7 @@ class Worker:
                                 "iteration": it,
                                 "loss": float(t[0]),
                                 "iteration_time_s": float(t2[0]),
+                                "telemetry_cost_prev_s": float(t2[1]),
                                 "generation": gen,
                                 "layout_id": layout.layout_id,
                                 "wall_time_s": time.time(),
