@@ -10,7 +10,8 @@ loads with live data, an unauthenticated Acknowledge is refused and publishes
 nothing, an operator logs in, an override with an infeasible partition shows
 the scheduler's refusal, Acknowledge changes the plan's state in Redis, and the
 incident export downloads a file that contains the recovery timeline.
-Screenshots of every page go to artifacts/screenshots/ (and two to docs/img/).
+Screenshots of every page go to artifacts/screenshots/ (the 16k-GPU skew heatmap also to
+docs/img/; test_dashboard_stack.py adds the pipeline timeline).
 """
 
 from __future__ import annotations
@@ -282,5 +283,4 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
     assert not errors, errors
     img = ROOT / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
-    shutil.copy(SHOTS / "pipeline_timeline.png", img / "dashboard-pipeline-timeline.png")
     shutil.copy(SHOTS / "skew_heatmap_16k.png", img / "dashboard-skew-heatmap.png")
