@@ -13,7 +13,7 @@ import torch
 
 from resihp.topology import Layout
 from trainer.data.corpus import IGNORE_INDEX, PackedCorpus
-from trainer.torch_trainer.launcher import local_plan, migrate_plan, restore_plan
+from trainer.torch_trainer.launcher import local_plan, migrate_plan, restore_plan, shrink_tp_plan
 from trainer.torch_trainer.model import ModelConfig, StageModule
 from trainer.torch_trainer.parallel import UnsupportedLayout
 from trainer.torch_trainer.schedule import actions
@@ -192,3 +192,10 @@ def test_restore_plan_brings_back_replica_of_rejoined_ranks():
     assert up.groups == lay.groups and up.microbatches == [3, 3] and not up.dead
     still = restore_plan(down, lay, alive={0, 2, 3})  # rank 1 not back: nothing to restore
     assert still.groups == down.groups and 3 in still.standby
+
+
+def test_shrink_tp_plan_keeps_power_of_two_survivors():
+    lay = Layout.uniform(4, 1, 2, num_layers=2, num_microbatches=2)
+    new = shrink_tp_plan(lay, {1})
+    assert new.groups[0][0] == [0, 2] and new.standby == [3] and new.groups[1][0] == [4, 5, 6, 7]
+    assert local_plan(lay, {1}, "shrink_tp").groups == new.groups

@@ -51,7 +51,8 @@ class TrainConfig:
     plan_wait_s: float = 5.0  # after a death: wait this long for a scheduler plan
     kill_rank: int = -1
     kill_at_iteration: int = -1
-    recovery_policy: str = "exclude_replica"  # local plan on a death: exclude_replica | migrate
+    # local plan on a death (no scheduler plan): exclude_replica | migrate | shrink_tp
+    recovery_policy: str = "exclude_replica"
     rejoin_at_iteration: int = -1  # restart the dead ranks once training reaches it
     slow_rank: int = -1
     slow_factor: float = 1.0
@@ -81,9 +82,10 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"dtype must be float32|float64|bfloat16, got {self.dtype!r}")
-        if self.recovery_policy not in ("exclude_replica", "migrate"):
+        if self.recovery_policy not in ("exclude_replica", "migrate", "shrink_tp"):
             raise ValueError(
-                f"recovery_policy must be exclude_replica or migrate, got {self.recovery_policy!r}"
+                "recovery_policy must be exclude_replica, migrate or shrink_tp, "
+                f"got {self.recovery_policy!r}"
             )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, got {self.backend!r}")

@@ -23,7 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from resihp.schemas import ChunkKind
 
-from .model import StageModule, WeightGradStore, microbatch_loss
+from .model import StageModule, WeightGradStore, microbatch_loss, shard_dim, take_shard
 from .parallel import Groups, Transfer, wait_work
 from .schedule import actions
 from .telemetry import RankTelemetry
@@ -180,6 +180,9 @@ class StageEngine:
                 p.grad = torch.zeros_like(p)
         if self.g.dp_size < 2:
             return
+        if self.g.dp_mixed:
+            self._allreduce_mixed()
+            return
         tok = self.tel.begin()
         flat = _flatten_dense_tensors([p.grad for p in params]).to(self.comm_device)
         wait_work(dist.all_reduce(flat, group=self.g.dp_group, async_op=True))
@@ -188,4 +191,28 @@ class StageEngine:
             params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True
         ):
             p.grad.copy_(synced)
+        self.tel.end(tok, ChunkKind.ALLREDUCE, 0)
+
+    def _allreduce_mixed(self) -> None:
+        """DP all-reduce when replicas shard this stage with different TP degrees:
+        every rank contributes its replica's full gradient / its TP degree, then
+        keeps its own shard of the sum."""
+        tok = self.tel.begin()
+        tp = self.module.tp
+        named = sorted(self.module.named_parameters())
+        fulls = []
+        for name, p in named:
+            g = p.grad
+            d = shard_dim(name)
+            if d is not None and tp.size > 1:
+                src = g.contiguous().to(self.comm_device)
+                parts = [torch.empty_like(src) for _ in range(tp.size)]
+                wait_work(dist.all_gather(parts, src, group=tp.group, async_op=True))
+                g = torch.cat(parts, dim=d).to(self.device)
+            fulls.append(g / tp.size)
+        flat = _flatten_dense_tensors(fulls).to(self.comm_device)
+        wait_work(dist.all_reduce(flat, group=self.g.dp_group, async_op=True))
+        flat = flat.to(self.device)
+        for (name, p), full in zip(named, _unflatten_dense_tensors(flat, fulls), strict=True):
+            p.grad.copy_(take_shard(full, name, tp.size, tp.rank))
         self.tel.end(tok, ChunkKind.ALLREDUCE, 0)

@@ -111,8 +111,37 @@ def migrate_plan(layout: Layout, dead: set[int]) -> Layout:
     return new
 
 
+def shrink_tp_plan(layout: Layout, dead: set[int]) -> Layout:
+    """§6.1-style: a TP group that lost ranks keeps running on the largest
+    power of two of its survivors (its state is resharded on the move)."""
+    new = layout.copy()
+    new.dead = sorted(set(new.dead) | dead)
+    new.layout_id = layout.layout_id + 1
+    for d in range(layout.dp):
+        for s in range(layout.pp):
+            grp = layout.groups[d][s]
+            if not set(grp) & dead:
+                continue
+            alive = [r for r in grp if r not in dead]
+            if not alive:
+                raise UnsupportedLayout(f"replica {d} stage {s} has no surviving rank")
+            k = 1
+            while k * 2 <= len(alive):
+                k *= 2
+            new.groups[d][s] = alive[:k]
+            new.standby = sorted(set(new.standby) | set(alive[k:]))
+    new.validate()
+    check_runnable(new)
+    return new
+
+
 def local_plan(layout: Layout, dead: set[int], policy: str = "exclude_replica") -> Layout:
     """The launcher's own plan when no scheduler plan is available."""
+    if policy == "shrink_tp":
+        try:
+            return shrink_tp_plan(layout, dead)
+        except UnsupportedLayout as e:
+            print(f"[launcher] TP shrink not possible ({e}); excluding the replica", flush=True)
     if policy == "migrate" and layout.dp > 1:
         try:
             return migrate_plan(layout, dead)
@@ -133,18 +162,8 @@ def local_plan(layout: Layout, dead: set[int], policy: str = "exclude_replica") 
         new.standby = sorted(set(new.standby) | set(lost))
         new.migrations = []
     else:
-        # Every replica lost a rank: shrink the TP degree of each hit stage to the
-        # largest power of two of its survivors (state is resharded on the move).
-        for d in range(layout.dp):
-            for s in range(layout.pp):
-                alive = [r for r in layout.groups[d][s] if r not in dead]
-                k = 1
-                while k * 2 <= len(alive):
-                    k *= 2
-                if not alive:
-                    raise UnsupportedLayout(f"replica {d} stage {s} has no surviving rank")
-                new.groups[d][s] = alive[:k]
-                new.standby = sorted(set(new.standby) | set(alive[k:]))
+        # Every replica lost a rank: shrink the TP degree of each hit stage.
+        return shrink_tp_plan(layout, dead)
     new.validate()
     check_runnable(new)
     return new

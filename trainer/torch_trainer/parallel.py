@@ -124,17 +124,6 @@ def check_runnable(layout: Layout) -> None:
     layout.validate()  # among others: a (replica, stage) without devices has all work migrated
     if any(layout.microbatches[m.dst_dp] <= 0 for m in layout.migrations):
         raise UnsupportedLayout("micro-batches can only migrate to a replica that runs its own")
-    for s in range(layout.pp):
-        degs = {
-            len(layout.groups[d][s])
-            for d in range(layout.dp)
-            if layout.microbatches[d] > 0 and layout.groups[d][s]
-        }
-        if len(degs) > 1:
-            raise UnsupportedLayout(
-                f"stage {s} has TP degrees {sorted(degs)} across replicas; DP gradient "
-                "all-reduce between differently sharded replicas is not implemented"
-            )
 
 
 @dataclass
@@ -151,6 +140,7 @@ class Groups:
     tp: TPComm = field(default_factory=TPComm)
     dp_group: object = None
     dp_size: int = 1
+    dp_mixed: bool = False  # replicas of this stage have different TP degrees
     all_groups: list = field(default_factory=list)
 
     def pg_rank(self, layout_rank: int) -> int:
@@ -189,7 +179,17 @@ def build_groups(
         reps = [d for d in range(layout.dp) if layout.microbatches[d] > 0 and layout.groups[d][s]]
         if not reps:
             continue
-        deg = len(layout.groups[reps[0]][s])
+        degs = {len(layout.groups[d][s]) for d in reps}
+        if len(degs) > 1:
+            # Replicas shard this stage differently (a TP degree changed): one group
+            # over all their ranks; gradients are reduced at full size (engine).
+            ranks = [r for d in reps for r in layout.groups[d][s]]
+            pg = dist.new_group([g.pg_rank(r) for r in ranks], timeout=to)
+            g.all_groups.append(pg)
+            if g.active and g.stage == s:
+                g.dp_group, g.dp_size, g.dp_mixed = pg, len(reps), True
+            continue
+        deg = degs.pop()
         for t in range(deg):
             ranks = [layout.groups[d][s][t] for d in reps]
             if len(ranks) < 2:
