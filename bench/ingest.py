@@ -88,9 +88,12 @@ def _producer(url: str, layout_d: dict, n_iters: int, depth: int, hb_per_iter: i
     slices = 32
     t_first = None
     cpu0 = time.process_time()
+    depth_wait_s = 0.0
     for it in range(n_iters):
+        t_wait = time.time()
         while client.xlen(keys.iterations) < it - depth + 1:
             time.sleep(0.002)
+        depth_wait_s += time.time() - t_wait
         rows = template.copy()
         rows["iteration"] = it
         rows["start_s"] += it * span
@@ -113,6 +116,8 @@ def _producer(url: str, layout_d: dict, n_iters: int, depth: int, hb_per_iter: i
         {
             "t_first": t_first,
             "producer_cpu_s": time.process_time() - cpu0,
+            "producer_wall_s": time.time() - t_first,
+            "depth_wait_s": depth_wait_s,
             "dropped_total": p.dropped_total,
             "sent_total": p.sent_total,
         }
@@ -226,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         f"collector CPU    : {collector_cpu_s:.2f} s = {collector_cpu_s / max(events, 1) * 1e6:.2f} us/event"
     )
     print(f"collector reading: {read_wall[0]:.2f} s wall inside XREADGROUP + decode")
-    print(f"producer CPU     : {info['producer_cpu_s']:.2f} s, dropped {info['dropped_total']}")
+    print(
+        f"producer         : {info['producer_cpu_s']:.2f} s CPU in {info['producer_wall_s']:.2f} s, "
+        f"{info['depth_wait_s']:.2f} s of it waiting for the collector; dropped {info['dropped_total']}"
+    )
     print(f"redis-server CPU : {redis_cpu_s:.2f} s")
     print(f"load average     : {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine)")
     print(f"heartbeats       : {hb_total:,} judged by the collector in the same run")
