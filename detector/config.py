@@ -88,6 +88,8 @@ class DetectorConfig:
     confirm_iters: int = 2
     #: Smallest relative per-chunk slowdown treated as a shift at all.
     min_chunk_shift: float = 0.03
+    #: ... and it must be at least this many noise standard deviations.
+    sigma_shift: float = 4.0
     #: Floor of the per-group residual noise (log-ratio standard deviation).
     min_noise_sigma: float = 0.005
     #: A slow device has recovered when its residual slowdown is below this
@@ -151,6 +153,7 @@ class DetectorConfig:
             "screen_k_sigma",
             "screen_h_sigma",
             "min_chunk_shift",
+            "sigma_shift",
             "min_noise_sigma",
             "recovery_shift",
             "gh_mean_shift",

@@ -52,6 +52,7 @@ class Detector:
         self.health_dirty: set[int] = set()
         self._seq = itertools.count(1)
         self.last_iteration = -1
+        self._last_layout_id: int | None = None
         self.last_time_s = 0.0
 
     # ------------------------------------------------------------- control
@@ -121,9 +122,11 @@ class Detector:
 
     def _iteration(self, rec: IterationRecord, now_s: float | None) -> list[FailureReport]:
         self.stats.iterations_total += 1
-        if rec.iteration <= self.last_iteration:
+        if rec.iteration <= self.last_iteration and rec.layout_id == self._last_layout_id:
+            # late or duplicate (a restart from a checkpoint comes with a new layout id)
             self.stats.stale_total += 1
             return []
+        self._last_layout_id = rec.layout_id
         v = IterationView.from_record(rec)
         self.stats.duplicate_chunks_total += v.duplicates_total
         self.stats.unusable_chunks_total += v.unusable_total

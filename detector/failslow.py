@@ -162,6 +162,21 @@ class FailSlowDetector:
             for d, stages in enumerate(layout.groups):
                 for s, grp in enumerate(stages):
                     self.group_ranks[(d, s)] = list(grp)
+            # A slow device the scheduler moved or set aside is no longer what its
+            # old group's timings measure: stop judging its recovery from them
+            # (a re-join still reports it).
+            for st in self.slow.values():
+                if st.group is not None and not set(st.ranks) <= set(
+                    self.group_ranks.get(st.group, [])
+                ):
+                    st.group = None
+                if st.pair is not None:
+                    d, lo = st.pair
+                    ends = set(self.group_ranks.get((d, lo), [])) | set(
+                        self.group_ranks.get((d, lo + 1), [])
+                    )
+                    if not set(st.ranks) & ends:
+                        st.link = st.pair = None
 
     def pause_for_failstop(self, hold_iters: int = 20) -> None:
         """Fail-stop first: no fail-slow verdicts until the job is reconfigured."""
@@ -202,7 +217,7 @@ class FailSlowDetector:
     # ------------------------------------------------------------- main
     def process(self, v: IterationView) -> list[Finding]:
         self.stats.records_total += 1
-        if v.iteration <= self.last_iteration:
+        if v.iteration <= self.last_iteration and v.layout_id == self._layout_id:
             return []  # duplicate or late record: its iteration was already judged
         self.last_iteration = v.iteration
         if self._layout_id is None:
@@ -297,6 +312,13 @@ class FailSlowDetector:
             if g in slow and g in self.mu:
                 continue
             self.mu[g], self.sigma[g] = _robust(xs, floor)
+        # Every group's residual has the same noise sources (kernel jitter, eq.-1
+        # misfit); a 20-point estimate can come out low by chance, so no group
+        # is trusted below 80 % of the typical one.
+        if self.sigma:
+            typical = float(np.median(list(self.sigma.values())))
+            for g in self.sigma:
+                self.sigma[g] = max(self.sigma[g], 0.8 * typical)
         for k, xs in cres.items():
             if any(s.link == k for s in self.slow.values()) and k in self.comm_mu:
                 continue
@@ -341,7 +363,7 @@ class FailSlowDetector:
             self.mu[g], self.sigma[g] = mu0, sd0
             det = self.gdet.setdefault(g, self._new_det(direction=0))
             det.set_baseline(mu0, sd0)
-            if not xs:
+            if not xs or not self.cfg.failslow_enabled:
                 continue
             after = float(np.median(xs))
             cp = ChangePoint(views[0].iteration, mu0, after, len(xs), 1, v.iteration)
@@ -423,7 +445,9 @@ class FailSlowDetector:
             if det is None:  # a group that appeared after warm-up (new layout part)
                 det = self.gdet[g] = self._new_det(direction=0)
                 det.set_baseline(self.mu.setdefault(g, 0.0), self.sigma.setdefault(g, 0.02))
-            cp = det.push(v.iteration, val, min_shift)
+            # a shift must also stand out of the noise: >= sigma_shift noise sigmas
+            need = max(min_shift, cfg.sigma_shift * self.sigma.get(g, 0.0))
+            cp = det.push(v.iteration, val, need)
             if cp is not None and cp.direction > 0:
                 self.stats.chunk_changepoints_total += 1
                 candidates.append(("compute", g, cp))
@@ -446,7 +470,18 @@ class FailSlowDetector:
             )
             if icp is not None:
                 self.stats.iteration_changepoints_total += 1
-                findings += self._iteration_changepoint(icp, x, c, rr, v)
+                if cfg.failslow_enabled:
+                    findings += self._iteration_changepoint(icp, x, c, rr, v)
+                else:
+                    self.idet.rebase(icp.iteration, center=icp.mean_after)
+        if not cfg.failslow_enabled:
+            # switched off: no validations and no new slow states (they would
+            # otherwise never be reported once switched back on)
+            for what, key, cp in candidates:
+                det = (self.gdet if what == "compute" else self.cdet).get(key)
+                if det is not None:
+                    det.rebase(cp.iteration, center=cp.mean_after)
+            candidates = []
 
         # Concurrent shifts (one slow NIC slows its TP collectives and both of
         # its pipeline links) are costed together: each alone may hide in the
@@ -600,7 +635,19 @@ class FailSlowDetector:
             g: Group = key
             base = self.mu.get(g, 0.0)
             factor = float(np.exp(cp.mean_after - base))
-            already = any(s.group == g for s in self.slow.values())
+            # the group, or every rank it would name, is already known slow
+            members = set(self.group_ranks.get(g, []))
+            known = (
+                set().union(*(set(st.ranks) for st in self.slow.values())) if self.slow else set()
+            )
+            already = any(st.group == g for st in self.slow.values()) or (
+                bool(members) and members <= known
+            )
+            if not already and members & known:
+                for st in self.slow.values():  # re-attach a moved slow device to its new group
+                    if st.group is None and set(st.ranks) <= members:
+                        st.group = g
+                        already = True
             if already:
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
