@@ -262,11 +262,14 @@ def publish_big_job(r, job_id: str = "big", slow_rank: int = 12345, dead_rank: i
             p, st = 0.0, "dead"
         health[str(k)] = json.dumps({"p": p, "state": st})
     r.hset(keys.device_health, mapping=health)
+    touch_heartbeats(r, keys, layout.num_nodes, dead_node=dead_rank // 8, now=now)
+    return {"keys": keys, "layout": layout, "slow_rank": slow_rank, "dead_rank": dead_rank}
+
+
+def touch_heartbeats(r, keys: JobKeys, num_nodes: int, dead_node: int, now: float | None = None):
+    """Every node heard 0.2 s ago, as the collector keeps it, except the dead one (30 s)."""
+    now = time.time() if now is None else now
     r.hset(
         keys.node_heartbeat,
-        mapping={
-            str(n): repr(now - (30.0 if n == dead_rank // 8 else 0.2))
-            for n in range(layout.num_nodes)
-        },
+        mapping={str(n): repr(now - (30.0 if n == dead_node else 0.2)) for n in range(num_nodes)},
     )
-    return {"keys": keys, "layout": layout, "slow_rank": slow_rank, "dead_rank": dead_rank}

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dashboard_scenario import publish_big_job, publish_job  # noqa: E402
+from dashboard_scenario import publish_big_job, publish_job, touch_heartbeats  # noqa: E402
 
 from resihp import bus  # noqa: E402
 from resihp.redis_client import free_port  # noqa: E402
@@ -71,7 +71,7 @@ def stack(r, redis_server, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
     sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
-    publish_big_job(r, "big")  # a second job in the same Redis: 16,384 GPUs
+    sc["big"] = publish_big_job(r, "big")  # a second job in the same Redis: 16,384 GPUs
     env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
     procs = []
     logs = []
@@ -190,6 +190,8 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         page.screenshot(path=str(SHOTS / "skew_heatmap.png"), full_page=True)
 
         # Job selector: the 16,384-GPU job, aggregated 32 nodes per row; drill into a group.
+        big = sc["big"]
+        touch_heartbeats(r, big["keys"], big["layout"].num_nodes, big["dead_rank"] // 8)
         page.click("#job")
         page.get_by_role("option", name="big").click()
         where = page.locator("#sk-where")
