@@ -273,3 +273,57 @@ def test_garbage_columns_do_not_crash():
     rec.ranks = {"rank": [0, 1], "compute_s": [float("nan"), -3.0]}
     assert det.handle(rec) == []
     assert _run(det, job, 20) == []
+
+
+def test_swapped_out_slow_device_is_not_reported_recovered():
+    lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8, devices_per_node=32)
+    lay.world_size = 18
+    lay.standby = [16, 17]
+    lay.validate()
+    victim = lay.groups[0][1][1]
+    job = SyntheticJob(lay, seed=23)
+    det = Detector(DetectorConfig(), layout=lay)
+    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 1.8})})
+    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    # the scheduler swaps the slow device for a standby one
+    lay2 = copy.deepcopy(lay)
+    lay2.groups[0][1][1] = 16
+    lay2.standby = [victim, 17]
+    lay2.layout_id = 1
+    lay2.validate()
+    job.layout = lay2
+    job.dag = type(job.dag).from_layout(lay2)
+    det.set_layout(lay2)
+    reps = _run(det, job, 30)
+    assert reps == []  # neither "recovered" nor re-reported
+    assert det.health[victim]["state"] == "slow"
+
+
+def test_failslow_switched_off_then_on_still_reports():
+    job = SyntheticJob(LAY, seed=24)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[1][3][0]
+    _run(det, job, 30)
+    det.set_config(det.config.replace(failslow_enabled=False))
+    assert _run(det, job, 10, {2: lambda j: j.rank_slow.update({victim: 1.8})}) == []
+    det.set_config(det.config.replace(failslow_enabled=True))
+    job.rank_slow[victim] = 1.0
+    _run(det, job, 6)
+    job.rank_slow[victim] = 1.8
+    reps = _run(det, job, 5)
+    assert [r.ranks for r in reps] == [[victim]]
+
+
+def test_restart_from_checkpoint_with_new_layout_is_not_stale():
+    job = SyntheticJob(LAY, seed=25)
+    det = Detector(DetectorConfig(), layout=LAY)
+    _run(det, job, 40)
+    lay2 = copy.deepcopy(LAY)
+    lay2.layout_id = 3
+    job.layout = lay2
+    det.set_layout(lay2)
+    job.iteration = 30  # resumed from the checkpoint of iteration 30
+    before = det.stats.stale_total
+    _run(det, job, 20)
+    assert det.stats.stale_total == before
+    assert det.failslow.ready  # re-warmed on the new layout's records
