@@ -16,7 +16,9 @@ Choices where the issue is silent: the incident id is the FailureReport's
 ``last_seen_s``, else the reported iteration); "throughput recovered" is the
 first iteration after the plan was applied (or after detection when no plan
 was applied) from which the median of three consecutive iterations reaches
-``recovery_fraction`` of the pre-onset median, or a ``recovery`` report on the
+``recovery_fraction`` of the pre-onset median (or of the rate the applied plan
+predicted, when that is lower: a slow device worked around, not repaired), or a
+``recovery`` report on the
 same ranks, whichever comes first.  Iterations are placed on the wall clock by
 their publish time (stream entry id), because failures, plans and actions are
 stamped with wall time while records carry the trainer's clock.
@@ -235,14 +237,25 @@ def build_incident(
     recovered_t, recovered_detail = None, ""
     start = applied_t if applied_t is not None else f.detected_at_s
     if baseline:
+        target, what = recovery_fraction * baseline, "pre-failure throughput"
+        # A plan that works around a device still slow cannot restore the healthy rate;
+        # reaching what the applied plan promised (its predicted speed-up over the degraded
+        # rate) also counts as recovered.
+        degraded = _median(
+            [r["samples_per_s"] for r in rows if onset < r["wall_end_s"] <= start][-20:]
+        )
+        if applied_snap is not None and degraded and applied_snap.predicted_after_s > 0:
+            promised = degraded * applied_snap.predicted_before_s / applied_snap.predicted_after_s
+            if promised < baseline:
+                target = recovery_fraction * promised
+                what = f"the rate plan {applied_snap.plan_id} predicted"
         after_rows = [r for r in rows if r["wall_start_s"] >= start]
         for i in range(len(after_rows) - 2):
             win = [r["samples_per_s"] for r in after_rows[i : i + 3]]
-            if statistics.median(win) >= recovery_fraction * baseline:
+            if statistics.median(win) >= target:
                 recovered_t = after_rows[i]["wall_end_s"]
                 recovered_detail = (
-                    f"iteration {after_rows[i]['iteration']}: "
-                    f">= {recovery_fraction:.0%} of pre-failure throughput"
+                    f"iteration {after_rows[i]['iteration']}: >= {recovery_fraction:.0%} of {what}"
                 )
                 break
     rec = next(

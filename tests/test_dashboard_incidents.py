@@ -99,3 +99,58 @@ def test_report_export_cli(r, redis_server, tmp_path):
     cmd[cmd.index("fr-slow-1")] = "missing"
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "no failure report 'missing'" in res.stderr
+
+
+def test_recovered_means_reaching_what_the_applied_plan_promised():
+    from resihp.schemas import AdaptationPlan, FailureReport
+
+    rows, t = [], 1000.0
+    for i in range(50):
+        rate = 100.0 if i < 30 else (60.0 if i < 40 else 80.0)  # slow, then partly mitigated
+        dur = 10.0 / rate
+        rows.append(
+            {
+                "iteration": i,
+                "iteration_time_s": dur,
+                "start_s": t,
+                "end_s": t + dur,
+                "samples_per_s": rate,
+                "published_s": t + dur,
+            }
+        )
+        t += dur
+    at = {r["iteration"]: r["published_s"] for r in rows}
+    f = FailureReport(
+        report_id="x",
+        kind="fail_slow_compute",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=at[32],
+        iteration=32,
+        evidence={"change_point": 30},
+    )
+    lay = {"layers": [4, 4], "groups": [[[0], [1]]]}
+
+    def snap(state, when, after_s=0.75):
+        return AdaptationPlan(
+            plan_id=1,
+            state=state,
+            created_at_s=at[33],
+            updated_at_s=when,
+            reason="r",
+            before=lay,
+            after=lay,
+            predicted_before_s=1.0,
+            predicted_after_s=after_s,
+            failure_ids=["x"],
+        )
+
+    hist = [snap("proposed", at[33]), snap("acknowledged", at[35]), snap("applied", at[39])]
+    inc = incidents.build_incident("j", "x", [f], hist, [], rows)
+    rec = inc.phase_rows()[-1]
+    assert inc.status == "recovered" and "plan 1 predicted" in rec["detail"]
+    assert rec["at_s"] == pytest.approx(at[40])
+    assert inc.phases[0].at_s == pytest.approx(at[29])  # onset: the change point's start
+    # A plan promising more than was reached: not recovered.
+    hist[-1] = snap("applied", at[39], after_s=0.5)
+    assert incidents.build_incident("j", "x", [f], hist, [], rows).status == "open"
