@@ -312,6 +312,9 @@ def plan(
                 if item[0] < best[0] - 1e-12:
                     best = item
     t_after, after, mig_moves = best
+    # The local search scores layer vectors on one fixed chunk order; the final
+    # number re-times migrated chunks at the chosen partition (what the engine runs).
+    t_after = predictor.iteration_s(after, p)
     if runnable and t_after >= before_s and opt.layers is None and not opt.keep and not opt.drop:
         return PlanResult(
             layout.copy(),

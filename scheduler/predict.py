@@ -39,6 +39,7 @@ class Predictor:
     memory: MemoryModel = field(init=False)
     cost: CostModel = field(init=False)
     _dags: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
+    _retimed: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.memory = MemoryModel.for_model(self.model, self.seq_len, self.device_mem_gb)
@@ -136,6 +137,30 @@ class Predictor:
             self._dags.move_to_end(key)
         return dag
 
+    def _timed(self, layout: Layout, p: dict[int, float]):
+        """(DAG, chunk costs, edge costs) with migrated chunks placed by projected arrival.
+
+        The engine's re-timing pre-pass (``PipelineDAG.retimed``) needs the
+        costs; its result is cached on the structure and the cost vector.
+        """
+        dag = self.dag(layout)
+        cost = self.cost.chunk_costs(dag, layout, self.seq_len, self._sq, p)
+        edges = self.cost.edge_costs(dag, layout)
+        if not dag.has_migrations:
+            return dag, cost, edges
+        key = (id(dag), hash(cost.tobytes()), hash(edges.tobytes()))
+        hit = self._retimed.get(key)
+        if hit is not None and hit[0] is dag:
+            self._retimed.move_to_end(key)
+            return hit[1], hit[2], hit[3]
+        rd = dag.retimed(cost, edges)
+        rc = self.cost.chunk_costs(rd, layout, self.seq_len, self._sq, p)
+        re_ = self.cost.edge_costs(rd, layout)
+        self._retimed[key] = (dag, rd, rc, re_)
+        if len(self._retimed) > 64:
+            self._retimed.popitem(last=False)
+        return rd, rc, re_
+
     def iteration_s(
         self, layout: Layout, p: dict[int, float], allreduce_replicas: int | None = None
     ) -> float:
@@ -146,9 +171,7 @@ class Predictor:
         """
         if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
             return float("inf")
-        dag = self.dag(layout)
-        cost = self.cost.chunk_costs(dag, layout, self.seq_len, self._sq, p)
-        edges = self.cost.edge_costs(dag, layout)
+        dag, cost, edges = self._timed(layout, p)
         if allreduce_replicas and allreduce_replicas > layout.dp:
             wide = copy.copy(layout)
             wide.groups = [layout.groups[0]] * allreduce_replicas
@@ -166,7 +189,7 @@ class Predictor:
         """
         if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
             return lambda Lm: np.full(len(Lm), np.inf)
-        dag = self.dag(layout)
+        dag, _, edges = self._timed(layout, p)
         one, two = copy.copy(layout), copy.copy(layout)
         one.layers = [1] * layout.pp
         two.layers = [2] * layout.pp
@@ -175,7 +198,6 @@ class Predictor:
         a1, a2 = self.cost.allreduce_costs(one), self.cost.allreduce_costs(two)
         per, const = c2 - c1, 2 * c1 - c2
         ar_per, ar_const = a2 - a1, 2 * a1 - a2
-        edges = self.cost.edge_costs(dag, layout)
         stage = dag.chunk_stage
 
         def run(layer_vectors) -> np.ndarray:

@@ -342,3 +342,88 @@ def test_replicas_with_fewer_microbatches_run_their_own_schedule(kind):
             ]
             expect = [c for c in sched.order[s] if not (d == 0 and s == 2 and c[1] == 7)]
             assert run == expect, (d, s)
+
+
+def _slow_source_costs(dag, slow_dp=0, slow_stage=1, factor=1 / 0.6):
+    cost = _uniform_costs(dag, 1.0, 1.0, 1.0)
+    cost[(dag.chunk_dp == slow_dp) & (dag.chunk_stage == slow_stage)] *= factor
+    return cost
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zbh1"])
+def test_several_migrations_into_one_stage_do_not_stall_it(kind):
+    p, m = 4, 8
+    base = Layout.uniform(1, p, 2, 4 * p, m, schedule=kind)
+    plain = PipelineDAG.from_layout(base)
+    t_none = plain.evaluate(_slow_source_costs(plain)).iteration_time_s
+    for k in (2, 3):
+        lay = Layout.uniform(1, p, 2, 4 * p, m, schedule=kind)
+        lay.migrations = [Migration(1, 0, m - 1 - i, 1) for i in range(k)]
+        lay.validate()
+        logical = PipelineDAG.from_layout(lay)
+        t_logical = logical.evaluate(_slow_source_costs(logical)).iteration_time_s
+        dag = logical.retimed(_slow_source_costs(logical))
+        cost = _slow_source_costs(dag)
+        res = dag.evaluate(cost)
+        assert res.iteration_time_s == pytest.approx(dag.brute_force_iteration(cost))
+        # the slow source sheds work: the iteration gets shorter than doing nothing
+        assert res.iteration_time_s < t_none - 1.0, (k, res.iteration_time_s, t_none)
+        assert res.iteration_time_s <= t_logical + 1e-9
+        # the destination never idles waiting for a migrated chunk while one of its
+        # own chunks that runs later had already arrived (the stall of pinned orders)
+        ready = np.zeros(dag.num_chunks)
+        has = dag.pred_data >= 0
+        ready[has] = res.end_s[dag.pred_data[has]]
+        run = dag.device_chunks(1, 1)
+        for i in range(1, len(run)):
+            prev, c = run[i - 1], run[i]
+            if dag.chunk_src_dp[c] != 1 and res.start_s[c] > res.end_s[prev] + 1e-9:
+                later_local = [x for x in run[i + 1 :] if dag.chunk_src_dp[x] == 1]
+                assert all(ready[x] > res.end_s[prev] + 1e-9 for x in later_local), (k, i)
+    # three migrations now gain more than pinning them next to their local twins
+    assert res.iteration_time_s < t_logical - 1e-9
+
+
+def test_retimed_orders_are_valid_and_textbook_without_migrations():
+    rng = np.random.default_rng(5)
+    plain = PipelineDAG.from_layout(Layout.uniform(1, 4, 3, 8, 6, schedule="zbh1"))
+    assert plain.retimed(rng.uniform(0.5, 1.5, plain.num_chunks)) is plain
+    for _ in range(60):
+        p, dp, m = int(rng.integers(2, 5)), int(rng.integers(2, 4)), int(rng.integers(1, 7))
+        kind = ["gpipe", "1f1b", "zbh1"][int(rng.integers(3))]
+        lay = Layout.uniform(1, p, dp, p, m, schedule=kind)
+        migs = {}
+        for _ in range(int(rng.integers(1, 8))):
+            s, d, e = int(rng.integers(p)), int(rng.integers(dp)), int(rng.integers(dp))
+            if e != d:
+                migs[(s, d, int(rng.integers(m)))] = e
+        lay.migrations = [Migration(s, d, j, e) for (s, d, j), e in migs.items()]
+        lay.validate()
+        logical = PipelineDAG.from_layout(lay)
+        speed = rng.uniform(0.3, 1.0, (dp, p))
+        cost0 = (
+            rng.uniform(0.5, 1.5, logical.num_chunks) / speed[logical.chunk_dp, logical.chunk_stage]
+        )
+        dag = logical.retimed(cost0, rng.uniform(0.0, 0.2, logical.num_edges))
+        assert dag.num_chunks == logical.num_chunks
+        cost = rng.uniform(0.1, 1.0, dag.num_chunks)
+        edge = rng.uniform(0.0, 0.1, dag.num_edges)
+        res = dag.evaluate(cost, edge)
+        assert res.pipeline_time_s == pytest.approx(dag.brute_force_iteration(cost, edge))
+        sched = build_schedule(kind, p, m)
+        for d in range(dp):
+            for s in range(p):
+                ch = dag.device_chunks(d, s)
+                seen = {
+                    (int(dag.chunk_src_dp[c]), int(dag.chunk_mb[c]), int(dag.chunk_kind[c]))
+                    for c in ch
+                }
+                assert len(seen) == len(ch)
+                run = [
+                    ("FBW"[dag.chunk_kind[c]], int(dag.chunk_mb[c]))
+                    for c in ch
+                    if dag.chunk_src_dp[c] == d
+                ]
+                # local chunks keep the schedule's order (restricted to those not moved out)
+                gone = {(j) for (s2, d2, j) in migs if s2 == s and d2 == d}
+                assert run == [c for c in sched.order[s] if c[1] not in gone], (d, s)

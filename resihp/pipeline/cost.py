@@ -327,6 +327,11 @@ class CostModel:
         dag = self.dag_for(layout)
         cost = self.chunk_costs(dag, layout, token_budget, sum_sq_len, device_speed, link_speed)
         edges = self.edge_costs(dag, layout, link_speed)
+        if dag.has_migrations:
+            # migrated chunks run where they arrive under these costs (engine pre-pass)
+            dag = dag.retimed(cost, edges)
+            cost = self.chunk_costs(dag, layout, token_budget, sum_sq_len, device_speed, link_speed)
+            edges = self.edge_costs(dag, layout, link_speed)
         return dag.evaluate(cost, edges, self.allreduce_costs(layout, link_speed))
 
     def predict_iteration_s(

@@ -103,7 +103,7 @@ class _Compiled:
     gather.
     """
 
-    def __init__(self, replicas, layout: Layout, kind: str):
+    def __init__(self, replicas, layout: Layout, kind: str, prio: np.ndarray | None = None):
         self.replicas = list(replicas)
         p = layout.pp
         probe = build_schedule(kind, p, 1)
@@ -157,9 +157,14 @@ class _Compiled:
                 np.full(int(b_mid.sum()), EDGE_GRAD, np.int8),
             ]
         )
-        pred_res, dev_last, topo = _resource_order(
-            kind, p, max(counts, default=0), stage, exe, src, mb, kd
+        pred_res, dev_last, topo, lkey = _resource_order(
+            kind, p, max(counts, default=0), stage, exe, src, mb, kd, prio
         )
+        # Kept (in arithmetic chunk numbering) so a coupled component can be re-timed.
+        self.arith_pred = pred_data
+        self.arith_dev = exe * p + stage
+        self.arith_lkey = lkey
+        self.arith_moved = src != exe
         level = _levels_in_order(pred_data, pred_res, topo)
         if level is None:  # pragma: no cover - the logical clock below rules cycles out
             raise ValueError("pipeline DAG has a cycle")
@@ -168,6 +173,7 @@ class _Compiled:
         perm = np.argsort(level, kind="stable")
         inv = np.empty(n, dtype=np.int64)
         inv[perm] = np.arange(n)
+        self.perm = perm
         self.n = n
         self.stage = stage[perm]
         self.exec_dp = exe[perm]
@@ -239,7 +245,7 @@ class _Compiled:
         return t[:, :n]
 
 
-def _resource_order(kind, p, m_max, stage, exe, src, mb, kd):
+def _resource_order(kind, p, m_max, stage, exe, src, mb, kd, prio=None):
     """Every device's chunk order, from one logical clock shared by the whole component.
 
     Each chunk ``(kind, mb j, stage s)`` gets the start time ``L`` of the same
@@ -251,23 +257,125 @@ def _resource_order(kind, p, m_max, stage, exe, src, mb, kd):
     GPipe and 1F1B is the schedule of that count).  Every data and resource
     edge of the schedule moves forward in ``L`` and ties only join chunks of the
     same device in a fixed order, so no combination of migrations can deadlock.
+
+    ``prio`` (projected start times of a valid execution, see
+    :func:`_projected_starts`) is sorted on before ``L``: a data edge never
+    goes backward in projected time and always forward in ``L``, so the order
+    stays acyclic while migrated chunks sit where they actually arrive.
     """
     n = len(stage)
     pred_res = np.full(n, -1, dtype=np.int64)
     if n == 0:
-        return pred_res, {}, np.zeros(0, dtype=np.int64)
+        return pred_res, {}, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     lt = _logical_times(kind, p, m_max)
     lkey = lt[kd, mb, stage]
     dev = exe * p + stage
     moved = (src != exe).astype(np.int64)
-    order = np.lexsort((src, moved, lkey, dev))
+    if prio is None:
+        order = np.lexsort((src, moved, lkey, dev))
+        topo = np.lexsort((src, moved, lkey))
+    else:
+        order = np.lexsort((src, moved, lkey, prio, dev))
+        topo = np.lexsort((src, moved, lkey, prio))
     same = dev[order[1:]] == dev[order[:-1]]
     pred_res[order[1:][same]] = order[:-1][same]
     last = np.flatnonzero(np.r_[~same, True])
     dev_last = {divmod(int(dev[order[i]]), p): int(order[i]) for i in last}
-    # The same keys without the device: every edge moves forward, a topological order.
-    topo = np.lexsort((src, moved, lkey))
-    return pred_res, dev_last, topo
+    return pred_res, dev_last, topo, lkey
+
+
+def _projected_starts(c: _Compiled, cost: np.ndarray, in_cost: np.ndarray) -> np.ndarray | None:
+    """Start times of a list-scheduled run of component ``c`` (arithmetic numbering).
+
+    Each device keeps its own micro-batches in schedule order (the logical
+    clock restricted to local chunks).  Migrated-in chunks are not pinned:
+    whenever the device is free it runs, among the chunks that have arrived,
+    the one earliest on the logical clock, so a migrated chunk fills the gap
+    where it actually arrives instead of stalling the device until it does.
+    ``cost``/``in_cost``: chunk time and incoming P2P time per arithmetic id.
+    Returns None if the run cannot finish (cannot happen: every waiting chain
+    descends the logical clock).
+    """
+    import heapq
+
+    n = len(c.arith_pred)
+    pred = c.arith_pred
+    dev = c.arith_dev
+    lkey = c.arith_lkey
+    moved = c.arith_moved
+    has = pred >= 0
+    # at most two data successors per chunk
+    succ = np.full((n, 2), -1, dtype=np.int64)
+    srcs = np.flatnonzero(has)
+    tgt = pred[srcs]
+    o = np.argsort(tgt, kind="stable")
+    srcs, tgt = srcs[o], tgt[o]
+    first = np.r_[True, tgt[1:] != tgt[:-1]] if len(tgt) else np.zeros(0, bool)
+    succ[tgt[first], 0] = srcs[first]
+    succ[tgt[~first], 1] = srcs[~first]
+    ready = np.where(has, np.inf, 0.0).tolist()
+    succ_l = succ.tolist()
+    cost_l = np.asarray(cost, dtype=float).tolist()
+    inc_l = np.asarray(in_cost, dtype=float).tolist()
+    lk = lkey.tolist()
+    devs = np.unique(dev)
+    dpos = {int(d): i for i, d in enumerate(devs.tolist())}
+    dev_i = [dpos[d] for d in dev.tolist()]
+    nd = len(devs)
+    local: list[list[int]] = [[] for _ in range(nd)]
+    mig: list[list[int]] = [[] for _ in range(nd)]
+    for i in np.lexsort((lkey, dev)).tolist():
+        (mig if moved[i] else local)[dev_i[i]].append(i)
+    ptr = [0] * nd
+    free_at = [0.0] * nd
+    start = [0.0] * n
+    left = n
+    heap = [(0.0, i) for i in range(nd)]
+    while heap:
+        t, i = heapq.heappop(heap)
+        if t < free_at[i]:
+            continue
+        best = -1
+        best_key = None
+        nxt = np.inf
+        loc = local[i]
+        if ptr[i] < len(loc):
+            cl = loc[ptr[i]]
+            r = ready[cl]
+            if r <= t:
+                best, best_key = cl, (lk[cl], 0)
+            elif r < nxt:
+                nxt = r
+        for cm in mig[i]:
+            r = ready[cm]
+            if r <= t:
+                key = (lk[cm], 1)
+                if best_key is None or key < best_key:
+                    best, best_key = cm, key
+            elif r < nxt:
+                nxt = r
+        if best < 0:
+            if nxt < np.inf:
+                heapq.heappush(heap, (nxt, i))
+            continue  # woken when a predecessor is scheduled
+        if best_key[1]:
+            mig[i].remove(best)
+        else:
+            ptr[i] += 1
+        start[best] = t
+        end = t + cost_l[best]
+        free_at[i] = end
+        left -= 1
+        for s in succ_l[best]:
+            if s >= 0:
+                r = end + inc_l[s]
+                ready[s] = r
+                j = dev_i[s]
+                heapq.heappush(heap, (max(r, free_at[j]), j))
+        heapq.heappush(heap, (end, i))
+    if left:
+        return None
+    return np.asarray(start)
 
 
 def _levels_in_order(
@@ -395,6 +503,55 @@ class PipelineDAG:
     @classmethod
     def from_layout(cls, layout: Layout, schedule_kind: str | None = None) -> PipelineDAG:
         return cls(layout, schedule_kind)
+
+    @property
+    def has_migrations(self) -> bool:
+        return any(g.coupled for g in self.groups)
+
+    def retimed(
+        self, chunk_cost_s: np.ndarray, edge_cost_s: np.ndarray | None = None
+    ) -> PipelineDAG:
+        """This DAG with migrated chunks ordered by their projected arrival under these costs.
+
+        Components without migrations (the textbook schedules) are shared
+        unchanged.  In each component tied by migrations, a list-scheduled
+        pre-pass (:func:`_projected_starts`) decides where on the destination
+        each migrated chunk runs; the order is then fixed, so evaluating the
+        returned DAG with other costs stays a pure longest-path computation.
+        Chunk numbering inside those components changes: recompute costs for
+        the returned DAG.  Returns ``self`` when there is nothing to re-time.
+        """
+        if not self.has_migrations:
+            return self
+        cost = np.asarray(chunk_cost_s, dtype=float)
+        if cost.shape != (self.num_chunks,):
+            raise ValueError(f"chunk_cost_s has shape {cost.shape}, expected ({self.num_chunks},)")
+        ic = self._in_edge_cost(edge_cost_s, None)
+        if ic is None:
+            ic = np.zeros(self.num_chunks)
+        new = object.__new__(PipelineDAG)
+        new.__dict__.update(self.__dict__)
+        groups = []
+        for g in self.groups:
+            if not g.coupled:
+                groups.append(g)
+                continue
+            c = g.compiled
+            sl = slice(g.base, g.base + c.n)
+            ca = np.empty(c.n)
+            ca[c.perm] = cost[sl]
+            ia = np.empty(c.n)
+            ia[c.perm] = ic[sl]
+            prio = _projected_starts(c, ca, ia)
+            if prio is None:  # pragma: no cover - see _projected_starts
+                groups.append(g)
+                continue
+            comp = _Compiled(g.replicas, self.layout, self.schedule_kind, prio=prio)
+            groups.append(_Group(comp, g.replicas, g.base, coupled=True))
+        new.groups = groups
+        new.schedule_fallback = any(g.compiled.fallback for g in groups)
+        new._assemble()
+        return new
 
     # ------------------------------------------------------------ structure
     def _assemble(self) -> None:
