@@ -18,6 +18,8 @@ from detector.config import DetectorConfig
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: an option given before the subcommand is not reset by the subparser
+    p.argument_default = argparse.SUPPRESS
     p.add_argument(
         "--threshold", type=float, help="benign gate: observed <= threshold x predicted (1.25)"
     )
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         client = connect(cfg.redis_url)
     except ValueError as e:
         print(f"detector: {e}", file=sys.stderr)
-        return 2
+        return 1 if args.check_health else 2
     keys = JobKeys(cfg.job_id)
     if args.check_health:
         return 0 if Health.check(client, keys, "detector") else 1
