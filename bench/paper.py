@@ -26,11 +26,12 @@ import sys
 import time
 
 from resihp.pipeline.models import get_preset, table3_layout
+from resihp.scenario import SEVERITY_DROP, ScenarioEvent
 from resihp.topology import Layout
 from scheduler.planner import plan
 from scheduler.policies import get_policy
 from scheduler.predict import Predictor
-from scheduler.simulate import SEVERITY_DROP, Event, calibrate, run_timeline
+from scheduler.simulate import calibrate, run_timeline
 
 MBS = 8
 FAULT_FREE = {
@@ -93,7 +94,7 @@ KILL_ORDER = "random"
 
 def kill_events(
     layout: Layout, every_s: float, duration_s: float, rng: random.Random
-) -> list[Event]:
+) -> list[ScenarioEvent]:
     """One live GPU terminated at (k - 1/2) * every_s (monotonic: no re-joins).
 
     ``KILL_ORDER = "replica"``: a random GPU of the highest-numbered DP replica
@@ -113,12 +114,12 @@ def kill_events(
             alive.remove(r)
         else:
             r = alive.pop(rng.randrange(len(alive)))
-        out.append(Event(t, None, "kill_device", (r,)))
+        out.append(ScenarioEvent("kill_device", at_s=t, ranks=(r,)))
         t += every_s
     return out
 
 
-def run(model: str, policy: str, events: list[Event], duration_s: float):
+def run(model: str, policy: str, events: list[ScenarioEvent], duration_s: float):
     layout = table3_layout(model, MBS)
     pred = predictor(model, layout)
     return run_timeline(get_policy(policy), layout, events, pred, duration_s, model)
@@ -209,7 +210,7 @@ def fig9(models, seeds) -> list[str]:
             def scen(seed, layout=layout, sev=sev, model=model):
                 rng = random.Random(f"{model}-{sev}-{seed}")
                 r = rng.randrange(layout.world_size)
-                return [Event(600.0, None, "slow_device", (r,), severity=sev)], 7200.0
+                return [ScenarioEvent("slow_device", at_s=600.0, ranks=(r,), severity=sev)], 7200.0
 
             row = {
                 pol: mean_runs(model, pol, scen, seeds)[0]
@@ -233,16 +234,16 @@ def fig9(models, seeds) -> list[str]:
 # --------------------------------------------------------------------- Figures 10, 11
 def mixed_events(
     layout: Layout, rng: random.Random, duration_s: float, every_s: float
-) -> list[Event]:
+) -> list[ScenarioEvent]:
     """Alternate a fail-stop and a medium fail-slow on random live GPUs every ``every_s``."""
     alive = list(range(layout.world_size))
     out, t, k = [], every_s / 2, 0
     while t < duration_s:
         r = alive.pop(rng.randrange(len(alive)))
         if k % 2 == 0:
-            out.append(Event(t, None, "kill_device", (r,)))
+            out.append(ScenarioEvent("kill_device", at_s=t, ranks=(r,)))
         else:
-            out.append(Event(t, None, "slow_device", (r,), severity="medium"))
+            out.append(ScenarioEvent("slow_device", at_s=t, ranks=(r,), severity="medium"))
         t += every_s
         k += 1
     return out

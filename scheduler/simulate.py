@@ -11,9 +11,8 @@ layout under the true speeds, so an unmitigated fail-slow costs what it costs
 and a fail-stop halts training until the policy has a runnable layout.
 Throughput (samples/s) is integrated over the session.
 
-The scheduler may not import the trainer package, so :func:`load_events`
-reads the documented scenario format itself (the subset the timeline needs),
-naming the file and line of a bad entry.
+Scenario files are read by the shared core parser (``resihp.scenario``:
+``load_scenario`` / ``parse_scenario``), whose errors name the file and line.
 """
 
 from __future__ import annotations
@@ -27,135 +26,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from resihp.pipeline.models import get_preset, table3_layout
+from resihp.scenario import (
+    SEVERITY_DROP,
+    ScenarioError,
+    ScenarioEvent,
+    default_factor,
+    load_scenario,
+)
 from resihp.topology import Layout
 from scheduler.planner import layout_runnable
 from scheduler.policies import Abort, Policy, get_policy
 from scheduler.predict import Predictor
 
-#: §8.3 unmitigated throughput drop of weak / medium / severe fail-slows.
-SEVERITY_DROP = {"weak": 0.35, "medium": 0.55, "severe": 0.70}
 #: Fallback speed factor when a drop cannot be produced by slowing the targets.
-SEVERITY_FACTOR = {k: 1.0 - v for k, v in SEVERITY_DROP.items()}
-ACTIONS = ("kill_device", "kill_node", "slow_device", "slow_link", "recover", "rejoin")
+SEVERITY_FACTOR = {k: default_factor(k) for k in SEVERITY_DROP}
 IB_BYTES_S = 20e9
-
-
-class ScenarioError(ValueError):
-    """A scenario the timeline cannot use; the message starts with ``file:line:``."""
-
-
-@dataclass(frozen=True)
-class Event:
-    at_s: float | None
-    at_iteration: int | None
-    action: str
-    ranks: tuple[int, ...] = ()
-    node: int | None = None
-    factor: float | None = None
-    line: int = 0
-    severity: str | None = None
-    duration_s: float | None = None
-    duration_iterations: int | None = None
-
-    def targets(self, devices_per_node: int) -> list[int]:
-        out = list(self.ranks)
-        if self.node is not None:
-            out += list(range(self.node * devices_per_node, (self.node + 1) * devices_per_node))
-        return sorted(set(out))
-
-
-def _lines(text: str) -> list[int]:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return []
-    seq = root
-    if isinstance(root, yaml.MappingNode):
-        seq = next((v for k, v in root.value if getattr(k, "value", None) == "events"), None)
-    if not isinstance(seq, yaml.SequenceNode):
-        return []
-    return [item.start_mark.line + 1 for item in seq.value]
-
-
-def load_events(text: str, source: str = "<scenario>") -> tuple[str, list[Event]]:
-    try:
-        data = json.loads(text) if text.lstrip().startswith(("{", "[")) else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        line = getattr(e, "lineno", None) or (
-            getattr(getattr(e, "problem_mark", None), "line", 0) + 1
-        )
-        raise ScenarioError(f"{source}:{line}: not valid YAML/JSON: {e}") from None
-    name = ""
-    if isinstance(data, dict):
-        name = str(data.get("name", ""))
-        items = data.get("events", [])
-    elif isinstance(data, list):
-        items = data
-    elif data is None:
-        items = []
-    else:
-        raise ScenarioError(
-            f"{source}:1: a scenario is a mapping with 'events' or a list of events"
-        )
-    lines = _lines(text)
-    out = []
-    for i, it in enumerate(items):
-        ln = lines[i] if i < len(lines) else 0
-
-        def bad(msg: str, ln=ln) -> ScenarioError:
-            return ScenarioError(f"{source}:{ln}: {msg}")
-
-        if not isinstance(it, dict):
-            raise bad("an event must be a mapping")
-        action = it.get("action")
-        if action not in ACTIONS:
-            raise bad(f"action must be one of {list(ACTIONS)}, got {action!r}")
-        if ("at_s" in it) == ("at_iteration" in it):
-            raise bad("give exactly one of at_iteration or at_s")
-        ranks = it.get("ranks", [it["rank"]] if "rank" in it else [])
-        if not isinstance(ranks, list) or not all(isinstance(r, int) and r >= 0 for r in ranks):
-            raise bad(f"ranks must be integers >= 0, got {ranks!r}")
-        node = it.get("node")
-        if not ranks and node is None:
-            raise bad(f"{action} needs 'rank', 'ranks' or 'node'")
-        factor = it.get("factor")
-        severity = it.get("severity")
-        if action in ("slow_device", "slow_link"):
-            if severity is not None:
-                if severity not in SEVERITY_DROP:
-                    raise bad(f"severity must be one of {list(SEVERITY_DROP)}")
-                if factor is not None:
-                    raise bad(f"{action} needs exactly one of factor or severity")
-            elif not isinstance(factor, int | float) or not 0 < factor <= 1:
-                raise bad(f"{action} needs factor in (0, 1] or a severity")
-        dur_s, dur_it = it.get("duration_s"), it.get("duration_iterations")
-        if dur_s is not None and (not isinstance(dur_s, int | float) or dur_s <= 0):
-            raise bad(f"duration_s must be a number > 0, got {dur_s!r}")
-        if dur_it is not None and (not isinstance(dur_it, int) or dur_it <= 0):
-            raise bad(f"duration_iterations must be an integer > 0, got {dur_it!r}")
-        try:
-            at_s = float(it["at_s"]) if "at_s" in it else None
-            at_it = int(it["at_iteration"]) if "at_iteration" in it else None
-        except (TypeError, ValueError):
-            raise bad("at_s / at_iteration must be numbers") from None
-        out.append(
-            Event(
-                at_s,
-                at_it,
-                action,
-                tuple(ranks),
-                node,
-                factor,
-                ln,
-                severity,
-                float(dur_s) if dur_s is not None else None,
-                dur_it,
-            )
-        )
-    return name, out
 
 
 @dataclass
@@ -241,7 +127,7 @@ def _moved_bytes(old: list[Layout], new: list[Layout], pred: Predictor) -> float
 def run_timeline(
     policy: Policy,
     layout: Layout,
-    events: list[Event],
+    events: list[ScenarioEvent],
     pred: Predictor,
     duration_s: float,
     model: str = "",
@@ -290,7 +176,7 @@ def run_timeline(
             break
         advance(at)
         if kind == "event":
-            ev: Event = payload
+            ev: ScenarioEvent = payload
             tg = ev.targets(layout.devices_per_node)
             if ev.action in ("kill_device", "kill_node"):
                 for r in tg:
@@ -314,7 +200,7 @@ def run_timeline(
                     ev.duration_iterations * t_ff if ev.duration_iterations else None
                 )
                 if dur:
-                    rec = Event(at + dur, None, "recover", tuple(tg))
+                    rec = ScenarioEvent("recover", at_s=at + dur, ranks=tuple(tg))
                     heapq.heappush(heap, (at + dur, seq, "event", rec))
                     seq += 1
                 if policy.handles_slow:
@@ -325,6 +211,9 @@ def run_timeline(
                     )
                     heapq.heappush(heap, (at + delay, seq, "react", ("slow", tg)))
             elif ev.action == "recover":
+                if ev.what == "link":  # link speeds are not modeled: nothing to restore
+                    seq += 1
+                    continue
                 for r in tg:
                     if true_p.get(r, 1.0) > 0:
                         true_p[r] = 1.0
@@ -375,14 +264,11 @@ def main_simulate(args) -> int:
     import sys
 
     try:
-        text = Path(args.scenario).read_text()
-        name, events = load_events(text, args.scenario)
-    except OSError as e:
-        print(f"{args.scenario}:0: cannot read scenario: {e.strerror}", file=sys.stderr)
-        return 2
+        sc = load_scenario(args.scenario)
     except ScenarioError as e:
         print(str(e), file=sys.stderr)
         return 2
+    name, events = sc.name, sc.events
     try:
         policy = get_policy(args.policy)
         pre = get_preset(args.model)
@@ -390,15 +276,11 @@ def main_simulate(args) -> int:
         print(str(e), file=sys.stderr)
         return 2
     layout = table3_layout(pre.name, args.microbatches)
-    for ev in events:
-        bad = [r for r in ev.targets(layout.devices_per_node) if r >= layout.world_size]
-        if bad:
-            print(
-                f"{args.scenario}:{ev.line}: rank(s) {bad} outside the {pre.name} job's "
-                f"{layout.world_size} ranks",
-                file=sys.stderr,
-            )
-            return 2
+    try:
+        sc.check(layout.world_size, layout.devices_per_node)
+    except ScenarioError as e:
+        print(f"{e} ({pre.name})", file=sys.stderr)
+        return 2
     pred = Predictor(pre.name, args.seq_len)
     if args.fault_free_samples_per_s:
         calibrate(pred, layout, args.fault_free_samples_per_s)

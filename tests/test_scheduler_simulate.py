@@ -9,16 +9,19 @@ import sys
 import pytest
 
 from resihp.pipeline.models import table3_layout
+from resihp.scenario import ScenarioError, ScenarioEvent, parse_scenario
 from scheduler.policies import POLICIES, Abort, get_policy
 from scheduler.predict import Predictor
 from scheduler.simulate import (
-    Event,
-    ScenarioError,
     calibrate,
-    load_events,
     run_timeline,
     severity_factor,
 )
+
+
+def Event(at_s, at_iteration, action, ranks=(), **kw):  # noqa: N802 - reads like the old tuple
+    return ScenarioEvent(action, at_iteration=at_iteration, at_s=at_s, ranks=tuple(ranks), **kw)
+
 
 MODEL = "llama2-13b"
 
@@ -101,10 +104,12 @@ def test_every_policy_runs_a_mixed_timeline(setup):
 
 def test_scenario_errors_name_the_line():
     text = "events:\n  - {at_s: 10, action: kill_device, rank: 1}\n  - {at_s: 20, action: slow_device, rank: 2}\n"
-    with pytest.raises(ScenarioError, match=r"s.yaml:3: slow_device needs factor"):
-        load_events(text, "s.yaml")
-    name, ev = load_events("name: x\nevents:\n  - {at_iteration: 5, action: kill_node, node: 1}\n")
-    assert name == "x" and ev[0].targets(8) == list(range(8, 16))
+    with pytest.raises(
+        ScenarioError, match=r"s.yaml:3: slow_device needs exactly one of factor or severity"
+    ):
+        parse_scenario(text, "s.yaml")
+    sc = parse_scenario("name: x\nevents:\n  - {at_iteration: 5, action: kill_node, node: 1}\n")
+    assert sc.name == "x" and sc.events[0].targets(8) == list(range(8, 16))
 
 
 def test_simulate_cli(tmp_path):
@@ -149,3 +154,14 @@ def test_oobleck_split_pipelines_match_the_engine_when_healthy(setup):
     assert pol.iteration_s(pol.initial_state(lay), {}, pred) == pytest.approx(
         pred.iteration_s(lay, {}), rel=1e-9
     )
+
+
+def test_link_only_recover_leaves_compute_slow(setup):
+    lay, pred = setup
+    slow = Event(600.0, None, "slow_device", (5,), factor=0.4)
+    rates = {}
+    for what in ("link", "all"):
+        ev = [slow, ScenarioEvent("recover", at_s=1200.0, ranks=(5,), what=what)]
+        r = run_timeline(get_policy("none"), lay, ev, pred, 1800.0, MODEL)
+        rates[what] = r.segments[-1][2]
+    assert rates["link"] < 0.9 * rates["all"]
