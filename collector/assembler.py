@@ -55,14 +55,23 @@ _LIMITS = {
 _COMPUTE_CHUNKS_PER_MB = {"zbh1": 3, "zbh": 3, "interleaved": 4}
 
 
-def dedup_keys(rows: np.ndarray) -> np.ndarray:
-    """One uint64 per row identifying (rank, stage, microbatch, kind, src_dp)."""
-    k = rows["rank"].astype(np.uint64)
-    k = (k << np.uint64(_STAGE_BITS)) | rows["stage"].astype(np.uint64)
-    k = (k << np.uint64(_MB_BITS)) | rows["microbatch"].astype(np.uint64)
-    k = (k << np.uint64(_KIND_BITS)) | rows["kind"].astype(np.uint64)
-    k = (k << np.uint64(_SRC_BITS)) | (rows["src_dp"].astype(np.int64) + 1).astype(np.uint64)
+def pack_keys(rank, stage, microbatch, kind, src_dp) -> np.ndarray:
+    """One uint64 per chunk identifying (rank, stage, microbatch, kind, src_dp)."""
+    k = np.asarray(rank).astype(np.uint64)
+    k = (k << np.uint64(_STAGE_BITS)) | np.asarray(stage).astype(np.uint64)
+    k = (k << np.uint64(_MB_BITS)) | np.asarray(microbatch).astype(np.uint64)
+    k = (k << np.uint64(_KIND_BITS)) | np.asarray(kind).astype(np.uint64)
+    k = (k << np.uint64(_SRC_BITS)) | (np.asarray(src_dp).astype(np.int64) + 1).astype(np.uint64)
     return k
+
+
+def dedup_keys(rows: np.ndarray) -> np.ndarray:
+    return pack_keys(rows["rank"], rows["stage"], rows["microbatch"], rows["kind"], rows["src_dp"])
+
+
+#: Largest dense "seen" bitmap per open iteration (entries); bigger layouts use KeySet only.
+_BITMAP_MAX = 64 << 20
+_KIND_SLOTS = 8
 
 
 class KeySet:
@@ -125,6 +134,9 @@ class _Open:
     mbstats: dict[tuple[int, int], MicroBatchStats] = field(default_factory=dict)
     moved_on_s: float = math.inf
     n_rows: int = 0
+    bitmap: np.ndarray | None = None  # dense "seen" slots under ``bitmap_view``
+    bitmap_view: LayoutView | None = None
+    migrated: bool = False  # the KeySet holds keys that were once dense slots
 
     def count(self, ranks: np.ndarray, size: int) -> None:
         c = np.bincount(ranks, minlength=size)
@@ -164,6 +176,26 @@ class LayoutView:
             self.expected_compute[r] = per_stage[d, s] * kinds
         exp = self.active & (self.tp_index == 0) if tp_dedup else self.active
         self.expected_ranks = np.flatnonzero(exp)
+        # Dense dedup index for the common row (own micro-batch, the rank's own stage):
+        # (rank, microbatch, kind) -> one slot.
+        self.mb_cap = max(1, max(layout.microbatches, default=1))
+        size = n * self.mb_cap * _KIND_SLOTS
+        self.bitmap_size = size if size <= _BITMAP_MAX else 0
+
+    def slots(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows that have a dense slot, their slots).  Ranks must be active."""
+        r = rows["rank"]
+        mb = rows["microbatch"]
+        ok = (rows["src_dp"] == -1) & (mb < self.mb_cap) & (rows["stage"] == self.stage[r])
+        idx = (r[ok].astype(np.int64) * self.mb_cap + mb[ok]) * _KIND_SLOTS + rows["kind"][ok]
+        return ok, idx
+
+    def unslot(self, idx: np.ndarray) -> np.ndarray:
+        """Dedup keys of dense slots (the inverse of :meth:`slots`)."""
+        kind = idx % _KIND_SLOTS
+        mb = (idx // _KIND_SLOTS) % self.mb_cap
+        rank = idx // (_KIND_SLOTS * self.mb_cap)
+        return pack_keys(rank, self.stage[rank], mb, kind, np.full(len(idx), -1))
 
 
 class IterationAssembler:
@@ -189,6 +221,7 @@ class IterationAssembler:
         # iteration -> layout_id it was published incomplete under (recent ones)
         self._incomplete_under: dict[int, int] = {}
         self._ready: list[IterationRecord] = []
+        self._stamp = np.zeros(0, dtype=np.int32)
         self._rank_max_iter = np.full(0, -1, dtype=np.int64)
         self._seen_ranks = np.zeros(0, dtype=bool)
 
@@ -311,7 +344,7 @@ class IterationAssembler:
             op = self.open.get(it)
             if op is None:
                 op = self.open[it] = _Open(it, now_s, now_s)
-            fresh = op.keys.add_new(dedup_keys(sel))
+            fresh = self._fresh(op, sel)
             n_new = int(fresh.sum())
             res.duplicate_total += len(sel) - n_new
             if not n_new:
@@ -324,6 +357,53 @@ class IterationAssembler:
             op.count(new["rank"][comp], size)
             res.accepted_total += n_new
         return res
+
+    def _fresh(self, op: _Open, sel: np.ndarray) -> np.ndarray:
+        """Mask of rows whose key this iteration has not seen (one row per new key).
+
+        Rows of a rank's own micro-batches at its own stage (nearly all) are looked up
+        in a dense per-iteration bitmap by (rank, microbatch, kind); the rest, and
+        every row when the layout is unknown or huge, in the KeySet.
+        """
+        view = self.view
+        if view is None or not view.bitmap_size:
+            return op.keys.add_new(dedup_keys(sel))
+        if op.bitmap_view is not view:
+            self._drop_bitmap(op)
+            op.bitmap = np.zeros(view.bitmap_size, dtype=bool)  # calloc: pages on first touch
+            op.bitmap_view = view
+        if len(self._stamp) != view.bitmap_size:
+            self._stamp = np.zeros(view.bitmap_size, dtype=np.int32)
+        ok, idx = view.slots(sel)
+        fresh = np.zeros(len(sel), dtype=bool)
+        if len(idx):
+            f = ~op.bitmap[idx]
+            # One row per slot inside the batch: the last writer of the stamp wins (the
+            # stamp array is shared and never cleared: only slots just written are read).
+            order = np.arange(len(idx), dtype=np.int32)
+            self._stamp[idx] = order
+            f &= self._stamp[idx] == order
+            op.bitmap[idx[f]] = True
+            pos = np.flatnonzero(ok)[f]
+            if op.migrated and len(pos):
+                # Slots of an older layout's bitmap now live in the KeySet.
+                pos = pos[op.keys.add_new(dedup_keys(sel[pos]))]
+            fresh[pos] = True
+        if not ok.all():
+            rest = ~ok
+            fresh[rest] = op.keys.add_new(dedup_keys(sel[rest]))
+        return fresh
+
+    @staticmethod
+    def _drop_bitmap(op: _Open) -> None:
+        """Move the dense slots of an older layout into the KeySet (a layout change)."""
+        if op.bitmap is not None and op.bitmap_view is not None:
+            slots = np.flatnonzero(op.bitmap)
+            if len(slots):
+                op.keys.add_new(op.bitmap_view.unslot(slots))
+                op.migrated = True
+        op.bitmap = None
+        op.bitmap_view = None
 
     def add_mb_stats(self, s: MicroBatchStats, now_s: float) -> bool:
         """Remember one micro-batch's stats; False if its iteration is already published."""

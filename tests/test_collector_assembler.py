@@ -291,3 +291,60 @@ def test_layout_change_between_iterations_keeps_an_iteration_in_progress():
     a.add_rows(rows[len(rows) // 2 :], 20.5)
     (rec,) = a.poll(20.5)
     assert (rec.iteration, rec.complete, rec.layout_id) == (8, True, 3)
+
+
+def _reference_fresh(batches):
+    seen, out = set(), []
+    for b in batches:
+        keys = list(
+            zip(
+                *(b[c].tolist() for c in ("rank", "stage", "microbatch", "kind", "src_dp")),
+                strict=True,
+            )
+        )
+        mask = []
+        for k in keys:
+            mask.append(k not in seen)
+            seen.add(k)
+        out.append(np.array(mask))
+    return out, seen
+
+
+def test_dense_and_sparse_dedup_agree_with_a_python_set():
+    lay = _layout(tp=2, pp=2, dp=2, mb=4)
+    lay.migrations = [Migration(stage=1, src_dp=0, microbatch=3, dst_dp=1)]
+    lay.validate()
+    rng = np.random.default_rng(7)
+    base = iteration_rows(_layout(tp=2, pp=2, dp=2, mb=4), 2)
+    odd = base[:40].copy()
+    odd["src_dp"] = rng.integers(-1, 2, size=40)  # migrated rows: sparse path
+    odd["microbatch"][:10] += 4  # beyond the dense range: sparse path
+    pool = np.concatenate([base, odd])
+    batches = [pool[rng.integers(0, len(pool), size=int(rng.integers(1, 60)))] for _ in range(40)]
+    expect, keys = _reference_fresh(batches)
+    for with_layout in (True, False):
+        a = IterationAssembler()
+        if with_layout:
+            a.set_layout(lay)
+        got = 0
+        for b, e in zip(batches, expect, strict=True):
+            res = a.add_rows(b, 0.0)
+            assert res.accepted_total == int(e.sum())
+            got += res.accepted_total
+        assert got == len(keys)
+
+
+def test_duplicates_across_a_layout_change_are_still_duplicates():
+    lay = _layout()
+    a = _asm(lay, stall_s=100.0)
+    rows = iteration_rows(lay, 0)
+    first = rows[: len(rows) // 2]
+    assert a.add_rows(first, 0.0).accepted_total == len(first)
+    new = lay.copy()
+    new.layout_id = 9  # same ranks, new layout id: the dense index is rebuilt
+    a.set_layout(new, now_s=0.5)
+    res = a.add_rows(np.concatenate([first, rows[len(rows) // 2 :]]), 0.6)
+    assert res.duplicate_total == len(first)
+    assert res.accepted_total == len(rows) - len(first)
+    (rec,) = a.poll(0.6)
+    assert rec.complete and rec.layout_id == 9
