@@ -8,9 +8,12 @@ iteration is reduced to its :class:`IterationRecord` with sorts and
 ``ufunc.reduceat`` — never a Python loop per row.
 
 Deduplication key: (rank, stage, microbatch, kind, src_dp) inside an
-iteration, packed into one uint64 and kept per iteration in a small
-log-structured set of sorted runs (:class:`KeySet`), so a late duplicate of a
-row accepted long ago is still recognised.
+iteration.  Nearly every row is a rank's own micro-batch at its own stage and
+is looked up in a dense per-iteration bitmap indexed by (rank, microbatch,
+kind); the others (migrated micro-batches, stages that disagree with the
+layout, no layout at all) go to a small log-structured set of sorted uint64
+runs (:class:`KeySet`).  Either way a late duplicate of a row accepted long
+ago is still recognised.
 
 An iteration is published
 
