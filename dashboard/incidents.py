@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import html
 import json
-import statistics
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+import numpy as np
 
 from dashboard import figures
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction
@@ -112,15 +113,11 @@ def _fmt_s(v: float | None) -> str:
     return "" if v is None else f"{v:.3f} s"
 
 
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 def list_incidents(failures: list[FailureReport]) -> list[FailureReport]:
     return [f for f in failures if f.kind != "recovery"]
 
 
-def _wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with wall-clock ``wall_start_s``/``wall_end_s``.
 
     Failures, plans and actions are stamped with wall time; iteration records with the
@@ -129,7 +126,7 @@ def _wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     out = []
     prev = None
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["iteration"]):
         end = figures.wall_end(r)
         if prev is not None and prev["iteration"] == r["iteration"] - 1:
             start = min(prev["wall_end_s"], end)
@@ -168,7 +165,10 @@ def build_incident(
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
-    rows = _wall_rows(sorted(iteration_rows, key=lambda r: r["iteration"]))
+    if iteration_rows and "wall_end_s" in iteration_rows[0]:
+        rows = iteration_rows  # already through wall_rows() (pages build many incidents)
+    else:
+        rows = wall_rows(iteration_rows)
     onset = _onset_s(f, rows)
 
     plan_ids = {p.plan_id for p in plan_history if incident_id in p.failure_ids}
@@ -232,8 +232,12 @@ def build_incident(
             f"plan {applied_act.plan_id} by {applied_act.actor}",
         )
 
-    before = [r["samples_per_s"] for r in rows if r["wall_end_s"] <= onset][-50:]
-    baseline = _median(before)
+    n = len(rows)
+    rate = np.fromiter((r["samples_per_s"] for r in rows), float, n)
+    wend = np.fromiter((r["wall_end_s"] for r in rows), float, n)
+    wstart = np.fromiter((r["wall_start_s"] for r in rows), float, n)
+    before = rate[wend <= onset][-50:]
+    baseline = float(np.median(before)) if before.size else None
     recovered_t, recovered_detail = None, ""
     start = applied_t if applied_t is not None else f.detected_at_s
     if baseline:
@@ -241,23 +245,27 @@ def build_incident(
         # A plan that works around a device still slow cannot restore the healthy rate;
         # reaching what the applied plan promised (its predicted speed-up over the degraded
         # rate) also counts as recovered.
-        degraded = _median(
-            [r["samples_per_s"] for r in rows if onset < r["wall_end_s"] <= start][-20:]
-        )
-        if applied_snap is not None and degraded and applied_snap.predicted_after_s > 0:
-            promised = degraded * applied_snap.predicted_before_s / applied_snap.predicted_after_s
+        degraded = rate[(wend > onset) & (wend <= start)][-20:]
+        if applied_snap is not None and degraded.size and applied_snap.predicted_after_s > 0:
+            promised = (
+                float(np.median(degraded))
+                * applied_snap.predicted_before_s
+                / applied_snap.predicted_after_s
+            )
             if promised < baseline:
                 target = recovery_fraction * promised
                 what = f"the rate plan {applied_snap.plan_id} predicted"
-        after_rows = [r for r in rows if r["wall_start_s"] >= start]
-        for i in range(len(after_rows) - 2):
-            win = [r["samples_per_s"] for r in after_rows[i : i + 3]]
-            if statistics.median(win) >= target:
-                recovered_t = after_rows[i]["wall_end_s"]
+        idx = np.flatnonzero(wstart >= start)
+        if idx.size >= 3:
+            a = rate[idx]
+            med3 = np.median(np.stack([a[:-2], a[1:-1], a[2:]]), axis=0)
+            hit = np.flatnonzero(med3 >= target)
+            if hit.size:
+                i = int(idx[hit[0]])
+                recovered_t = float(wend[i])
                 recovered_detail = (
-                    f"iteration {after_rows[i]['iteration']}: >= {recovery_fraction:.0%} of {what}"
+                    f"iteration {rows[i]['iteration']}: >= {recovery_fraction:.0%} of {what}"
                 )
-                break
     rec = next(
         (
             x
@@ -284,23 +292,17 @@ def build_incident(
         Phase("throughput recovered", recovered_t, recovered_detail),
     ]
     end = recovered_t
-    during = [
-        r["samples_per_s"]
-        for r in rows
-        if r["wall_end_s"] > onset and (end is None or r["wall_end_s"] <= end)
-    ]
-    after = [r["samples_per_s"] for r in rows if end is not None and r["wall_end_s"] > end][:50]
+    during = rate[(wend > onset) & ((wend <= end) if end is not None else True)]
+    after = rate[wend > end][:50] if end is not None else rate[:0]
     throughput = {
-        "before": _median(before),
-        "during": _median(during),
-        "after": _median(after),
+        "before": baseline,
+        "during": float(np.median(during)) if during.size else None,
+        "after": float(np.median(after)) if after.size else None,
     }
-    idx_lo = next((i for i, r in enumerate(rows) if r["wall_end_s"] > onset), len(rows))
-    idx_hi = (
-        next((i for i, r in enumerate(rows) if r["wall_end_s"] > end), len(rows))
-        if end is not None
-        else len(rows)
-    )
+    past = np.flatnonzero(wend > onset)
+    idx_lo = int(past[0]) if past.size else n
+    past_end = np.flatnonzero(wend > end) if end is not None else np.zeros(0, int)
+    idx_hi = int(past_end[0]) if past_end.size else n
     window = rows[max(0, idx_lo - CONTEXT_ITERATIONS) : idx_hi + CONTEXT_ITERATIONS]
     if decided_name == "rejected":
         status = "rejected"

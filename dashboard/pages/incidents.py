@@ -100,9 +100,9 @@ def register(app, ctx: AppContext) -> None:
         d = ctx.data
         fails = d.failures(job)
         hist, acts = d.plan_history(job), d.actions(job)
-        rows = [r.to_dict() for r in d.iterations(job)]
+        rows = inc_mod.wall_rows([r.to_dict() for r in d.iterations(job)])
         data = []
-        for f in inc_mod.list_incidents(fails)[::-1][:200]:
+        for f in inc_mod.list_incidents(fails)[::-1][:100]:
             inc = inc_mod.build_incident(job, f.report_id, fails, hist, acts, rows)
             ph = {p.name: p.at_s for p in inc.phases}
             onset = inc.phases[0].at_s

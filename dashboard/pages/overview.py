@@ -50,8 +50,9 @@ def summarize(ctx: AppContext, job: str) -> dict:
     hist = d.plan_history(job)
     acts = d.actions(job)
     open_inc = []
-    for f in incidents.list_incidents(fails)[-50:]:
-        inc = incidents.build_incident(job, f.report_id, fails, hist, acts, rows)
+    wrows = incidents.wall_rows(rows)
+    for f in incidents.list_incidents(fails)[-20:]:
+        inc = incidents.build_incident(job, f.report_id, fails, hist, acts, wrows)
         if inc.status == "open":
             open_inc.append(inc)
     return {
