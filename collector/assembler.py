@@ -493,11 +493,63 @@ class IterationAssembler:
 
 def _group_reduce(keys: np.ndarray, *cols: tuple[np.ndarray, np.ufunc]):
     """Sort by key and reduce each (values, ufunc) per distinct key."""
-    order = np.argsort(keys, kind="stable")
+    order = np.argsort(keys)  # any order groups equal keys; quicksort is 3x faster here
     sk = keys[order]
     starts = np.flatnonzero(np.concatenate(([True], sk[1:] != sk[:-1])))
     out = [ufunc.reduceat(vals[order], starts) for vals, ufunc in cols]
     return order[starts], out
+
+
+#: Largest dense (dp, stage, microbatch, kind) grid for the TP reduction (cells).
+_GRID_MAX = 32 << 20
+
+
+def _tp_groups(col: dict[str, np.ndarray], dur: np.ndarray):
+    """Per (dp, stage, src_dp, microbatch, kind): a row of the group, max duration, min start.
+
+    Own micro-batches (src_dp == -1, nearly all rows) are reduced on a dense grid
+    with ``ufunc.at`` (no sort); migrated ones, or a grid too large, by sorting.
+    """
+    dp, stage, src, mb, kind = (col[n] for n in ("dp", "stage", "src_dp", "microbatch", "kind"))
+    start = col["start_s"]
+    own = src == -1
+    n_d, n_s, n_m = int(dp.max()) + 1, int(stage.max()) + 1, int(mb.max()) + 1
+    cells = n_d * n_s * n_m * _KIND_SLOTS
+    firsts, durs, starts = [], [], []
+    if own.any() and cells <= _GRID_MAX:
+        idx = ((dp[own].astype(np.int64) * n_s + stage[own]) * n_m + mb[own]) * _KIND_SLOTS
+        idx += kind[own]
+        gmax = np.full(cells, -1.0)  # durations are >= 0: -1 marks an empty cell
+        np.maximum.at(gmax, idx, dur[own])
+        gmin = np.full(cells, np.inf)
+        np.minimum.at(gmin, idx, start[own])
+        where = np.full(cells, -1, dtype=np.int64)
+        where[idx] = np.flatnonzero(own)  # some row of each cell
+        cell = np.flatnonzero(gmax >= 0)
+        firsts.append(where[cell])
+        durs.append(gmax[cell])
+        starts.append(gmin[cell])
+        rest = ~own
+    else:
+        rest = np.ones(len(dp), dtype=bool)
+    if rest.any():
+        sel = np.flatnonzero(rest)
+        gkey = dp[sel].astype(np.uint64)
+        gkey <<= np.uint64(10)
+        gkey |= stage[sel].astype(np.uint64)
+        gkey <<= np.uint64(15)
+        gkey |= (src[sel] + 1).astype(np.uint64)
+        gkey <<= np.uint64(16)
+        gkey |= mb[sel].astype(np.uint64)
+        gkey <<= np.uint64(3)
+        gkey |= kind[sel].astype(np.uint64)
+        first, (gdur, gstart) = _group_reduce(
+            gkey, (dur[sel], np.maximum), (start[sel], np.minimum)
+        )
+        firsts.append(sel[first])
+        durs.append(gdur)
+        starts.append(gstart)
+    return np.concatenate(firsts), np.concatenate(durs), np.concatenate(starts)
 
 
 def build_record(
@@ -515,7 +567,7 @@ def build_record(
         if len(parts) > 1
         else np.ascontiguousarray(parts[0][n])
         for n in CHUNK_DTYPE.names
-        if n != "_pad"
+        if n not in ("_pad", "iteration")
     }
     kind = col["kind"]
     start = col["start_s"]
@@ -528,16 +580,7 @@ def build_record(
         t0, t1 = float(start.min()), float(col["end_s"].max())
 
     # Per (dp, stage, src_dp, microbatch, kind), over the TP group: max duration.
-    gkey = col["dp"].astype(np.uint64)
-    gkey <<= np.uint64(10)
-    gkey |= col["stage"].astype(np.uint64)
-    gkey <<= np.uint64(15)
-    gkey |= (col["src_dp"] + 1).astype(np.uint64)
-    gkey <<= np.uint64(16)
-    gkey |= col["microbatch"].astype(np.uint64)
-    gkey <<= np.uint64(3)
-    gkey |= kind.astype(np.uint64)
-    first, (gdur, gstart) = _group_reduce(gkey, (dur, np.maximum), (start, np.minimum))
+    first, gdur, gstart = _tp_groups(col, dur)
     gkind = kind[first]
     gdp, gsrc, gmb = col["dp"][first], col["src_dp"][first], col["microbatch"][first]
     chunks = {

@@ -348,3 +348,51 @@ def test_duplicates_across_a_layout_change_are_still_duplicates():
     assert res.accepted_total == len(rows) - len(first)
     (rec,) = a.poll(0.6)
     assert rec.complete and rec.layout_id == 9
+
+
+def test_tp_reduction_matches_a_python_reference(monkeypatch):
+    import collector.assembler as asm
+
+    lay = _layout(tp=4, pp=2, dp=3, mb=5)
+    rows = iteration_rows(lay, 1, rng=np.random.default_rng(3))
+    moved = rows[rows["microbatch"] == 4].copy()
+    moved["src_dp"] = (moved["dp"] + 1) % 3  # as if migrated here from another replica
+    rows = np.concatenate([rows, moved])
+    rows["end_s"] += np.random.default_rng(4).random(len(rows)) * 0.01
+    ref: dict[tuple, tuple[float, float]] = {}
+    for r in rows:
+        key = (
+            int(r["dp"]),
+            int(r["stage"]),
+            int(r["src_dp"]),
+            int(r["microbatch"]),
+            int(r["kind"]),
+        )
+        d, s0 = float(r["end_s"] - r["start_s"]), float(r["start_s"])
+        old = ref.get(key, (-1.0, float("inf")))
+        ref[key] = (max(old[0], d), min(old[1], s0))
+
+    def as_dict(rec):
+        ch = rec.chunks
+        names = [k.name for k in ChunkKind]
+        return {
+            (
+                ch["dp"][i],
+                ch["stage"][i],
+                ch["src_dp"][i],
+                ch["microbatch"][i],
+                names.index(ch["kind"][i]),
+            ): (
+                ch["duration_s"][i],
+                ch["start_s"][i],
+            )
+            for i in range(len(ch["kind"]))
+        }
+
+    for grid_max in (asm._GRID_MAX, 0):  # dense grid + sort for migrated; sort only
+        monkeypatch.setattr(asm, "_GRID_MAX", grid_max)
+        got = as_dict(build_record(1, rows, []))
+        assert set(got) == set(ref)
+        for k, (d, s0) in ref.items():
+            assert got[k][0] == pytest.approx(d, abs=1e-7)
+            assert got[k][1] == s0
