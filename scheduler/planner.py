@@ -239,6 +239,20 @@ def plan(
                 continue
             structs.append((predictor.iteration_s(cand, p), cand, mig.moves()))
 
+    # On small jobs (few chunks per DAG) the DP step searches wider: more count options,
+    # each with and without Algorithm 1's balancing.
+    wide = lay.dp * lay.pp * max(lay.microbatches) <= WIDE_SEARCH_TRIPLES
+
+    def chunk_per_mb(b: Layout) -> list[float]:
+        f, bb, wc = predictor.stage_chunk_s(b, p)
+        chunk = f + bb + wc
+        return [
+            float(np.max(np.where(np.isfinite(chunk[d]), chunk[d], 0)))
+            if np.isfinite(chunk[d]).all()
+            else float("inf")
+            for d in range(b.dp)
+        ]
+
     for layers in cands:
         base = clone_layout(lay)
         base.layers = list(layers)
@@ -270,18 +284,22 @@ def plan(
                 spare = None
             if spare is not None and spare not in counts:
                 counts.append(spare)
+        if wide:
+            counts += _shifted_counts(counts, chunk_per_mb(base), lay.total_microbatches)
         for mbs in counts:
             b2 = clone_layout(base)
             b2.microbatches = mbs
-            with_migrations(b2, evict_only)
+            # small jobs: every count option gets Algorithm 1's balancing too, so the
+            # engine picks among whole-micro-batch moves, stage-level migration and both
+            with_migrations(b2, evict_only + (balancing if wide else []))
     if not structs:
         raise PlanningError(
             "no feasible layout: fail-stop work cannot be placed on any live peer stage"
         )
     structs.sort(key=lambda x: x[0])
     # Algorithm 1's balancing on the best eviction-only structure (each migration set is
-    # a new DAG, so only the most promising partition and counts get one)
-    if balancing:
+    # a new DAG, so on large jobs only the most promising partition and counts get one)
+    if balancing and not wide:
         b4 = clone_layout(structs[0][1])
         b4.migrations = []
         with_migrations(b4, balancing)
@@ -342,6 +360,40 @@ def plan(
     ]
     moves += mig_moves
     return PlanResult(after, before_s if runnable else -1.0, t_after, moves)
+
+
+#: Jobs with at most this many (replica, stage, micro-batch) triples get the wide DP search.
+WIDE_SEARCH_TRIPLES = 1024
+
+
+def _shifted_counts(counts: list[list[int]], per_mb_s: list[float], total: int) -> list[list[int]]:
+    """Count options one or two micro-batches either way between the slowest and fastest replica.
+
+    Stage-level migration can take work off a slow stage while its replica keeps (or even
+    gains) whole micro-batches for its healthy stages, so the best owner counts are not
+    always the whole-micro-batch balance; the engine decides.
+    """
+    live = [d for d, t in enumerate(per_mb_s) if math.isfinite(t)]
+    if len(live) < 2:
+        return []
+    slow = max(live, key=lambda d: per_mb_s[d])
+    fast = min(live, key=lambda d: per_mb_s[d])
+    if slow == fast:
+        return []
+    out: list[list[int]] = []
+    for c in counts[:2]:
+        for k in (-2, -1, 1, 2):
+            n = list(c)
+            n[slow] -= k
+            n[fast] += k
+            if (
+                min(n[d] for d in live) >= 1
+                and sum(n) == total
+                and n not in counts
+                and n not in out
+            ):
+                out.append(n)
+    return out
 
 
 def _climb(

@@ -181,3 +181,33 @@ def test_replica_set_aside_when_peers_have_no_memory_for_evicted_work():
     assert res.after.microbatches == [16, 0] and res.after.migrations == []
     assert {"what": "microbatches", "dp": 1, "from": 8, "to": 0} in res.moves
     assert not memory_violations(res.after, pred)
+
+
+def test_plan_takes_the_best_of_whole_microbatch_and_stage_level_balancing():
+    """One slow GPU whose TP group keeps it: the engine decides between Greyhound-style
+    whole-micro-batch counts, Algorithm 1's stage-level migration, and both."""
+    pred = Predictor("llama2-7b", 4096)
+    lay = Layout.uniform(4, 2, 2, 32, 8)
+    p = {5: 0.55}  # replica 1, stage 0; 4 x 0.55 > 2 x 1, so the group keeps all four GPUs
+
+    def chunk(b):
+        f, bb, w = pred.stage_chunk_s(b, p)
+        return f + bb + w
+
+    per = [float(np.max(chunk(lay)[d])) for d in range(lay.dp)]
+    counts = balance_microbatches(per, lay.total_microbatches, 1)
+    whole = lay.copy()
+    whole.microbatches = counts
+    t_whole = pred.iteration_s(whole, p)
+    t_fam = {"whole": t_whole}
+    for name, mbs in (("migration", lay.microbatches), ("both", counts)):
+        b = lay.copy()
+        b.microbatches = list(mbs)
+        b.migrations = progress_aware_migration(b, chunk(b)).migrations
+        t_fam[name] = pred.iteration_s(b, p)
+    res = plan(lay, p, pred)
+    assert res.predicted_after_s <= min(t_fam.values()) * (1 + 1e-9), t_fam
+    # stage-level migration pays off here: clearly better than whole-micro-batch balancing
+    assert res.predicted_after_s < 0.95 * t_whole
+    assert res.after.migrations
+    assert math.isclose(res.predicted_after_s, pred.iteration_s(res.after, p), rel_tol=1e-9)
