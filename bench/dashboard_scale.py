@@ -22,6 +22,7 @@ from dashboard.predict import predict_healthy
 from resihp import bus
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis
+from resihp.schemas import IterationRecord
 from resihp.topology import Layout
 
 
@@ -86,6 +87,55 @@ def main() -> None:
         text, metrics_s = timed(lambda: render(data), repeat=2)
         print(f"{'read device_health hash (16k entries), ms':<40}{read_s * 1e3:>14.1f}")
         print(f"{'/metrics render, ms / bytes':<40}{metrics_s * 1e3:>14.1f}{len(text):>16,}")
+
+        # One full IterationRecord of the 16k job: DP128 x PP16 x 64 micro-batches x F/B.
+        grid = np.stack(
+            np.meshgrid(
+                np.arange(lay.dp), np.arange(lay.pp), np.arange(64), np.arange(2), indexing="ij"
+            ),
+            -1,
+        ).reshape(-1, 4)
+        dur = np.where(grid[:, 3] == 0, 0.01, 0.02) * (1 + 0.01 * rng.random(len(grid)))
+        start = (grid[:, 2] * 0.03 + grid[:, 1] * 0.01 + grid[:, 3] * 0.5).astype(float)
+        rec = IterationRecord(
+            iteration=0,
+            iteration_time_s=3.0,
+            start_s=1e9,
+            end_s=1e9 + 3,
+            samples=8192,
+            tokens=1,
+            num_ranks_reporting=world,
+            chunks={
+                "dp": grid[:, 0].tolist(),
+                "stage": grid[:, 1].tolist(),
+                "src_dp": grid[:, 0].tolist(),
+                "microbatch": grid[:, 2].tolist(),
+                "kind": np.where(grid[:, 3] == 0, "F", "B").tolist(),
+                "start_s": (1e9 + start).tolist(),
+                "duration_s": dur.tolist(),
+            },
+        )
+        bus.publish(r, keys.iterations, rec)
+        size = sum(len(v) for v in r.xrevrange(keys.iterations, count=1)[0][1].values())
+        data = DashboardData(r)
+        _, rec_s = timed(lambda: DashboardData(r).iteration_record("big"), repeat=2)
+        full = data.iteration_record("big")
+        _, cached_s = timed(lambda: data.iteration_record("big"))
+        _, tl16_s = timed(lambda: figures.timeline_figure(full["chunks"]).to_json(), repeat=2)
+        _, pred16_s = timed(
+            lambda: predict_healthy(lay, dict(full, end_s=time.time()), health), repeat=1
+        )
+        from dashboard.perfetto import chrome_trace_json, trace_replicas
+
+        dps = trace_replicas(full["chunks"], None)
+        tr, tr_s = timed(lambda: chrome_trace_json(full, lay, None, "big", dps), repeat=1)
+        print(f"{'16k record: chunks / bytes in Redis':<40}{len(grid):>14,}{size:>16,}")
+        print(
+            f"{'16k record: read+validate ms / cached ms':<40}{rec_s * 1e3:>14.1f}{cached_s * 1e3:>16.2f}"
+        )
+        print(f"{'16k timeline (4 of 128 replicas) ms':<40}{tl16_s * 1e3:>14.1f}")
+        print(f"{'16k DAG-predicted healthy timeline ms':<40}{pred16_s * 1e3:>14.1f}")
+        print(f"{'16k Perfetto (4 replicas, 512 ranks) ms/B':<40}{tr_s * 1e3:>14.1f}{len(tr):>16,}")
 
     small = Layout.uniform(tp=1, pp=16, dp=4, num_layers=80, num_microbatches=64)
     import sys

@@ -12,6 +12,7 @@ not decode is skipped here (the services that own those streams dead-letter it).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -50,12 +51,58 @@ def _entry_items(fields: dict) -> list[dict]:
     if raw is None:
         return []
     try:
-        items = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        # Big records (a 16k-GPU iteration is ~13 MB): pandas' bundled ujson parses 3x faster.
+        items = _fast_loads(raw) if len(raw) > FAST_SUMMARY_BYTES else json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
         return []
     if isinstance(items, dict):
         items = [items]
     return [it for it in items if isinstance(it, dict)] if isinstance(items, list) else []
+
+
+try:
+    from pandas.io.json._json import ujson_loads as _fast_loads
+except ImportError:  # pragma: no cover - older pandas
+    _fast_loads = json.loads
+
+#: Above this size an IterationRecord entry is summarized from its scalar fields alone
+#: (a 16k-GPU record is ~13 MB of chunk columns; parsing it all every second would not keep up).
+FAST_SUMMARY_BYTES = 256_000
+_TAIL_RES = {
+    k: re.compile(rb'"' + k.encode() + rb'"\s*:\s*(true|false|-?[0-9][0-9.eE+-]*|"[A-Za-z_]*")')
+    for k in ("layout_id", "complete", "type", "schema_version", "predicted_iteration_time_s")
+}
+
+
+def _scalar_items(raw: bytes) -> list[dict] | None:
+    """The scalar fields of a one-message IterationRecord entry, without its columns.
+
+    The head (up to ``"chunks"``) is parsed as JSON; the few scalars after the columns are
+    read from the last bytes.  Returns None (the caller parses everything) when the entry
+    does not have that shape; the result still goes through the schema check.
+    """
+    cut = raw.find(b',"chunks":')
+    if not raw.startswith(b"[{") or cut < 0 or raw.count(b'"type"', 0, cut) or raw.rfind(b"}]") < 0:
+        return None
+    try:
+        head = json.loads(raw[:cut] + b"}]")[0]
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+    tail = raw[-4096:]
+    for k, rx in _TAIL_RES.items():
+        m = list(rx.finditer(tail))
+        if m:
+            try:
+                head[k] = json.loads(m[-1].group(1))
+            except ValueError:
+                return None
+    if raw.count(b'{"iteration"') > 1:  # several messages in one entry: parse them all
+        return None
+    return [head]
+
+
+def _entry_size(fields: dict) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items())
 
 
 def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
@@ -94,6 +141,7 @@ class _StreamTail:
 
     last_id: str = "0-0"
     items: deque = field(default_factory=deque)
+    entry_bytes: int = 1
 
 
 @dataclass
@@ -140,32 +188,30 @@ class DashboardData:
 
         Reads are bounded in bytes as well as entries: an IterationRecord of a big job
         carries every chunk timing and can weigh megabytes, so the batch size follows the
-        newest entry's size (``read_budget_bytes`` per round trip).
+        entries' size (``read_budget_bytes`` per round trip), and a refresh with nothing new
+        costs one empty XREAD, never a transfer of the newest entry.
         """
-        newest = self.client.xrevrange(stream, count=1)
-        if not newest:
-            if tail.last_id != "0-0":  # stream deleted (e.g. Redis flushed): start over
-                tail.items.clear()
-                tail.last_id = "0-0"
-            return list(tail.items)
-        newest_id, newest_fields = newest[0]
-        if _s(newest_id) == tail.last_id:
-            return list(tail.items)  # nothing new: one small round trip per refresh
-        if _id_tuple(newest_id) < _id_tuple(tail.last_id):
-            tail.items.clear()
-            tail.last_id = "0-0"
-        size = max(1, sum(len(k) + len(v) for k, v in newest_fields.items()))
-        per_read = max(1, min(_BATCH, self.read_budget_bytes // size))
         if tail.last_id == "0-0":
-            # First read: only the most recent entries matter (at most ``maxlen``, and
-            # no more than one read budget of them).
-            entries = self.client.xrevrange(stream, count=min(maxlen, per_read))[::-1]
-            self._absorb(entries, tail, maxlen, parse)
+            newest = self.client.xrevrange(stream, count=1)
+            if not newest:
+                return list(tail.items)
+            tail.entry_bytes = _entry_size(newest[0][1])
+            # First read: only the most recent entries matter (at most ``maxlen``, and no
+            # more than one read budget of them).
+            entries = self.client.xrevrange(stream, count=min(maxlen, self._per_read(tail)))
+            self._absorb(entries[::-1], tail, maxlen, parse)
+            return list(tail.items)
         read = 0
         while True:
-            entries = self.client.xrange(stream, min=f"({tail.last_id}", count=per_read)
+            per_read = self._per_read(tail)
+            resp = self.client.xread({stream: tail.last_id}, count=per_read)
+            entries = resp[0][1] if resp else []
             if not entries:
+                if read == 0 and not self.client.exists(stream):
+                    tail.items.clear()  # stream deleted (e.g. Redis flushed): start over
+                    tail.last_id = "0-0"
                 break
+            tail.entry_bytes = max(_entry_size(f) for _, f in entries)
             self._absorb(entries, tail, maxlen, parse)
             read += len(entries)
             if len(entries) < per_read:
@@ -174,10 +220,11 @@ class DashboardData:
                 # Far behind (the dashboard was paused): skip to the newest entries.
                 tail.items.clear()
                 tail.last_id = "0-0"
-                entries = self.client.xrevrange(stream, count=min(maxlen, per_read))[::-1]
-                self._absorb(entries, tail, maxlen, parse)
-                break
+                return self._tail(stream, tail, maxlen, parse)
         return list(tail.items)
+
+    def _per_read(self, tail: _StreamTail) -> int:
+        return max(1, min(_BATCH, self.read_budget_bytes // max(1, tail.entry_bytes)))
 
     @staticmethod
     def _absorb(entries, tail: _StreamTail, maxlen: int, parse) -> None:
@@ -218,7 +265,13 @@ class DashboardData:
     # ------------------------------------------------------------ iterations
     def _parse_iteration(self, eid: str, fields: dict) -> list[IterationSummary]:
         out = []
-        for item in _entry_items(fields):
+        raw = fields.get(ENTRY_MESSAGES, fields.get(ENTRY_MESSAGES.decode()))
+        items = None
+        if raw is not None and len(raw) > FAST_SUMMARY_BYTES:
+            items = _scalar_items(bytes(raw))
+        if items is None:
+            items = _entry_items(fields)
+        for item in items:
             if item.get("type") != IterationRecord.TYPE:
                 continue
             try:

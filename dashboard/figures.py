@@ -246,6 +246,23 @@ def _kind_name(k: Any) -> str:
         return str(k)
 
 
+_KIND_BY_CODE = np.asarray([k.name for k in ChunkKind], dtype=object)
+
+
+def _kind_names(kinds: list) -> np.ndarray:
+    """Kind column as names (the collector writes names; packed rows use codes)."""
+    arr = np.asarray(kinds, dtype=object)
+    if arr.size and isinstance(arr[0], str) and all(isinstance(k, str) for k in arr[:64]):
+        return arr
+    try:
+        codes = np.asarray(kinds, dtype=np.int64)
+        if codes.size and (codes.min() < 0 or codes.max() >= len(_KIND_BY_CODE)):
+            raise ValueError
+        return _KIND_BY_CODE[codes]
+    except (TypeError, ValueError):
+        return np.asarray([_kind_name(k) for k in kinds], dtype=object)
+
+
 def normalize_chunks(cols: dict[str, list] | None) -> dict[str, np.ndarray]:
     """Columnar chunks -> numpy columns; accepts ``duration_s`` or ``end_s``; kind as name."""
     if not cols or not cols.get("stage"):
@@ -264,7 +281,7 @@ def normalize_chunks(cols: dict[str, list] | None) -> dict[str, np.ndarray]:
         "stage": np.asarray(cols["stage"], dtype=int),
         "src_dp": src,
         "microbatch": np.asarray(cols.get("microbatch", [0] * n), dtype=int),
-        "kind": np.asarray([_kind_name(k) for k in cols.get("kind", ["F"] * n)], dtype=object),
+        "kind": _kind_names(cols.get("kind", ["F"] * n)),
         "start_s": start,
         "duration_s": dur,
     }
@@ -288,9 +305,12 @@ def bubble_ratios(
     out: dict[tuple[int, int], float] = {}
     if span <= 0:
         return out
-    for d, s in sorted(set(zip(c["dp"].tolist(), c["stage"].tolist(), strict=True))):
-        m = compute & (c["dp"] == d) & (c["stage"] == s)
-        out[(d, s)] = max(0.0, 1.0 - float(c["duration_s"][m].sum()) / span)
+    # One bincount over (dp, stage) keys: a 16k-GPU iteration has 2k devices x 100k+ chunks.
+    pp = int(c["stage"].max()) + 1
+    key = c["dp"] * pp + c["stage"]
+    busy = np.bincount(key[compute], weights=c["duration_s"][compute], minlength=key.max() + 1)
+    for k in np.unique(key).tolist():
+        out[(k // pp, k % pp)] = max(0.0, 1.0 - float(busy[k]) / span)
     return out
 
 

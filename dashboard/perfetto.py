@@ -13,6 +13,8 @@ import json
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 from dashboard.figures import normalize_chunks
 from resihp.topology import Layout
 
@@ -31,16 +33,33 @@ def _rank_map(record: dict[str, Any], layout: Layout | None) -> dict[tuple[int, 
     return out
 
 
+#: Above this many DP replicas a download covers the replicas chosen on the page (default:
+#: the first 4): a whole 16k-GPU iteration is millions of events.
+MAX_ALL_REPLICAS = 8
+
+
+def trace_replicas(chunks: dict[str, list] | None, selected: list[int] | None) -> list[int] | None:
+    """Which DP replicas a download covers (None = all)."""
+    all_dps = sorted(set((chunks or {}).get("dp", [])))
+    if selected:
+        return sorted(set(selected))
+    return None if len(all_dps) <= MAX_ALL_REPLICAS else all_dps[:4]
+
+
 def _events(
-    cols: dict[str, list] | None, pid: int, ranks: dict, t0: float | None
+    cols: dict[str, list] | None,
+    pid: int,
+    ranks: dict,
+    t0: float | None,
+    dps: list[int] | None = None,
 ) -> tuple[list, set]:
     c = normalize_chunks(cols)
     if not c:
         return [], set()
     t0 = float(c["start_s"].min()) if t0 is None else t0
     evs, used = [], set()
-    n = len(c["stage"])
-    for i in range(n):
+    sel = np.isin(c["dp"], dps) if dps is not None else np.ones(len(c["stage"]), bool)
+    for i in np.flatnonzero(sel).tolist():
         d, s = int(c["dp"][i]), int(c["stage"][i])
         kind, mb, src = str(c["kind"][i]), int(c["microbatch"][i]), int(c["src_dp"][i])
         tids = ranks.get((d, s)) or [-(1 + d * 10_000 + s)]  # no rank known: a (dp, stage) track
@@ -74,8 +93,9 @@ def chrome_trace(
     layout: Layout | None = None,
     predicted: dict[str, list] | None = None,
     job_id: str = "",
+    dps: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The trace-event JSON object for one IterationRecord dict."""
+    """The trace-event JSON object for one IterationRecord dict (``dps``: only those replicas)."""
     ranks = _rank_map(record, layout)
     obs = normalize_chunks(record.get("chunks"))
     t0 = float(obs["start_s"].min()) if obs else None
@@ -86,7 +106,7 @@ def chrome_trace(
         (1, f"{job_id} iteration {it} observed".strip(), record.get("chunks"), t0),
         (2, f"{job_id} iteration {it} predicted".strip(), predicted, None),
     ):
-        evs, used = _events(cols, pid, ranks, base)
+        evs, used = _events(cols, pid, ranks, base, dps)
         if not evs:
             continue
         events.extend(evs)
@@ -123,6 +143,7 @@ def chrome_trace(
             "job_id": job_id,
             "iteration": it,
             "iteration_time_s": record.get("iteration_time_s"),
+            "dp_replicas": "all" if dps is None else list(dps),
         },
     }
 
@@ -132,5 +153,6 @@ def chrome_trace_json(
     layout: Layout | None = None,
     predicted: dict[str, list] | None = None,
     job_id: str = "",
+    dps: list[int] | None = None,
 ) -> str:
-    return json.dumps(chrome_trace(record, layout, predicted, job_id), separators=(",", ":"))
+    return json.dumps(chrome_trace(record, layout, predicted, job_id, dps), separators=(",", ":"))

@@ -45,3 +45,17 @@ def test_without_layout_uses_rank_columns_and_flags_migration():
     assert sorted(e["tid"] for e in xs) == [4, 5]
     assert xs[0]["args"]["migrated"] and "from dp0" in xs[0]["name"]
     assert xs[0]["dur"] == 1000.0
+
+
+def test_big_jobs_export_the_chosen_replicas():
+    from dashboard.perfetto import trace_replicas
+
+    lay = Layout.uniform(tp=2, pp=2, dp=12, num_layers=4, num_microbatches=2)
+    cols, _ = simulate(lay, {}, 0.0)
+    assert trace_replicas(cols, None) == [0, 1, 2, 3]
+    assert trace_replicas(cols, [7, 3]) == [3, 7]
+    assert trace_replicas({"dp": [0, 1]}, None) is None
+    tr = chrome_trace({"iteration": 1, "chunks": cols}, lay, dps=[3, 7])
+    tids = {e["tid"] for e in tr["traceEvents"] if e["ph"] == "X"}
+    assert tids == {r for d in (3, 7) for st in lay.groups[d] for r in st}
+    assert tr["otherData"]["dp_replicas"] == [3, 7]

@@ -167,13 +167,15 @@ def register(app, ctx: AppContext) -> None:
         Input("tl-download-btn", "n_clicks"),
         State("job", "value"),
         State("tl-iteration", "value"),
+        State("tl-dps", "value"),
         prevent_initial_call=True,
     )
-    def download(_clicks, job, iteration):
+    def download(_clicks, job, iteration, selected):
         if not job:
             return no_update
         rec, lay, pred = load(ctx, job, iteration)
         if rec is None:
             return no_update
-        body = perfetto.chrome_trace_json(rec, lay, pred, job)
+        dps = perfetto.trace_replicas(rec.get("chunks"), selected)
+        body = perfetto.chrome_trace_json(rec, lay, pred, job, dps)
         return dcc.send_string(body, f"{job}-iteration-{rec['iteration']}.trace.json")
