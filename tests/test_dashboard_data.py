@@ -166,3 +166,40 @@ def test_reads_are_bounded_in_bytes_and_skip_ahead_when_far_behind(r):
         )
     rows = d.iterations("job-big")
     assert rows[-1].iteration == 99 and len(rows) <= 30
+
+
+def test_big_records_are_summarized_from_their_scalars_and_still_checked(r):
+    keys = JobKeys("job-big")
+    n = 60_000  # ~360 kB of columns: above the fast-summary threshold
+    rec = IterationRecord(
+        iteration=7,
+        iteration_time_s=2.5,
+        start_s=10.0,
+        end_s=12.5,
+        samples=64,
+        tokens=1,
+        num_ranks_reporting=8,
+        chunks={"stage": [1] * n, "start_s": [0.5] * n},
+        layout_id=3,
+        complete=False,
+    )
+    d = rec.to_dict()
+    d["predicted_iteration_time_s"] = 1.25
+    raw = ("[" + json.dumps(d, separators=(",", ":")) + "]").encode()
+    assert len(raw) > 256_000
+    r.xadd(keys.iterations, {b"m": raw})
+    bad = dict(d, iteration=8, iteration_time_s="slow")
+    r.xadd(keys.iterations, {b"m": ("[" + json.dumps(bad, separators=(",", ":")) + "]").encode()})
+    rows = DashboardData(r).iterations("job-big")
+    assert len(rows) == 1  # the record with a non-numeric time is refused
+    s = rows[0]
+    assert (s.iteration, s.iteration_time_s, s.samples, s.layout_id, s.complete) == (
+        7,
+        2.5,
+        64,
+        3,
+        False,
+    )
+    assert s.predicted_iteration_time_s == 1.25 and s.samples_per_s == pytest.approx(25.6)
+    full = DashboardData(r).iteration_record("job-big", 7)
+    assert len(full["chunks"]["stage"]) == n
