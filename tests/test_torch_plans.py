@@ -69,6 +69,8 @@ def test_plan_repartitions_layers_online_with_telemetry(tmp_path, r, redis_serve
     metrics = tmp_path / "run" / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 90, "first iteration")
 
+    # the launcher publishes the layout once every rank is up
+    _wait_for(lambda: read_layout(r, keys) is not None, 30, "layout")
     before = read_layout(r, keys)
     assert before is not None and before.layers == [2, 2]
     after = before.copy()

@@ -211,7 +211,7 @@ class JobLauncher:
     def _connect_redis(self) -> None:
         if not (self.cfg.redis_url and self.cfg.follow_plans):
             return
-        from resihp.plans import PlanFollower, write_layout
+        from resihp.plans import PlanFollower
         from resihp.redis_client import connect
 
         self.client = connect(self.cfg.redis_url)
@@ -220,7 +220,7 @@ class JobLauncher:
         # Plans acknowledged before this job started are not ours to apply.
         for p in self.follower.poll():
             self.follower.applied.add(p.plan_id)
-        write_layout(self.client, self.keys, self.layout)
+        self.layout_published = False  # published once every rank is up and heart-beating
 
     def _plan_layout(self, plan) -> Layout | None:
         try:
@@ -275,6 +275,23 @@ class JobLauncher:
         )
         p.start()
         self.procs[rank] = p
+
+    def _publish_initial_layout(self) -> None:
+        """Write the launch layout to Redis once all ranks of generation 0 built
+        their groups: the collector expects heartbeats from every rank in the
+        layout, and starting workers (torch import, data scan) send none yet."""
+        if self.client is None or self.layout_published:
+            return
+        members = self._members(0)
+        if self.gen == 0 and not all(
+            self.store.check([f"timeline/0/groups_rebuilt/{r}"]) for r in members
+        ):
+            return
+        from resihp.plans import write_layout
+
+        write_layout(self.client, self.keys, self.layout)
+        self.layout_published = True
+        self._event("layout_published", layout_id=self.layout.layout_id)
 
     def _progress(self) -> int:
         key = "progress/iteration"
@@ -381,6 +398,7 @@ class JobLauncher:
                         self._new_generation(self.layout, "communication failure without a death")
                         continue
                 self._confirm()
+                self._publish_initial_layout()
                 self._check_rejoin()
                 if self.follower is not None and time.time() - last_poll > 0.2:
                     last_poll = time.time()

@@ -167,6 +167,8 @@ def plan_pieces(
             continue
         for s in range(old.pp):
             grp = old.groups[d][s]
+            if not grp:  # a (replica, stage) whose work had migrated away holds nothing
+                continue
             for name in stage_param_names(cfg, old, s):
                 holders.setdefault(name, []).append(grp)
     pieces: list[Piece] = []
