@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs
 
+import redis
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dash import ctx as dash_ctx
 
@@ -231,6 +232,6 @@ def register(app, ctx: AppContext) -> None:
             return no_update
         try:
             inc = _load(ctx, job, incident_id)
-        except inc_mod.IncidentNotFound:
+        except (inc_mod.IncidentNotFound, redis.RedisError):
             return no_update
         return dcc.send_string(inc_mod.export(inc, fmt), f"incident-{incident_id}.{fmt}")

@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any
 
+import redis
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dash import ctx as dash_ctx
 
@@ -378,11 +379,13 @@ def register(app, ctx: AppContext) -> None:
         Input("pl-plan", "value"),
         State("job", "value"),
     )
-    @redis_safe(2)
     def prefill(plan_id, job):
         if not job or plan_id is None:
             return no_update, no_update
-        p = ctx.data.plans(job).get(plan_id)
+        try:
+            p = ctx.data.plans(job).get(plan_id)
+        except redis.RedisError:
+            return no_update, no_update  # the page's status line reports the outage
         if p is None:
             return no_update, no_update
         lay = p.after.get("layers") or []

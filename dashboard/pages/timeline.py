@@ -3,6 +3,7 @@ bubble ratio per stage, migrated micro-batches marked; Perfetto trace download."
 
 from __future__ import annotations
 
+import redis
 from dash import Input, Output, State, dcc, html, no_update
 
 from dashboard import figures, perfetto
@@ -173,7 +174,10 @@ def register(app, ctx: AppContext) -> None:
     def download(_clicks, job, iteration, selected):
         if not job:
             return no_update
-        rec, lay, pred = load(ctx, job, iteration)
+        try:
+            rec, lay, pred = load(ctx, job, iteration)
+        except redis.RedisError:
+            return no_update
         if rec is None:
             return no_update
         dps = perfetto.trace_replicas(rec.get("chunks"), selected)
