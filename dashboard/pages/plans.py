@@ -199,8 +199,9 @@ def _summary(p: AdaptationPlan, plans: dict[int, AdaptationPlan]) -> list:
         html.Div(
             f"predicted iteration time {p.predicted_before_s:.3f} s → {p.predicted_after_s:.3f} s"
             + (
-                f" ({(1 - p.predicted_after_s / p.predicted_before_s) * 100:+.1f}% faster)"
-                if p.predicted_before_s > 0
+                f" ({(p.predicted_after_s / p.predicted_before_s - 1) * 100:+.1f}% time, "
+                f"{p.predicted_before_s / p.predicted_after_s:.2f}x throughput)"
+                if p.predicted_before_s > 0 and p.predicted_after_s > 0
                 else ""
             )
         ),
