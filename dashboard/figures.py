@@ -454,9 +454,18 @@ def device_arrays(
     device_health: dict[int, dict[str, Any]],
     dead: list[int] = (),
     standby: list[int] = (),
+    active: list[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(p per rank with NaN = unknown, state code per rank: 0 active, 1 dead, 2 standby)."""
+    """(p per rank with NaN = unknown, state code per rank: 0 active, 1 dead, 2 standby).
+
+    ``active``: ranks assumed healthy (p = 1) unless reported otherwise.  The detector
+    writes the devices it has judged; once it reports anything, a working rank it has not
+    flagged is healthy, not unknown.
+    """
     p = np.full(world_size, np.nan)
+    if active is not None and device_health:
+        ids = np.asarray([r for r in active if 0 <= r < world_size], dtype=np.int64)
+        p[ids] = 1.0
     state = np.zeros(world_size, dtype=np.int8)
     codes = {"dead": 1, "standby": 2}
     ranks, ps, sts = [], [], []

@@ -125,6 +125,11 @@ def test_skew_grid_unknown_devices_are_blank():
     grid = figures.skew_grid(p, state, 8)
     assert len(grid.z) == 3 and grid.z[0][3] == 0.8 and grid.z[0][0] is None
     assert grid.z[2][4] is None  # padding beyond the world
+    # Working ranks the detector has not flagged are healthy once it reports anything.
+    p, _ = figures.device_arrays(20, {3: {"p": 0.8}}, active=list(range(16)))
+    assert p[0] == 1.0 and p[3] == 0.8 and np.isnan(p[17])
+    p, _ = figures.device_arrays(20, {}, active=list(range(16)))
+    assert np.isnan(p[0])  # no detector output at all: unknown
 
 
 def test_coord_grid_buckets_replicas_and_takes_group_min():

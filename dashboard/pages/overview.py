@@ -225,7 +225,9 @@ def register(app, ctx: AppContext) -> None:
         elif lay is None:
             lay_fig = figures.empty_figure("no layout yet")
         else:
-            p, _state = figures.device_arrays(lay.world_size, health, lay.dead, lay.standby)
+            p, _state = figures.device_arrays(
+                lay.world_size, health, lay.dead, lay.standby, lay.active_ranks()
+            )
             lay_fig = figures.coord_heatmap_figure(p, lay.groups)
             lay_fig.update_layout(
                 title="Layout and health: min p_i of each TP group (stage x DP replica)",

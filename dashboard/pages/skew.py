@@ -102,11 +102,11 @@ def device_state(ctx: AppContext, job: str):
     health = ctx.data.device_health(job)
     if lay is not None:
         world, dpn = lay.world_size, lay.devices_per_node
-        dead, standby = lay.dead, lay.standby
+        dead, standby, active = lay.dead, lay.standby, lay.active_ranks()
     else:
         world = (max(health) + 1) if health else 0
-        dpn, dead, standby = 8, [], []
-    p, state = figures.device_arrays(world, health, dead, standby)
+        dpn, dead, standby, active = 8, [], [], None
+    p, state = figures.device_arrays(world, health, dead, standby, active)
     return lay, p, state, dpn
 
 
