@@ -11,6 +11,7 @@ recovery timeline (kill -> detected -> plan -> groups rebuilt -> state moved
 
     python bench/convergence.py [--tp 1 --pp 2 --dp 2] [--iterations 30]
                                 [--kill-rank 1 --kill-at 10] [--scenario FILE] [--out DIR]
+                                [--recovery-policy exclude_replica|migrate|shrink_tp]
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=10)
     ap.add_argument("--scenario", default="", help="scenario file instead of --kill-rank/--kill-at")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--recovery-policy",
+        default="exclude_replica",
+        choices=["exclude_replica", "migrate", "shrink_tp"],
+        help="the trainer's own plan on a death (no scheduler in this bench)",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="resihp-convergence-"))
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         fail_kw = dict(scenario=a.scenario)
     else:
         fail_kw = dict(kill_rank=a.kill_rank, kill_at_iteration=a.kill_at)
+    fail_kw["recovery_policy"] = a.recovery_policy
     got, tl = run(TrainConfig(**base, **fail_kw, out_dir=str(out / "with_failure")))
     la = np.array([r["loss"] for r in ref])
     lb = np.array([r["loss"] for r in got])
