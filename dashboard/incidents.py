@@ -292,8 +292,11 @@ def build_incident(
         Phase("throughput recovered", recovered_t, recovered_detail),
     ]
     end = recovered_t
-    during = rate[(wend > onset) & ((wend <= end) if end is not None else True)]
-    after = rate[wend > end][:50] if end is not None else rate[:0]
+    # "After" starts at recovery, or at the plan's application when throughput never came
+    # all the way back (a partial mitigation still has an after).
+    cut = recovered_t if recovered_t is not None else applied_t
+    during = rate[(wend > onset) & ((wend <= cut) if cut is not None else True)]
+    after = rate[wend > cut][:50] if cut is not None else rate[:0]
     throughput = {
         "before": baseline,
         "during": float(np.median(during)) if during.size else None,

@@ -153,4 +153,7 @@ def test_recovered_means_reaching_what_the_applied_plan_promised():
     assert inc.phases[0].at_s == pytest.approx(at[29])  # onset: the change point's start
     # A plan promising more than was reached: not recovered.
     hist[-1] = snap("applied", at[39], after_s=0.5)
-    assert incidents.build_incident("j", "x", [f], hist, [], rows).status == "open"
+    partial = incidents.build_incident("j", "x", [f], hist, [], rows)
+    assert partial.status == "open"
+    # Not recovered, but the plan was applied: "after" is the rate since then.
+    assert partial.throughput == {"before": 100.0, "during": 60.0, "after": 80.0}
