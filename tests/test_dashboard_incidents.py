@@ -96,6 +96,13 @@ def test_report_export_cli(r, redis_server, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "Recovery timeline" in out.read_text() and "fr-slow-1" in out.read_text()
+    # The core CLI forwards "resihp report export" to the same command.
+    html_out = tmp_path / "inc.html"
+    fwd = [sys.executable, "-m", "resihp.cli", *cmd[3:]]
+    fwd[fwd.index("md")], fwd[fwd.index(str(out))] = "html", str(html_out)
+    res = subprocess.run(fwd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "<h2 id='timeline'>Recovery timeline</h2>" in html_out.read_text()
     cmd[cmd.index("fr-slow-1")] = "missing"
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "no failure report 'missing'" in res.stderr
