@@ -11,7 +11,7 @@ import logging
 import secrets
 import threading
 import time
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 import dash
 import redis
@@ -92,9 +92,10 @@ def _header(ctx: AppContext) -> html.Div:
     )
 
 
-def _auth_box(ctx: AppContext, pathname: str, search: str) -> list:
+def _auth_box(ctx: AppContext, pathname: str, search: str, job: str | None = None) -> list:
     op = auth_mod.current_operator()
-    nxt = pathname or "/"
+    # The job rides along in the URL, so the reload a login causes keeps the chosen job.
+    nxt = (pathname or "/") + (f"?job={quote(job)}" if job else "")
     if op:
         return [
             html.Span(f"operator {op} ", id="operator-name"),
@@ -185,19 +186,25 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
         def _active(pathname, path=p.PATH):
             return "active" if (pathname or "/") == path else ""
 
-    @app.callback(Output("auth-box", "children"), Input("url", "pathname"), Input("url", "search"))
-    def auth_box(pathname, search):
-        return _auth_box(ctx, pathname, search)
+    @app.callback(
+        Output("auth-box", "children"),
+        Input("url", "pathname"),
+        Input("url", "search"),
+        Input("job", "value"),
+    )
+    def auth_box(pathname, search, job):
+        return _auth_box(ctx, pathname, search, job)
 
     @app.callback(
         Output("job", "options"),
         Output("job", "value"),
         Output("live-status", "children"),
         Input("tick", "n_intervals"),
+        Input("url", "search"),
         State("job", "value"),
         State("job", "options"),
     )
-    def jobs(_n, current, options):
+    def jobs(_n, search, current, options):
         try:
             names = data.jobs()
         except redis.RedisError as e:
@@ -205,7 +212,14 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
         if config.job_id and config.job_id not in names:
             names = sorted([*names, config.job_id])
         opts = [{"label": j, "value": j} for j in names]
-        value = current if current in names else (config.job_id or (names[0] if names else None))
+        wanted = parse_qs((search or "").lstrip("?")).get("job", [None])[0]
+        if wanted in names and (current is None or dash.ctx.triggered_id == "url"):
+            current = None  # an explicit ?job= wins on page load
+            value = wanted
+        else:
+            value = (
+                current if current in names else (config.job_id or (names[0] if names else None))
+            )
         status = f"live · {time.strftime('%H:%M:%S')} · {len(names)} job(s)"
         return (
             opts if opts != options else no_update,
