@@ -384,7 +384,9 @@ def test_several_migrations_into_one_stage_do_not_stall_it(kind):
     assert res.iteration_time_s < t_logical - 1e-9
 
 
-def test_retimed_orders_are_valid_and_textbook_without_migrations():
+@pytest.mark.parametrize("list_limit", [10**9, 0], ids=["list-scheduled", "arrival-pass"])
+def test_retimed_orders_are_valid_and_textbook_without_migrations(monkeypatch, list_limit):
+    monkeypatch.setattr(dag_mod, "LIST_SCHEDULE_MAX_CHUNKS", list_limit)
     rng = np.random.default_rng(5)
     plain = PipelineDAG.from_layout(Layout.uniform(1, 4, 3, 8, 6, schedule="zbh1"))
     assert plain.retimed(rng.uniform(0.5, 1.5, plain.num_chunks)) is plain
@@ -404,8 +406,22 @@ def test_retimed_orders_are_valid_and_textbook_without_migrations():
         cost0 = (
             rng.uniform(0.5, 1.5, logical.num_chunks) / speed[logical.chunk_dp, logical.chunk_stage]
         )
-        dag = logical.retimed(cost0, rng.uniform(0.0, 0.2, logical.num_edges))
+        edge0 = rng.uniform(0.0, 0.2, logical.num_edges)
+        dag = logical.retimed(cost0, edge0)
         assert dag.num_chunks == logical.num_chunks
+        # never longer than the twin order under the costs it was timed for
+        same = np.lexsort((dag.chunk_kind, dag.chunk_stage, dag.chunk_mb, dag.chunk_src_dp))
+        old = np.lexsort(
+            (logical.chunk_kind, logical.chunk_stage, logical.chunk_mb, logical.chunk_src_dp)
+        )
+        c_new = np.empty(dag.num_chunks)
+        c_new[same] = cost0[old]
+        e_new = np.zeros(dag.num_chunks)
+        e_new[logical.edge_dst] = edge0
+        e_map = np.empty(dag.num_chunks)
+        e_map[same] = e_new[old]
+        t_new = dag.evaluate(c_new, e_map[dag.edge_dst]).pipeline_time_s
+        assert t_new <= logical.evaluate(cost0, edge0).pipeline_time_s + 1e-9
         cost = rng.uniform(0.1, 1.0, dag.num_chunks)
         edge = rng.uniform(0.0, 0.1, dag.num_edges)
         res = dag.evaluate(cost, edge)

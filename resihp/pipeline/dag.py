@@ -378,6 +378,43 @@ def _projected_starts(c: _Compiled, cost: np.ndarray, in_cost: np.ndarray) -> np
     return np.asarray(start)
 
 
+#: Components up to this many chunks get the exact list-scheduled pre-pass (a Python loop);
+#: larger ones the vectorized arrival pass (:func:`_arrival_starts`).
+LIST_SCHEDULE_MAX_CHUNKS = 6000
+
+
+def _arrival_starts(c: _Compiled, cost: np.ndarray, in_cost: np.ndarray) -> np.ndarray | None:
+    """Projected start times with migrated chunks taking no device time (one kernel pass).
+
+    Local chunks keep their schedule chain on each device; a migrated chunk
+    starts as soon as its data arrives.  Sorting a device by these times puts
+    every migrated chunk where it arrives among the local ones.  Cheaper and
+    more optimistic than :func:`_projected_starts` (the migrated chunks' own
+    device time is ignored when placing later ones); used for large components.
+    """
+    n = len(c.arith_pred)
+    moved = c.arith_moved
+    order = np.lexsort((c.arith_lkey, moved, c.arith_dev))
+    loc = order[~moved[order]]
+    same = c.arith_dev[loc[1:]] == c.arith_dev[loc[:-1]]
+    pred_res = np.full(n, -1, dtype=np.int64)
+    pred_res[loc[1:][same]] = loc[:-1][same]
+    topo = np.lexsort((moved, c.arith_lkey))
+    pos = np.empty(n, dtype=np.int64)
+    pos[topo] = np.arange(n)
+    p0 = np.where(c.arith_pred >= 0, pos[np.maximum(c.arith_pred, 0)], n)[topo]
+    p1 = np.where(pred_res >= 0, pos[np.maximum(pred_res, 0)], n)[topo]
+    here = np.arange(n)
+    if ((p0 < n) & (p0 >= here)).any() or ((p1 < n) & (p1 >= here)).any():
+        return None  # pragma: no cover - the logical clock is topological
+    end = _kernel.longest_path(p0, p1, np.ascontiguousarray(cost[topo]), in_cost[topo])
+    if end is None:
+        return None
+    start = np.empty(n)
+    start[topo] = end - cost[topo]
+    return start
+
+
 def _levels_in_order(
     pred_data: np.ndarray, pred_res: np.ndarray, topo: np.ndarray
 ) -> np.ndarray | None:
@@ -514,10 +551,14 @@ class PipelineDAG:
         """This DAG with migrated chunks ordered by their projected arrival under these costs.
 
         Components without migrations (the textbook schedules) are shared
-        unchanged.  In each component tied by migrations, a list-scheduled
-        pre-pass (:func:`_projected_starts`) decides where on the destination
-        each migrated chunk runs; the order is then fixed, so evaluating the
-        returned DAG with other costs stays a pure longest-path computation.
+        unchanged.  In each component tied by migrations, a pre-pass decides
+        where on the destination each migrated chunk runs: a list-scheduled
+        run (:func:`_projected_starts`) for components up to
+        ``LIST_SCHEDULE_MAX_CHUNKS`` chunks, a vectorized arrival pass
+        (:func:`_arrival_starts`) above.  The new order is kept only where it
+        does not lengthen the component under these costs.  The order is then
+        fixed, so evaluating the returned DAG with other costs stays a pure
+        longest-path computation.
         Chunk numbering inside those components changes: recompute costs for
         the returned DAG.  Returns ``self`` when there is nothing to re-time.
         """
@@ -542,12 +583,22 @@ class PipelineDAG:
             ca[c.perm] = cost[sl]
             ia = np.empty(c.n)
             ia[c.perm] = ic[sl]
-            prio = _projected_starts(c, ca, ia)
+            if c.n <= LIST_SCHEDULE_MAX_CHUNKS or not _kernel.available():
+                prio = _projected_starts(c, ca, ia)
+            else:
+                prio = _arrival_starts(c, ca, ia)
             if prio is None:  # pragma: no cover - see _projected_starts
                 groups.append(g)
                 continue
             comp = _Compiled(g.replicas, self.layout, self.schedule_kind, prio=prio)
-            groups.append(_Group(comp, g.replicas, g.base, coupled=True))
+            # keep the re-timed order only if it does not lengthen this component under
+            # these costs (the pre-pass is a projection, the twin order a safe default)
+            t_new = float(np.max(comp.run(ca[comp.perm], ia[comp.perm]), initial=0.0))
+            t_old = float(np.max(c.run(cost[sl], ic[sl]), initial=0.0))
+            if t_new <= t_old:
+                groups.append(_Group(comp, g.replicas, g.base, coupled=True))
+            else:
+                groups.append(g)
         new.groups = groups
         new.schedule_fallback = any(g.compiled.fallback for g in groups)
         new._assemble()
