@@ -232,3 +232,42 @@ def test_redis_outage_shows_a_banner_not_an_error():
     assert "Redis unavailable" in json.dumps(out["ov-status"])
     metrics = c.get("/metrics").get_data(as_text=True)
     assert "resihp_dashboard_redis_up 0" in metrics
+
+
+def test_job_selector_lists_jobs_and_honours_job_in_url(app, r):
+    publish_job(r, "job-b", iterations=3, slow_from=2)
+
+    def call(search, current, trigger):
+        req = {
+            "output": "..job.options...job.value...live-status.children..",
+            "outputs": [
+                {"id": "job", "property": "options"},
+                {"id": "job", "property": "value"},
+                {"id": "live-status", "property": "children"},
+            ],
+            "inputs": [
+                {"id": "tick", "property": "n_intervals", "value": 1},
+                {"id": "url", "property": "search", "value": search},
+            ],
+            "changedPropIds": [trigger],
+            "state": [
+                {"id": "job", "property": "value", "value": current},
+                {"id": "job", "property": "options", "value": []},
+            ],
+        }
+        res = app.server.test_client().post("/_dash-update-component", json=req)
+        assert res.status_code == 200
+        return res.json["response"]
+
+    out = call("", None, "tick.n_intervals")
+    assert [o["value"] for o in out["job"]["options"]] == ["job-a", "job-b"]
+    assert out["job"]["value"] == "job-a"  # --job-id wins when nothing else is asked for
+    assert call("?job=job-b", "job-a", "url.search")["job"]["value"] == "job-b"
+    assert "value" not in call("?job=nope", "job-a", "url.search")["job"]  # unknown: unchanged
+    assert "value" not in call("?job=job-b", "job-a", "tick.n_intervals")["job"]  # user's choice
+    # The login form sends the operator back to the same job.
+    with app.server.test_request_context():
+        from dashboard.app import _auth_box
+
+        form = _auth_box(app.resihp_ctx, "/plans", "", "job-b")
+    assert "/plans?job=job-b" in json.dumps(form, default=lambda o: o.to_plotly_json())
