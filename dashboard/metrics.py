@@ -95,8 +95,12 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                 w.sample("resihp_predicted_iteration_time_seconds", _labels(job=job), pred)
         w.family("resihp_failures_total", "counter", "Failure reports by kind.")
         by_kind = Counter(f.kind for f in failures)
+        counters = data.counters(job)
         for kind in ("fail_stop", "fail_slow_compute", "fail_slow_comm", "recovery"):
-            w.sample("resihp_failures_total", _labels(job=job, kind=kind), by_kind.get(kind, 0))
+            # The detector's own counter survives stream trimming; the stream covers a
+            # detector that does not keep one.
+            n = max(by_kind.get(kind, 0), counters.get(f"detector_{kind}_total", 0))
+            w.sample("resihp_failures_total", _labels(job=job, kind=kind), n)
         w.family("resihp_plans", "gauge", "Adaptation plans by current state.")
         states = Counter(p.state for p in data.plans(job).values())
         for st in (
@@ -140,7 +144,7 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                     _labels(job=job, node=node),
                     max(0.0, now_s - hb[node]),
                 )
-        for name, val in sorted(data.counters(job).items()):
+        for name, val in sorted(counters.items()):
             if not name.endswith("_total"):
                 continue
             metric = "resihp_" + _NAME_RE.sub("_", name)

@@ -56,12 +56,15 @@ def _action_request(button: str, layers="9,5,9,9"):
 
 
 def test_metrics_exposition(app, r):
+    r.hset(JobKeys("job-a").counters, mapping={"detector_fail_stop_total": 4, "odd name_total": 2})
     body = app.server.test_client().get("/metrics")
     assert body.status_code == 200 and body.content_type.startswith("text/plain; version=0.0.4")
     text = body.get_data(as_text=True)
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert float(lines['resihp_iteration{job="job-a"}']) == 19
     assert float(lines['resihp_failures_total{job="job-a",kind="fail_slow_compute"}']) == 1
+    assert float(lines['resihp_failures_total{job="job-a",kind="fail_stop"}']) == 4
+    assert float(lines['resihp_odd_name_total{job="job-a"}']) == 2
     assert float(lines['resihp_plans{job="job-a",state="proposed"}']) == 1
     assert (
         float(lines['resihp_device_throughput_ratio{job="job-a",rank="5",node="0",state="slow"}'])
