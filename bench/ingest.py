@@ -48,7 +48,7 @@ from collector.service import CollectorService, encode_fast
 from collector.synth import iteration_rows
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis, connect
-from resihp.schemas import Heartbeat, IterationRecord, encode_entry
+from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, encode_entry
 from resihp.topology import Layout
 
 JOB = "ingest-bench"
@@ -77,11 +77,12 @@ def _producer(url: str, layout_d: dict, n_iters: int, depth: int, hb_per_iter: i
     ranks = lay.active_ranks()
     now = time.time()
     for lo in range(0, len(ranks), 4096):
-        beats = [
-            Heartbeat(rank=r, node=lay.node_of(r), iteration=0, wall_time_s=now)
-            for r in ranks[lo : lo + 4096]
-        ]
-        hb_entries.append(encode_entry(beats))
+        # Packed, as TelemetryProducer sends them (HEARTBEAT_DTYPE rows in field "h").
+        beats = np.zeros(len(ranks[lo : lo + 4096]), dtype=HEARTBEAT_DTYPE)
+        beats["rank"] = ranks[lo : lo + 4096]
+        beats["node"] = beats["rank"] // lay.devices_per_node
+        beats["wall_time_s"] = now
+        hb_entries.append(encode_entry(heartbeat_rows=beats))
     p = TelemetryProducer(
         None, keys, client=client, max_queue=2_000_000, max_batch=4096, maxlen=20_000
     ).start()

@@ -25,7 +25,7 @@ from typing import IO
 import redis
 
 from resihp.keys import JobKeys
-from resihp.schemas import ChunkBatch, decode_entry
+from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
 
 
 @dataclass
@@ -116,8 +116,9 @@ def record(
             good, bad = decode_entry(fields)
             stats.invalid_total += len(bad)
             for m in good:
-                if isinstance(m, ChunkBatch):
-                    stats.chunk_rows_total += len(m)
+                if isinstance(m, ChunkBatch | HeartbeatBatch):
+                    stats.chunk_rows_total += len(m) if isinstance(m, ChunkBatch) else 0
+                    stats.messages_total += len(m) if isinstance(m, HeartbeatBatch) else 0
                 else:
                     stats.messages_total += 1
                 d = m.to_dict()

@@ -40,6 +40,7 @@ from resihp.schemas import (
     ChunkBatch,
     ChunkTiming,
     Heartbeat,
+    HeartbeatBatch,
     IterationRecord,
     Message,
     MicroBatchStats,
@@ -278,6 +279,19 @@ class CollectorService:
                     beats += 1
                     # the coordinator maps known ranks to their layout node itself
                     observe(m.rank, m.node, arrival_s, m.seq, m.iteration, m.generation)
+                    continue
+                if type(m) is HeartbeatBatch:
+                    hr = m.rows
+                    beats += len(hr)
+                    for r, n, q, i, g in zip(
+                        hr["rank"].tolist(),
+                        hr["node"].tolist(),
+                        hr["seq"].tolist(),
+                        hr["iteration"].tolist(),
+                        hr["generation"].tolist(),
+                        strict=True,
+                    ):
+                        observe(r, n, arrival_s, q, i, g)
                     continue
                 if isinstance(m, ChunkBatch):
                     parts.append(m.rows)

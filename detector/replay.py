@@ -32,6 +32,7 @@ from resihp.schemas import (
     ChunkBatch,
     FailureReport,
     Heartbeat,
+    HeartbeatBatch,
     IterationRecord,
     LivenessEvent,
     MicroBatchStats,
@@ -91,7 +92,10 @@ class TraceReplayer:
         out: list[FailureReport] = []
         if arrival_s is not None:
             self._advance(arrival_s)
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, HeartbeatBatch):
+            for hb in msg.iter_messages():
+                out += self.feed(hb, arrival_s)
+        elif isinstance(msg, Heartbeat):
             t = arrival_s if arrival_s is not None else msg.wall_time_s
             self._advance(t)
             self.liveness.observe(msg.rank, msg.node, t, msg.seq, msg.iteration, msg.generation)

@@ -28,12 +28,14 @@ import redis
 from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
 from resihp.schemas import (
     CHUNK_DTYPE,
+    HEARTBEAT_DTYPE,
     ChunkTiming,
     Heartbeat,
     Message,
     MicroBatchStats,
     chunks_to_rows,
     encode_entry,
+    heartbeats_to_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 _MSG = 0
 _CHUNK = 1
 _ROWS = 2
+_HB = 3
+_HB_ROWS = 4
 
 
 class TelemetryProducer:
@@ -124,7 +128,13 @@ class TelemetryProducer:
         return self
 
     def heartbeat(self, hb: Heartbeat) -> bool:
-        return self._offer(_MSG, hb, 1)
+        return self._offer(_HB, hb, 1)
+
+    def heartbeat_rows(self, rows: np.ndarray) -> int:
+        """Queue packed HEARTBEAT_DTYPE rows (copied); returns how many were accepted."""
+        if rows.dtype != HEARTBEAT_DTYPE:
+            raise TypeError(f"heartbeat_rows needs dtype HEARTBEAT_DTYPE, got {rows.dtype}")
+        return self._offer_rows(_HB_ROWS, rows)
 
     def mb_stats(self, s: MicroBatchStats) -> bool:
         return self._offer(_MSG, s, 1)
@@ -139,6 +149,9 @@ class TelemetryProducer:
         """Queue packed rows (copied); returns how many were accepted, the rest are dropped."""
         if rows.dtype != CHUNK_DTYPE:
             raise TypeError(f"chunk_rows needs dtype CHUNK_DTYPE, got {rows.dtype}")
+        return self._offer_rows(_ROWS, rows)
+
+    def _offer_rows(self, kind: int, rows: np.ndarray) -> int:
         n = len(rows)
         if n == 0:
             return 0
@@ -150,7 +163,7 @@ class TelemetryProducer:
             take = min(n, space)
             self.dropped_total += n - take
             self._held += take
-            self._items.append((_ROWS, np.array(rows[:take], copy=True), take))
+            self._items.append((kind, np.array(rows[:take], copy=True), take))
             full = self._held >= self.max_batch
         if full and not self._wake.is_set():  # Event.set() costs a notify per call
             self._wake.set()
@@ -313,9 +326,15 @@ class TelemetryProducer:
         msgs: list[Message] = []
         chunks: list[ChunkTiming] = []
         parts: list[np.ndarray] = []
+        beats: list[Heartbeat] = []
+        hb_parts: list[np.ndarray] = []
         for kind, item, _ in taken:
             if kind == _ROWS:
                 parts.append(item)
+            elif kind == _HB_ROWS:
+                hb_parts.append(item)
+            elif kind == _HB:
+                beats.append(item)
             elif kind == _CHUNK:
                 chunks.append(item)
             else:
@@ -333,14 +352,37 @@ class TelemetryProducer:
                         bad_events += 1
                 parts.extend(good)
         rows = np.concatenate(parts) if parts else np.zeros(0, dtype=CHUNK_DTYPE)
+        if beats:
+            try:
+                hb_parts.append(heartbeats_to_rows(beats))
+            except (TypeError, ValueError, OverflowError):
+                for b in beats:
+                    try:
+                        hb_parts.append(heartbeats_to_rows([b]))
+                    except (TypeError, ValueError, OverflowError):
+                        bad_events += 1
+        hb_rows = np.concatenate(hb_parts) if hb_parts else np.zeros(0, dtype=HEARTBEAT_DTYPE)
+        if len(hb_rows):
+            # One absurd beat would get the whole packed batch refused downstream.
+            ok = (
+                np.isfinite(hb_rows["wall_time_s"])
+                & (hb_rows["rank"] >= 0)
+                & (hb_rows["node"] >= 0)
+                & (hb_rows["seq"] >= 0)
+                & (hb_rows["iteration"] >= 0)
+            )
+            if not ok.all():
+                bad_events += int((~ok).sum())
+                hb_rows = hb_rows[ok]
         mb = self.max_batch
-        n_entries = max(-(-len(msgs) // mb), -(-len(rows) // mb))
+        n_entries = max(-(-len(msgs) // mb), -(-len(rows) // mb), -(-len(hb_rows) // mb))
         entries: list[tuple[dict[bytes, bytes], int]] = []
         for k in range(n_entries):
             m = msgs[k * mb : (k + 1) * mb]
             rw = rows[k * mb : (k + 1) * mb]
+            hw = hb_rows[k * mb : (k + 1) * mb]
             try:
-                fields = encode_entry(m, rw)
+                fields = encode_entry(m, rw, hw)
                 n_ok = len(m)
             except (TypeError, ValueError):
                 # A message that cannot be serialized (e.g. NaN) must not block the rest.
@@ -351,9 +393,9 @@ class TelemetryProducer:
                         ok_msgs.append(one)
                     except (TypeError, ValueError):
                         bad_events += 1
-                fields = encode_entry(ok_msgs, rw)
+                fields = encode_entry(ok_msgs, rw, hw)
                 n_ok = len(ok_msgs)
-            entries.append((fields, n_ok + len(rw)))
+            entries.append((fields, n_ok + len(rw) + len(hw)))
         if bad_events:
             self.invalid_total += bad_events
             with self._lock:

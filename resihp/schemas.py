@@ -6,9 +6,9 @@ inside a service the dataclasses are trusted.  A message that fails validation
 raises :class:`SchemaError` with a reason; consumers send it to the job's
 dead-letter stream instead of crashing.
 
-Chunk timings are the high-volume path (hundreds of thousands per second for a
+Chunk timings and heartbeats are the high-volume paths (hundreds of thousands per second for a
 16k-GPU job), so they travel packed: a numpy structured array per stream entry
-(:data:`CHUNK_DTYPE`), validated column-wise.  In JSON traces the same batch is
+(:data:`CHUNK_DTYPE`, :data:`HEARTBEAT_DTYPE`), validated column-wise.  In JSON traces the same batch is
 written column by column (``ChunkBatch.to_dict``).
 """
 
@@ -71,6 +71,19 @@ CHUNK_DTYPE = np.dtype(
     ]
 )
 _CHUNK_COLUMNS = [n for n in CHUNK_DTYPE.names if n != "_pad"]
+
+#: Packed heartbeats: a 16k-rank job sends ~16k beats/s, too many to JSON-decode one by one.
+HEARTBEAT_DTYPE = np.dtype(
+    [
+        ("rank", "<i4"),
+        ("node", "<i4"),
+        ("iteration", "<i4"),
+        ("generation", "<i4"),
+        ("wall_time_s", "<f8"),
+        ("seq", "<i8"),
+    ]
+)
+_HEARTBEAT_COLUMNS = list(HEARTBEAT_DTYPE.names)
 
 
 # --------------------------------------------------------------------------
@@ -550,6 +563,83 @@ def chunks_to_rows(chunks: list[ChunkTiming]) -> np.ndarray:
     return rows
 
 
+@dataclass
+class HeartbeatBatch:
+    """Many Heartbeat rows packed as a numpy structured array (HEARTBEAT_DTYPE)."""
+
+    TYPE: ClassVar[str] = "heartbeat_batch"
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, max_rank: int | None = None) -> HeartbeatBatch:
+        if len(raw) % HEARTBEAT_DTYPE.itemsize:
+            raise SchemaError(
+                f"heartbeat_batch: truncated payload ({len(raw)} bytes is not a multiple of "
+                f"{HEARTBEAT_DTYPE.itemsize})"
+            )
+        rows = np.frombuffer(raw, dtype=HEARTBEAT_DTYPE)
+        cls.check_rows(rows, max_rank)
+        return cls(rows)
+
+    @staticmethod
+    def check_rows(rows: np.ndarray, max_rank: int | None = None) -> None:
+        if not len(rows):
+            return
+        if not np.isfinite(rows["wall_time_s"]).all():
+            raise SchemaError("heartbeat_batch: non-finite wall_time_s")
+        if (rows["rank"] < 0).any() or (max_rank is not None and (rows["rank"] >= max_rank).any()):
+            raise SchemaError("heartbeat_batch: unknown rank")
+        if (rows["node"] < 0).any() or (rows["seq"] < 0).any() or (rows["iteration"] < 0).any():
+            raise SchemaError("heartbeat_batch: negative node/seq/iteration")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
+        d["heartbeats"] = {c: self.rows[c].tolist() for c in _HEARTBEAT_COLUMNS}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], max_rank: int | None = None) -> HeartbeatBatch:
+        cols = d.get("heartbeats")
+        if not isinstance(cols, dict):
+            raise SchemaError("heartbeat_batch: missing 'heartbeats' columns")
+        missing = [c for c in _HEARTBEAT_COLUMNS if c not in cols]
+        if missing:
+            raise SchemaError(f"heartbeat_batch: missing columns {missing}")
+        n = len(cols["rank"])
+        rows = np.zeros(n, dtype=HEARTBEAT_DTYPE)
+        for c in _HEARTBEAT_COLUMNS:
+            if len(cols[c]) != n:
+                raise SchemaError(f"heartbeat_batch: column {c} has {len(cols[c])} rows, not {n}")
+            try:
+                rows[c] = cols[c]
+            except (TypeError, ValueError) as e:
+                raise SchemaError(f"heartbeat_batch: column {c}: {e}") from e
+        cls.check_rows(rows, max_rank)
+        return cls(rows)
+
+    def iter_messages(self):
+        for r, n, i, g, w, q in zip(
+            self.rows["rank"].tolist(),
+            self.rows["node"].tolist(),
+            self.rows["iteration"].tolist(),
+            self.rows["generation"].tolist(),
+            self.rows["wall_time_s"].tolist(),
+            self.rows["seq"].tolist(),
+            strict=True,
+        ):
+            yield Heartbeat(rank=r, node=n, iteration=i, wall_time_s=w, seq=q, generation=g)
+
+
+def heartbeats_to_rows(beats: list[Heartbeat]) -> np.ndarray:
+    rows = np.zeros(len(beats), dtype=HEARTBEAT_DTYPE)
+    if beats:
+        rows[:] = [(b.rank, b.node, b.iteration, b.generation, b.wall_time_s, b.seq) for b in beats]
+    return rows
+
+
 # --------------------------------------------------------------------------
 # codec
 
@@ -566,6 +656,8 @@ def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
         )
     if t == ChunkBatch.TYPE:
         return ChunkBatch.from_dict(d, max_rank)
+    if t == HeartbeatBatch.TYPE:
+        return HeartbeatBatch.from_dict(d, max_rank)
     cls = MESSAGE_TYPES.get(t)  # type: ignore[arg-type]
     if cls is None:
         raise SchemaError(f"unknown message type {t!r}", d)
@@ -596,10 +688,15 @@ def decode_json(line: str | bytes, max_rank: int | None = None) -> Message | Chu
 ENTRY_MESSAGES = b"m"
 ENTRY_CHUNKS = b"c"
 ENTRY_CHUNKS_VERSION = b"cv"
+# Field "h" (optional) holds packed heartbeats, with their schema version in "hv".
+ENTRY_HEARTBEATS = b"h"
+ENTRY_HEARTBEATS_VERSION = b"hv"
 
 
 def encode_entry(
-    messages: list[Message] | None = None, chunk_rows: np.ndarray | None = None
+    messages: list[Message] | None = None,
+    chunk_rows: np.ndarray | None = None,
+    heartbeat_rows: np.ndarray | None = None,
 ) -> dict[bytes, bytes]:
     fields: dict[bytes, bytes] = {}
     if messages:
@@ -607,6 +704,9 @@ def encode_entry(
     if chunk_rows is not None and len(chunk_rows):
         fields[ENTRY_CHUNKS] = chunk_rows.tobytes()
         fields[ENTRY_CHUNKS_VERSION] = str(SCHEMA_VERSION).encode()
+    if heartbeat_rows is not None and len(heartbeat_rows):
+        fields[ENTRY_HEARTBEATS] = heartbeat_rows.tobytes()
+        fields[ENTRY_HEARTBEATS_VERSION] = str(SCHEMA_VERSION).encode()
     return fields
 
 
@@ -631,7 +731,8 @@ def decode_entry(
     bad: list[tuple[str, Any]] = []
     raw_m = _get(fields, ENTRY_MESSAGES)
     raw_c = _get(fields, ENTRY_CHUNKS)
-    if raw_m is None and raw_c is None:
+    raw_h = _get(fields, ENTRY_HEARTBEATS)
+    if raw_m is None and raw_c is None and raw_h is None:
         bad.append(
             (
                 "entry has neither messages nor chunks",
@@ -663,4 +764,12 @@ def decode_entry(
             good.append(ChunkBatch.from_bytes(bytes(raw_c), max_rank))
         except (SchemaError, ValueError) as e:
             bad.append((str(e), f"<{len(raw_c)} bytes of packed chunks>"))
+    if raw_h is not None:
+        hv = _get(fields, ENTRY_HEARTBEATS_VERSION)
+        try:
+            if hv is None or int(hv) != SCHEMA_VERSION:
+                raise SchemaError(f"heartbeat_batch: unsupported schema_version {hv!r}")
+            good.append(HeartbeatBatch.from_bytes(bytes(raw_h), max_rank))
+        except (SchemaError, ValueError) as e:
+            bad.append((str(e), f"<{len(raw_h)} bytes of packed heartbeats>"))
     return good, bad

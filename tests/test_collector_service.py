@@ -19,6 +19,7 @@ from resihp.producer import TelemetryProducer
 from resihp.schemas import (
     ChunkBatch,
     Heartbeat,
+    HeartbeatBatch,
     IterationRecord,
     LivenessEvent,
     MicroBatchStats,
@@ -283,7 +284,8 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     batches = [m for m in msgs if isinstance(m, ChunkBatch)]
     assert sum(len(b) for b in batches) == len(rows)
     assert np.array_equal(np.concatenate([b.rows for b in batches]), rows)
-    assert sorted(m.seq for m in msgs if isinstance(m, Heartbeat)) == list(range(5))
+    beats = [h for m in msgs if isinstance(m, HeartbeatBatch) for h in m.iter_messages()]
+    assert sorted(h.seq for h in beats) == list(range(5))  # heartbeats travel packed
     assert sum(isinstance(m, MicroBatchStats) for m in msgs) == 1
     for line in lines[1:]:
         d = json.loads(line)
@@ -314,7 +316,8 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     follow = [json.loads(line) for line in out.read_text().splitlines()]
     assert [d["type"] for d in follow][0] == "layout"
     assert [d["layout"]["layout_id"] for d in follow if d["type"] == "layout"] == [0, 5]
-    assert [d["seq"] for d in follow if d["type"] == "heartbeat"] == [77, 78, 79]
+    seqs = [q for d in follow if d["type"] == "heartbeat_batch" for q in d["heartbeats"]["seq"]]
+    assert seqs == [77, 78, 79]
     p.close()
 
 

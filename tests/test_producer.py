@@ -14,6 +14,7 @@ from resihp.schemas import (
     ChunkBatch,
     ChunkTiming,
     Heartbeat,
+    HeartbeatBatch,
     MicroBatchStats,
     decode_entry,
 )
@@ -45,6 +46,8 @@ def _read_all(client, keys=KEYS):
         for m in good:
             if isinstance(m, ChunkBatch):
                 rows.append(m.rows)
+            elif isinstance(m, HeartbeatBatch):  # heartbeats travel packed
+                msgs.extend(m.iter_messages())
             else:
                 msgs.append(m)
     allrows = np.concatenate(rows) if rows else ChunkBatch.empty(0)

@@ -13,7 +13,13 @@ import pytest
 
 from resihp.keys import JOBS_SET, JobKeys
 from resihp.plans import read_layout
-from resihp.schemas import AdaptationPlan, ChunkBatch, Heartbeat, MicroBatchStats, decode_entry
+from resihp.schemas import (
+    AdaptationPlan,
+    ChunkBatch,
+    HeartbeatBatch,
+    MicroBatchStats,
+    decode_entry,
+)
 from resihp.topology import Layout
 from trainer.sim import SimConfig
 from trainer.sim.service import SimTrainer
@@ -49,7 +55,7 @@ def test_emits_telemetry_and_writes_layout(r):
     lay = read_layout(r, keys)
     assert lay is not None and lay.to_dict() == tr.sim.layout.to_dict()
     msgs, rows = _drain(r, keys)
-    hbs = [m for m in msgs if isinstance(m, Heartbeat)]
+    hbs = [h for m in msgs if isinstance(m, HeartbeatBatch) for h in m.iter_messages()]
     mbs = [m for m in msgs if isinstance(m, MicroBatchStats)]
     assert len(mbs) == 3 * lay.total_microbatches
     assert {m.rank for m in hbs} == set(range(lay.world_size))
@@ -143,7 +149,9 @@ def test_time_scaled_pacing(r):
     assert wall >= 0.9 * sim_s / 50.0
     assert wall < sim_s  # much faster than real time
     msgs, _ = _drain(r, JobKeys("simjob"))
-    beats = sorted({m.wall_time_s for m in msgs if isinstance(m, Heartbeat)})
+    beats = sorted(
+        {float(t) for m in msgs if isinstance(m, HeartbeatBatch) for t in m.rows["wall_time_s"]}
+    )
     assert np.allclose(np.diff(beats), 0.5)  # beat period on the simulated clock
 
 

@@ -29,23 +29,13 @@ import numpy as np
 
 from resihp.pipeline import PipelineDAG
 from resihp.pipeline.models import A100_EFFECTIVE_FLOPS, cost_model_for
-from resihp.schemas import CHUNK_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
+from resihp.schemas import CHUNK_DTYPE, HEARTBEAT_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
 from resihp.topology import Layout, LayoutError
 from trainer.data.lengths import LengthSampler
 from trainer.scenario import Scenario, ScenarioCursor, ScenarioEvent, default_factor
 
 from .config import SimConfig
 
-HEARTBEAT_DTYPE = np.dtype(
-    [
-        ("rank", "<i4"),
-        ("node", "<i4"),
-        ("iteration", "<i4"),
-        ("generation", "<i4"),
-        ("wall_time_s", "<f8"),
-        ("seq", "<i8"),
-    ]
-)
 MB_DTYPE = np.dtype(
     [
         ("iteration", "<i4"),

@@ -27,7 +27,7 @@ from resihp.topology import Layout, LayoutError
 from trainer.scenario import Scenario, load_scenario
 
 from .config import SimConfig
-from .core import ClusterSim, SimStep, heartbeat_messages, mb_stats_messages
+from .core import ClusterSim, SimStep, mb_stats_messages
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,7 @@ class SimTrainer:
             cuts = [0, *(np.flatnonzero(np.diff(times)) + 1).tolist(), len(hb)]
             for a, b in zip(cuts[:-1], cuts[1:], strict=True):
                 self._sleep_until_sim(float(times[a]), stop)
-                for m in heartbeat_messages(hb[a:b]):
-                    self.producer.heartbeat(m)
+                self.producer.heartbeat_rows(hb[a:b])
                 sent += b - a
         self._sleep_until_sim(step.true_state.t_end_s, stop)
         if len(step.chunk_rows):
