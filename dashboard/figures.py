@@ -633,7 +633,14 @@ def coord_grid(
             lo, hi = c * per, min((c + 1) * per, dp)
             v = float(gmin[lo:hi, s].min())
             zr.append(None if not math.isfinite(v) else round(v, 4))
-            tr.append(f"TP {'/'.join(map(str, sorted(set(tp[lo:hi, s].tolist()))))}")
+            label = f"TP {'/'.join(map(str, sorted(set(tp[lo:hi, s].tolist()))))}"
+            if math.isfinite(v) and v < 0.999:
+                # Name the culprit's full coordinate: the min hides which TP index it is.
+                d = lo + int(np.argmin(gmin[lo:hi, s]))
+                grp = groups[d][s]
+                t = min(range(len(grp)), key=lambda i: np.nan_to_num(p[grp[i]], nan=np.inf))
+                label += f" · min at rank {grp[t]} (dp{d}, stage {s}, tp{t})"
+            tr.append(label)
         z.append(zr)
         text.append(tr)
     xl = [

@@ -140,6 +140,9 @@ def test_coord_grid_buckets_replicas_and_takes_group_min():
     z, xl, yl, _ = figures.coord_grid(p, lay.groups, max_cols=64)
     assert len(yl) == 2 and len(xl) == 50  # 4 replicas per column
     assert z[1][150 // 4] == pytest.approx(0.4) and z[0][150 // 4] == 1.0
+    _, _, _, text = figures.coord_grid(p, lay.groups, max_cols=64)
+    assert text[1][150 // 4].endswith(f"min at rank {slow} (dp150, stage 1, tp1)")
+    assert text[0][0] == "TP 2"
 
 
 def test_predicted_series_priority_and_change_points():
