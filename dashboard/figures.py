@@ -40,6 +40,8 @@ FAILURE_COLORS = {
     "recovery": "#2ca02c",
 }
 PLOT_TEMPLATE = "plotly_white"
+#: p_i below which a device counts as slow on the pages (the overview's "slow devices").
+SLOW_P = 0.9
 
 
 def _ts(t: float) -> datetime:
@@ -634,7 +636,7 @@ def coord_grid(
             v = float(gmin[lo:hi, s].min())
             zr.append(None if not math.isfinite(v) else round(v, 4))
             label = f"TP {'/'.join(map(str, sorted(set(tp[lo:hi, s].tolist()))))}"
-            if math.isfinite(v) and v < 0.999:
+            if math.isfinite(v) and v < SLOW_P:
                 # Name the culprit's full coordinate: the min hides which TP index it is.
                 d = lo + int(np.argmin(gmin[lo:hi, s]))
                 grp = groups[d][s]

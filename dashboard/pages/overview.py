@@ -119,7 +119,7 @@ def register(app, ctx: AppContext) -> None:
         slow = [
             r
             for r, v in s["device_health"].items()
-            if isinstance(v.get("p"), int | float) and v["p"] < 0.9
+            if isinstance(v.get("p"), int | float) and v["p"] < figures.SLOW_P
         ]
         cards.append(
             card(
