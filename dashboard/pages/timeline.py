@@ -53,6 +53,9 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(dcc.Graph(id="tl-graph", config={"displaylogo": False}), className="panel"),
             html.Div(id="tl-bubbles", className="panel"),
             dcc.Store(id="tl-rendered"),
+            # Its own 2 s timer: a 16k-GPU iteration takes about a second to draw, and Dash
+            # drops a result when the next tick fires first.
+            dcc.Interval(id="tl-tick", interval=2000),
         ]
     )
 
@@ -76,7 +79,7 @@ def register(app, ctx: AppContext) -> None:
         Output("tl-info", "children"),
         Output("tl-dps", "options"),
         Output("tl-rendered", "data"),
-        Input("tick", "n_intervals"),
+        Input("tl-tick", "n_intervals"),
         Input("job", "value"),
         Input("tl-iteration", "value"),
         Input("tl-dps", "value"),
