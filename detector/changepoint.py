@@ -206,6 +206,9 @@ class OnlineChangeDetector:
             return None
         if abs(after - before) < max(min_shift, 0.0):
             return None
+        # ... and from the healthy level, not just from a dip before it
+        if sgn * (after - self.center) < max(min_shift, 0.0):
+            return None
         mid = (before + after) / 2
         if self.persistence and (
             (sgn > 0 and (post <= mid).any()) or (sgn < 0 and (post >= mid).any())

@@ -90,6 +90,9 @@ class DetectorConfig:
     min_chunk_shift: float = 0.03
     #: ... and it must be at least this many noise standard deviations.
     sigma_shift: float = 4.0
+    #: Judge each (replica, stage) group against the same stage of the other
+    #: replicas (cancels stage-wide eq.-1 misfit when the data mix changes).
+    peer_relative: bool = True
     #: Floor of the per-group residual noise (log-ratio standard deviation).
     min_noise_sigma: float = 0.005
     #: A slow device has recovered when its residual slowdown is below this

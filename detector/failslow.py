@@ -408,6 +408,8 @@ class FailSlowDetector:
         ratio = np.full(v.num_chunks, np.nan)
         ratio[cm] = v.duration_s[cm] / pred[cm]
         x = {g: float(np.log(r)) for g, r in _group_medians(v, cm, ratio).items() if r > 0}
+        if self.cfg.peer_relative:
+            x = _peer_relative(x)
         # P2P statistics against their healthy medians
         c: dict[LinkKey, float] = {}
         if self.pred.comm_median:
@@ -926,6 +928,25 @@ def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> di
         for g, m in zip(keys.tolist(), meds.tolist(), strict=True)
         if np.isfinite(m)
     }
+
+
+def _peer_relative(x: dict[Group, float]) -> dict[Group, float]:
+    """Each group's residual against the median of the same stage in the other replicas.
+
+    A slow device is slower than its DP peers doing the same work; a residual
+    that moves with the whole stage (eq.-1 misfit when the data mix leaves the
+    warm-up's range) is not the device.  Stages with one replica keep the
+    absolute residual.
+    """
+    by_stage: dict[int, list[tuple[Group, float]]] = {}
+    for g, val in x.items():
+        by_stage.setdefault(g[1], []).append((g, val))
+    out = {}
+    for members in by_stage.values():
+        for g, val in members:
+            peers = [pv for pg, pv in members if pg != g]
+            out[g] = val - float(np.median(peers)) if peers else val
+    return out
 
 
 def _robust(xs: list[float], floor: float) -> tuple[float, float]:
