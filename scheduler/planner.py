@@ -363,7 +363,7 @@ def plan(
 
 
 #: Jobs with at most this many (replica, stage, micro-batch) triples get the wide DP search.
-WIDE_SEARCH_TRIPLES = 1024
+WIDE_SEARCH_TRIPLES = 256
 
 
 def _shifted_counts(counts: list[list[int]], per_mb_s: list[float], total: int) -> list[list[int]]:
