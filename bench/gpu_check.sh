@@ -9,49 +9,65 @@
 # Usage: bash bench/gpu_check.sh   (PYTHON=... to pick the interpreter; OUT=... for outputs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/resihp-gpu-check}
 mkdir -p "$OUT"
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-if [ "$NGPU" -lt 1 ]; then echo "no CUDA device"; exit 1; fi
-$PY -c "import torch; print('GPU:', torch.cuda.get_device_name(0), 'count', torch.cuda.device_count(), 'torch', torch.__version__)"
-if [ "$NGPU" -ge 2 ]; then BACKEND=nccl; else BACKEND=gloo; fi
-echo "== 1. correctness on CUDA (backend $BACKEND)"
-OUT="$OUT" BACKEND="$BACKEND" timeout 240 $PY - <<'PYEOF'
+DEVICE=${DEVICE:-cuda}   # DEVICE=cpu dry-runs the same steps without a GPU
+if [ "$DEVICE" = cuda ]; then
+  NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+  if [ "$NGPU" -lt 1 ]; then echo "no CUDA device"; exit 1; fi
+  $PY -c "import torch; print('GPU:', torch.cuda.get_device_name(0), 'count', torch.cuda.device_count(), 'torch', torch.__version__)"
+  if [ "$NGPU" -ge 2 ]; then BACKEND=nccl; else BACKEND=gloo; fi
+else
+  NGPU=2; BACKEND=gloo
+fi
+echo "== 1. correctness on $DEVICE (backend $BACKEND)"
+# spawned workers re-import the main module, so the check runs from a file
+cat > "$OUT/check_correctness.py" <<'PYEOF'
 import os, time, torch
 from trainer.torch_trainer.config import TrainConfig
 from trainer.torch_trainer.launcher import launch
 from trainer.torch_trainer.reference import expected_shard, reference_step
 import json, pathlib
-out = pathlib.Path(os.environ["OUT"])
-for name, kw in [("pp2-zbh1", dict(pp=2, schedule="zbh1")), ("tp2", dict(tp=2))]:
-    d = out / name
-    cfg = TrainConfig(num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, token_budget=256,
-                      microbatches=3, iterations=1, dtype="float64", telemetry=False,
-                      device="cuda", backend=os.environ["BACKEND"], out_dir=str(d / "run"),
-                      dump_grads_dir=str(d / "grads"), **kw)
-    t0 = time.time()
-    assert launch(cfg) == 0, name
-    loss = json.loads((d / "run" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    ref_loss, ref = reference_step(TrainConfig(**{**cfg.to_dict(), "device": "cpu", "backend": "auto"}))
-    worst = 0.0
-    for p in (d / "grads").glob("rank_*.pt"):
-        dump = torch.load(p, weights_only=True)
-        m = dump["meta"]
-        for n, g in dump["grads"].items():
-            want = expected_shard(ref, n, m["tp_size"], m["tp_rank"])
-            worst = max(worst, float((g - want).abs().max() / (want.abs().max() + 1e-30)))
-    ok = abs(loss - ref_loss) <= 1e-9 * abs(ref_loss) and worst < 1e-7
-    print(f"{name}: loss {loss:.12f} ref {ref_loss:.12f}  worst rel grad err {worst:.2e}  "
-          f"{'OK' if ok else 'MISMATCH'}  ({time.time() - t0:.1f}s)")
-    assert ok, name
+
+
+def main():
+    out = pathlib.Path(os.environ["OUT"])
+    for name, kw in [("pp2-zbh1", dict(pp=2, schedule="zbh1")), ("tp2", dict(tp=2))]:
+        d = out / name
+        cfg = TrainConfig(num_layers=2, hidden=64, num_heads=4, ffn_hidden=128, token_budget=256,
+                          microbatches=3, iterations=1, dtype="float64", telemetry=False,
+                          device=os.environ["DEVICE"], backend=os.environ["BACKEND"], out_dir=str(d / "run"),
+                          dump_grads_dir=str(d / "grads"), **kw)
+        t0 = time.time()
+        assert launch(cfg) == 0, name
+        loss = json.loads((d / "run" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+        ref_loss, ref = reference_step(TrainConfig(**{**cfg.to_dict(), "device": "cpu", "backend": "auto"}))
+        worst = 0.0
+        for p in (d / "grads").glob("rank_*.pt"):
+            dump = torch.load(p, weights_only=True)
+            m = dump["meta"]
+            for n, g in dump["grads"].items():
+                want = expected_shard(ref, n, m["tp_size"], m["tp_rank"])
+                worst = max(worst, float((g - want).abs().max() / (want.abs().max() + 1e-30)))
+        ok = abs(loss - ref_loss) <= 1e-9 * abs(ref_loss) and worst < 1e-7
+        print(f"{name}: loss {loss:.12f} ref {ref_loss:.12f}  worst rel grad err {worst:.2e}  "
+              f"{'OK' if ok else 'MISMATCH'}  ({time.time() - t0:.1f}s)")
+        assert ok, name
+
+
+if __name__ == "__main__":
+    main()
 PYEOF
+OUT="$OUT" BACKEND="$BACKEND" DEVICE="$DEVICE" timeout 240 $PY "$OUT/check_correctness.py"
 if [ "$NGPU" -lt 2 ]; then
   echo "== 2. one-rank NCCL job"
   timeout 120 $PY -m trainer torch --device cuda --backend nccl --iterations 5 --microbatches 4 \
      --token-budget 1024 --out-dir "$OUT/nccl1"
   cat "$OUT/nccl1/metrics.jsonl"
 fi
-echo "== 3. predictor bench on CUDA"
-timeout 240 $PY bench/predictor.py --device cuda --backend "$BACKEND" --iterations 24 \
-   --hidden 512 --layers 8 --budgets 1024,2048,4096 --out "$OUT/predictor"
+echo "== 3. predictor bench on $DEVICE"
+if [ "$DEVICE" = cuda ]; then SIZE="--hidden 512 --layers 8 --budgets 1024,2048,4096"; else SIZE="--iterations 6"; fi
+timeout 240 $PY bench/predictor.py --device "$DEVICE" --backend "$BACKEND" --iterations 24 \
+   $SIZE --out "$OUT/predictor"

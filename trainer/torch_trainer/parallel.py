@@ -71,6 +71,10 @@ class _Waiter:
 
 
 _WAITER: _Waiter | None = None
+#: NCCL works are waited on in the calling thread: their wait() orders the
+#: caller's current CUDA stream (a helper thread would order the wrong stream)
+#: and does not block the host; a dead peer surfaces through NCCL's timeout.
+DIRECT_WAIT = False
 
 
 def wait_work(work) -> None:
@@ -78,6 +82,9 @@ def wait_work(work) -> None:
     global _WAITER
     if ABORT.is_set():
         raise GenerationAborted("generation abandoned")
+    if DIRECT_WAIT:
+        work.wait()
+        return
     if _WAITER is None:
         _WAITER = _Waiter()
     done, err = _WAITER.submit(work)

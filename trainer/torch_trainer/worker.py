@@ -100,6 +100,10 @@ class Worker:
         # gloo moves host tensors: with GPU compute, communication stages through the host
         # (lets several ranks share one GPU, which NCCL refuses).
         self.comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        if self.backend == "nccl":
+            from . import parallel
+
+            parallel.DIRECT_WAIT = True
         self.corpus = make_corpus(cfg)
         self.producer = None
         if cfg.redis_url and cfg.telemetry:
