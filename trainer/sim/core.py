@@ -157,8 +157,18 @@ class _LayoutCtx:
     def __init__(self, sim: ClusterSim, layout: Layout):
         self.layout = layout
         cfg = sim.cfg
-        self.dag = PipelineDAG.from_layout(layout)
-        dag = self.dag
+        dag = PipelineDAG.from_layout(layout)
+        if dag.has_migrations:
+            # Migrated chunks run where they arrive, the order the scheduler predicted with
+            # (CostModel.evaluate); ordered once per layout, at typical micro-batches and the
+            # devices' current speeds.
+            counts = list(layout.microbatches)
+            st = sim.sampler.stats(0, sum(counts))
+            tb, sq = _split(st.token_budget, counts), _split(st.sum_sq_len, counts)
+            speed, link = sim.speed_dict(), sim.link_dict()
+            cost = sim.cm.chunk_costs(dag, layout, tb, sq, speed, link)
+            dag = dag.retimed(cost, sim.cm.edge_costs(dag, layout, link))
+        self.dag = dag
         pp = layout.pp
         self.dev = dag.chunk_dp * pp + dag.chunk_stage
         tmax = max((len(g) for st in layout.groups for g in st), default=1)
