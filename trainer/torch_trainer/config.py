@@ -129,6 +129,34 @@ class TrainConfig:
         return cls(**d)
 
 
+HELP = {
+    "tp": "tensor-parallel degree (power of two)",
+    "pp": "pipeline stages",
+    "dp": "data-parallel replicas",
+    "microbatches": "micro-batches per replica per iteration",
+    "schedule": "pipeline schedule: gpipe | 1f1b | zbh1",
+    "token_budget": "tokens N per packed micro-batch",
+    "token_budgets": "comma list: draw each micro-batch's N from these",
+    "data_dir": "directory of text files (default: the Python standard library sources)",
+    "data_pattern": "file glob inside --data-dir",
+    "device": "cpu | cuda",
+    "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl",
+    "pg_timeout_s": "timeout of every process group, subgroups included",
+    "out_dir": "metrics.jsonl, timeline.json and checkpoints go here",
+    "follow_plans": "apply acknowledged scheduler plans (needs --redis-url)",
+    "plan_wait_s": "after a rank dies, wait this long for the scheduler's plan",
+    "kill_rank": "failure injection: SIGKILL this rank ...",
+    "kill_at_iteration": "... at the start of this iteration",
+    "recovery_policy": "own plan on a death: exclude_replica | migrate | shrink_tp",
+    "rejoin_at_iteration": "restart the dead ranks once training reaches this iteration",
+    "slow_rank": "failure injection: stretch this rank's compute ...",
+    "slow_factor": "... by this factor (>= 1)",
+    "slow_comm_rank": "failure injection: delay this rank's communication ...",
+    "slow_comm_s": "... by this many seconds per operation",
+    "scenario": "failure scenario file (trainer/scenario.py format)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer torch",
@@ -149,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                 type=lambda s: s.lower() in ("1", "true", "yes", "on"),
                 default=default,
                 metavar="BOOL",
+                help=HELP.get(f.name),
             )
         else:
-            p.add_argument(flag, type=type(default), default=default)
+            p.add_argument(flag, type=type(default), default=default, help=HELP.get(f.name))
     return p
 
 

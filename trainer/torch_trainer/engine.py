@@ -9,7 +9,7 @@ receive's matching send was issued earlier in the sender's order.
 
 Fail-slow injection: ``slow_factor`` stretches every compute chunk by
 sleeping (factor - 1) x its measured duration; ``slow_comm_s`` delays every
-P2P transfer.
+communication of the rank (P2P transfers, TP collectives, DP all-reduce).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class StageEngine:
         self.device = device
         self.slow_factor = slow_factor
         self.comm_device = comm_device or device
-        self.xfer = Transfer(groups, slow_comm_s, self.comm_device)
+        self.xfer = Transfer(groups, 0.0, self.comm_device)
         lay = groups.layout
         self.lay = lay
         self.pp = lay.pp
@@ -82,6 +82,7 @@ class StageEngine:
         self.hidden = module.cfg.hidden
         self.dtype = next(module.parameters()).dtype
         self.plan = [(k, self.tasks[i]) for k, i in actions(schedule, s, self.pp, len(self.tasks))]
+        self.slow_comm_s = slow_comm_s
 
     def executor(self, src_dp: int, stage: int, j: int) -> int:
         return self.moved.get((stage, src_dp, j), src_dp)
@@ -91,6 +92,15 @@ class StageEngine:
 
     def global_index(self, iteration: int, src_dp: int, j: int) -> int:
         return iteration * self.global_mb + mb_offset(self.lay, src_dp) + j
+
+    @property
+    def slow_comm_s(self) -> float:
+        return self.xfer.slow_comm_s
+
+    @slow_comm_s.setter
+    def slow_comm_s(self, v: float) -> None:
+        self.xfer.slow_comm_s = v
+        self.module.tp.delay_s = v
 
     def _stretch(self, t0: float) -> None:
         if self.slow_factor > 1.0:
@@ -186,6 +196,8 @@ class StageEngine:
         tok = self.tel.begin()
         flat = _flatten_dense_tensors([p.grad for p in params]).to(self.comm_device)
         wait_work(dist.all_reduce(flat, group=self.g.dp_group, async_op=True))
+        if self.xfer.slow_comm_s:
+            time.sleep(self.xfer.slow_comm_s)
         flat = flat.to(self.device)
         for p, synced in zip(
             params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True

@@ -72,6 +72,7 @@ class TPComm:
         self.rank = rank
         self.stage_cpu = stage_cpu  # gloo with GPU tensors: reduce a host copy
         self.comm_time_s = 0.0  # accumulated wall time inside TP collectives
+        self.delay_s = 0.0  # injected slow link: extra time per collective
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -85,6 +86,8 @@ class TPComm:
             t.copy_(host)
         else:
             wait_work(dist.all_reduce(t, group=self.group, async_op=True))
+        if self.delay_s:
+            time.sleep(self.delay_s)
         self.comm_time_s += time.perf_counter() - t0
         return t
 

@@ -359,7 +359,7 @@ class Worker:
                     else 1.0
                 )
                 engine.slow_factor = max(flag, self.scn_compute_stretch)
-                engine.xfer.slow_comm_s = slow_comm + self.scn_link_delay_s
+                engine.slow_comm_s = slow_comm + self.scn_link_delay_s
                 res = engine.run_iteration(it)
                 engine.allreduce_grads()
                 if cfg.dump_grads_dir and it == 0:
