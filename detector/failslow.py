@@ -131,6 +131,7 @@ class FailSlowDetector:
         self.recent: deque[IterationView] = deque(maxlen=cfg.cpd_window)
         self.pending: deque[IterationView] = deque()
         self._folds = 0
+        self.watch: dict[tuple, dict] = {}
         self.slow: dict[tuple, SlowState] = {}
         self.last_iteration = -1
         self.paused_until_layout = False
@@ -501,6 +502,8 @@ class FailSlowDetector:
             found += self._validate(
                 what, key, cp, x, c, rr, v, joint=joint if len(joint) > 1 else None
             )
+        if self.watch and cfg.failslow_enabled:
+            found += self._recheck_watch(x, c, rr, v)
         findings += self._merge_comm(found)
 
         findings += self._recovery(x, c, v)
@@ -610,8 +613,53 @@ class FailSlowDetector:
         return (1.0 - h_tot / s_tot if s_tot > 0 else 0.0), h_tot / n, s_tot / n
 
     def _post(self, cp: ChangePoint, v: IterationView) -> list[IterationView]:
-        post = [w for w in self.recent if w.iteration >= cp.iteration]
-        return post[-8:] if post else [v]
+        """Workloads to cost a slowdown on: the last 8 iterations (the factor is the
+        post-change one; more workloads make the cost estimate steadier)."""
+        recent = list(self.recent)[-8:]
+        return recent if recent else [v]
+
+    def _watch_below_bar(self, what: str, key, cp: ChangePoint, v: IterationView) -> None:
+        """A real shift whose cost was under the bar on the workloads seen so far:
+        re-cost it on fresh workloads for a while (the heaviest replica sets the
+        pace, so the same slowdown costs more in some data mixes)."""
+        self.watch[(what, key)] = {"cp": cp, "next": v.iteration + 4, "until": v.iteration + 40}
+
+    def _recheck_watch(self, x, c, rr, v: IterationView) -> list[Finding]:
+        out: list[Finding] = []
+        lim = float(np.log1p(self.cfg.min_chunk_shift))
+        for (what, key), w in list(self.watch.items()):
+            val = (x if what == "compute" else c).get(key)
+            base = (self.mu if what == "compute" else self.comm_mu).get(key, 0.0)
+            if v.iteration > w["until"] or (val is not None and val - base < lim):
+                del self.watch[(what, key)]
+                continue
+            if val is None or v.iteration < w["next"]:
+                continue
+            w["next"] = v.iteration + 4
+            cp = w["cp"]
+            joint: dict = {}
+            for (ow, ok), o in self.watch.items():
+                if ow == "compute":
+                    joint[ok] = float(np.exp(o["cp"].mean_after - self.mu.get(ok, 0.0)))
+                else:
+                    d, lo = link_of(ok)
+                    f = float(np.exp(o["cp"].mean_after - self.comm_mu.get(ok, 0.0)))
+                    joint[("link", d, lo)] = max(joint.get(("link", d, lo), 1.0), f)
+            found = self._validate(
+                what,
+                key,
+                cp,
+                x,
+                c,
+                rr,
+                v,
+                signal="chunk_residual_recheck",
+                joint=joint if len(joint) > 1 else None,
+            )
+            if found:
+                del self.watch[(what, key)]
+                out += found
+        return out
 
     def _validate(
         self,
@@ -695,6 +743,8 @@ class FailSlowDetector:
                 self.stats.below_cost_total += 1
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
+                if factor > 1.0:
+                    self._watch_below_bar("compute", g, cp, v)
         else:
             k: LinkKey = key
             d, lo = link_of(k)
@@ -742,6 +792,8 @@ class FailSlowDetector:
                 self.stats.below_cost_total += 1
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
+                if factor > 1.0 and comp_ok:
+                    self._watch_below_bar("comm", k, cp, v)
         if count:
             dt = time.process_time() - t0
             self.stats.validations_total += 1
