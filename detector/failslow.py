@@ -16,11 +16,18 @@ Two signals feed change-point detection (:mod:`detector.changepoint`):
    see it directly and are insensitive to sequence-length variability because
    the prediction already contains it.
 
+Each group's residual is taken against the same stage of the other DP
+replicas (a slow device is slower than its peers doing the same work; a
+residual that moves with the whole stage is eq.-1 misfit after a change of
+data mix), and a shift must exceed both ``min_chunk_shift`` and
+``sigma_shift`` noise sigmas.
+
 Validation and localization use only durations measured on one device clock
 (no cross-node timestamps), so clock skew cannot fake a slowdown.  A shifted
 group is reported when its throughput cost — the DAG's iteration time with
 the group's chunks slowed by the observed factor vs without — is at least
-``min_throughput_loss``.  Inside the TP group, the slow rank is the one whose
+``min_throughput_loss``; concurrent shifts are costed together, and a real
+shift under the bar is re-costed on fresh workloads for a while.  Inside the TP group, the slow rank is the one whose
 own compute time (``compute_s``, excluding TP waits) grew; severity is
 p_i = healthy / observed time, the normalized throughput the scheduler uses.
 A compute shift means ``fail_slow_compute``; a P2P shift with healthy compute

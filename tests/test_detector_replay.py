@@ -81,6 +81,7 @@ def test_replay_reports_failslow_then_failstop(trace):
     assert len([r for r in reports if r.kind.startswith("fail_slow")]) == 1
 
 
+@pytest.mark.slow
 def test_replay_cli_and_baseline(trace, tmp_path):
     out = tmp_path / "reports.jsonl"
     bad = tmp_path / "bad.jsonl"
