@@ -54,6 +54,15 @@ def test_packing_is_deterministic_and_indexable_out_of_order():
     assert not (other.microbatch(0).tokens == a.microbatch(0).tokens).all()
 
 
+def test_cache_eviction_repacks_identically():
+    a = PackedCorpus(EMAIL, token_budget=64, seed=4, cache_window=3)
+    first = [a.microbatch(g) for g in range(8)]
+    assert len(a._packed) == 3
+    again = a.microbatch(1)  # evicted: repacked from the start
+    assert (again.tokens == first[1].tokens).all() and again.doc_lens == first[1].doc_lens
+    assert a.microbatch(7).doc_lens == first[7].doc_lens
+
+
 def test_variable_budgets_and_repeat():
     c = PackedCorpus(EMAIL, token_budgets=(64, 128), seed=0)
     sizes = {c.microbatch(g).token_budget for g in range(30)}

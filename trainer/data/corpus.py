@@ -75,6 +75,7 @@ class PackedCorpus:
         min_doc_tokens: int = 2,
         token_budgets: tuple[int, ...] = (),
         repeat_index: int = -1,
+        cache_window: int = 4096,
     ):
         """``token_budgets``: draw each micro-batch's N from these (seeded per
         index) instead of ``token_budget``; ``repeat_index`` >= 0: every index
@@ -98,7 +99,14 @@ class PackedCorpus:
         self.seed = seed
         self.max_doc_tokens = max_doc_tokens or token_budget
         self.min_doc_tokens = min_doc_tokens
-        self._packed: list[PackedMicroBatch] = []
+        # Packed micro-batches by index; only the last ``cache_window`` are kept
+        # (training reads forward, and re-reads one iteration after a failure).
+        self.cache_window = cache_window
+        self._reset_packer()
+
+    def _reset_packer(self) -> None:
+        self._packed: dict[int, PackedMicroBatch] = {}
+        self._next = 0  # index of the next micro-batch to pack
         self._file_pos = 0
         self._carry = b""  # remainder of a split document
         self._pieces: list[bytes] = []
@@ -128,7 +136,7 @@ class PackedCorpus:
         return random.Random(self.seed * 1_000_003 + index).choice(self.token_budgets)
 
     def _pack_one(self) -> PackedMicroBatch:
-        n = self.budget_of(len(self._packed))
+        n = self.budget_of(self._next)
         segs: list[bytes] = []
         left = n
         while left > 0:
@@ -152,7 +160,7 @@ class PackedCorpus:
             targets[pos + len(s) - 1] = IGNORE_INDEX
             pos += len(s)
         return PackedMicroBatch(
-            index=len(self._packed),
+            index=self._next,
             tokens=tokens,
             targets=targets,
             doc_lens=tuple(len(s) for s in segs),
@@ -164,6 +172,12 @@ class PackedCorpus:
             raise ValueError(f"micro-batch index must be >= 0, got {index}")
         if self.repeat_index >= 0:
             index = self.repeat_index
-        while len(self._packed) <= index:
-            self._packed.append(self._pack_one())
+        if index in self._packed:
+            return self._packed[index]
+        if index < self._next:  # evicted: packing is sequential, so start over
+            self._reset_packer()
+        while self._next <= index:
+            self._packed[self._next] = self._pack_one()
+            self._packed.pop(self._next - self.cache_window, None)
+            self._next += 1
         return self._packed[index]
