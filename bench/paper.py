@@ -166,6 +166,7 @@ def table6(models, seeds) -> list[str]:
                 m, ab = row[pol]
                 tag = "" if ab == 0 else f"({ab}/{len(seeds)} abort)" if ab < len(seeds) else ""
                 cells.append(f"{fmt(m, ab == len(seeds))}|{fmt(paper[pol][fi])}{tag}")
+            cap = capacity_bound(layout, every, dur, FAULT_FREE.get(model, 5.0))
             ratios = []
             for base in ("recycle", "oobleck"):
                 # aborted runs count with what they trained before the abort (zero after)
@@ -176,14 +177,21 @@ def table6(models, seeds) -> list[str]:
                     f"{(f'{ours:5.2f}x' if ours else '  -   ')}{star}| {(f'{pp:4.2f}x' if pp else ' -  ')}"
                 )
                 if ours is not None and pp is not None and ours < pp:
+                    # the ResiHP throughput the paper's ratio would need against our baseline
+                    need = pp * row[base][0]
+                    why = (
+                        f" (needs {need:.2f} samples/s, above the capacity bound {cap:.2f})"
+                        if need > cap
+                        else f" (needs {need:.2f} samples/s, cap {cap:.2f})"
+                    )
                     fails.append(
                         f"Table 6 {model} {fname}: ResiHP/{base} {ours:.2f}x < paper {pp:.2f}x"
+                        + why
                     )
             if row["resihp"][1]:
                 fails.append(
                     f"Table 6 {model} {fname}: ResiHP aborted in {row['resihp'][1]} run(s)"
                 )
-            cap = capacity_bound(layout, every, dur, FAULT_FREE.get(model, 5.0))
             if paper["resihp"][fi] and paper["resihp"][fi] > cap:
                 over_cap.append(f"{model} {fname} (paper {paper['resihp'][fi]:.2f} > {cap:.2f})")
             print(
