@@ -208,3 +208,24 @@ def test_shrink_tp_plan_keeps_power_of_two_survivors():
     new = shrink_tp_plan(lay, {1})
     assert new.groups[0][0] == [0, 2] and new.standby == [3] and new.groups[1][0] == [4, 5, 6, 7]
     assert local_plan(lay, {1}, "shrink_tp").groups == new.groups
+
+
+# --------------------------------------------------------------------- cli
+
+
+def test_cli_rejects_bad_flags_and_scenarios(tmp_path, capsys):
+    from trainer.torch_trainer import main
+
+    assert main(["--tp", "3"]) == 2
+    assert "tp must be a power of two" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "events:\n  - {at_iteration: 1, action: kill_device, rank: 0}\n"
+        "  - {at_iteration: 2, action: explode, rank: 0}\n"
+    )
+    assert main(["--scenario", str(bad)]) == 2
+    assert f"{bad}:3:" in capsys.readouterr().out  # names the bad line
+    far = tmp_path / "far.yaml"
+    far.write_text("events:\n  - {at_iteration: 1, action: kill_device, rank: 9}\n")
+    assert main(["--pp", "2", "--scenario", str(far)]) == 2
+    assert "rank 9 outside" in capsys.readouterr().out
