@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer.scenario import (
+from resihp.scenario import (
     ScenarioCursor,
     ScenarioError,
     default_factor,
@@ -153,7 +153,7 @@ def test_severity_defaults_follow_the_paper():
 
 
 def test_generators_round_trip_and_respect_limits(tmp_path):
-    from trainer.scenario import dump_scenario, failslow_scenario, failstop_scenario
+    from resihp.scenario import dump_scenario, failslow_scenario, failstop_scenario
 
     fs = failstop_scenario(16, 1800, 8 * 3600, seed=3)
     assert len(fs.events) == 8  # the 30-minute scenario stops at half the cluster

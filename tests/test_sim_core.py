@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from resihp.scenario import parse_scenario
 from resihp.schemas import ChunkBatch, ChunkKind
 from resihp.topology import Layout
-from trainer.scenario import parse_scenario
 from trainer.sim import ClusterSim, SimConfig, simulate_run
 
 
@@ -226,7 +226,7 @@ def test_trainer_package_stays_torch_free_and_dispatches():
     import sys
 
     code = (
-        "import sys, trainer, trainer.sim, trainer.scenario, trainer.data.lengths, trainer.__main__;"
+        "import sys, trainer, trainer.sim, trainer.data.lengths, trainer.__main__;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     assert (

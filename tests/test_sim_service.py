@@ -85,7 +85,7 @@ def _put_plan(r, keys, plan_id, before: Layout, after: Layout, state="acknowledg
 def test_follows_acknowledged_plans_and_refuses_impossible_ones(r):
     keys = JobKeys("simjob")
     sc_text = "events:\n  - {at_iteration: 1, action: kill_device, rank: 13}\n"
-    from trainer.scenario import parse_scenario
+    from resihp.scenario import parse_scenario
 
     tr = SimTrainer(_cfg(), r, scenario=parse_scenario(sc_text))
     tr.run_once()
@@ -124,7 +124,7 @@ def test_follows_acknowledged_plans_and_refuses_impossible_ones(r):
 
 
 def test_truth_file_records_hidden_state(r, tmp_path):
-    from trainer.scenario import parse_scenario
+    from resihp.scenario import parse_scenario
 
     out = tmp_path / "truth.jsonl"
     sc = parse_scenario(

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(rest)
     if backend == "scenario":
-        from trainer.scenario import main as scenario_main
+        from resihp.scenario import main as scenario_main
 
         return scenario_main(rest)
     if backend == "torch":

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_health:
         return 0 if Health.check(client, JobKeys(cfg.job_id), "trainer") else 1
 
-    from trainer.scenario import ScenarioError, load_scenario
+    from resihp.scenario import ScenarioError, load_scenario
 
     from .service import SimTrainer
 

@@ -29,10 +29,10 @@ import numpy as np
 
 from resihp.pipeline import PipelineDAG
 from resihp.pipeline.models import A100_EFFECTIVE_FLOPS, cost_model_for
+from resihp.scenario import Scenario, ScenarioCursor, ScenarioEvent, default_factor
 from resihp.schemas import CHUNK_DTYPE, HEARTBEAT_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
 from resihp.topology import Layout, LayoutError
 from trainer.data.lengths import LengthSampler
-from trainer.scenario import Scenario, ScenarioCursor, ScenarioEvent, default_factor
 
 from .config import SimConfig
 
@@ -391,7 +391,7 @@ class ClusterSim:
         drop (they run nothing critical), the plain ``1 - drop`` factor is used
         for compute and the strongest factor tried (0.01) for links.
         """
-        from trainer.scenario import SEVERITY_DROP
+        from resihp.scenario import SEVERITY_DROP
 
         drop = SEVERITY_DROP[severity]
         lay = self.layout
@@ -691,7 +691,7 @@ def simulate_run(
     heartbeats, true_state)``.
     """
     if scenario is None and config.scenario:
-        from trainer.scenario import load_scenario
+        from resihp.scenario import load_scenario
 
         scenario = load_scenario(config.scenario)
     sim = ClusterSim(config, scenario, epoch_s=epoch_s)

@@ -23,8 +23,8 @@ from resihp.bus import Health, incr_counter, register_job
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, write_layout
 from resihp.producer import TelemetryProducer
+from resihp.scenario import Scenario, load_scenario
 from resihp.topology import Layout, LayoutError
-from trainer.scenario import Scenario, load_scenario
 
 from .config import SimConfig
 from .core import ClusterSim, SimStep, mb_stats_messages

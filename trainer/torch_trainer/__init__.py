@@ -17,7 +17,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config_from_args(argv)
         if cfg.scenario:
-            from trainer.scenario import load_scenario
+            from resihp.scenario import load_scenario
 
             load_scenario(cfg.scenario).check(cfg.world_size, cfg.devices_per_node)
     except ValueError as e:

@@ -60,7 +60,7 @@ class TrainConfig:
     slow_comm_rank: int = -1
     slow_comm_s: float = 0.0
     scenario: str = (
-        ""  # trainer/scenario.py file (kill_device/kill_node/slow_device/slow_link/recover)
+        ""  # resihp/scenario.py file (kill_device/kill_node/slow_device/slow_link/recover)
     )
     link_base_delay_s: float = 0.005  # slow_link factor f adds (1/f - 1) x this per P2P transfer
     dump_grads_dir: str = ""  # tests: dump gradients of iteration 0 before the step
@@ -153,7 +153,7 @@ HELP = {
     "slow_factor": "... by this factor (>= 1)",
     "slow_comm_rank": "failure injection: delay this rank's communication ...",
     "slow_comm_s": "... by this many seconds per operation",
-    "scenario": "failure scenario file (trainer/scenario.py format)",
+    "scenario": "failure scenario file (resihp/scenario.py format)",
 }
 
 

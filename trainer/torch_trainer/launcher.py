@@ -180,7 +180,7 @@ class JobLauncher:
         self.launch_layout = self.layout.copy()
         self.cursor = None
         if cfg.scenario:
-            from trainer.scenario import ScenarioCursor, load_scenario
+            from resihp.scenario import ScenarioCursor, load_scenario
 
             self.cursor = ScenarioCursor(load_scenario(cfg.scenario))
         self.t_start = time.time()

@@ -125,7 +125,7 @@ class Worker:
         self.opt = None
         self.cursor = None
         if cfg.scenario:
-            from trainer.scenario import ScenarioCursor, load_scenario
+            from resihp.scenario import ScenarioCursor, load_scenario
 
             self.cursor = ScenarioCursor(load_scenario(cfg.scenario))
         self.t_start = time.time()
@@ -297,8 +297,8 @@ class Worker:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _apply_scenario(self, it: int) -> None:
-        """Fire this rank's due scenario events (trainer/scenario.py format)."""
-        from trainer.scenario import default_factor
+        """Fire this rank's due scenario events (resihp/scenario.py format)."""
+        from resihp.scenario import default_factor
 
         for ev in self.cursor.due(it, time.time() - self.t_start):
             if self.rank not in ev.targets(self.cfg.devices_per_node):
