@@ -116,6 +116,8 @@ class CollectorService:
         self._frontier_s = 0.0
         self._stats_next = 0.0
         self._outage = False
+        self._finished = False
+        self._job_state_next = 0.0
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -408,8 +410,22 @@ class CollectorService:
             self._release(it)
         self._release_after_publish = []
 
+    def _job_finished(self, now: float) -> bool:
+        """Whether the trainer said the job ended on purpose.
+
+        Re-read every half heartbeat interval: the trainer says so right after its last
+        beat, well before K intervals of silence could count as a failure."""
+        if now >= self._job_state_next:
+            self._job_state_next = now + min(1.0, self.config.heartbeat_interval_s / 2)
+            finished = bus.job_state(self.client, self.keys) == "finished"
+            if self._finished and not finished:
+                # Running again (a new launch): nobody was expected meanwhile.
+                self.liveness.resume(now)
+            self._finished = finished
+        return self._finished
+
     def _check_liveness(self, judge_s: float, now: float) -> None:
-        if self._outage:
+        if self._outage or self._job_finished(now):
             return
         for ev in self.liveness.check(judge_s):
             ev.detected_at_s = now

@@ -46,6 +46,26 @@ def list_jobs(client: redis.Redis) -> list[str]:
     return sorted(j.decode() if isinstance(j, bytes) else j for j in client.smembers(JOBS_SET))
 
 
+JOB_STATES = ("running", "finished")
+
+
+def set_job_state(client: redis.Redis, keys: JobKeys, state: str, **extra: Any) -> None:
+    """The trainer says the job is running, or finished on purpose (no liveness alarms)."""
+    if state not in JOB_STATES:
+        raise ValueError(f"job state must be one of {JOB_STATES}, got {state!r}")
+    client.set(keys.job_state, json.dumps({"state": state, "at_s": time.time(), **extra}))
+
+
+def job_state(client: redis.Redis, keys: JobKeys) -> str | None:
+    raw = client.get(keys.job_state)
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("state")
+    except (ValueError, AttributeError):
+        return None
+
+
 def incr_counter(client: redis.Redis, keys: JobKeys, name: str, by: int = 1) -> None:
     if not name.endswith("_total"):
         raise ValueError(f"counter names end in _total: {name}")

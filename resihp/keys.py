@@ -126,6 +126,12 @@ class JobKeys:
         return f"{self.base}:node_heartbeat"
 
     @property
+    def job_state(self) -> str:
+        """JSON {"state": "running"|"finished", "at_s": ...} written by the trainer, so that
+        a job that ends on purpose is not mistaken for every rank failing at once."""
+        return f"{self.base}:job_state"
+
+    @property
     def counters(self) -> str:
         """Hash of monotonically increasing *_total counters for this job."""
         return f"{self.base}:counters"

@@ -369,3 +369,38 @@ def test_invalid_layout_is_dead_lettered_and_the_old_one_kept(r):
     # still assembling under the layout it had
     r.xadd(KEYS.telemetry, encode_entry(None, iteration_rows(lay, 0)))
     assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 1)
+
+
+@pytest.mark.redis
+def test_finished_job_is_not_reported_dead_and_a_relaunch_is_watched_again(r):
+    """A trainer that ends on purpose marks the job finished: its silence is no failure."""
+    from resihp.bus import set_job_state
+
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r, heartbeat_interval_s=0.1, heartbeat_k=2)
+    p = TelemetryProducer(None, KEYS, client=r).start()
+
+    def beat_all(seq):
+        for rank in range(lay.world_size):
+            p.heartbeat(
+                Heartbeat(rank=rank, node=lay.node_of(rank), iteration=0, wall_time_s=0.0, seq=seq)
+            )
+        assert p.flush()
+
+    set_job_state(r, KEYS, "running")
+    beat_all(0)
+    svc.run_once()
+    set_job_state(r, KEYS, "finished")
+    t_end = time.time() + 1.0  # ten heartbeat intervals of silence
+    while time.time() < t_end:
+        svc.run_once()
+    assert r.xlen(KEYS.liveness) == 0
+    # relaunched: silence counts again
+    set_job_state(r, KEYS, "running")
+    beat_all(1)
+    t_end = time.time() + 2.0
+    while time.time() < t_end and r.xlen(KEYS.liveness) == 0:
+        svc.run_once()
+    p.close()
+    assert r.xlen(KEYS.liveness) >= 1

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import redis
 
-from resihp.bus import Health, incr_counter, register_job
+from resihp.bus import Health, incr_counter, register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, write_layout
 from resihp.producer import TelemetryProducer
@@ -84,6 +84,7 @@ class SimTrainer:
         try:
             register_job(self.client, self.keys)
             write_layout(self.client, self.keys, self.sim.layout)
+            set_job_state(self.client, self.keys, "running")
         except redis.RedisError as e:
             self.redis_errors_total += 1
             log.warning(
@@ -96,6 +97,11 @@ class SimTrainer:
 
     def close(self) -> None:
         self.producer.close()
+        if self.done:
+            try:  # ended on purpose: silence is not a failure
+                set_job_state(self.client, self.keys, "finished", iterations=self.sim.iteration)
+            except redis.RedisError:
+                pass
         if self._truth is not None:
             self._truth.close()
             self._truth = None

@@ -28,8 +28,10 @@ import os
 import time
 from datetime import timedelta
 
+import redis
 import torch.distributed as dist
 
+from resihp.bus import set_job_state
 from resihp.keys import JobKeys
 from resihp.topology import Layout, Migration
 
@@ -290,6 +292,7 @@ class JobLauncher:
         from resihp.plans import write_layout
 
         write_layout(self.client, self.keys, self.layout)
+        set_job_state(self.client, self.keys, "running")
         self.layout_published = True
         self._event("layout_published", layout_id=self.layout.layout_id)
 
@@ -421,6 +424,11 @@ class JobLauncher:
         if bad:
             print(f"[launcher] workers {bad} exited abnormally", flush=True)
             return 1
+        if self.client is not None:
+            try:  # ended on purpose: the collector must not read the silence as a failure
+                set_job_state(self.client, self.keys, "finished")
+            except redis.RedisError:
+                pass
         return 0
 
     def _write_timeline(self) -> None:
