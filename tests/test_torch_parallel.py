@@ -3,62 +3,10 @@ and gradients: real worker processes, real gloo process groups."""
 
 from __future__ import annotations
 
-import json
-import sysconfig
-from pathlib import Path
-
 import pytest
-import torch
-
-from trainer.torch_trainer.config import TrainConfig
-from trainer.torch_trainer.launcher import launch
-from trainer.torch_trainer.reference import expected_shard, reference_step
+from torch_harness import check_against_reference, run_job
 
 pytestmark = pytest.mark.distributed
-
-SMALL = dict(
-    num_layers=2,
-    hidden=32,
-    num_heads=4,
-    ffn_hidden=64,
-    token_budget=96,
-    microbatches=3,
-    iterations=1,
-    dtype="float64",
-    telemetry=False,
-    pg_timeout_s=30.0,
-    # A small real corpus (one stdlib package) keeps each worker's file scan short.
-    data_dir=str(Path(sysconfig.get_paths()["stdlib"]) / "email"),
-)
-
-
-def _run(tmp_path, **kw) -> tuple[float, dict]:
-    cfg = TrainConfig(
-        **{**SMALL, **kw}, out_dir=str(tmp_path / "run"), dump_grads_dir=str(tmp_path / "grads")
-    )
-    assert launch(cfg) == 0
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    loss = json.loads(lines[0])["loss"]
-    dumps = {
-        int(p.stem.split("_")[1]): torch.load(p, weights_only=True)
-        for p in (tmp_path / "grads").glob("rank_*.pt")
-    }
-    assert len(dumps) == cfg.world_size
-    ref_loss, ref_grads = reference_step(cfg)
-    return loss, dumps, ref_loss, ref_grads
-
-
-def _check(loss, dumps, ref_loss, ref_grads, n_stages: int):
-    assert loss == pytest.approx(ref_loss, rel=1e-10)
-    seen = set()
-    for d in dumps.values():
-        meta = d["meta"]
-        for name, g in d["grads"].items():
-            want = expected_shard(ref_grads, name, meta["tp_size"], meta["tp_rank"])
-            torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-12, msg=name)
-            seen.add(name)
-    # every parameter of the model was checked on some rank
-    assert seen == set(ref_grads), set(ref_grads) ^ seen
 
 
 @pytest.mark.parametrize(
@@ -71,5 +19,5 @@ def _check(loss, dumps, ref_loss, ref_grads, n_stages: int):
     ids=["tp2", "pp2-zbh1", "dp2"],
 )
 def test_matches_single_process_reference(tmp_path, kw):
-    loss, dumps, ref_loss, ref_grads = _run(tmp_path, **kw)
-    _check(loss, dumps, ref_loss, ref_grads, kw.get("pp", 1))
+    loss, dumps, ref_loss, ref_grads = run_job(tmp_path, **kw)
+    check_against_reference(loss, dumps, ref_loss, ref_grads, kw.get("pp", 1))
