@@ -453,43 +453,97 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 @dataclass
-class ChunkBatch:
-    """Many ChunkTiming rows packed as a numpy structured array."""
+class PackedBatch:
+    """Many rows of one message kind packed as a numpy structured array.
 
-    TYPE: ClassVar[str] = "chunk_batch"
-    rows: np.ndarray  # dtype CHUNK_DTYPE
+    Subclasses set the dtype, the JSON key of their columns, the columns a JSON
+    trace may omit (with their defaults) and the semantic row checks.
+    """
+
+    TYPE: ClassVar[str] = ""
+    DTYPE: ClassVar[np.dtype]
+    JSON_KEY: ClassVar[str] = ""
+    COLUMNS: ClassVar[list[str]] = []
+    OPTIONAL: ClassVar[dict[str, float]] = {}
+    rows: np.ndarray
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    @staticmethod
-    def empty(n: int) -> np.ndarray:
-        return np.zeros(n, dtype=CHUNK_DTYPE)
+    @classmethod
+    def empty(cls, n: int) -> np.ndarray:
+        rows = np.zeros(n, dtype=cls.DTYPE)
+        for c, v in cls.OPTIONAL.items():
+            rows[c] = v
+        return rows
 
     def to_bytes(self) -> bytes:
         return self.rows.tobytes()
 
     @classmethod
-    def from_bytes(cls, raw: bytes, max_rank: int | None = None) -> ChunkBatch:
-        if len(raw) % CHUNK_DTYPE.itemsize:
+    def from_bytes(cls, raw: bytes, max_rank: int | None = None):
+        if len(raw) % cls.DTYPE.itemsize:
             raise SchemaError(
-                f"chunk_batch: truncated payload ({len(raw)} bytes is not a multiple of "
-                f"{CHUNK_DTYPE.itemsize})"
+                f"{cls.TYPE}: truncated payload ({len(raw)} bytes is not a multiple of "
+                f"{cls.DTYPE.itemsize})"
             )
-        rows = np.frombuffer(raw, dtype=CHUNK_DTYPE)
+        rows = np.frombuffer(raw, dtype=cls.DTYPE)
         cls.check_rows(rows, max_rank)
         return cls(rows)
 
-    @staticmethod
-    def check_rows(rows: np.ndarray, max_rank: int | None = None) -> None:
+    @classmethod
+    def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
+        if len(rows) and (
+            (rows["rank"] < 0).any() or (max_rank is not None and (rows["rank"] >= max_rank).any())
+        ):
+            raise SchemaError(f"{cls.TYPE}: unknown rank")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
+        d[self.JSON_KEY] = {c: self.rows[c].tolist() for c in self.COLUMNS}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], max_rank: int | None = None):
+        cols = d.get(cls.JSON_KEY)
+        if not isinstance(cols, dict):
+            raise SchemaError(f"{cls.TYPE}: missing {cls.JSON_KEY!r} columns")
+        missing = [c for c in cls.COLUMNS if c not in cols and c not in cls.OPTIONAL]
+        if missing:
+            raise SchemaError(f"{cls.TYPE}: missing columns {missing}")
+        n = len(cols["rank"])
+        rows = cls.empty(n)
+        for c in cls.COLUMNS:
+            if c in cols:
+                if len(cols[c]) != n:
+                    raise SchemaError(f"{cls.TYPE}: column {c} has {len(cols[c])} rows, not {n}")
+                try:
+                    rows[c] = cols[c]
+                except (TypeError, ValueError) as e:
+                    raise SchemaError(f"{cls.TYPE}: column {c}: {e}") from e
+        cls.check_rows(rows, max_rank)
+        return cls(rows)
+
+
+@dataclass
+class ChunkBatch(PackedBatch):
+    """Many ChunkTiming rows packed as a numpy structured array (CHUNK_DTYPE)."""
+
+    TYPE: ClassVar[str] = "chunk_batch"
+    DTYPE: ClassVar[np.dtype] = CHUNK_DTYPE
+    JSON_KEY: ClassVar[str] = "chunks"
+    COLUMNS: ClassVar[list[str]] = _CHUNK_COLUMNS
+    OPTIONAL: ClassVar[dict[str, float]] = {"src_dp": -1, "compute_s": -1.0}
+
+    @classmethod
+    def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
         if not len(rows):
             return
         if not (np.isfinite(rows["start_s"]).all() and np.isfinite(rows["end_s"]).all()):
             raise SchemaError("chunk_batch: non-finite start_s/end_s")
         if (rows["end_s"] < rows["start_s"]).any():
             raise SchemaError("chunk_batch: negative chunk duration")
-        if (rows["rank"] < 0).any() or (max_rank is not None and (rows["rank"] >= max_rank).any()):
-            raise SchemaError("chunk_batch: unknown rank")
+        super().check_rows(rows, max_rank)
         if (rows["kind"] < 0).any() or (rows["kind"] > max(ChunkKind)).any():
             raise SchemaError("chunk_batch: unknown chunk kind")
         if (rows["stage"] < 0).any() or (rows["iteration"] < 0).any() or (rows["dp"] < 0).any():
@@ -499,34 +553,6 @@ class ChunkBatch:
         # compute_s is -1 when unknown, but never NaN/inf
         if not np.isfinite(rows["compute_s"]).all():
             raise SchemaError("chunk_batch: non-finite compute_s")
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
-        d["chunks"] = {c: self.rows[c].tolist() for c in _CHUNK_COLUMNS}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], max_rank: int | None = None) -> ChunkBatch:
-        cols = d.get("chunks")
-        if not isinstance(cols, dict):
-            raise SchemaError("chunk_batch: missing 'chunks' columns")
-        missing = [c for c in _CHUNK_COLUMNS if c not in cols and c not in ("src_dp", "compute_s")]
-        if missing:
-            raise SchemaError(f"chunk_batch: missing columns {missing}")
-        n = len(cols["rank"])
-        rows = np.zeros(n, dtype=CHUNK_DTYPE)
-        rows["src_dp"] = -1
-        rows["compute_s"] = -1.0
-        for c in _CHUNK_COLUMNS:
-            if c in cols:
-                if len(cols[c]) != n:
-                    raise SchemaError(f"chunk_batch: column {c} has {len(cols[c])} rows, not {n}")
-                try:
-                    rows[c] = cols[c]
-                except (TypeError, ValueError) as e:
-                    raise SchemaError(f"chunk_batch: column {c}: {e}") from e
-        cls.check_rows(rows, max_rank)
-        return cls(rows)
 
     def iter_messages(self):
         for r in self.rows:
@@ -564,61 +590,23 @@ def chunks_to_rows(chunks: list[ChunkTiming]) -> np.ndarray:
 
 
 @dataclass
-class HeartbeatBatch:
+class HeartbeatBatch(PackedBatch):
     """Many Heartbeat rows packed as a numpy structured array (HEARTBEAT_DTYPE)."""
 
     TYPE: ClassVar[str] = "heartbeat_batch"
-    rows: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.rows)
+    DTYPE: ClassVar[np.dtype] = HEARTBEAT_DTYPE
+    JSON_KEY: ClassVar[str] = "heartbeats"
+    COLUMNS: ClassVar[list[str]] = _HEARTBEAT_COLUMNS
 
     @classmethod
-    def from_bytes(cls, raw: bytes, max_rank: int | None = None) -> HeartbeatBatch:
-        if len(raw) % HEARTBEAT_DTYPE.itemsize:
-            raise SchemaError(
-                f"heartbeat_batch: truncated payload ({len(raw)} bytes is not a multiple of "
-                f"{HEARTBEAT_DTYPE.itemsize})"
-            )
-        rows = np.frombuffer(raw, dtype=HEARTBEAT_DTYPE)
-        cls.check_rows(rows, max_rank)
-        return cls(rows)
-
-    @staticmethod
-    def check_rows(rows: np.ndarray, max_rank: int | None = None) -> None:
+    def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
         if not len(rows):
             return
         if not np.isfinite(rows["wall_time_s"]).all():
             raise SchemaError("heartbeat_batch: non-finite wall_time_s")
-        if (rows["rank"] < 0).any() or (max_rank is not None and (rows["rank"] >= max_rank).any()):
-            raise SchemaError("heartbeat_batch: unknown rank")
+        super().check_rows(rows, max_rank)
         if (rows["node"] < 0).any() or (rows["seq"] < 0).any() or (rows["iteration"] < 0).any():
             raise SchemaError("heartbeat_batch: negative node/seq/iteration")
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
-        d["heartbeats"] = {c: self.rows[c].tolist() for c in _HEARTBEAT_COLUMNS}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], max_rank: int | None = None) -> HeartbeatBatch:
-        cols = d.get("heartbeats")
-        if not isinstance(cols, dict):
-            raise SchemaError("heartbeat_batch: missing 'heartbeats' columns")
-        missing = [c for c in _HEARTBEAT_COLUMNS if c not in cols]
-        if missing:
-            raise SchemaError(f"heartbeat_batch: missing columns {missing}")
-        n = len(cols["rank"])
-        rows = np.zeros(n, dtype=HEARTBEAT_DTYPE)
-        for c in _HEARTBEAT_COLUMNS:
-            if len(cols[c]) != n:
-                raise SchemaError(f"heartbeat_batch: column {c} has {len(cols[c])} rows, not {n}")
-            try:
-                rows[c] = cols[c]
-            except (TypeError, ValueError) as e:
-                raise SchemaError(f"heartbeat_batch: column {c}: {e}") from e
-        cls.check_rows(rows, max_rank)
-        return cls(rows)
 
     def iter_messages(self):
         for r, n, i, g, w, q in zip(
