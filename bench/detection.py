@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from collector.assembler import IterationAssembler
 from detector.config import DetectorConfig
 from detector.engine import Detector
 from detector.predictor import IterationView
+from resihp.assembly import IterationAssembler
+from resihp.scenario import parse_scenario
 from trainer.data.lengths import LengthSampler, stdlib_document_lengths
-from trainer.scenario import parse_scenario
 from trainer.sim.config import SimConfig
 from trainer.sim.core import ClusterSim
 

@@ -1,3 +1,3 @@
 """Collector service: two-level heartbeat liveness (§5.1) and per-iteration records
 assembled from trainer telemetry.  See collector.service for the wiring and
-collector.heartbeat / collector.assembler for the pure logic."""
+resihp.liveness / resihp.assembly for the pure logic."""

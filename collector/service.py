@@ -1,8 +1,8 @@
 """The collector service: reads the job's telemetry stream, judges liveness with
 the two-level heartbeat, assembles iteration records, and publishes both.
 
-Wiring only; the decisions live in :mod:`collector.heartbeat` and
-:mod:`collector.assembler`.
+Wiring only; the decisions live in :mod:`resihp.liveness` and
+:mod:`resihp.assembly`.
 
 * Arrival time of a heartbeat = the time Redis appended its entry (the entry
   id), mapped onto the collector's clock with a periodically measured offset.
@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from collector.assembler import IterationAssembler
 from collector.config import CollectorConfig
-from collector.heartbeat import LivenessCoordinator
 from resihp import bus
+from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
+from resihp.liveness import LivenessCoordinator
 from resihp.schemas import (
     ENTRY_MESSAGES,
     SCHEMA_VERSION,

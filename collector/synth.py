@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collector.assembler import LayoutView
+from resihp.assembly import LayoutView
 from resihp.schemas import CHUNK_DTYPE, ChunkKind
 from resihp.topology import Layout
 

@@ -65,8 +65,8 @@ class TraceReplayer:
         grace_s: float = 2.0,
         layout: Layout | None = None,
     ):
-        from collector.assembler import IterationAssembler
-        from collector.heartbeat import LivenessCoordinator
+        from resihp.assembly import IterationAssembler
+        from resihp.liveness import LivenessCoordinator
 
         self.detector = Detector(config, layout)
         self.assembler = IterationAssembler(grace_s=grace_s, stale_s=max(10.0, 5 * grace_s))

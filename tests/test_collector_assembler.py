@@ -1,12 +1,12 @@
-"""Iteration assembly (collector.assembler): out-of-order, duplicates, gaps, TP max, stats."""
+"""Iteration assembly (resihp.assembly): out-of-order, duplicates, gaps, TP max, stats."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from collector.assembler import IterationAssembler, KeySet, build_record
 from collector.synth import iteration_rows
+from resihp.assembly import IterationAssembler, KeySet, build_record
 from resihp.schemas import ChunkKind, MicroBatchStats
 from resihp.topology import Layout, Migration
 
@@ -351,7 +351,7 @@ def test_duplicates_across_a_layout_change_are_still_duplicates():
 
 
 def test_tp_reduction_matches_a_python_reference(monkeypatch):
-    import collector.assembler as asm
+    import resihp.assembly as asm
 
     lay = _layout(tp=4, pp=2, dp=3, mb=5)
     rows = iteration_rows(lay, 1, rng=np.random.default_rng(3))

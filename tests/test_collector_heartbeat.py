@@ -1,10 +1,10 @@
-"""Two-level heartbeat decisions (collector.heartbeat), driven by explicit arrival times."""
+"""Two-level heartbeat decisions (resihp.liveness), driven by explicit arrival times."""
 
 from __future__ import annotations
 
 import pytest
 
-from collector.heartbeat import LivenessCoordinator
+from resihp.liveness import LivenessCoordinator
 
 IV = 1.0  # heartbeat interval (s)
 

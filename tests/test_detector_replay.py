@@ -10,8 +10,8 @@ import pytest
 
 from detector.config import DetectorConfig
 from detector.replay import replay
+from resihp.scenario import parse_scenario
 from resihp.schemas import ChunkBatch, FailureReport, decode_json
-from trainer.scenario import parse_scenario
 from trainer.sim.config import SimConfig
 from trainer.sim.core import simulate_run
 

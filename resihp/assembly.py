@@ -1,5 +1,8 @@
 """Per-iteration assembly of chunk timings and micro-batch stats (pure, numpy).
 
+In the shared core because the live collector and the detector's offline replay must
+assemble iterations with the same code (services never import each other).
+
 Chunk rows arrive packed (:data:`resihp.schemas.CHUNK_DTYPE`), out of order,
 sometimes twice (the producer resends a round whose reply it lost, a consumer
 re-reads its pending entries).  Every step here works on whole arrays: a batch

@@ -1,5 +1,8 @@
 """Two-level heartbeat liveness (paper §5.1), as pure logic on arrival times.
 
+In the shared core so the live collector and the detector's offline replay judge
+liveness with the same code.
+
 Level 1, :class:`NodeMonitor`: one per node, fed the heartbeats of that
 node's devices; it keeps the active device set and decides that a device has
 fail-stopped when K consecutive beats are missing while the node itself is
