@@ -105,6 +105,10 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
             argv += ["--scenario", args.scenario]
         if args.model and args.trainer == "sim":
             argv += ["--model", args.model]
+        if args.trainer == "torch" and not any(
+            a.startswith("--iterations") for a in args.trainer_arg
+        ):
+            argv += ["--iterations", "1000000"]  # train until the stack is stopped
         argv += list(args.trainer_arg)
         cmds.append(("trainer", argv))
     return cmds

@@ -31,7 +31,7 @@ from datetime import timedelta
 import redis
 import torch.distributed as dist
 
-from resihp.bus import set_job_state
+from resihp.bus import Health, set_job_state
 from resihp.keys import JobKeys
 from resihp.topology import Layout, Migration
 
@@ -219,6 +219,7 @@ class JobLauncher:
         self.client = connect(self.cfg.redis_url)
         self.keys = JobKeys(self.cfg.job_id)
         self.follower = PlanFollower(self.client, self.keys)
+        self.health = Health(self.client, self.keys, "trainer")
         # Plans acknowledged before this job started are not ours to apply.
         for p in self.follower.poll():
             self.follower.applied.add(p.plan_id)
@@ -403,6 +404,8 @@ class JobLauncher:
                 self._confirm()
                 self._publish_initial_layout()
                 self._check_rejoin()
+                if self.client is not None:
+                    self.health.beat("ok", generation=self.gen, backend="torch")
                 if self.follower is not None and time.time() - last_poll > 0.2:
                     last_poll = time.time()
                     for plan in self.follower.poll():
