@@ -5,53 +5,17 @@ must be the single-process reference's: nothing lost, nothing trained twice."""
 
 from __future__ import annotations
 
-import json
-import sysconfig
-from pathlib import Path
-
 import pytest
-
-from trainer.torch_trainer.config import TrainConfig
-from trainer.torch_trainer.launcher import launch
-from trainer.torch_trainer.reference import reference_losses
+from torch_harness import check_loss_curve, run_recovery_job
 
 pytestmark = pytest.mark.distributed
-
-SMALL = dict(
-    num_layers=2,
-    hidden=32,
-    num_heads=4,
-    ffn_hidden=64,
-    token_budget=96,
-    iterations=4,
-    dtype="float64",
-    telemetry=False,
-    pg_timeout_s=60.0,  # recovery must not depend on timeouts expiring
-    data_dir=str(Path(sysconfig.get_paths()["stdlib"]) / "email"),
-)
-
-
-def _run(tmp_path, **kw):
-    cfg = TrainConfig(**{**SMALL, **kw}, out_dir=str(tmp_path / "run"))
-    t_code = launch(cfg)
-    assert t_code == 0
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    timeline = json.loads((tmp_path / "run" / "timeline.json").read_text())
-    return cfg, rows, timeline
-
-
-def _check_curve(cfg, rows):
-    assert [r["iteration"] for r in rows] == list(range(cfg.iterations))
-    want = reference_losses(cfg, cfg.iterations)
-    got = [r["loss"] for r in rows]
-    assert got == pytest.approx(want, rel=1e-9)
 
 
 def test_kill_drops_replica_then_rejoin_restores_it(tmp_path):
     # PP2 x DP2; rank 1 is replica 1's stage 0. Replica 0 takes all micro-batches;
     # when rank 1 re-joins (a fresh process), replica 1 is rebuilt by copying
     # parameters and optimizer state from replica 0.
-    cfg, rows, tl = _run(
+    cfg, rows, tl = run_recovery_job(
         tmp_path,
         pp=2,
         dp=2,
@@ -62,7 +26,7 @@ def test_kill_drops_replica_then_rejoin_restores_it(tmp_path):
         rejoin_at_iteration=3,
         schedule="zbh1",
     )
-    _check_curve(cfg, rows)
+    check_loss_curve(cfg, rows)
     gens = [r["generation"] for r in rows]
     assert gens[:2] == [0, 0] and gens[2] == 1 and gens[-1] == 2 and gens == sorted(gens)
     gen1, gen2 = tl["workers"]["1"], tl["workers"]["2"]
@@ -80,10 +44,10 @@ def test_kill_tp_rank_reshards_from_persistent_state(tmp_path):
     # TP2 x PP2, single replica: rank 1 (stage 0, TP index 1) dies. Stage 0 shrinks
     # to TP1 on rank 0, whose missing shard half comes from the last checkpoint;
     # stage 1 stays TP2, so P2P between TP1 and TP2 uses the §7 scatter/all-gather.
-    cfg, rows, tl = _run(
+    cfg, rows, tl = run_recovery_job(
         tmp_path, tp=2, pp=2, microbatches=2, kill_rank=1, kill_at_iteration=2, schedule="1f1b"
     )
-    _check_curve(cfg, rows)
+    check_loss_curve(cfg, rows)
     gen1 = tl["workers"]["1"]
     assert gen1["moved"]["from_disk"] > 0
     layouts = [e["layout"] for e in tl["events"] if e["what"] == "plan_chosen"]

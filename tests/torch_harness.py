@@ -12,7 +12,7 @@ import torch
 
 from trainer.torch_trainer.config import TrainConfig
 from trainer.torch_trainer.launcher import launch
-from trainer.torch_trainer.reference import expected_shard, reference_step
+from trainer.torch_trainer.reference import expected_shard, reference_losses, reference_step
 
 SMALL = dict(
     num_layers=2,
@@ -27,6 +27,13 @@ SMALL = dict(
     pg_timeout_s=30.0,
     # A small real corpus (one stdlib package) keeps each worker's file scan short.
     data_dir=str(Path(sysconfig.get_paths()["stdlib"]) / "email"),
+)
+
+# The recovery tests' base job: SMALL with several iterations, so a kill and what follows are
+# on the loss curve; each test picks its micro-batches.
+RECOVERY = {k: v for k, v in SMALL.items() if k != "microbatches"} | dict(
+    iterations=4,
+    pg_timeout_s=60.0,  # recovery must not depend on timeouts expiring
 )
 
 
@@ -57,3 +64,20 @@ def check_against_reference(loss, dumps, ref_loss, ref_grads, n_stages: int):
             seen.add(name)
     # every parameter of the model was checked on some rank
     assert seen == set(ref_grads), set(ref_grads) ^ seen
+
+
+def run_recovery_job(tmp_path, **kw) -> tuple[TrainConfig, list[dict], dict]:
+    """Run a RECOVERY job with ``kw`` (a kill, a policy, ...): its config, metrics rows, timeline."""
+    cfg = TrainConfig(**{**RECOVERY, **kw}, out_dir=str(tmp_path / "run"))
+    assert launch(cfg) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    timeline = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    return cfg, rows, timeline
+
+
+def check_loss_curve(cfg: TrainConfig, rows: list[dict]) -> None:
+    """Every iteration trained once, and the losses are the single-process reference's."""
+    assert [r["iteration"] for r in rows] == list(range(cfg.iterations))
+    want = reference_losses(cfg, cfg.iterations)
+    got = [r["loss"] for r in rows]
+    assert got == pytest.approx(want, rel=1e-9)
