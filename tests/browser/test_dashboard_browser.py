@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_harness import ROOT, SHOTS, open_page, refresh_docs_img, require_chromium, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dashboard_scenario import publish_big_job, publish_job, touch_heartbeats  # noqa: E402
@@ -36,30 +36,6 @@ from resihp.schemas import IterationRecord  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "artifacts" / "screenshots"
-
-
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def _plan(r, keys, pid: int) -> dict | None:
     raw = r.hget(keys.plan_state, str(pid))
@@ -68,8 +44,7 @@ def _plan(r, keys, pid: int) -> dict | None:
 
 @pytest.fixture
 def stack(r, redis_server, tmp_path):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    require_chromium()
     sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
     sc["big"] = publish_big_job(r, "big")  # a second job in the same Redis: 16,384 GPUs
     env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
@@ -107,8 +82,8 @@ def stack(r, redis_server, tmp_path):
             return False
 
     try:
-        _wait(up, 30, "the dashboard server")
-        _wait(lambda: _plan(r, sc["keys"], 1), 20, "the scheduler's plan")
+        wait_for(up, 30, "the dashboard server")
+        wait_for(lambda: _plan(r, sc["keys"], 1), 20, "the scheduler's plan")
         yield sc, url
     finally:
         for p in procs:
@@ -134,11 +109,7 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
     expect.set_options(timeout=20_000)  # the test host is shared; a refresh can take seconds
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 950}, accept_downloads=True)
-        page.set_default_timeout(15_000)
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        browser, page, errors = open_page(pw, 15_000)
 
         # Overview: layout, cards, figures and the open incident, then a live update.
         page.goto(url + "/")
@@ -258,7 +229,7 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         expect(page.locator("#pl-action-sent")).to_contain_text(
             "Sent acknowledge for plan 1 as alice"
         )
-        _wait(lambda: _plan(r, keys, 1)["state"] == "acknowledged", 10, "plan 1 acknowledged")
+        wait_for(lambda: _plan(r, keys, 1)["state"] == "acknowledged", 10, "plan 1 acknowledged")
         acts = [json.loads(f[b"m"])[0] for _, f in r.xrange(keys.actions)]
         assert [(a["action"], a["actor"]) for a in acts] == [
             ("override", "alice"),
@@ -283,7 +254,4 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         assert 'resihp_plans{job="job-a",state="acknowledged"} 1.0' in metrics
         browser.close()
     assert not errors, errors
-    if os.environ.get("RESIHP_UPDATE_DOCS_IMG"):  # refresh the README's screenshot on request only
-        img = ROOT / "docs" / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SHOTS / "skew_heatmap_16k.png", img / "dashboard-skew-heatmap.png")
+    refresh_docs_img("skew_heatmap_16k.png", "dashboard-skew-heatmap.png")

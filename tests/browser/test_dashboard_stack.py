@@ -12,53 +12,31 @@ the recovery timeline.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from browser_harness import ROOT, SHOTS, open_page, refresh_docs_img, require_chromium, wait_for
 
 from resihp.keys import JobKeys
 from resihp.redis_client import connect, free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "artifacts" / "screenshots"
+# This test has always polled at 0.2 s (the other browser test at 0.1 s).
+_wait = functools.partial(wait_for, poll_s=0.2)
 SCENARIO = "events:\n  - {at_iteration: 30, action: slow_device, rank: 4, severity: medium}\n"
-
-
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
 def stack(tmp_path):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    require_chromium()
     scen = tmp_path / "scenario.yaml"
     scen.write_text(SCENARIO)
     port = free_port()
@@ -126,11 +104,7 @@ def test_dashboard_drives_the_running_stack(stack):
     SHOTS.mkdir(parents=True, exist_ok=True)
     expect.set_options(timeout=30_000)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 950}, accept_downloads=True)
-        page.set_default_timeout(30_000)
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        browser, page, errors = open_page(pw, 30_000)
 
         # Live data: the iteration counter moves without a reload; the incident is open.
         page.goto(url + "/")
@@ -200,7 +174,4 @@ def test_dashboard_drives_the_running_stack(stack):
         page.screenshot(path=str(SHOTS / "stack_incidents.png"), full_page=True)
         browser.close()
     assert not errors, errors
-    if os.environ.get("RESIHP_UPDATE_DOCS_IMG"):  # refresh the README's screenshot on request only
-        img = ROOT / "docs" / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SHOTS / "stack_timeline.png", img / "dashboard-pipeline-timeline.png")
+    refresh_docs_img("stack_timeline.png", "dashboard-pipeline-timeline.png")
