@@ -112,58 +112,34 @@ def test_reads_are_bounded_in_bytes_and_skip_ahead_when_far_behind(r):
     keys = JobKeys("job-big")
     bus.register_job(r, keys)
     pad = {"stage": [0] * 5000, "dp": [0] * 5000}  # ~40 kB per record
-    for i in range(40):
-        bus.publish(
-            r,
-            keys.iterations,
-            IterationRecord(
-                iteration=i,
-                iteration_time_s=1.0,
-                start_s=float(i),
-                end_s=i + 1.0,
-                samples=1,
-                tokens=1,
-                num_ranks_reporting=1,
-                ranks=pad,
-            ),
-        )
+
+    def publish(iterations):
+        for i in iterations:
+            bus.publish(
+                r,
+                keys.iterations,
+                IterationRecord(
+                    iteration=i,
+                    iteration_time_s=1.0,
+                    start_s=float(i),
+                    end_s=i + 1.0,
+                    samples=1,
+                    tokens=1,
+                    num_ranks_reporting=1,
+                    ranks=pad,
+                ),
+            )
+
+    publish(range(40))
     d = DashboardData(r, history=30, read_budget_bytes=200_000)
     rows = d.iterations("job-big")
     size = sum(len(k) + len(v) for k, v in r.xrevrange(keys.iterations, count=1)[0][1].items())
     assert size > 15_000 and len(rows) == 200_000 // size  # the first read fits the budget
     assert rows[-1].iteration == 39
-    for i in range(40, 45):
-        bus.publish(
-            r,
-            keys.iterations,
-            IterationRecord(
-                iteration=i,
-                iteration_time_s=1.0,
-                start_s=float(i),
-                end_s=i + 1.0,
-                samples=1,
-                tokens=1,
-                num_ranks_reporting=1,
-                ranks=pad,
-            ),
-        )
+    publish(range(40, 45))
     rows = d.iterations("job-big")
     assert [x.iteration for x in rows][-5:] == [40, 41, 42, 43, 44]
-    for i in range(45, 100):  # more than ``history`` behind: jump to the newest
-        bus.publish(
-            r,
-            keys.iterations,
-            IterationRecord(
-                iteration=i,
-                iteration_time_s=1.0,
-                start_s=float(i),
-                end_s=i + 1.0,
-                samples=1,
-                tokens=1,
-                num_ranks_reporting=1,
-                ranks=pad,
-            ),
-        )
+    publish(range(45, 100))  # more than ``history`` behind: jump to the newest
     rows = d.iterations("job-big")
     assert rows[-1].iteration == 99 and len(rows) <= 30
 
