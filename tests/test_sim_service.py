@@ -160,70 +160,31 @@ def test_cli_runs_and_checks_health(r, redis_server, tmp_path):
     url = redis_server.url
     sc = tmp_path / "s.yaml"
     sc.write_text("events:\n  - {at_iteration: 1, action: slow_device, rank: 2, severity: weak}\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer",
-        "sim",
-        "--redis-url",
-        url,
-        "--job-id",
-        "clijob",
-        "--iterations",
-        "2",
-        "--speed",
-        "0",
-        "--microbatches",
-        "2",
-        "--scenario",
-        str(sc),
-    ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+
+    def sim(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "trainer", "sim", "--redis-url", url, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    run = ["--job-id", "clijob", "--iterations", "2", "--speed", "0", "--microbatches", "2"]
+    out = sim(*run, "--scenario", str(sc))
     assert out.returncode == 0, out.stderr
-    chk = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "sim",
-            "--redis-url",
-            url,
-            "--job-id",
-            "clijob",
-            "--check-health",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    chk = sim("--job-id", "clijob", "--check-health")
     assert chk.returncode == 0
     generic = [sys.executable, "-m", "trainer", "--check-health", "--redis-url", url]
     assert subprocess.run(generic + ["--job-id", "clijob"], env=env, timeout=60).returncode == 0
     assert subprocess.run(generic + ["--job-id", "nojob"], env=env, timeout=60).returncode == 1
-    chk2 = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "sim",
-            "--redis-url",
-            url,
-            "--job-id",
-            "nojob",
-            "--check-health",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    chk2 = sim("--job-id", "nojob", "--check-health")
     assert chk2.returncode == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("events:\n  - {at_iteration: 1, action: slow_device, rank: 2}\n")
-    out = subprocess.run(cmd[:-1] + [str(bad)], env=env, capture_output=True, text=True, timeout=60)
+    out = sim(*run, "--scenario", str(bad))
     assert out.returncode == 2 and f"{bad}:2:" in out.stderr
-    out = subprocess.run(cmd + ["--tp", "3"], env=env, capture_output=True, text=True, timeout=60)
+    out = sim(*run, "--scenario", str(sc), "--tp", "3")
     assert out.returncode == 2 and "tp" in out.stderr
 
 
