@@ -126,6 +126,12 @@ class ReCycle(Policy):
         return [new]
 
 
+def _refuse_fail_stop(lay: Layout, p: Mapping[int, float], who: str) -> None:
+    """The slow-only baselines (Greyhound, Adaptra) cannot train on without a lost device."""
+    if not layout_runnable(lay, speeds_with_dead(lay, p)):
+        raise Abort(f"{who} does not tolerate fail-stop failures")
+
+
 class Greyhound(Policy):
     def __init__(self, name="greyhound"):
         super().__init__(
@@ -139,8 +145,7 @@ class Greyhound(Policy):
 
     def adapt(self, state, p, pred):
         (lay,) = state
-        if not layout_runnable(lay, speeds_with_dead(lay, p)):
-            raise Abort("Greyhound does not tolerate fail-stop failures")
+        _refuse_fail_stop(lay, p, "Greyhound")
         return [_greyhound_balance(lay, p, pred)]
 
 
@@ -157,8 +162,7 @@ class Adaptra(Policy):
 
     def adapt(self, state, p, pred):
         (lay,) = state
-        if not layout_runnable(lay, speeds_with_dead(lay, p)):
-            raise Abort("Adaptra does not tolerate fail-stop failures")
+        _refuse_fail_stop(lay, p, "Adaptra")
         new = copy.deepcopy(lay)
         slow = any(p.get(r, 1.0) < 0.999 for r in lay.coords())
         new.schedule = "zbh1" if slow else lay.schedule
