@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check-health", action="store_true", help="exit 0 if the detector's health key is ok"
     )
-    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
     _common(p)
     sub = p.add_subparsers(dest="cmd")
     rp = sub.add_parser("replay", help="run the detector over a recorded trace (no Redis)")
