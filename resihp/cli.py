@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
 FORWARDED = {
     "record": ("collector", "record"),
@@ -27,10 +28,8 @@ FORWARDED = {
 }
 
 
-def _forward(service: str, sub: str, rest: list[str]) -> int:
-    argv = [sys.executable, "-m", service, sub, *rest]
-    os.execv(sys.executable, argv)
-    return 0  # not reached
+def _forward(service: str, sub: str, rest: list[str]) -> NoReturn:
+    os.execv(sys.executable, [sys.executable, "-m", service, sub, *rest])
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -108,12 +107,9 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in FORWARDED:
+        # e.g. "resihp report export ..." -> "python -m dashboard report export ..."
         svc, sub = FORWARDED[argv[0]]
-        rest = argv[1:]
-        if argv[0] == "report":
-            # "resihp report export ..." -> "python -m dashboard report export ..."
-            return _forward(svc, sub, rest)
-        return _forward(svc, sub, rest)
+        return _forward(svc, sub, argv[1:])
     args = _build_parser().parse_args(argv)
     if args.cmd == "up":
         from resihp.launcher import run_stack
