@@ -51,6 +51,7 @@ def iteration_rows(
     rows["src_dp"] = -1
     rows["kind"] = kind
     rows["microbatch"] = mb
+    rows["direction"] = np.where(kind == ChunkKind.SEND, 1, 0)
     dur = np.full(len(rows), chunk_s)
     dur[kind == ChunkKind.B] *= 2
     if rng is not None:

@@ -284,6 +284,7 @@ def normalize_chunks(cols: dict[str, list] | None) -> dict[str, np.ndarray]:
         "src_dp": src,
         "microbatch": np.asarray(cols.get("microbatch", [0] * n), dtype=int),
         "kind": _kind_names(cols.get("kind", ["F"] * n)),
+        "direction": np.asarray(cols.get("direction", [0] * n), dtype=int),
         "start_s": start,
         "duration_s": dur,
     }

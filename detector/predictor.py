@@ -116,23 +116,26 @@ class IterationView:
         dur = _col(ch, "duration_s", n, np.float64, np.nan)
         start = _col(ch, "start_s", n, np.float64, np.nan)
 
+        said = _col(ch, "direction", n, np.int32, 0)
+        said = np.where(np.abs(said) <= 1, said, 0)
         ok = (dp >= 0) & (stage >= 0) & (kind >= 0) & np.isfinite(dur) & (dur >= 0)
         unusable = int(n - ok.sum())
         # Duplicated chunk rows (a re-sent batch): keep the first of each key.
-        # P2P rows of one micro-batch (activation and gradient) share the key
-        # and differ in start time, so their start is part of it.
-        p2p_t = np.where((kind == SEND) | (kind == RECV), np.nan_to_num(start), 0.0)
-        key = np.stack([dp, stage, src, mb, kind.astype(np.int32), p2p_t.view(np.int64)], axis=1)[
-            ok
-        ]
+        # A P2P row's direction tells a micro-batch's activation from its
+        # gradient; rows that do not say (older producers) are told apart by
+        # their start time instead.
+        p2p_t = np.where(((kind == SEND) | (kind == RECV)) & (said == 0), np.nan_to_num(start), 0.0)
+        key = np.stack(
+            [dp, stage, src, mb, kind.astype(np.int32), said, p2p_t.view(np.int64)], axis=1
+        )[ok]
         idx = np.flatnonzero(ok)
         dups = 0
         if len(idx):
             first = _first_of_rows(key)
             dups = len(idx) - len(first)
             idx = idx[np.sort(first)]
-        dp, stage, src, mb, kind, dur, start = (
-            a[idx] for a in (dp, stage, src, mb, kind, dur, start)
+        dp, stage, src, mb, kind, dur, start, said = (
+            a[idx] for a in (dp, stage, src, mb, kind, dur, start, said)
         )
 
         mbs = rec.microbatches or {}
@@ -147,7 +150,9 @@ class IterationView:
                 if d >= 0 and j >= 0 and np.isfinite(nn) and np.isfinite(sq) and nn > 0:
                     stats.setdefault((int(d), int(j)), (float(nn), float(sq)))
         tn, sq = _lookup_stats(stats, src, mb)
-        direction = _comm_direction(dp, stage, src, mb, kind, start)
+        direction = np.where(
+            said != 0, said, _comm_direction(dp, stage, src, mb, kind, start)
+        ).astype(np.int8)
 
         rk = rec.ranks or {}
         r = len(rk.get("rank", []) or [])
@@ -195,6 +200,7 @@ class IterationView:
 def _comm_direction(dp, stage, src, mb, kind, start) -> np.ndarray:
     """Direction of each P2P chunk: +1 toward the next stage, -1 toward the previous.
 
+    For records whose producers did not say (their ``direction`` column is 0 or absent).
     Told from the same device's compute chunks of that micro-batch (one clock,
     so skew between nodes cannot mislead): the activation arrives before the
     stage's F starts and leaves before its B starts; the gradient arrives after

@@ -10,10 +10,12 @@ is validated, deduplicated and counted with a handful of numpy calls, and an
 iteration is reduced to its :class:`IterationRecord` with sorts and
 ``ufunc.reduceat`` — never a Python loop per row.
 
-Deduplication key: (rank, stage, microbatch, kind, src_dp) inside an
-iteration.  Nearly every row is a rank's own micro-batch at its own stage and
-is looked up in a dense per-iteration bitmap indexed by (rank, microbatch,
-kind); the others (migrated micro-batches, stages that disagree with the
+Deduplication key: (rank, stage, microbatch, channel, src_dp) inside an
+iteration, where the channel is the kind plus, for P2P rows, the direction (a
+middle stage's activation and gradient RECV of one micro-batch are two rows,
+not a row and its duplicate).  Nearly every row is a rank's own micro-batch at
+its own stage and is looked up in a dense per-iteration bitmap indexed by
+(rank, microbatch, channel); the others (migrated micro-batches, stages that disagree with the
 layout, no layout at all) go to a small log-structured set of sorted uint64
 runs (:class:`KeySet`).  Either way a late duplicate of a row accepted long
 ago is still recognised.
@@ -49,7 +51,7 @@ KIND_NAMES = np.array([k.name for k in ChunkKind], dtype=object)
 _N_COMPUTE_KINDS = int(ChunkKind.W) + 1
 
 # Bit widths of the packed dedup key (64 bits in all).
-_RANK_BITS, _STAGE_BITS, _MB_BITS, _KIND_BITS, _SRC_BITS = 20, 10, 16, 3, 15
+_RANK_BITS, _STAGE_BITS, _MB_BITS, _CHANNEL_BITS, _SRC_BITS = 19, 10, 16, 4, 15
 _LIMITS = {
     "rank": 1 << _RANK_BITS,
     "stage": 1 << _STAGE_BITS,
@@ -61,23 +63,36 @@ _LIMITS = {
 _COMPUTE_CHUNKS_PER_MB = {"zbh1": 3, "zbh": 3, "interleaved": 4}
 
 
-def pack_keys(rank, stage, microbatch, kind, src_dp) -> np.ndarray:
-    """One uint64 per chunk identifying (rank, stage, microbatch, kind, src_dp)."""
+def channels(kind, direction) -> np.ndarray:
+    """Kind and P2P direction as one small integer in [0, _CHANNELS): a gradient
+    (backward) row gets the kind plus 8; every other row keeps its kind."""
+    return np.asarray(kind).astype(np.int64) + _KIND_SLOTS * (np.asarray(direction) < 0)
+
+
+def pack_keys(rank, stage, microbatch, channel, src_dp) -> np.ndarray:
+    """One uint64 per chunk identifying (rank, stage, microbatch, channel, src_dp)."""
     k = np.asarray(rank).astype(np.uint64)
     k = (k << np.uint64(_STAGE_BITS)) | np.asarray(stage).astype(np.uint64)
     k = (k << np.uint64(_MB_BITS)) | np.asarray(microbatch).astype(np.uint64)
-    k = (k << np.uint64(_KIND_BITS)) | np.asarray(kind).astype(np.uint64)
+    k = (k << np.uint64(_CHANNEL_BITS)) | np.asarray(channel).astype(np.uint64)
     k = (k << np.uint64(_SRC_BITS)) | (np.asarray(src_dp).astype(np.int64) + 1).astype(np.uint64)
     return k
 
 
 def dedup_keys(rows: np.ndarray) -> np.ndarray:
-    return pack_keys(rows["rank"], rows["stage"], rows["microbatch"], rows["kind"], rows["src_dp"])
+    return pack_keys(
+        rows["rank"],
+        rows["stage"],
+        rows["microbatch"],
+        channels(rows["kind"], rows["direction"]),
+        rows["src_dp"],
+    )
 
 
 #: Largest dense "seen" bitmap per open iteration (entries); bigger layouts use KeySet only.
 _BITMAP_MAX = 64 << 20
 _KIND_SLOTS = 8
+_CHANNELS = 2 * _KIND_SLOTS
 
 
 class KeySet:
@@ -183,9 +198,9 @@ class LayoutView:
         exp = self.active & (self.tp_index == 0) if tp_dedup else self.active
         self.expected_ranks = np.flatnonzero(exp)
         # Dense dedup index for the common row (own micro-batch, the rank's own stage):
-        # (rank, microbatch, kind) -> one slot.
+        # (rank, microbatch, channel) -> one slot.
         self.mb_cap = max(1, max(layout.microbatches, default=1))
-        size = n * self.mb_cap * _KIND_SLOTS
+        size = n * self.mb_cap * _CHANNELS
         self.bitmap_size = size if size <= _BITMAP_MAX else 0
 
     def slots(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -193,15 +208,16 @@ class LayoutView:
         r = rows["rank"]
         mb = rows["microbatch"]
         ok = (rows["src_dp"] == -1) & (mb < self.mb_cap) & (rows["stage"] == self.stage[r])
-        idx = (r[ok].astype(np.int64) * self.mb_cap + mb[ok]) * _KIND_SLOTS + rows["kind"][ok]
+        idx = (r[ok].astype(np.int64) * self.mb_cap + mb[ok]) * _CHANNELS
+        idx += channels(rows["kind"][ok], rows["direction"][ok])
         return ok, idx
 
     def unslot(self, idx: np.ndarray) -> np.ndarray:
         """Dedup keys of dense slots (the inverse of :meth:`slots`)."""
-        kind = idx % _KIND_SLOTS
-        mb = (idx // _KIND_SLOTS) % self.mb_cap
-        rank = idx // (_KIND_SLOTS * self.mb_cap)
-        return pack_keys(rank, self.stage[rank], mb, kind, np.full(len(idx), -1))
+        channel = idx % _CHANNELS
+        mb = (idx // _CHANNELS) % self.mb_cap
+        rank = idx // (_CHANNELS * self.mb_cap)
+        return pack_keys(rank, self.stage[rank], mb, channel, np.full(len(idx), -1))
 
 
 class IterationAssembler:
@@ -304,6 +320,7 @@ class IterationAssembler:
                 | (rows["src_dp"] < -1)
                 | (rows["kind"] < 0)
                 | (rows["kind"] > max(ChunkKind))
+                | (np.abs(rows["direction"]) > 1)
                 | (rows["iteration"] < 0)
                 | ~np.isfinite(rows["start_s"])
                 | ~np.isfinite(rows["end_s"])
@@ -503,25 +520,26 @@ def _group_reduce(keys: np.ndarray, *cols: tuple[np.ndarray, np.ufunc]):
     return order[starts], out
 
 
-#: Largest dense (dp, stage, microbatch, kind) grid for the TP reduction (cells).
+#: Largest dense (dp, stage, microbatch, channel) grid for the TP reduction (cells).
 _GRID_MAX = 32 << 20
 
 
 def _tp_groups(col: dict[str, np.ndarray], dur: np.ndarray):
-    """Per (dp, stage, src_dp, microbatch, kind): a row of the group, max duration, min start.
+    """Per (dp, stage, src_dp, microbatch, channel): a row of the group, max duration, min start.
 
     Own micro-batches (src_dp == -1, nearly all rows) are reduced on a dense grid
     with ``ufunc.at`` (no sort); migrated ones, or a grid too large, by sorting.
     """
-    dp, stage, src, mb, kind = (col[n] for n in ("dp", "stage", "src_dp", "microbatch", "kind"))
+    dp, stage, src, mb = (col[n] for n in ("dp", "stage", "src_dp", "microbatch"))
+    chan = channels(col["kind"], col["direction"])
     start = col["start_s"]
     own = src == -1
     n_d, n_s, n_m = int(dp.max()) + 1, int(stage.max()) + 1, int(mb.max()) + 1
-    cells = n_d * n_s * n_m * _KIND_SLOTS
+    cells = n_d * n_s * n_m * _CHANNELS
     firsts, durs, starts = [], [], []
     if own.any() and cells <= _GRID_MAX:
-        idx = ((dp[own].astype(np.int64) * n_s + stage[own]) * n_m + mb[own]) * _KIND_SLOTS
-        idx += kind[own]
+        idx = ((dp[own].astype(np.int64) * n_s + stage[own]) * n_m + mb[own]) * _CHANNELS
+        idx += chan[own]
         gmax = np.full(cells, -1.0)  # durations are >= 0: -1 marks an empty cell
         np.maximum.at(gmax, idx, dur[own])
         gmin = np.full(cells, np.inf)
@@ -544,8 +562,8 @@ def _tp_groups(col: dict[str, np.ndarray], dur: np.ndarray):
         gkey |= (src[sel] + 1).astype(np.uint64)
         gkey <<= np.uint64(16)
         gkey |= mb[sel].astype(np.uint64)
-        gkey <<= np.uint64(3)
-        gkey |= kind[sel].astype(np.uint64)
+        gkey <<= np.uint64(_CHANNEL_BITS)
+        gkey |= chan[sel].astype(np.uint64)
         first, (gdur, gstart) = _group_reduce(
             gkey, (dur[sel], np.maximum), (start[sel], np.minimum)
         )
@@ -570,7 +588,7 @@ def build_record(
         if len(parts) > 1
         else np.ascontiguousarray(parts[0][n])
         for n in CHUNK_DTYPE.names
-        if n not in ("_pad", "iteration")
+        if n != "iteration"
     }
     kind = col["kind"]
     start = col["start_s"]
@@ -582,7 +600,7 @@ def build_record(
     else:
         t0, t1 = float(start.min()), float(col["end_s"].max())
 
-    # Per (dp, stage, src_dp, microbatch, kind), over the TP group: max duration.
+    # Per (dp, stage, src_dp, microbatch, channel), over the TP group: max duration.
     first, gdur, gstart = _tp_groups(col, dur)
     gkind = kind[first]
     gdp, gsrc, gmb = col["dp"][first], col["src_dp"][first], col["microbatch"][first]
@@ -592,6 +610,7 @@ def build_record(
         "src_dp": gsrc.tolist(),
         "microbatch": gmb.tolist(),
         "kind": KIND_NAMES[gkind].tolist(),
+        "direction": col["direction"][first].tolist(),
         "start_s": gstart.tolist(),
         "duration_s": np.round(gdur, 7).tolist(),
     }

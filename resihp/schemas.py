@@ -51,10 +51,24 @@ class ChunkKind(IntEnum):
         return self <= ChunkKind.W
 
 
+class Direction(IntEnum):
+    """Which way a P2P chunk's data flows along the pipeline.
+
+    A middle stage receives a micro-batch's activation (from the previous
+    stage) and its gradient (from the next stage); the two RECV rows differ
+    only in direction, so it is part of a chunk's identity.
+    """
+
+    UNKNOWN = 0  # not a P2P chunk, or a producer that does not say
+    FORWARD = 1  # activation, toward the next stage
+    BACKWARD = -1  # gradient, toward the previous stage
+
+
 #: Packed chunk timing. ``src_dp`` is the DP replica that owns the micro-batch
 #: (differs from ``dp`` when the micro-batch was migrated here). ``compute_s``
 #: is the time the rank spent computing inside the chunk, excluding waits in
 #: TP collectives; it localizes a slow rank inside a synchronised TP group.
+#: ``direction`` (:class:`Direction`) tells a P2P chunk's activation from its gradient.
 CHUNK_DTYPE = np.dtype(
     [
         ("rank", "<i4"),
@@ -63,14 +77,14 @@ CHUNK_DTYPE = np.dtype(
         ("stage", "<i2"),
         ("src_dp", "<i2"),
         ("kind", "<i1"),
-        ("_pad", "<i1"),
+        ("direction", "<i1"),
         ("microbatch", "<i4"),
         ("start_s", "<f8"),
         ("end_s", "<f8"),
         ("compute_s", "<f8"),
     ]
 )
-_CHUNK_COLUMNS = [n for n in CHUNK_DTYPE.names if n != "_pad"]
+_CHUNK_COLUMNS = list(CHUNK_DTYPE.names)
 
 #: Packed heartbeats: a 16k-rank job sends ~16k beats/s, too many to JSON-decode one by one.
 HEARTBEAT_DTYPE = np.dtype(
@@ -221,10 +235,13 @@ class ChunkTiming(Message):
     end_s: float
     src_dp: int = -1
     compute_s: float = -1.0
+    direction: int = 0
 
     def check(self) -> None:
         if self.kind not in ChunkKind.__members__:
             raise SchemaError(f"ChunkTiming.kind: unknown kind {self.kind!r}")
+        if self.direction not in (-1, 0, 1):
+            raise SchemaError(f"ChunkTiming.direction: must be -1, 0 or 1, got {self.direction!r}")
         _nonneg("ChunkTiming", rank=self.rank, iteration=self.iteration, stage=self.stage)
         if self.end_s < self.start_s:
             raise SchemaError(
@@ -294,9 +311,10 @@ class LivenessEvent(Message):
 class IterationRecord(Message):
     """One training iteration as assembled by the collector.
 
-    ``chunks`` is columnar, one entry per (dp, stage, microbatch, kind), durations
-    aggregated over the TP group (max): keys dp, stage, src_dp, microbatch, kind,
-    start_s, duration_s.  ``ranks`` is columnar per reporting rank: rank, dp,
+    ``chunks`` is columnar, one entry per (dp, stage, src_dp, microbatch, kind,
+    direction), durations aggregated over the TP group (max): keys dp, stage,
+    src_dp, microbatch, kind, direction, start_s, duration_s (records of older
+    builds lack ``direction``; readers treat it as unknown).  ``ranks`` is columnar per reporting rank: rank, dp,
     stage, busy_s (sum of compute-chunk durations), compute_s (sum of pure
     compute time, excluding TP waits), comm_s (sum of communication chunks).
     ``microbatches`` is columnar: dp, microbatch, token_budget, num_docs,
@@ -533,7 +551,7 @@ class ChunkBatch(PackedBatch):
     DTYPE: ClassVar[np.dtype] = CHUNK_DTYPE
     JSON_KEY: ClassVar[str] = "chunks"
     COLUMNS: ClassVar[list[str]] = _CHUNK_COLUMNS
-    OPTIONAL: ClassVar[dict[str, float]] = {"src_dp": -1, "compute_s": -1.0}
+    OPTIONAL: ClassVar[dict[str, float]] = {"src_dp": -1, "compute_s": -1.0, "direction": 0}
 
     @classmethod
     def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
@@ -550,6 +568,8 @@ class ChunkBatch(PackedBatch):
             raise SchemaError("chunk_batch: negative stage/iteration/dp")
         if (rows["microbatch"] < 0).any() or (rows["src_dp"] < -1).any():
             raise SchemaError("chunk_batch: negative microbatch or src_dp < -1")
+        if (np.abs(rows["direction"]) > 1).any():
+            raise SchemaError("chunk_batch: direction must be -1, 0 or 1")
         # compute_s is -1 when unknown, but never NaN/inf
         if not np.isfinite(rows["compute_s"]).all():
             raise SchemaError("chunk_batch: non-finite compute_s")
@@ -567,6 +587,7 @@ class ChunkBatch(PackedBatch):
                 end_s=float(r["end_s"]),
                 src_dp=int(r["src_dp"]),
                 compute_s=float(r["compute_s"]),
+                direction=int(r["direction"]),
             )
 
 
@@ -580,7 +601,7 @@ def chunks_to_rows(chunks: list[ChunkTiming]) -> np.ndarray:
             c.stage,
             c.src_dp,
             ChunkKind[c.kind],
-            0,
+            c.direction,
             c.microbatch,
             c.start_s,
             c.end_s,

@@ -396,3 +396,40 @@ def test_tp_reduction_matches_a_python_reference(monkeypatch):
         for k, (d, s0) in ref.items():
             assert got[k][0] == pytest.approx(d, abs=1e-7)
             assert got[k][1] == s0
+
+
+def test_activation_and_gradient_p2p_rows_of_a_microbatch_are_both_kept():
+    # A middle stage receives each micro-batch twice: its activation from the
+    # previous stage and its gradient from the next.  Same (rank, stage,
+    # microbatch, kind): only the direction tells them apart.
+    from trainer.sim import SimConfig, simulate_run
+
+    cfg = SimConfig(model="llama2-7b", microbatches=6, seq_len=4096, seed=1, pp=4, dp=1)
+    (step,) = simulate_run(cfg, iterations=1)
+    rows = step.chunk_rows
+    recv = rows["kind"] == int(ChunkKind.RECV)
+    assert set(rows["direction"][recv].tolist()) == {-1, 1}
+    lay = cfg.initial_layout()
+    a = _asm(lay)
+    res = a.add_rows(rows, 0.0)
+    assert res.duplicate_total == 0 and res.accepted_total == len(rows)
+    # a real resend is still a duplicate, row for row
+    assert a.add_rows(rows, 0.0).duplicate_total == len(rows)
+    (rec,) = a.flush()
+    ch = rec.chunks
+    got = {
+        (s, m, d)
+        for s, m, k, d in zip(
+            ch["stage"], ch["microbatch"], ch["kind"], ch["direction"], strict=True
+        )
+        if k == "RECV"
+    }
+    # stage 0 only receives gradients, the last stage only activations
+    want = {(s, m, d) for s in range(4) for m in range(6) for d in (1, -1)}
+    want -= {(0, m, 1) for m in range(6)} | {(3, m, -1) for m in range(6)}
+    assert got == want
+    # the sparse path (no layout: KeySet only) agrees
+    b = IterationAssembler()
+    assert b.add_rows(rows, 0.0).duplicate_total == 0
+    (rec_b,) = b.flush()
+    assert len(rec_b.chunks["kind"]) == len(ch["kind"])

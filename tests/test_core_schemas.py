@@ -185,3 +185,31 @@ def test_job_keys_are_namespaced_and_validated():
     assert a.telemetry != b.telemetry and "job-a" in a.telemetry
     with pytest.raises(ValueError, match="invalid job id"):
         JobKeys("bad id with spaces")
+
+
+def test_chunk_direction_is_checked_and_optional_in_json():
+    rows = _rows(3)
+    rows["kind"] = int(S.ChunkKind.RECV)
+    rows["direction"] = [1, -1, 0]
+    back = S.decode_message(json.loads(json.dumps(S.ChunkBatch(rows).to_dict())))
+    assert back.rows["direction"].tolist() == [1, -1, 0]
+    assert [c.direction for c in back.iter_messages()] == [1, -1, 0]
+    # a trace written before the column existed: direction unknown (0)
+    d = S.ChunkBatch(rows).to_dict()
+    del d["chunks"]["direction"]
+    assert S.decode_message(d).rows["direction"].tolist() == [0, 0, 0]
+    bad = rows.copy()
+    bad["direction"][1] = 2
+    assert "direction" in S.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
+    with pytest.raises(S.SchemaError, match="direction"):
+        S.ChunkTiming(
+            rank=0,
+            iteration=0,
+            dp=0,
+            stage=0,
+            microbatch=0,
+            kind="RECV",
+            start_s=0.0,
+            end_s=1.0,
+            direction=3,
+        ).check()

@@ -59,3 +59,22 @@ def test_big_jobs_export_the_chosen_replicas():
     tids = {e["tid"] for e in tr["traceEvents"] if e["ph"] == "X"}
     assert tids == {r for d in (3, 7) for st in lay.groups[d] for r in st}
     assert tr["otherData"]["dp_replicas"] == [3, 7]
+
+
+def test_p2p_events_name_what_flows():
+    rec = {
+        "iteration": 1,
+        "chunks": {
+            "dp": [0, 0, 0],
+            "stage": [1, 1, 1],
+            "src_dp": [-1, -1, -1],
+            "microbatch": [2, 2, 2],
+            "kind": ["RECV", "RECV", "F"],
+            "direction": [1, -1, 0],
+            "start_s": [1.0, 2.0, 1.1],
+            "duration_s": [0.01, 0.01, 0.1],
+        },
+        "ranks": {"rank": [3], "dp": [0], "stage": [1]},
+    }
+    names = sorted(e["name"] for e in chrome_trace(rec)["traceEvents"] if e["ph"] == "X")
+    assert names == ["F mb2", "RECV act mb2", "RECV grad mb2"]

@@ -30,7 +30,14 @@ import numpy as np
 from resihp.pipeline import PipelineDAG
 from resihp.pipeline.models import A100_EFFECTIVE_FLOPS, cost_model_for
 from resihp.scenario import Scenario, ScenarioCursor, ScenarioEvent, default_factor
-from resihp.schemas import CHUNK_DTYPE, HEARTBEAT_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
+from resihp.schemas import (
+    CHUNK_DTYPE,
+    HEARTBEAT_DTYPE,
+    ChunkKind,
+    Direction,
+    Heartbeat,
+    MicroBatchStats,
+)
 from resihp.topology import Layout, LayoutError
 from trainer.data.lengths import LengthSampler
 
@@ -204,6 +211,10 @@ class _LayoutCtx:
             rt["stage"] = dag.chunk_stage[dst]
             rt["src_dp"] = dag.chunk_src_dp[dst]
             rt["kind"] = int(ChunkKind.RECV)
+            # edge_kind 0 carries an activation (forward), 1 a gradient (backward)
+            rt["direction"] = np.where(
+                dag.edge_kind[ec] == 0, int(Direction.FORWARD), int(Direction.BACKWARD)
+            )
             rt["microbatch"] = dag.chunk_mb[dst]
             self.recv_template = rt
         else:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from resihp.schemas import ChunkKind
+from resihp.schemas import ChunkKind, Direction
 
 from .model import StageModule, WeightGradStore, microbatch_loss, shard_dim, take_shard
 from .parallel import Groups, Transfer, wait_work
@@ -132,7 +132,7 @@ class StageEngine:
                         gi,
                         backward=False,
                     )
-                    tel.end(tok, ChunkKind.RECV, j, src_dp=e)
+                    tel.end(tok, ChunkKind.RECV, j, src_dp=e, direction=Direction.FORWARD)
                     x = x.to(self.device).requires_grad_(True)
                 c0, tp0 = time.perf_counter(), mod.tp.comm_time_s
                 tok = tel.begin()
@@ -155,7 +155,7 @@ class StageEngine:
                     grad = self.xfer.recv(
                         out.shape, self.dtype, self.peer_group(e, s + 1, j), gi, backward=True
                     )
-                    tel.end(tok, ChunkKind.RECV, j, src_dp=e)
+                    tel.end(tok, ChunkKind.RECV, j, src_dp=e, direction=Direction.BACKWARD)
                     grad = grad.to(self.device)
                 c0, tp0 = time.perf_counter(), mod.tp.comm_time_s
                 tok = tel.begin()

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from resihp.schemas import CHUNK_DTYPE, ChunkKind, Heartbeat, MicroBatchStats
+from resihp.schemas import CHUNK_DTYPE, ChunkKind, Direction, Heartbeat, MicroBatchStats
 
 
 def _costed(fn):
@@ -117,7 +117,15 @@ class RankTelemetry:
         return time.perf_counter()
 
     @_costed
-    def end(self, token, kind: ChunkKind, microbatch: int, tp_comm_s: float = 0.0, src_dp=-1):
+    def end(
+        self,
+        token,
+        kind: ChunkKind,
+        microbatch: int,
+        tp_comm_s: float = 0.0,
+        src_dp=-1,
+        direction: Direction = Direction.UNKNOWN,
+    ):
         if token is None:
             return
         if self.n == len(self.rows):
@@ -129,6 +137,7 @@ class RankTelemetry:
         row["stage"] = self.stage
         row["src_dp"] = self.dp if src_dp < 0 else src_dp
         row["kind"] = int(kind)
+        row["direction"] = int(direction)
         row["microbatch"] = microbatch
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
