@@ -121,6 +121,14 @@ class OnlineChangeDetector:
         self.center = float(center)
         self.scale = max(float(scale), 1e-12)
 
+    def prime(self, iterations: list[int], values: list[float]) -> None:
+        """Seed the window with history (the warm-up) without screening it, so a
+        shift right after the history has an old regime to be cut from."""
+        for i, x in zip(iterations, values, strict=True):
+            if np.isfinite(x):
+                self.iters.append(int(i))
+                self.values.append(float(x))
+
     def push(self, iteration: int, value: float, min_shift: float = 0.0) -> ChangePoint | None:
         if not np.isfinite(value):
             return None
@@ -188,16 +196,19 @@ class OnlineChangeDetector:
         except rpt.exceptions.BadSegmentationParameters:
             return None
         cuts = [int(b) for b in bkps if b < n]
-        if not cuts:
-            return None
-        last = cuts[-1]
-        n_after = n - last
-        if n_after < self.min_after:
-            return None
         vals = np.asarray(self.values)
-        # the old regime is everything before the cut, summarised robustly so a
-        # short spike segment just before it cannot pose as the old level
-        before = float(np.median(vals[:last]))
+        if cuts and n - cuts[-1] >= self.min_after:
+            last = cuts[-1]
+            # the old regime is everything before the cut, summarised robustly so a
+            # short spike segment just before it cannot pose as the old level
+            before = float(np.median(vals[:last]))
+        elif self.persistence and not cuts:
+            # The window holds no old regime (the shift came right after a
+            # rebase or the warm-up): the whole window against the baseline.
+            last, before = 0, self.center
+        else:
+            return None
+        n_after = n - last
         after = float(np.mean(vals[last:]))
         # every post-change point must sit on the new side (persistence, not a spike)
         post = vals[last:]

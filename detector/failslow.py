@@ -305,16 +305,23 @@ class FailSlowDetector:
         cres: dict[LinkKey, list[float]] = {}
         rres: dict[int, list[float]] = {}
         it_log: list[float] = []
+        # the iterations of each series' points: the warm-up primes the detectors
+        res_at: dict[Group, list[int]] = {}
+        cres_at: dict[LinkKey, list[int]] = {}
+        it_at: list[int] = []
         for v in views:
             x, c, rr = self._residuals(v)
             for g, val in x.items():
                 res.setdefault(g, []).append(val)
+                res_at.setdefault(g, []).append(v.iteration)
             for k, val in c.items():
                 cres.setdefault(k, []).append(val)
+                cres_at.setdefault(k, []).append(v.iteration)
             for r, val in rr.items():
                 rres.setdefault(r, []).append(val)
             if v.iteration_time_s > 0:
                 it_log.append(np.log(v.iteration_time_s))
+                it_at.append(v.iteration)
         floor = self.cfg.min_noise_sigma
         for g, xs in res.items():
             if g in slow and g in self.mu:
@@ -344,13 +351,18 @@ class FailSlowDetector:
                 except (ValueError, IndexError, KeyError):
                     break
                 self.itp.learn_offset(v.iteration_time_s, cp)
+        # A shift in the last warm-up iterations, or right after them, must find
+        # the warm-up in the window as its old regime.
         for g in set(self.mu) | set(self.gdet):
             det = self.gdet.setdefault(g, self._new_det(direction=0))
             det.set_baseline(self.mu.get(g, 0.0), self.sigma.get(g, floor))
+            det.prime(res_at.get(g, []), res.get(g, []))
         for k in set(self.comm_mu):
             det = self.cdet.setdefault(k, self._new_det(direction=1))
             det.set_baseline(self.comm_mu[k], self.comm_sigma[k])
+            det.prime(cres_at.get(k, []), cres.get(k, []))
         self.idet.set_baseline(self.iter_mu, max(self.iter_sigma, 0.02))
+        self.idet.prime(it_at, it_log)
         self.ready = True
         self._warm_findings = self._validate_warm_outliers(views, res)
 

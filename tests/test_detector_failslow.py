@@ -327,3 +327,16 @@ def test_restart_from_checkpoint_with_new_layout_is_not_stale():
     _run(det, job, 20)
     assert det.stats.stale_total == before
     assert det.failslow.ready  # re-warmed on the new layout's records
+
+
+@pytest.mark.parametrize("at", [0, 18, 19, 20, 21])
+def test_slowdown_at_any_point_of_the_warmup_boundary_is_caught(at):
+    # the warm-up is 20 iterations (0..19): a slowdown in its last iterations,
+    # or in the first one after it, must still be cut from the warm-up regime
+    job = SyntheticJob(LAY, seed=11)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[1][2][1]
+    reps = _run(det, job, 60, {at: lambda j: j.rank_slow.update({victim: 1.6})})
+    slow = [r for r in reps if r.kind == "fail_slow_compute"]
+    assert len(slow) == 1 and slow[0].ranks == [victim], [(r.kind, r.iteration) for r in reps]
+    assert slow[0].iteration <= max(at, 19) + 3

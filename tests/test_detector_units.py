@@ -144,6 +144,43 @@ def test_iteration_prediction_tracks_workload():
     assert float(np.mean(errs)) < 0.02
 
 
+def test_view_takes_the_stated_p2p_direction_and_infers_only_the_rest():
+    from resihp.schemas import IterationRecord
+
+    # stage 1 of 3 receives micro-batch 0 twice, with no compute chunk to time
+    # them against: only a stated direction can tell them apart
+    def rec(direction):
+        ch = {
+            "dp": [0, 0, 0],
+            "stage": [1, 1, 2],
+            "src_dp": [-1, -1, -1],
+            "microbatch": [0, 0, 0],
+            "kind": ["RECV", "RECV", "RECV"],
+            "start_s": [1.0, 5.0, 2.0],
+            "duration_s": [0.1, 0.3, 0.1],
+        }
+        if direction is not None:
+            ch["direction"] = direction
+        return IterationRecord(
+            iteration=3,
+            iteration_time_s=6.0,
+            start_s=0.0,
+            end_s=6.0,
+            samples=1,
+            tokens=1,
+            num_ranks_reporting=3,
+            chunks=ch,
+        )
+
+    v = IterationView.from_record(rec([1, -1, 0]))
+    assert v.direction.tolist() == [1, -1, 1]  # last one: the last stage only receives activations
+    assert v.duplicates_total == 0
+    old = IterationView.from_record(rec(None))  # an older record: unknown in the middle
+    assert old.direction.tolist() == [0, 0, 1] and old.duplicates_total == 0
+    dup = IterationView.from_record(rec([1, 1, 0]))  # same key and direction twice: a resend
+    assert dup.duplicates_total == 1
+
+
 # -------------------------------------------------------------- fail-stop
 def _ev(state, ranks, node=0, scope="rank", t=10.0):
     return LivenessEvent(
@@ -182,3 +219,20 @@ def test_engine_failstop_report_carries_evidence_and_health():
     back = det.handle(_ev("rejoined", [8], node=1, t=130.0))
     assert back[0].kind == "recovery" and back[0].severity == {"8": 1.0}
     assert det.health[8]["state"] == "healthy"
+
+
+def test_cpd_finds_a_shift_with_no_old_regime_left_in_its_window():
+    # right after a rebase the window holds only the new regime: the shift is
+    # measured against the baseline instead of a cut inside the window
+    det = OnlineChangeDetector()
+    det.set_baseline(0.0, 0.01)
+    rng = np.random.default_rng(0)
+    cp = None
+    for i in range(20):
+        cp = cp or det.push(i, 0.3 + 0.01 * rng.standard_normal(), 0.05)
+    assert cp is not None and cp.iteration == 0
+    assert cp.mean_before == 0.0 and cp.mean_after == pytest.approx(0.3, abs=0.01)
+    # noise around the baseline alone never does
+    det = OnlineChangeDetector()
+    det.set_baseline(0.0, 0.01)
+    assert all(det.push(i, 0.01 * rng.standard_normal(), 0.05) is None for i in range(200))
