@@ -165,3 +165,16 @@ def test_link_only_recover_leaves_compute_slow(setup):
         r = run_timeline(get_policy("none"), lay, ev, pred, 1800.0, MODEL)
         rates[what] = r.segments[-1][2]
     assert rates["link"] < 0.9 * rates["all"]
+
+
+def test_greyhound_style_detection_pays_its_false_alarm_validations(setup):
+    lay, pred = setup
+    healthy = pred.iteration_s(lay, {})
+    for name in ("greyhound", "recycle+greyhound", "oobleck+greyhound"):
+        pol = get_policy(name)
+        t = pol.iteration_s(pol.initial_state(lay), {}, pred)
+        # a few % of a healthy iteration: ~1 validation pause of 3.3 s per 47 iterations
+        assert t - healthy == pytest.approx(3.28 * 3.4 / 160, rel=0.05)
+    for name in ("resihp", "recycle", "oobleck", "adaptra"):
+        pol = get_policy(name)
+        assert pol.iteration_s(pol.initial_state(lay), {}, pred) == pytest.approx(healthy, rel=0.01)
