@@ -36,6 +36,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
     p.add_argument("--refresh-s", type=float, default=1.0, help="live update period, <= 2 s")
     p.add_argument(
+        "--server",
+        choices=["waitress", "dev"],
+        default="waitress",
+        help="WSGI server: waitress (default, production) or dev (Flask's, debugging only)",
+    )
+    p.add_argument("--threads", type=int, default=8, help="request threads (waitress; default 8)")
+    p.add_argument(
         "--check-health",
         action="store_true",
         help="exit 0 if the dashboard's health key is present and ok, else 1",
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s dashboard %(levelname)s %(message)s"
     )
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "task queue depth" chatter
     if not config.operators:
         logging.warning("no operators configured (RESIHP_OPERATORS): plans are view-only")
     from dashboard.app import serve

@@ -258,6 +258,19 @@ def serve(config: DashboardConfig) -> None:
     stop = threading.Event()
     start_health_thread(config, stop)
     try:
-        app.run(host=config.host, port=config.port, debug=False, threaded=True)
+        if config.server == "dev":
+            app.run(host=config.host, port=config.port, debug=False, threaded=True)
+        else:
+            from waitress import create_server
+
+            srv = create_server(
+                app.server,
+                host=config.host,
+                port=config.port,
+                threads=config.threads,
+                ident="resihp-dashboard",
+            )
+            log.info("dashboard serving on http://%s:%d (waitress)", config.host, config.port)
+            srv.run()
     finally:
         stop.set()

@@ -9,6 +9,7 @@ from resihp.keys import validate_job_id
 
 #: How often pages poll Redis; the issue asks for live updates within 2 s.
 MAX_REFRESH_INTERVAL_S = 2.0
+SERVERS = ("waitress", "dev")
 
 
 @dataclass
@@ -25,6 +26,11 @@ class DashboardConfig:
         per process, so sessions end when the process restarts).
     operators: operator name -> password, from ``$RESIHP_OPERATORS`` ("alice:pw,bob:pw")
         and/or ``$RESIHP_OPERATOR_USER`` / ``$RESIHP_OPERATOR_PASSWORD``.
+    server: ``"waitress"`` (default: a production WSGI server, one process with a
+        thread pool, so sessions and the health thread need no sharing) or
+        ``"dev"`` (Flask's development server, for debugging only).
+    threads: request threads of the waitress server; each open browser tab
+        polls about once per refresh interval.
     """
 
     redis_url: str | None = None
@@ -36,6 +42,8 @@ class DashboardConfig:
     max_heatmap_rows: int = 64
     secret_key: str | None = None
     operators: dict[str, str] = field(default_factory=dict)
+    server: str = "waitress"
+    threads: int = 8
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,6 +67,10 @@ class DashboardConfig:
             raise ValueError(f"history_iterations: must be >= 10, got {self.history_iterations}")
         if self.max_heatmap_rows < 4:
             raise ValueError(f"max_heatmap_rows: must be >= 4, got {self.max_heatmap_rows}")
+        if self.server not in SERVERS:
+            raise ValueError(f"server: must be one of {SERVERS}, got {self.server!r}")
+        if not isinstance(self.threads, int) or not 1 <= self.threads <= 256:
+            raise ValueError(f"threads: must be in 1..256, got {self.threads!r}")
         for name, pw in self.operators.items():
             if not name or ":" in name or "," in name:
                 raise ValueError(f"operators: bad operator name {name!r}")
@@ -104,4 +116,6 @@ def config_from_args(args, env: dict[str, str] | None = None) -> DashboardConfig
         refresh_interval_s=args.refresh_s,
         secret_key=env.get("RESIHP_DASHBOARD_SECRET") or None,
         operators=operators_from_env(env),
+        server=getattr(args, "server", "waitress"),
+        threads=getattr(args, "threads", 8),
     )

@@ -274,3 +274,50 @@ def test_job_selector_lists_jobs_and_honours_job_in_url(app, r):
 
         form = _auth_box(app.resihp_ctx, "/plans", "", "job-b")
     assert "/plans?job=job-b" in json.dumps(form, default=lambda o: o.to_plotly_json())
+
+
+def test_served_by_waitress_and_stops_on_sigterm(redis_server, r):
+    import signal
+    import time
+    import urllib.request
+
+    from resihp.redis_client import free_port
+
+    publish_job(r, "job-w", iterations=5, slow_from=3)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashboard", "--redis-url", redis_server.url]
+        + ["--job-id", "job-w", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
+                    metrics, server = resp.read().decode(), resp.headers.get("Server")
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "dashboard did not come up"
+                time.sleep(0.3)
+        assert server == "resihp-dashboard"  # waitress, not the development server
+        assert "resihp_iteration_time_seconds" in metrics
+        with urllib.request.urlopen(base + "/_dash-layout", timeout=10) as resp:
+            assert resp.status == 200 and b"job" in resp.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=20)[0]
+    assert proc.returncode is not None, out
+    assert "development server" not in out
+
+
+@pytest.mark.parametrize(
+    "kw,field", [({"server": "gunicorn"}, "server"), ({"threads": 0}, "threads")]
+)
+def test_server_settings_are_validated(kw, field):
+    with pytest.raises(ValueError, match=field):
+        DashboardConfig(**kw)
