@@ -34,6 +34,7 @@ Then the detector's CPU time per iteration on a 256-GPU job (LLaMA2-70B,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -47,6 +48,7 @@ from detector.engine import Detector
 from detector.predictor import IterationView
 from resihp.assembly import IterationAssembler
 from resihp.scenario import parse_scenario
+from resihp.schemas import decode_message
 from trainer.data.lengths import LengthSampler, stdlib_document_lengths
 from trainer.sim.config import SimConfig
 from trainer.sim.core import ClusterSim
@@ -299,37 +301,54 @@ def summarize(label: str, results: list[JobResult]) -> None:
         print(f"   {n:28s}{rows['resihp'][i]:>14s}{rows['greyhound'][i]:>14s}")
 
 
-def cpu_256(iterations: int = 60) -> None:
-    """Detector CPU per iteration on the 256-GPU LLaMA2-70B job vs its iteration time."""
+def detector_cpu(
+    label: str, tp: int, pp: int, dp: int, mbs: int, iterations: int, paper: str = ""
+) -> None:
+    """Detector CPU per iteration on a LLaMA2-70B job vs its iteration time.
+
+    Counts what the live service does per record: decoding the record's JSON
+    from the stream entry, then ``Detector.handle``.
+    """
     cfg = SimConfig(
         model="llama2-70b",
         seq_len=4096,
-        microbatches=16,
+        microbatches=mbs,
         schedule="1f1b",
+        tp=tp,
+        pp=pp,
+        dp=dp,
         speed=0.0,
         iterations=iterations,
         seed=1,
         noise=0.03,
     )
     lay = cfg.initial_layout()
+    t_sim = time.time()
     steps = simulate(cfg, None, "mixture")
     recs = _records(steps, lay)
+    t_sim = time.time() - t_sim
     det = Detector(DetectorConfig(), layout=lay)
     cpu_warm, cpu_det = [], []
+    wire_mb = []
     for rec in recs:
+        payload = rec.to_json()
+        wire_mb.append(len(payload) / 1e6)
         t0 = time.process_time()
-        det.handle(rec)
+        det.handle(decode_message(json.loads(payload)))
         dt = time.process_time() - t0
         (cpu_det if det.failslow.ready else cpu_warm).append(dt)
     it_s = float(np.mean([r.iteration_time_s for r in recs]))
     per = float(np.mean(cpu_det[1:])) if len(cpu_det) > 1 else float("nan")
     chunks = len(recs[-1].chunks.get("kind", []))
     print(
-        f"\n== 256 GPUs, LLaMA2-70B (TP4, DP4, PP16), 16 micro-batches, {chunks} chunk entries/iteration"
+        f"\n== {label}: LLaMA2-70B (TP{tp}, DP{dp}, PP{pp}), {mbs} micro-batches, "
+        f"{chunks} chunk entries/iteration, record {np.mean(wire_mb):.1f} MB JSON "
+        f"[simulated in {t_sim:.0f} s]"
     )
     print(
         f"   iteration time {it_s:.2f} s; detector CPU {1e3 * per:.1f} ms/iteration "
-        f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of an iteration (paper: 1.2-1.5 %)"
+        f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of an iteration"
+        + (f" ({paper})" if paper else "")
     )
 
 
@@ -349,6 +368,9 @@ def main(argv=None) -> int:
         default=WORKLOAD,
         help="data order: multi-source phases (default) or the globally shuffled corpus",
     )
+    ap.add_argument(
+        "--skip-16k", action="store_true", help="skip the 16,384-GPU detector CPU measurement"
+    )
     a = ap.parse_args(argv)
     n = a.jobs or (20 if a.quick else 100)
     chosen = SETTINGS if a.settings == "all" else [SETTINGS[int(i)] for i in a.settings.split(",")]
@@ -367,7 +389,9 @@ def main(argv=None) -> int:
         summarize(f"{label} ({model}, {mbs} MBs, {sched})", results)
         print(f"   [{time.time() - t0:.0f} s]")
         sys.stdout.flush()
-    cpu_256()
+    detector_cpu("256 GPUs", 4, 16, 4, 16, 60, paper="paper: 1.2-1.5 %")
+    if not a.skip_16k:
+        detector_cpu("16,384 GPUs", 8, 16, 128, 64, 28)
     print(f"\ntotal {time.time() - t_all:.0f} s")
     return 0
 

@@ -1014,9 +1014,24 @@ def _peer_relative(x: dict[Group, float]) -> dict[Group, float]:
         by_stage.setdefault(g[1], []).append((g, val))
     out = {}
     for members in by_stage.values():
-        for g, val in members:
-            peers = [pv for pg, pv in members if pg != g]
-            out[g] = val - float(np.median(peers)) if peers else val
+        vals = np.array([val for _, val in members])
+        n = len(vals)
+        if n == 1:
+            out[members[0][0]] = float(vals[0])
+            continue
+        # median of the others = median of the sorted values with this one left out
+        order = np.argsort(vals, kind="stable")
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
+        srt = vals[order]
+        m = n - 1  # peers per group
+        lo, hi = (m - 1) // 2, m // 2  # median positions among the peers
+        # position j among the peers is j in the sorted list if j < rank, else j + 1
+        a = np.where(lo < rank, srt[lo], srt[np.minimum(lo + 1, n - 1)])
+        b = np.where(hi < rank, srt[hi], srt[np.minimum(hi + 1, n - 1)])
+        med = (a + b) / 2
+        for (g, _), val, md in zip(members, vals.tolist(), med.tolist(), strict=True):
+            out[g] = val - md
     return out
 
 

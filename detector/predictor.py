@@ -40,14 +40,32 @@ SQ_UNIT = 1e8
 
 def _kind_codes(raw) -> np.ndarray:
     """ChunkKind codes from names or ints (-1 for anything else)."""
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        # JSON records: a list of names; one dict lookup each beats building a str array
+        get = _KIND_BY_NAME.get
+        out = np.array([get(k, -1) for k in raw], dtype=np.int16)
+        for i in np.flatnonzero(out < 0).tolist():  # odd spellings, stray ints: rare
+            k = raw[i]
+            if isinstance(k, str):
+                out[i] = get(k.upper(), -1)
+            elif isinstance(k, int | np.integer) and not isinstance(k, bool):
+                out[i] = int(k) if 0 <= int(k) <= max(ChunkKind) else -1
+        return out
     try:
         arr = np.asarray(raw)
     except (TypeError, ValueError):
         arr = np.asarray(raw, dtype=object)
     if arr.dtype.kind == "U":
-        u, inv = np.unique(arr, return_inverse=True)
-        lut = np.array([_KIND_BY_NAME.get(str(x).upper(), -1) for x in u], dtype=np.int16)
-        return lut[inv].astype(np.int16)
+        # a handful of distinct names: compare per name (a sort of every row costs 10x more)
+        out = np.full(len(arr), -1, dtype=np.int16)
+        for name, code in _KIND_BY_NAME.items():
+            out[arr == name] = code
+        unknown = np.flatnonzero(out < 0)
+        if len(unknown):  # lower-case or otherwise odd spellings
+            u, inv = np.unique(arr[unknown], return_inverse=True)
+            lut = np.array([_KIND_BY_NAME.get(str(x).upper(), -1) for x in u], dtype=np.int16)
+            out[unknown] = lut[inv]
+        return out
     if arr.dtype.kind in "iu":
         ok = (arr >= 0) & (arr <= int(max(ChunkKind)))
         return np.where(ok, arr, -1).astype(np.int16)
@@ -126,7 +144,7 @@ class IterationView:
         # their start time instead.
         p2p_t = np.where(((kind == SEND) | (kind == RECV)) & (said == 0), np.nan_to_num(start), 0.0)
         key = np.stack(
-            [dp, stage, src, mb, kind.astype(np.int32), said, p2p_t.view(np.int64)], axis=1
+            [dp, stage, src, mb, kind.astype(np.int32), said + 1, p2p_t.view(np.int64)], axis=1
         )[ok]
         idx = np.flatnonzero(ok)
         dups = 0
@@ -329,14 +347,9 @@ class ChunkPredictor:
         """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip)."""
         cm = v.compute_mask()
         if exclude:
-            keep = (
-                np.array(
-                    [(int(d), int(s)) not in exclude for d, s in zip(v.dp, v.stage, strict=True)],
-                    dtype=bool,
-                )
-                if len(v.dp)
-                else np.zeros(0, bool)
-            )
+            gk = v.dp.astype(np.int64) * 4096 + v.stage
+            bad = np.fromiter((d * 4096 + s for d, s in exclude), np.int64, len(exclude))
+            keep = ~np.isin(gk, bad)
             cm &= keep
         else:
             keep = np.ones(len(v.dp), bool)
@@ -720,6 +733,16 @@ def grouped_median(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
 
 def _first_of_rows(key: np.ndarray) -> np.ndarray:
     """Index of the first occurrence of every distinct row of a 2-D int array."""
+    if len(key) and (key >= 0).all():
+        # small non-negative columns: one packed int64 per row, one sort instead of a lexsort
+        bits = [max(1, int(c.max()).bit_length()) for c in key.T]
+        if sum(bits) <= 63:
+            packed = np.zeros(len(key), dtype=np.int64)
+            for c, b in zip(key.T, bits, strict=True):
+                packed <<= b
+                packed |= c
+            _, first = np.unique(packed, return_index=True)
+            return first
     order = np.lexsort(key.T[::-1])
     sk = key[order]
     new = np.ones(len(sk), dtype=bool)

@@ -236,3 +236,24 @@ def test_cpd_finds_a_shift_with_no_old_regime_left_in_its_window():
     det = OnlineChangeDetector()
     det.set_baseline(0.0, 0.01)
     assert all(det.push(i, 0.01 * rng.standard_normal(), 0.05) is None for i in range(200))
+
+
+def test_peer_relative_residual_is_the_value_minus_the_median_of_its_peers():
+    from detector.failslow import _peer_relative
+
+    rng = np.random.default_rng(5)
+    for n_dp in (1, 2, 3, 4, 7, 8):
+        x = {(d, s): float(rng.normal()) for d in range(n_dp) for s in range(3)}
+        x[(0, 1)] = x[(min(1, n_dp - 1), 1)]  # ties
+        got = _peer_relative(x)
+        for (d, s), val in x.items():
+            peers = [v for (dd, ss), v in x.items() if ss == s and dd != d]
+            want = val - float(np.median(peers)) if peers else val
+            assert got[(d, s)] == pytest.approx(want, abs=1e-12)
+
+
+def test_kind_codes_from_names_any_case_and_ints():
+    from detector.predictor import _kind_codes
+
+    assert _kind_codes(["F", "RECV", "w", "bogus", "ALLREDUCE"]).tolist() == [0, 4, 2, -1, 5]
+    assert _kind_codes([0, 6, 7, -1]).tolist() == [0, 6, -1, -1]
