@@ -31,6 +31,7 @@ from resihp.schemas import (
     LivenessEvent,
     OperatorAction,
     SchemaError,
+    attach_record_chunks,
     decode_entry,
     decode_json,
     decode_message,
@@ -332,7 +333,9 @@ class DashboardData:
         if not entries:
             return None
         found = None
-        for item in _entry_items(entries[0][1]):
+        items = _entry_items(entries[0][1])
+        attach_record_chunks(items, entries[0][1], [])
+        for item in items:
             if item.get("type") != IterationRecord.TYPE:
                 continue
             if iteration is not None and item.get("iteration") != int(iteration):

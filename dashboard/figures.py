@@ -22,7 +22,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from resihp.schemas import ChunkKind, FailureReport
+from resihp.schemas import KIND_NAMES, ChunkKind, FailureReport
 
 KIND_COLORS = {
     "F": "#4C78A8",
@@ -248,9 +248,6 @@ def _kind_name(k: Any) -> str:
         return str(k)
 
 
-_KIND_BY_CODE = np.asarray([k.name for k in ChunkKind], dtype=object)
-
-
 def _kind_names(kinds: list) -> np.ndarray:
     """Kind column as names (the collector writes names; packed rows use codes)."""
     arr = np.asarray(kinds, dtype=object)
@@ -258,16 +255,16 @@ def _kind_names(kinds: list) -> np.ndarray:
         return arr
     try:
         codes = np.asarray(kinds, dtype=np.int64)
-        if codes.size and (codes.min() < 0 or codes.max() >= len(_KIND_BY_CODE)):
+        if codes.size and (codes.min() < 0 or codes.max() >= len(KIND_NAMES)):
             raise ValueError
-        return _KIND_BY_CODE[codes]
+        return KIND_NAMES[codes]
     except (TypeError, ValueError):
         return np.asarray([_kind_name(k) for k in kinds], dtype=object)
 
 
 def normalize_chunks(cols: dict[str, list] | None) -> dict[str, np.ndarray]:
     """Columnar chunks -> numpy columns; accepts ``duration_s`` or ``end_s``; kind as name."""
-    if not cols or not cols.get("stage"):
+    if not cols or len(cols.get("stage", ())) == 0:  # columns: lists, or arrays from Redis
         return {}
     n = len(cols["stage"])
     start = np.asarray(cols.get("start_s", [0.0] * n), dtype=float)
@@ -298,7 +295,7 @@ def bubble_ratios(
     The span is the whole pipeline's (first chunk start to last chunk end), so a
     stage waiting on a slow neighbour shows the bubble the slowdown causes.
     """
-    c = cols if cols and isinstance(cols.get("stage"), np.ndarray) else normalize_chunks(cols)
+    c = normalize_chunks(cols)  # idempotent; record columns from Redis are small int types
     if not c:
         return {}
     compute = np.isin(c["kind"], ["F", "B", "W"])

@@ -42,7 +42,7 @@ _FLOW = {1: " act", -1: " grad"}
 
 def trace_replicas(chunks: dict[str, list] | None, selected: list[int] | None) -> list[int] | None:
     """Which DP replicas a download covers (None = all)."""
-    all_dps = sorted(set((chunks or {}).get("dp", [])))
+    all_dps = sorted({int(d) for d in (chunks or {}).get("dp", [])})
     if selected:
         return sorted(set(selected))
     return None if len(all_dps) <= MAX_ALL_REPLICAS else all_dps[:4]

@@ -40,6 +40,8 @@ SQ_UNIT = 1e8
 
 def _kind_codes(raw) -> np.ndarray:
     """ChunkKind codes from names or ints (-1 for anything else)."""
+    if isinstance(raw, np.ndarray) and raw.dtype == object:
+        raw = raw.tolist()  # names of a record read from Redis
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         # JSON records: a list of names; one dict lookup each beats building a str array
         get = _KIND_BY_NAME.get
@@ -80,7 +82,7 @@ def _kind_codes(raw) -> np.ndarray:
 
 def _col(cols: dict, name: str, n: int, dtype, default) -> np.ndarray:
     v = cols.get(name)
-    if not isinstance(v, list) or len(v) != n:
+    if not isinstance(v, list | np.ndarray) or len(v) != n:
         return np.full(n, default, dtype=dtype)
     try:
         a = np.asarray(v, dtype=np.float64)
@@ -124,13 +126,14 @@ class IterationView:
     @classmethod
     def from_record(cls, rec: IterationRecord) -> IterationView:
         ch = rec.chunks or {}
-        n = len(ch.get("kind", []) or [])
+        kinds = ch.get("kind")
+        n = len(kinds) if isinstance(kinds, list | np.ndarray) else 0
         dp = _col(ch, "dp", n, np.int32, -1)
         stage = _col(ch, "stage", n, np.int32, -1)
         src = _col(ch, "src_dp", n, np.int32, -1)
         src = np.where(src < 0, dp, src)
         mb = _col(ch, "microbatch", n, np.int32, -1)
-        kind = _kind_codes(ch.get("kind", []) or []) if n else np.zeros(0, np.int16)
+        kind = _kind_codes(kinds) if n else np.zeros(0, np.int16)
         dur = _col(ch, "duration_s", n, np.float64, np.nan)
         start = _col(ch, "start_s", n, np.float64, np.nan)
 

@@ -44,10 +44,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from resihp.schemas import CHUNK_DTYPE, ChunkKind, IterationRecord, MicroBatchStats
+from resihp.schemas import CHUNK_DTYPE, KIND_NAMES, ChunkKind, IterationRecord, MicroBatchStats
 from resihp.topology import Layout
 
-KIND_NAMES = np.array([k.name for k in ChunkKind], dtype=object)
 _N_COMPUTE_KINDS = int(ChunkKind.W) + 1
 
 # Bit widths of the packed dedup key (64 bits in all).

@@ -213,3 +213,67 @@ def test_chunk_direction_is_checked_and_optional_in_json():
             end_s=1.0,
             direction=3,
         ).check()
+
+
+def _record(n=5):
+    kinds = ["F", "B", "RECV", "RECV", "ALLREDUCE"][:n]
+    return S.IterationRecord(
+        iteration=4,
+        iteration_time_s=2.0,
+        start_s=100.0,
+        end_s=102.0,
+        samples=8,
+        tokens=8192,
+        num_ranks_reporting=4,
+        chunks={
+            "dp": [0, 0, 1, 1, 1][:n],
+            "stage": [0, 0, 1, 1, 0][:n],
+            "src_dp": [-1, -1, 0, -1, -1][:n],
+            "microbatch": [0, 0, 3, 3, 0][:n],
+            "kind": kinds,
+            "direction": [0, 0, 1, -1, 0][:n],
+            "start_s": [100.0, 100.5, 1764400000.123456789, 101.0, 101.9][:n],
+            "duration_s": [0.1, 0.2, 0.05, 0.05, 0.1][:n],
+        },
+        ranks={"rank": [0, 1], "busy_s": [0.3, 0.3]},
+    )
+
+
+def test_iteration_record_chunks_travel_packed_and_come_back_exact():
+    rec = _record()
+    fields = S.encode_one(rec)
+    assert len(fields[S.ENTRY_RECORD_CHUNKS]) == 5 * S.RECORD_CHUNK_DTYPE.itemsize
+    assert json.loads(fields[S.ENTRY_MESSAGES])[0]["chunks"] == {}
+    (back,), bad = S.decode_entry(fields)
+    assert bad == []
+    assert isinstance(back.chunks["start_s"], np.ndarray)
+    assert back.chunks["kind"].tolist() == rec.chunks["kind"]
+    assert back.to_dict() == rec.to_dict()  # the JSON (trace) form is unchanged
+    # a record without the full column set (an older producer) stays JSON
+    old = _record()
+    del old.chunks["direction"]
+    assert S.ENTRY_RECORD_CHUNKS not in S.encode_one(old)
+    assert S.decode_entry(S.encode_one(old))[0][0].chunks == old.chunks
+
+
+@pytest.mark.parametrize(
+    "mangle,reason",
+    [
+        (lambda f: f.update({S.ENTRY_RECORD_CHUNKS: f[S.ENTRY_RECORD_CHUNKS][:-3]}), "truncated"),
+        (lambda f: f.update({S.ENTRY_RECORD_CHUNKS_VERSION: b"9"}), "schema_version"),
+        (
+            lambda f: f.update({S.ENTRY_RECORD_CHUNKS: b"\x00" * 6 + b"\x63" + b"\x00" * 21}),
+            "unknown chunk kind",
+        ),
+        (
+            lambda f: f.update({S.ENTRY_MESSAGES: b"[%s,%s]" % ((f[S.ENTRY_MESSAGES][1:-1],) * 2)}),
+            "2 iteration records",
+        ),
+    ],
+)
+def test_bad_packed_record_chunks_are_reported_and_the_record_kept(mangle, reason):
+    fields = S.encode_one(_record())
+    mangle(fields)
+    good, bad = S.decode_entry(fields)
+    assert good and all(isinstance(m, S.IterationRecord) and m.chunks == {} for m in good)
+    assert len(bad) == 1 and reason in bad[0][0]

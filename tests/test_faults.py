@@ -126,7 +126,13 @@ def test_redis_restart_mid_run_loses_nothing_and_kills_nobody():
         admin = srv.client()
         admin.set(KEYS.layout, json.dumps(lay.to_dict()))
         cfg = CollectorConfig(
-            job_id=JOB, block_ms=20, heartbeat_interval_s=iv, heartbeat_k=2, grace_s=30.0
+            # K = 4: a loaded machine (two suites on 2 cores) can stall the beating
+            # thread for a few intervals; the outage below is still longer than K of them
+            job_id=JOB,
+            block_ms=20,
+            heartbeat_interval_s=iv,
+            heartbeat_k=4,
+            grace_s=30.0,
         )
         svc = CollectorService(cfg, srv.client(socket_timeout=1, socket_connect_timeout=0.5))
         stop = threading.Event()
