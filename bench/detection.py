@@ -34,7 +34,6 @@ Then the detector's CPU time per iteration on a 256-GPU job (LLaMA2-70B,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -48,7 +47,7 @@ from detector.engine import Detector
 from detector.predictor import IterationView
 from resihp.assembly import IterationAssembler
 from resihp.scenario import parse_scenario
-from resihp.schemas import decode_message
+from resihp.schemas import decode_entry, encode_one
 from trainer.data.lengths import LengthSampler, stdlib_document_lengths
 from trainer.sim.config import SimConfig
 from trainer.sim.core import ClusterSim
@@ -306,8 +305,8 @@ def detector_cpu(
 ) -> None:
     """Detector CPU per iteration on a LLaMA2-70B job vs its iteration time.
 
-    Counts what the live service does per record: decoding the record's JSON
-    from the stream entry, then ``Detector.handle``.
+    Counts what the live service does per record: decoding the record's stream
+    entry (JSON, chunk columns packed), then ``Detector.handle``.
     """
     cfg = SimConfig(
         model="llama2-70b",
@@ -331,10 +330,11 @@ def detector_cpu(
     cpu_warm, cpu_det = [], []
     wire_mb = []
     for rec in recs:
-        payload = rec.to_json()
-        wire_mb.append(len(payload) / 1e6)
+        fields = encode_one(rec)
+        wire_mb.append(sum(len(v) for v in fields.values()) / 1e6)
         t0 = time.process_time()
-        det.handle(decode_message(json.loads(payload)))
+        (msg,), _bad = decode_entry(fields)
+        det.handle(msg)
         dt = time.process_time() - t0
         (cpu_det if det.failslow.ready else cpu_warm).append(dt)
     it_s = float(np.mean([r.iteration_time_s for r in recs]))
@@ -342,7 +342,7 @@ def detector_cpu(
     chunks = len(recs[-1].chunks.get("kind", []))
     print(
         f"\n== {label}: LLaMA2-70B (TP{tp}, DP{dp}, PP{pp}), {mbs} micro-batches, "
-        f"{chunks} chunk entries/iteration, record {np.mean(wire_mb):.1f} MB JSON "
+        f"{chunks} chunk entries/iteration, record entry {np.mean(wire_mb):.1f} MB "
         f"[simulated in {t_sim:.0f} s]"
     )
     print(

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     r16k = job_rate(16_384, 64, 3, 10.0)
     this_rate = job_rate(lay.world_size, a.microbatches, 3, a.iteration_s)
     dl = client.xlen(keys.deadletter)
-    rec_bytes = [len(encode_fast(r)[b"m"]) for r in recs[:1]]
+    rec_bytes = [sum(len(v) for v in encode_fast(r).values()) for r in recs[:1]]
     all_cpu_s = collector_cpu_s + info["producer_cpu_s"] + (_redis_cpu(client) - redis_cpu0)
     redis_cpu_s = _redis_cpu(client) - redis_cpu0
 
@@ -239,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"redis-server CPU : {redis_cpu_s:.2f} s")
     print(f"load average     : {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine)")
     print(f"heartbeats       : {hb_total:,} judged by the collector in the same run")
-    print(f"record size      : {rec_bytes[0] / 1e6:.1f} MB JSON per iteration" if rec_bytes else "")
+    print(
+        f"record size      : {rec_bytes[0] / 1e6:.1f} MB per iteration (JSON + packed chunk columns)"
+        if rec_bytes
+        else ""
+    )
     print(f"dead-lettered    : {dl}")
     print()
     print(f"{'rate':<44}{'events/s':>12}{'x 256-GPU':>12}{'x 16k-GPU':>12}")

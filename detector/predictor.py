@@ -38,45 +38,26 @@ N_UNIT = 1e4
 SQ_UNIT = 1e8
 
 
+def _kind_code(k) -> int:
+    """One kind from a name (any case) or an int; -1 for anything else."""
+    if isinstance(k, str):
+        return _KIND_BY_NAME.get(k.upper(), -1)
+    if isinstance(k, int | np.integer) and not isinstance(k, bool):
+        return int(k) if 0 <= int(k) <= max(ChunkKind) else -1
+    return -1
+
+
 def _kind_codes(raw) -> np.ndarray:
     """ChunkKind codes from names or ints (-1 for anything else)."""
-    if isinstance(raw, np.ndarray) and raw.dtype == object:
-        raw = raw.tolist()  # names of a record read from Redis
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        # JSON records: a list of names; one dict lookup each beats building a str array
-        get = _KIND_BY_NAME.get
-        out = np.array([get(k, -1) for k in raw], dtype=np.int16)
-        for i in np.flatnonzero(out < 0).tolist():  # odd spellings, stray ints: rare
-            k = raw[i]
-            if isinstance(k, str):
-                out[i] = get(k.upper(), -1)
-            elif isinstance(k, int | np.integer) and not isinstance(k, bool):
-                out[i] = int(k) if 0 <= int(k) <= max(ChunkKind) else -1
-        return out
-    try:
-        arr = np.asarray(raw)
-    except (TypeError, ValueError):
-        arr = np.asarray(raw, dtype=object)
-    if arr.dtype.kind == "U":
-        # a handful of distinct names: compare per name (a sort of every row costs 10x more)
-        out = np.full(len(arr), -1, dtype=np.int16)
-        for name, code in _KIND_BY_NAME.items():
-            out[arr == name] = code
-        unknown = np.flatnonzero(out < 0)
-        if len(unknown):  # lower-case or otherwise odd spellings
-            u, inv = np.unique(arr[unknown], return_inverse=True)
-            lut = np.array([_KIND_BY_NAME.get(str(x).upper(), -1) for x in u], dtype=np.int16)
-            out[unknown] = lut[inv]
-        return out
-    if arr.dtype.kind in "iu":
-        ok = (arr >= 0) & (arr <= int(max(ChunkKind)))
-        return np.where(ok, arr, -1).astype(np.int16)
-    out = np.full(len(raw), -1, dtype=np.int16)
-    for i, k in enumerate(raw):
-        if isinstance(k, str):
-            out[i] = _KIND_BY_NAME.get(k.upper(), -1)
-        elif isinstance(k, int | np.integer) and not isinstance(k, bool):
-            out[i] = int(k) if 0 <= int(k) <= max(ChunkKind) else -1
+    if isinstance(raw, np.ndarray) and raw.dtype.kind in "iu":
+        ok = (raw >= 0) & (raw <= int(max(ChunkKind)))
+        return np.where(ok, raw, -1).astype(np.int16)
+    # names (JSON lists; object arrays from Redis): one dict lookup each beats a str array
+    seq = raw.tolist() if isinstance(raw, np.ndarray) else list(raw)
+    get = _KIND_BY_NAME.get
+    out = np.array([get(k, -1) if isinstance(k, str) else -1 for k in seq], dtype=np.int16)
+    for i in np.flatnonzero(out < 0).tolist():  # odd spellings, ints in a list: rare
+        out[i] = _kind_code(seq[i])
     return out
 
 

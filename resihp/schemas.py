@@ -334,9 +334,10 @@ class IterationRecord(Message):
     ``chunks`` is columnar, one entry per (dp, stage, src_dp, microbatch, kind,
     direction), durations aggregated over the TP group (max): keys dp, stage,
     src_dp, microbatch, kind, direction, start_s, duration_s (records of older
-    builds lack ``direction``; readers treat it as unknown).  The columns are lists
-    when built or read from JSON, numpy arrays when read from a Redis entry (packed
-    there, see :data:`RECORD_CHUNK_DTYPE`); ``kind`` holds names either way.  ``ranks`` is columnar per reporting rank: rank, dp,
+    builds lack ``direction``; readers treat it as unknown).  The columns are
+    lists when built or read from JSON, numpy arrays when read from a Redis
+    entry (packed there, see :data:`RECORD_CHUNK_DTYPE`); ``kind`` holds names
+    either way.  ``ranks`` is columnar per reporting rank: rank, dp,
     stage, busy_s (sum of compute-chunk durations), compute_s (sum of pure
     compute time, excluding TP waits), comm_s (sum of communication chunks).
     ``microbatches`` is columnar: dp, microbatch, token_budget, num_docs,
