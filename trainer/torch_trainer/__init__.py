@@ -5,6 +5,12 @@ generations and plan application), ``worker`` (one rank), ``engine`` (one
 iteration), ``model`` (LLaMA-style decoder with TP and ZB weight-gradient
 deferral), ``parallel`` (groups and §7 P2P rule), ``state`` (optimizer-state
 moves and persistent checkpoints), ``telemetry`` (producer hookup).
+
+The optimizer is AdamW with global gradient-norm clipping (``--grad-clip-norm``,
+default 1.0 as in LLaMA training; 0 turns it off): the norm is reduced over the
+whole job on the iteration's commit all-reduce, so it costs no extra collective,
+and it stays right after a reconfiguration (each stage counted once, TP shards
+once each).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class TrainConfig:
     repeat_microbatch: int = -1  # >= 0: every micro-batch is this one (timing noise floor)
     lr: float = 3e-3
     weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0  # global gradient-norm clipping (LLaMA's 1.0); 0 = off
     seed: int = 0
     data_dir: str = ""  # empty: the Python standard library sources
     data_pattern: str = "*.py"
@@ -96,6 +97,8 @@ class TrainConfig:
         for n in [self.token_budget, *self.budgets]:
             if n < 2 or (n * self.hidden) % 8:
                 raise ValueError(f"token budget {n}: must be >= 2 and N*hidden divisible by 8")
+        if not self.grad_clip_norm >= 0:
+            raise ValueError(f"grad_clip_norm must be >= 0 (0 = off), got {self.grad_clip_norm}")
         if self.slow_factor < 1.0:
             raise ValueError(f"slow_factor must be >= 1, got {self.slow_factor}")
         if self.pg_timeout_s <= 0:
@@ -134,6 +137,7 @@ HELP = {
     "pp": "pipeline stages",
     "dp": "data-parallel replicas",
     "microbatches": "micro-batches per replica per iteration",
+    "grad_clip_norm": "clip the global gradient norm to this (0 = off)",
     "schedule": "pipeline schedule: gpipe | 1f1b | zbh1",
     "token_budget": "tokens N per packed micro-batch",
     "token_budgets": "comma list: draw each micro-batch's N from these",

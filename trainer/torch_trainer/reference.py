@@ -53,6 +53,8 @@ def reference_losses(cfg: TrainConfig, iterations: int) -> list[float]:
             loss = microbatch_loss(logits, torch.from_numpy(mb.targets)) / total
             loss.backward()
             loss_sum += float(loss.detach())
+        if cfg.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(loss_sum)

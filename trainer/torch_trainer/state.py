@@ -22,6 +22,7 @@ layout, the new layout and the member list, so no negotiation is needed:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -68,6 +69,25 @@ def active_coords(layout: Layout) -> dict[int, tuple[int, int, int]]:
 
 
 # ----------------------------------------------------------------- extract
+
+
+def grad_sq_partial(module: StageModule, tp_index: int) -> float:
+    """This rank's share of the squared global gradient norm of its replica: its
+    TP shards in full, parameters its TP group replicates only on TP rank 0."""
+    total = 0.0
+    for name, p in module.named_parameters():
+        if p.grad is not None and (tp_index == 0 or shard_dim(name) is not None):
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
+
+
+def clip_grads(module: StageModule, global_sq: float, max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm already reduced over the job."""
+    coef = max_norm / (math.sqrt(global_sq) + 1e-6)
+    if coef < 1.0:
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
 
 def make_optimizer(module: StageModule, lr: float, weight_decay: float):

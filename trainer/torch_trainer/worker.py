@@ -39,6 +39,8 @@ from .model import ModelConfig, StageModule, WeightGradStore
 from .parallel import ABORT, GenerationAborted, abandon_process_groups, build_groups, wait_work
 from .state import (
     active_coords,
+    clip_grads,
+    grad_sq_partial,
     load_ckpt,
     load_state,
     local_state,
@@ -369,18 +371,28 @@ class Worker:
             else:
                 contrib, it_time = 0.0, 0.0
             switch = 1.0 if pg0 and self.store.check([f"gen/{gen + 1}"]) else 0.0
+            # Global gradient norm for clipping, riding on the commit all-reduce.  After
+            # the DP all-reduce every replica that runs a stage holds that stage's whole
+            # gradient (a replica may have lost a stage to migration): each counts 1/dp_size.
+            gsq = (
+                grad_sq_partial(self.module, groups.tp_index) / groups.dp_size
+                if engine is not None and cfg.grad_clip_norm > 0
+                else 0.0
+            )
             # Commit point: once this succeeds every member has finished the iteration.
             t = torch.tensor(
-                [contrib, switch, it_time], dtype=torch.float64, device=self.comm_device
+                [contrib, switch, gsq, it_time], dtype=torch.float64, device=self.comm_device
             )
             t2 = torch.tensor(
                 [it_time, self.tel_cost_prev_s], dtype=torch.float64, device=self.comm_device
             )
-            w1 = dist.all_reduce(t[:2], async_op=True)
+            w1 = dist.all_reduce(t[:3], async_op=True)
             w2 = dist.all_reduce(t2, op=dist.ReduceOp.MAX, async_op=True)
             wait_work(w1)
             wait_work(w2)
             if self.opt is not None:
+                if cfg.grad_clip_norm > 0:
+                    clip_grads(self.module, float(t[2]), cfg.grad_clip_norm)
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
                 save_ckpt(cfg.ckpt, it + 1, self.rank, local_state(self.module, self.opt))
