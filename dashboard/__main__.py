@@ -15,6 +15,8 @@ from pathlib import Path
 
 import redis
 
+from dashboard.config import SERVERS
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -37,7 +39,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh-s", type=float, default=1.0, help="live update period, <= 2 s")
     p.add_argument(
         "--server",
-        choices=["waitress", "dev"],
+        choices=SERVERS,
         default="waitress",
         help="WSGI server: waitress (default, production) or dev (Flask's, debugging only)",
     )

@@ -15,9 +15,9 @@ iteration, where the channel is the kind plus, for P2P rows, the direction (a
 middle stage's activation and gradient RECV of one micro-batch are two rows,
 not a row and its duplicate).  Nearly every row is a rank's own micro-batch at
 its own stage and is looked up in a dense per-iteration bitmap indexed by
-(rank, microbatch, channel); the others (migrated micro-batches, stages that disagree with the
-layout, no layout at all) go to a small log-structured set of sorted uint64
-runs (:class:`KeySet`).  Either way a late duplicate of a row accepted long
+(rank, microbatch, channel); the others (migrated micro-batches, stages that
+disagree with the layout, no layout at all) go to a small log-structured set of
+sorted uint64 runs (:class:`KeySet`).  Either way a late duplicate of a row accepted long
 ago is still recognised.
 
 An iteration is published
