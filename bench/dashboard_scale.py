@@ -111,6 +111,7 @@ def main() -> None:
                 "src_dp": grid[:, 0].tolist(),
                 "microbatch": grid[:, 2].tolist(),
                 "kind": np.where(grid[:, 3] == 0, "F", "B").tolist(),
+                "direction": [0] * len(grid),
                 "start_s": (1e9 + start).tolist(),
                 "duration_s": dur.tolist(),
             },

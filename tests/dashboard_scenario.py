@@ -43,7 +43,19 @@ def simulate(layout: Layout, slow: dict[int, float], t0: float) -> tuple[dict, f
     """Columnar chunks of one iteration (1F1B per replica), slow ranks scaled by 1/p."""
     pp, cols = (
         layout.pp,
-        {k: [] for k in ("dp", "stage", "src_dp", "microbatch", "kind", "start_s", "duration_s")},
+        {
+            k: []
+            for k in (
+                "dp",
+                "stage",
+                "src_dp",
+                "microbatch",
+                "kind",
+                "direction",
+                "start_s",
+                "duration_s",
+            )
+        },
     )
     end_all = t0
     for d in range(layout.dp):
@@ -79,6 +91,7 @@ def simulate(layout: Layout, slow: dict[int, float], t0: float) -> tuple[dict, f
                     ("src_dp", d),
                     ("microbatch", j),
                     ("kind", kind),
+                    ("direction", 0),
                     ("start_s", start),
                     ("duration_s", dur),
                 ):

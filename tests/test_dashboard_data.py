@@ -57,6 +57,35 @@ def test_full_record_by_iteration_keeps_extra_fields(r):
     assert d.iteration_record("job-a", 999) is None
 
 
+def test_records_whose_chunks_travel_packed_read_like_json_ones(r):
+    # publish_job writes records as JSON (an older collector); the collector packs
+    # the chunk columns (field "rc"): both read back as the same columns
+    from dashboard_scenario import simulate
+
+    sc = publish_job(r, "job-p", iterations=3, slow_from=99)
+    cols, dur = simulate(sc["layout"], {}, 100.0)
+    bus.publish(
+        r,
+        sc["keys"].iterations,
+        IterationRecord(
+            iteration=3,
+            iteration_time_s=dur,
+            start_s=100.0,
+            end_s=100.0 + dur,
+            samples=32,
+            tokens=1,
+            num_ranks_reporting=16,
+            chunks=cols,
+        ),
+    )
+    assert b"rc" in r.xrevrange(sc["keys"].iterations, count=1)[0][1]
+    d = DashboardData(r)
+    packed, old = d.iteration_record("job-p", 3), d.iteration_record("job-p", 2)
+    assert {k: list(v) for k, v in packed["chunks"].items()} == cols
+    assert set(old["chunks"]) <= set(packed["chunks"])
+    assert d.iterations("job-p")[-1].iteration == 3
+
+
 def test_failures_plans_actions_audit(r):
     sc = publish_job(r, "job-a", iterations=10, slow_from=5)
     keys = sc["keys"]
