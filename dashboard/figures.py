@@ -323,15 +323,27 @@ def stage_bubble_ratios(cols) -> dict[int, float]:
     return {s: float(np.mean(v)) for s, v in sorted(acc.items())}
 
 
+_FLOW_LABEL = {1: " act", -1: " grad"}
+
+
 def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_label) -> list:
     """One bar trace per (kind, migrated?): uniform styling per trace keeps big figures cheap."""
     traces = []
     keep = np.isin(c["dp"], dps)
     migrated_all = c["src_dp"] != c["dp"]
     labels: dict[tuple[int, int], str] = {}
-    for kind in [k for k in KIND_COLORS if k in set(c["kind"][keep].tolist())]:
+    # P2P chunks are split by what they carry: a middle stage receives both a
+    # micro-batch's activation and its gradient
+    flows = [
+        (k, d) for k in KIND_COLORS for d in ((1, -1, 0) if k in ("SEND", "RECV") else (None,))
+    ]
+    present = set(c["kind"][keep].tolist())
+    for kind, flow in [(k, d) for k, d in flows if k in present]:
+        label = kind + _FLOW_LABEL.get(flow, "")
         for mg in (False, True):
             m = keep & (c["kind"] == kind) & (migrated_all == mg)
+            if flow is not None:
+                m &= c["direction"] == flow
             if not m.any():
                 continue
             ys = [
@@ -353,7 +365,7 @@ def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_la
                     base=(c["start_s"][m] - t0) * 1000,
                     x=c["duration_s"][m] * 1000,
                     y=np.asarray(ys, dtype=object),
-                    name=f"{kind} (migrated)" if mg else kind,
+                    name=f"{label} (migrated)" if mg else label,
                     legendgroup=kind,
                     marker=marker,
                     text=text,
@@ -363,7 +375,7 @@ def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_la
                         [c["microbatch"][m], c["src_dp"][m], c["duration_s"][m] * 1000], axis=-1
                     ),
                     hovertemplate=(
-                        f"{kind} mb %{{customdata[0]}} (owner dp%{{customdata[1]}})<br>"
+                        f"{label} mb %{{customdata[0]}} (owner dp%{{customdata[1]}})<br>"
                         "start %{base:.2f} ms, %{customdata[2]:.2f} ms<extra>%{y}</extra>"
                     ),
                 )

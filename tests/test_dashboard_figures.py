@@ -263,3 +263,21 @@ def test_evidence_figure_and_failure_rows():
     row = figures.failure_rows([f], 8)[0]
     assert row["ranks"] == "3, 4" and row["nodes"] == "0" and row["kind"] == "fail_slow_comm"
     json.dumps(row)
+
+
+def test_timeline_names_what_p2p_chunks_carry():
+    cols = {
+        "dp": [0, 0, 0, 0],
+        "stage": [1, 1, 1, 1],
+        "src_dp": [-1, -1, -1, -1],
+        "microbatch": [0, 0, 0, 1],
+        "kind": ["RECV", "F", "RECV", "RECV"],
+        "direction": [1, 0, -1, 0],
+        "start_s": [0.0, 0.1, 0.5, 0.6],
+        "duration_s": [0.05, 0.2, 0.05, 0.05],
+    }
+    fig = figures.timeline_figure(cols)
+    names = [t.name for t in fig.data if t.type == "bar"]
+    assert names == ["F", "RECV act", "RECV grad", "RECV"]  # legend order follows the kinds
+    grad = next(t for t in fig.data if t.name == "RECV grad")
+    assert list(grad.base) == [500.0] and "RECV grad mb" in grad.hovertemplate
