@@ -323,7 +323,8 @@ def stage_bubble_ratios(cols) -> dict[int, float]:
     return {s: float(np.mean(v)) for s, v in sorted(acc.items())}
 
 
-_FLOW_LABEL = {1: " act", -1: " grad"}
+#: Suffix naming what a P2P chunk carries, by its direction (timeline and Perfetto).
+FLOW_LABELS = {1: " act", -1: " grad"}
 
 
 def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_label) -> list:
@@ -339,7 +340,7 @@ def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_la
     ]
     present = set(c["kind"][keep].tolist())
     for kind, flow in [(k, d) for k, d in flows if k in present]:
-        label = kind + _FLOW_LABEL.get(flow, "")
+        label = kind + FLOW_LABELS.get(flow, "")
         for mg in (False, True):
             m = keep & (c["kind"] == kind) & (migrated_all == mg)
             if flow is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dashboard.figures import normalize_chunks
+from dashboard.figures import FLOW_LABELS, normalize_chunks
 from resihp.topology import Layout
 
 
@@ -36,8 +36,6 @@ def _rank_map(record: dict[str, Any], layout: Layout | None) -> dict[tuple[int, 
 #: Above this many DP replicas a download covers the replicas chosen on the page (default:
 #: the first 4): a whole 16k-GPU iteration is millions of events.
 MAX_ALL_REPLICAS = 8
-#: P2P chunk names say what flows: a middle stage receives both of a micro-batch's.
-_FLOW = {1: " act", -1: " grad"}
 
 
 def trace_replicas(chunks: dict[str, list] | None, selected: list[int] | None) -> list[int] | None:
@@ -64,7 +62,7 @@ def _events(
     for i in np.flatnonzero(sel).tolist():
         d, s = int(c["dp"][i]), int(c["stage"][i])
         kind, mb, src = str(c["kind"][i]), int(c["microbatch"][i]), int(c["src_dp"][i])
-        flow = _FLOW.get(int(c["direction"][i]), "")
+        flow = FLOW_LABELS.get(int(c["direction"][i]), "")
         tids = ranks.get((d, s)) or [-(1 + d * 10_000 + s)]  # no rank known: a (dp, stage) track
         ts = (float(c["start_s"][i]) - t0) * 1e6
         dur = max(float(c["duration_s"][i]) * 1e6, 0.0)

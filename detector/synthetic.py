@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resihp.pipeline.dag import PipelineDAG
-from resihp.schemas import ChunkKind, IterationRecord
+from resihp.schemas import KIND_NAMES, IterationRecord
 from resihp.topology import Layout
-
-KIND_NAMES = [k.name for k in ChunkKind]
 
 
 def pack_microbatch(
@@ -101,7 +99,7 @@ class SyntheticJob:
             "stage": st.tolist(),
             "src_dp": dag.chunk_src_dp.tolist(),
             "microbatch": dag.chunk_mb.tolist(),
-            "kind": [KIND_NAMES[int(k)] for k in kd],
+            "kind": KIND_NAMES[kd].tolist(),
             "start_s": (
                 t0
                 + res.start_s
