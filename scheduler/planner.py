@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resihp.topology import Layout, LayoutError
-from scheduler.dp import balance_microbatches, progress_aware_migration
+from scheduler.dp import MigrationResult, balance_microbatches, progress_aware_migration
 from scheduler.lifecycle import OverrideError, PlanDraft
 from scheduler.memory import inflight_1f1b
 from scheduler.pp import PartitionError, optimal_partition, partition_moves
 from scheduler.predict import Predictor
+from scheduler.refine import refine_migrations
 from scheduler.tp import adapt_tp, clone_layout, p2p_moves
 
 
@@ -206,10 +207,8 @@ def plan(
     balancing = [(True, opt.delta)] if opt.dp else []
     structs: list[tuple[float, Layout, list[dict]]] = []
 
-    def with_migrations(base: Layout, variants) -> None:
-        f, b, wc = predictor.stage_chunk_s(base, p)
-        chunk = f + b + wc
-        act_cap = np.array(
+    def act_caps(base: Layout) -> np.ndarray:
+        return np.array(
             [
                 [
                     predictor.memory.act_cap(base.layers[s], len(base.groups[d][s]))
@@ -220,6 +219,11 @@ def plan(
                 for d in range(base.dp)
             ]
         )
+
+    def with_migrations(base: Layout, variants) -> None:
+        f, b, wc = predictor.stage_chunk_s(base, p)
+        chunk = f + b + wc
+        act_cap = act_caps(base)
         done = set()
         for balance, dl in variants:
             mig = progress_aware_migration(base, chunk, act_cap, delta=dl, balance=balance)
@@ -333,6 +337,28 @@ def plan(
     # The local search scores layer vectors on one fixed chunk order; the final
     # number re-times migrated chunks at the chosen partition (what the engine runs).
     t_after = predictor.iteration_s(after, p)
+    if wide and opt.dp:
+        # multi-start local search: the chosen layout and the best structures of other
+        # (partition, owner counts) pairs, sharing one engine-evaluation budget
+        starts, seen_lc = [(t_after, after)], {(tuple(after.layers), tuple(after.microbatches))}
+        for t_s, c, _ in structs:
+            k = (tuple(c.layers), tuple(c.microbatches))
+            if k not in seen_lc and len(starts) < REFINE_STARTS:
+                seen_lc.add(k)
+                starts.append((t_s, c))
+        budget = [REFINE_EVALS]
+
+        def score(c: Layout) -> float:
+            budget[0] -= 1
+            return predictor.iteration_s(c, p)
+
+        for t_s, c in starts:
+            if budget[0] <= 0:
+                break
+            refined, t_ref = refine_migrations(c, t_s, score, act_caps(c), budget)
+            if t_ref < t_after - 1e-12:
+                after, t_after = refined, t_ref
+                mig_moves = MigrationResult(list(after.migrations)).moves()
     if runnable and t_after >= before_s and opt.layers is None and not opt.keep and not opt.drop:
         return PlanResult(
             layout.copy(),
@@ -364,6 +390,9 @@ def plan(
 
 #: Jobs with at most this many (replica, stage, micro-batch) triples get the wide DP search.
 WIDE_SEARCH_TRIPLES = 256
+#: Wide search: starting structures and engine evaluations of the migration local search.
+REFINE_STARTS = 4
+REFINE_EVALS = 150
 
 
 def _shifted_counts(counts: list[list[int]], per_mb_s: list[float], total: int) -> list[list[int]]:
