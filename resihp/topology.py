@@ -194,6 +194,11 @@ class Layout:
                 )
             if not self.groups[m.dst_dp][m.stage]:
                 raise LayoutError(f"migration {m.to_list()}: destination stage has no devices")
+            if self.microbatches[m.dst_dp] <= 0:
+                # a replica set aside runs no schedule a trainer could slot the chunk into
+                raise LayoutError(
+                    f"migration {m.to_list()}: replica {m.dst_dp} owns no micro-batches"
+                )
         # A (replica, stage) without devices must have every micro-batch migrated away.
         moved = {(m.src_dp, m.stage, m.microbatch) for m in self.migrations}
         for d, stages in enumerate(self.groups):

@@ -16,8 +16,10 @@ neighbourhood is not pruned by load):
 
 A destination takes a chunk only if it can hold every migrated activation set
 it hosts at once beside its own 1F1B warm-up (a conservative memory rule:
-Algorithm 1's residence timing is not recomputed here).  Only improvements are
-accepted, so the result is never slower than the start.
+Algorithm 1's residence timing is not recomputed here).  Candidates must pass
+``Layout.validate`` (e.g. a replica with no micro-batches of its own hosts
+none).  Only improvements are accepted, so the result is never slower than
+the start.
 """
 
 from __future__ import annotations

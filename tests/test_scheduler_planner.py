@@ -177,17 +177,11 @@ def test_replica_set_aside_when_peers_have_no_memory_for_evicted_work():
     pred = PRED[24.0]
     lay = Layout.uniform(4, 4, 2, 40, 8)
     assert not memory_violations(lay, pred)
-    p = {12: 0.0, 13: 0.0, 14: 0.0, 15: 0.0}
-    res = plan(lay, p, pred)
-    assert res.after.microbatches == [16, 0]
+    res = plan(lay, {12: 0.0, 13: 0.0, 14: 0.0, 15: 0.0}, pred)
+    # set aside entirely: a replica without micro-batches of its own hosts no migrated work
+    assert res.after.microbatches == [16, 0] and res.after.migrations == []
     assert {"what": "microbatches", "dp": 1, "from": 8, "to": 0} in res.moves
     assert not memory_violations(res.after, pred)
-    # the set-aside replica's surviving stages may still take stage-level work (the
-    # migration refinement finds that), but nothing lands on the full stage 1
-    assert all(m.stage != 1 for m in res.after.migrations)
-    aside = res.after.copy()
-    aside.migrations = []
-    assert res.predicted_after_s <= pred.iteration_s(aside, p) * (1 + 1e-9)
 
 
 def test_plan_takes_the_best_of_whole_microbatch_and_stage_level_balancing():

@@ -51,3 +51,15 @@ def test_stage_without_devices_is_valid_when_all_its_work_migrates():
     lay.groups[0][1] = []
     lay.migrations = [Migration(1, 0, j, 1) for j in range(2)]
     lay.validate()
+
+
+def test_a_replica_set_aside_hosts_no_migrated_work():
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=2)
+    lay.microbatches = [4, 0]
+    lay.validate()
+    lay.migrations = [Migration(1, 0, 3, 1)]
+    with pytest.raises(LayoutError, match="replica 1 owns no micro-batches"):
+        lay.validate()
+    lay.microbatches = [3, 1]
+    lay.migrations = [Migration(1, 0, 2, 1)]
+    lay.validate()
