@@ -3,6 +3,7 @@
     python bench/paper.py            # everything, 3 seeds
     python bench/paper.py --quick    # fewer models/seeds, a couple of minutes on 2 cores
     python bench/paper.py --only table6,plan
+    python bench/paper.py --jobs 1     # no worker processes (default: one per CPU)
 
 Each run: the model's Table 3 layout, 8 micro-batches of one 4K-token sample
 per replica, events on a timeline, one policy (``scheduler.policies``), the
@@ -20,10 +21,12 @@ all-reduce) are left as they are.  Everything else is then a prediction.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from resihp.pipeline.models import get_preset, table3_layout
 from resihp.scenario import SEVERITY_DROP, ScenarioEvent
@@ -76,6 +79,7 @@ TABLE6 = {
     },
 }
 FREQS = (("2h", 7200.0), ("1h", 3600.0), ("30m", 1800.0))
+POLICIES_T6 = ("oobleck", "recycle", "resihp")
 
 
 def session_s(layout: Layout) -> float:
@@ -129,10 +133,31 @@ def fmt(x: float | None, aborted: bool = False) -> str:
     return "   -  " if aborted or x is None else f"{x:6.2f}"
 
 
-def mean_runs(model, policy, scen, seeds):
-    res = [run(model, policy, *scen(s)) for s in seeds]
-    ab = sum(r.aborted for r in res)
-    return statistics.mean(r.samples_per_s for r in res), ab, res
+#: Worker processes for the independent runs (``--jobs``); None = run in this process.
+POOL: ProcessPoolExecutor | None = None
+
+
+def _run_all(tasks: list[tuple], fn=run) -> list:
+    """``fn(*task)`` for every task, on the pool when there is one (results in order)."""
+    if POOL is None:
+        return [fn(*t) for t in tasks]
+    return list(POOL.map(fn, *zip(*tasks, strict=True)))
+
+
+def runs_many(model, policies, scen, seeds) -> dict[str, tuple[float, int, list]]:
+    """Every policy over every seed's scenario, all submitted at once.
+
+    -> {policy: (mean samples/s, aborted runs, results)}
+    """
+    scens = [scen(s) for s in seeds]
+    tasks = [(model, pol, *sc) for pol in policies for sc in scens]
+    out = _run_all(tasks)
+    rows = {}
+    for i, pol in enumerate(policies):
+        res = out[i * len(seeds) : (i + 1) * len(seeds)]
+        ab = sum(r.aborted for r in res)
+        rows[pol] = (statistics.mean(r.samples_per_s for r in res), ab, res)
+    return rows
 
 
 # --------------------------------------------------------------------- Table 6
@@ -156,10 +181,7 @@ def table6(models, seeds) -> list[str]:
                 rng = random.Random(f"{model}-{fname}-{seed}")
                 return kill_events(layout, every, dur, rng), dur
 
-            row = {}
-            for pol in ("oobleck", "recycle", "resihp"):
-                m, ab, _ = mean_runs(model, pol, scen, seeds)
-                row[pol] = (m, ab)
+            row = {pol: r[:2] for pol, r in runs_many(model, POLICIES_T6, scen, seeds).items()}
             paper = TABLE6[model]
             cells = []
             for pol in ("oobleck", "recycle", "resihp"):
@@ -249,10 +271,8 @@ def fig9(models, seeds) -> list[str]:
                 r = rng.randrange(layout.world_size)
                 return [ScenarioEvent("slow_device", at_s=600.0, ranks=(r,), severity=sev)], 7200.0
 
-            row = {
-                pol: mean_runs(model, pol, scen, seeds)[0]
-                for pol in ("none", "adaptra", "greyhound", "resihp")
-            }
+            pols = ("none", "adaptra", "greyhound", "resihp")
+            row = {pol: r[0] for pol, r in runs_many(model, pols, scen, seeds).items()}
             rat = {b: row["resihp"] / row[b] for b in ("none", "adaptra", "greyhound")}
             print(
                 f"{model:12s} {sev:6s} | "
@@ -305,10 +325,12 @@ def fig10_11(models, seeds) -> list[str]:
         def scen(seed, layout=layout, dur=dur, model=model):
             return mixed_events(layout, random.Random(f"{model}-mixed-{seed}"), dur, 3600.0), dur
 
-        row = {}
-        for pol in pols + ("resihp-tp", "resihp-tp-pp"):
-            m, ab, _ = mean_runs(model, pol, scen, seeds)
-            row[pol] = (m, ab)
+        row = {
+            pol: r[:2]
+            for pol, r in runs_many(
+                model, pols + ("resihp-tp", "resihp-tp-pp"), scen, seeds
+            ).items()
+        }
         abl[model] = row
         cells = [
             f"{row[p][0]:8.2f}{'(' + str(row[p][1]) + ' ab)' if row[p][1] else '':>10s}"
@@ -346,15 +368,17 @@ def large(seeds) -> list[str]:
     # Table 6 has no 70B figure: reuse LLaMA2-30B's calibration factor (same A100 cluster)
     pred = Predictor(model, 4096)
     pred.time_scale = predictor("llama2-30b", table3_layout("llama2-30b", MBS)).time_scale
-    row = {}
-    for pol in ("recycle+greyhound", "oobleck+greyhound", "resihp"):
-        vals = []
-        for seed in seeds:
-            ev = mixed_events(layout, random.Random(f"{model}-large-{seed}"), 8 * 3600.0, 1800.0)
-            vals.append(
-                run_timeline(get_policy(pol), layout, ev, pred, 8 * 3600.0, model).samples_per_s
-            )
-        row[pol] = statistics.mean(vals)
+    pols = ("recycle+greyhound", "oobleck+greyhound", "resihp")
+    evs = [
+        mixed_events(layout, random.Random(f"{model}-large-{seed}"), 8 * 3600.0, 1800.0)
+        for seed in seeds
+    ]
+    tasks = [(pol, layout, ev, pred, 8 * 3600.0, model) for pol in pols for ev in evs]
+    out = _run_all(tasks, _run_large)
+    row = {
+        pol: statistics.mean(out[i * len(seeds) : (i + 1) * len(seeds)])
+        for i, pol in enumerate(pols)
+    }
     r1 = row["resihp"] / row["recycle+greyhound"]
     r2 = row["resihp"] / row["oobleck+greyhound"]
     print(
@@ -368,6 +392,10 @@ def large(seeds) -> list[str]:
     if r2 < 1.11:
         fails.append(f"§8.4: ResiHP/strengthened Oobleck {r2:.2f}x < paper 1.11x")
     return fails
+
+
+def _run_large(pol, layout, ev, pred, duration_s, model) -> float:
+    return run_timeline(get_policy(pol), layout, ev, pred, duration_s, model).samples_per_s
 
 
 # --------------------------------------------------------------------- planning time
@@ -405,8 +433,18 @@ def main(argv=None) -> int:
         default=None,
         help="which GPU each Table 6 fail-stop terminates (see kill_events)",
     )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="worker processes for the independent runs (default: one per CPU; 1 = none). "
+        "Planning time is wall-clock and part of each reconfiguration pause, so a machine "
+        "busy with other work shifts the figures slightly either way",
+    )
     args = ap.parse_args(argv)
-    global KILL_ORDER
+    global KILL_ORDER, POOL
+    if args.jobs > 1:
+        POOL = ProcessPoolExecutor(args.jobs)
     orders = {
         "both": ["random", "replica"],
         None: ["random", "replica"],
@@ -439,6 +477,8 @@ def main(argv=None) -> int:
         fails += fig10_11(models, seeds)
     if "large" in only:
         fails += large(seeds)
+    if POOL is not None:
+        POOL.shutdown()  # planning time is measured with nothing else of ours running
     if "plan" in only:
         planning_time(args.quick)
     print(f"\n(bench took {time.time() - t0:.0f} s)")
