@@ -131,6 +131,15 @@ class Layout:
     def active_ranks(self) -> list[int]:
         return sorted(self.coords())
 
+    def idle_host_migrations(self) -> list[Migration]:
+        """Migrations into a replica that owns no micro-batches.
+
+        Valid for the pipeline engine and the simulator, but the torch trainer cannot run
+        them (such a replica runs no schedule to slot the chunks into), so the planner
+        never proposes them.
+        """
+        return [m for m in self.migrations if self.microbatches[m.dst_dp] <= 0]
+
     def pp_group(self, dp: int) -> list[list[int]]:
         return self.groups[dp]
 
@@ -194,11 +203,6 @@ class Layout:
                 )
             if not self.groups[m.dst_dp][m.stage]:
                 raise LayoutError(f"migration {m.to_list()}: destination stage has no devices")
-            if self.microbatches[m.dst_dp] <= 0:
-                # a replica set aside runs no schedule a trainer could slot the chunk into
-                raise LayoutError(
-                    f"migration {m.to_list()}: replica {m.dst_dp} owns no micro-batches"
-                )
         # A (replica, stage) without devices must have every micro-batch migrated away.
         moved = {(m.src_dp, m.stage, m.microbatch) for m in self.migrations}
         for d, stages in enumerate(self.groups):

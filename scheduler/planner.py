@@ -241,6 +241,8 @@ def plan(
                 cand.validate()
             except LayoutError:
                 continue
+            if cand.idle_host_migrations():  # valid, but the torch trainer cannot run it
+                continue
             structs.append((predictor.iteration_s(cand, p), cand, mig.moves()))
 
     # On small jobs (few chunks per DAG) the DP step searches wider: more count options,

@@ -16,10 +16,8 @@ neighbourhood is not pruned by load):
 
 A destination takes a chunk only if it can hold every migrated activation set
 it hosts at once beside its own 1F1B warm-up (a conservative memory rule:
-Algorithm 1's residence timing is not recomputed here).  Candidates must pass
-``Layout.validate`` (e.g. a replica with no micro-batches of its own hosts
-none).  Only improvements are accepted, so the result is never slower than
-the start.
+Algorithm 1's residence timing is not recomputed here).  Only improvements are
+accepted, so the result is never slower than the start.
 """
 
 from __future__ import annotations
@@ -105,6 +103,8 @@ def refine_migrations(
             try:
                 c.validate()
             except LayoutError:
+                continue
+            if c.idle_host_migrations():
                 continue
             cands.append(c)
         if budget is not None:

@@ -178,7 +178,8 @@ def test_replica_set_aside_when_peers_have_no_memory_for_evicted_work():
     lay = Layout.uniform(4, 4, 2, 40, 8)
     assert not memory_violations(lay, pred)
     res = plan(lay, {12: 0.0, 13: 0.0, 14: 0.0, 15: 0.0}, pred)
-    # set aside entirely: a replica without micro-batches of its own hosts no migrated work
+    # set aside entirely: a replica without micro-batches of its own hosts none (the
+    # torch trainer could not run that), although its stages 0, 2 and 3 are idle
     assert res.after.microbatches == [16, 0] and res.after.migrations == []
     assert {"what": "microbatches", "dp": 1, "from": 8, "to": 0} in res.moves
     assert not memory_violations(res.after, pred)

@@ -36,7 +36,7 @@ from resihp.keys import JobKeys
 from resihp.topology import Layout, Migration
 
 from .config import TrainConfig
-from .parallel import UnsupportedLayout
+from .parallel import UnsupportedLayout, check_runnable
 from .state import clear_ckpts
 from .worker import worker_entry
 
@@ -75,6 +75,7 @@ def restore_plan(current: Layout, launch: Layout, alive: set[int]) -> Layout:
     new.standby = sorted(r for r in alive if r not in used)
     new.migrations = []
     new.validate()
+    check_runnable(new)
     return new
 
 
@@ -108,6 +109,7 @@ def migrate_plan(layout: Layout, dead: set[int]) -> Layout:
                 k += 1
     new.migrations = migs
     new.validate()
+    check_runnable(new)
     return new
 
 
@@ -131,6 +133,7 @@ def shrink_tp_plan(layout: Layout, dead: set[int]) -> Layout:
             new.groups[d][s] = alive[:k]
             new.standby = sorted(set(new.standby) | set(alive[k:]))
     new.validate()
+    check_runnable(new)
     return new
 
 
@@ -164,6 +167,7 @@ def local_plan(layout: Layout, dead: set[int], policy: str = "exclude_replica") 
         # Every replica lost a rank: shrink the TP degree of each hit stage.
         return shrink_tp_plan(layout, dead)
     new.validate()
+    check_runnable(new)
     return new
 
 
@@ -223,7 +227,8 @@ class JobLauncher:
 
     def _plan_layout(self, plan) -> Layout | None:
         try:
-            lay = Layout.from_dict(plan.after)  # validates
+            lay = Layout.from_dict(plan.after)
+            check_runnable(lay)
         except (ValueError, UnsupportedLayout) as e:
             print(f"[launcher] plan {plan.plan_id} not applicable: {e}", flush=True)
             self.follower.applied.add(plan.plan_id)

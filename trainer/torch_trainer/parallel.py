@@ -127,6 +127,12 @@ class UnsupportedLayout(ValueError):
     """A layout this trainer cannot run (the message says why)."""
 
 
+def check_runnable(layout: Layout) -> None:
+    layout.validate()  # among others: a (replica, stage) without devices has all work migrated
+    if layout.idle_host_migrations():
+        raise UnsupportedLayout("micro-batches can only migrate to a replica that runs its own")
+
+
 @dataclass
 class Groups:
     """This rank's view of one generation's process groups."""
@@ -159,7 +165,7 @@ def build_groups(
     layout: Layout, members: list[int], me: int, timeout_s: float, stage_cpu: bool = False
 ) -> Groups:
     """Create every TP and DP group of ``layout`` (collective over all members)."""
-    layout.validate()
+    check_runnable(layout)
     g = Groups(layout=layout, members=list(members), me=me, timeout_s=timeout_s)
     coords = layout.coords()
     to = timedelta(seconds=timeout_s)
