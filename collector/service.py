@@ -39,6 +39,7 @@ from resihp.schemas import (
     SCHEMA_VERSION,
     ChunkBatch,
     ChunkTiming,
+    DeviceProbe,
     Heartbeat,
     HeartbeatBatch,
     IterationRecord,
@@ -313,6 +314,9 @@ class CollectorService:
                         )
                     elif not self.assembler.add_mb_stats(m, now):
                         self._count("collector_late_mbstats_total")
+                elif isinstance(m, DeviceProbe):
+                    self.assembler.add_probe(m)
+                    self._count("probes_total")
                 elif isinstance(m, ChunkTiming):
                     try:
                         singles.append(chunks_to_rows([m]))

@@ -33,7 +33,8 @@ p_i = healthy / observed time, the normalized throughput the scheduler uses.
 A compute shift means ``fail_slow_compute``; a P2P shift with healthy compute
 on both ends means ``fail_slow_comm`` naming the link.  A slow device whose
 residual returns to healthy for ``recovery_iters`` iterations is reported as
-recovered.
+recovered; one the scheduler set aside (standby, no chunks to time) is judged
+from the trainer's idle-device probes (``IterationRecord.probes``) instead.
 """
 
 from __future__ import annotations
@@ -929,12 +930,20 @@ class FailSlowDetector:
         out = []
         lim = float(np.log1p(self.cfg.recovery_shift))
         for key, st in list(self.slow.items()):
+            probed = None
             if st.group is not None:
                 val = x.get(st.group)
                 base = self.mu.get(st.group, 0.0)
-            else:
+            elif st.link is not None:
                 val = c.get(st.link)
                 base = self.comm_mu.get(st.link, 0.0)
+            else:
+                # set aside (standby): only the trainer's idle-device probe measures it
+                ratios = [v.probe_ratio.get(r) for r in st.ranks]
+                if any(q is None for q in ratios):
+                    continue
+                probed = min(ratios)
+                val, base = -float(np.log(probed)), 0.0
             if val is None:
                 continue  # no telemetry this iteration: neither slow nor healthy evidence
             if val - base < lim:
@@ -947,20 +956,18 @@ class FailSlowDetector:
                 det = self.gdet.get(st.group) if st.group is not None else self.cdet.get(st.link)
                 if det is not None:
                     det.rebase(v.iteration, center=base)
+                ev = {
+                    "reason": "healthy_speed" if probed is None else "standby_probe",
+                    "was": st.kind,
+                    "slow_since_iteration": st.since_iteration,
+                    "slow_factor": round(st.factor, 4),
+                    "current_ratio": round(float(np.exp(val - base)), 4),
+                }
+                if probed is not None:
+                    ev["probe_throughput"] = round(probed, 4)
                 out.append(
                     Finding(
-                        "recovery",
-                        v.iteration,
-                        list(st.ranks),
-                        {r: 1.0 for r in st.ranks},
-                        [],
-                        {
-                            "reason": "healthy_speed",
-                            "was": st.kind,
-                            "slow_since_iteration": st.since_iteration,
-                            "slow_factor": round(st.factor, 4),
-                            "current_ratio": round(float(np.exp(val - base)), 4),
-                        },
+                        "recovery", v.iteration, list(st.ranks), {r: 1.0 for r in st.ranks}, [], ev
                     )
                 )
         return out

@@ -73,6 +73,18 @@ def _col(cols: dict, name: str, n: int, dtype, default) -> np.ndarray:
     return a.astype(dtype)
 
 
+def _probe_ratios(probes: dict) -> dict[int, float]:
+    out: dict[int, float] = {}
+    try:
+        cols = (probes.get(k, []) for k in ("rank", "probe_s", "reference_s"))
+        for r, t, ref in zip(*cols, strict=True):
+            if isinstance(r, int) and r >= 0 and t > 0 and ref > 0:
+                out[r] = float(ref) / float(t)
+    except (TypeError, AttributeError, ValueError):
+        return {}
+    return out
+
+
 @dataclass
 class IterationView:
     """Columns of one iteration, cleaned.  Chunk arrays are aligned."""
@@ -99,6 +111,9 @@ class IterationView:
     rank_comm_s: np.ndarray
     duplicates_total: int = 0
     unusable_total: int = 0
+    #: standby-device probes carried by the record: rank -> reference_s / probe_s (the
+    #: newest probe of each rank; malformed entries are skipped)
+    probe_ratio: dict[int, float] = field(default_factory=dict)
 
     @property
     def num_chunks(self) -> int:
@@ -193,6 +208,7 @@ class IterationView:
             rank_comm_s=rcomm[sel],
             duplicates_total=dups,
             unusable_total=unusable,
+            probe_ratio=_probe_ratios(rec.probes),
         )
 
     def compute_mask(self) -> np.ndarray:

@@ -30,6 +30,7 @@ from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp.schemas import (
     ChunkBatch,
+    DeviceProbe,
     FailureReport,
     Heartbeat,
     HeartbeatBatch,
@@ -107,6 +108,8 @@ class TraceReplayer:
                 self.stats.errors.append(reason)
         elif isinstance(msg, MicroBatchStats):
             self.assembler.add_mb_stats(msg, self.now_s)
+        elif isinstance(msg, DeviceProbe):
+            self.assembler.add_probe(msg)
         elif isinstance(msg, IterationRecord | LivenessEvent):
             out += self._emit([msg])
             return out

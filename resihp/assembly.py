@@ -44,7 +44,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from resihp.schemas import CHUNK_DTYPE, KIND_NAMES, ChunkKind, IterationRecord, MicroBatchStats
+from resihp.schemas import (
+    CHUNK_DTYPE,
+    KIND_NAMES,
+    ChunkKind,
+    DeviceProbe,
+    IterationRecord,
+    MicroBatchStats,
+)
 from resihp.topology import Layout
 
 _N_COMPUTE_KINDS = int(ChunkKind.W) + 1
@@ -219,6 +226,10 @@ class LayoutView:
         return pack_keys(rank, self.stage[rank], mb, channel, np.full(len(idx), -1))
 
 
+#: Standby-device probes kept for the next record (a few per idle device).
+MAX_PENDING_PROBES = 4096
+
+
 class IterationAssembler:
     """Builds IterationRecords from chunk rows and MicroBatchStats (see module doc)."""
 
@@ -245,6 +256,7 @@ class IterationAssembler:
         self._stamp = np.zeros(0, dtype=np.int32)
         self._rank_max_iter = np.full(0, -1, dtype=np.int64)
         self._seen_ranks = np.zeros(0, dtype=bool)
+        self._probes: list[DeviceProbe] = []
 
     # ------------------------------------------------------------ layout
     def set_layout(self, layout: Layout | None, now_s: float | None = None) -> None:
@@ -427,6 +439,13 @@ class IterationAssembler:
         op.bitmap = None
         op.bitmap_view = None
 
+    def add_probe(self, p: DeviceProbe) -> None:
+        """Carry a standby-device probe in the next record published (whatever its iteration:
+        an idle device's timing belongs to no iteration's chunks)."""
+        self._probes.append(p)
+        if len(self._probes) > MAX_PENDING_PROBES:  # no record for a long time: keep the newest
+            del self._probes[: len(self._probes) - MAX_PENDING_PROBES]
+
     def add_mb_stats(self, s: MicroBatchStats, now_s: float) -> bool:
         """Remember one micro-batch's stats; False if its iteration is already published."""
         if self.finalized(s.iteration):
@@ -501,13 +520,22 @@ class IterationAssembler:
                 del self._incomplete_under[min(self._incomplete_under)]
         if not op.parts:
             return None  # micro-batch stats without any chunk: nothing to report
-        return build_record(
+        rec = build_record(
             it,
             op.parts,
             list(op.mbstats.values()),
             layout_id=self.view.layout_id if self.view is not None else 0,
             complete=complete,
         )
+        if self._probes:
+            ps, self._probes = self._probes, []
+            rec.probes = {
+                "rank": [p.rank for p in ps],
+                "iteration": [p.iteration for p in ps],
+                "probe_s": [p.probe_s for p in ps],
+                "reference_s": [p.reference_s for p in ps],
+            }
+        return rec
 
 
 def _group_reduce(keys: np.ndarray, *cols: tuple[np.ndarray, np.ufunc]):

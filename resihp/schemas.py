@@ -301,6 +301,29 @@ class MicroBatchStats(Message):
 
 
 @dataclass
+class DeviceProbe(Message):
+    """An idle device's timing of the trainer's standard compute probe.
+
+    Trainers run a fixed-size compute kernel on devices that hold no work (standby),
+    so a device the scheduler set aside for being slow can be seen to recover.
+    ``reference_s`` is the same probe on a healthy device of this kind, so
+    ``reference_s / probe_s`` estimates the device's normalized throughput p_i.
+    """
+
+    TYPE: ClassVar[str] = "probe"
+    rank: int
+    node: int
+    iteration: int
+    probe_s: float
+    reference_s: float
+
+    def check(self) -> None:
+        _nonneg("DeviceProbe", rank=self.rank, node=self.node, iteration=self.iteration)
+        if not (self.probe_s > 0 and self.reference_s > 0):
+            raise SchemaError("DeviceProbe: probe_s and reference_s must be > 0")
+
+
+@dataclass
 class LivenessEvent(Message):
     """The collector's decision about a rank or a whole node."""
 
@@ -334,7 +357,9 @@ class IterationRecord(Message):
     stage, busy_s (sum of compute-chunk durations), compute_s (sum of pure
     compute time, excluding TP waits), comm_s (sum of communication chunks).
     ``microbatches`` is columnar: dp, microbatch, token_budget, num_docs,
-    sum_sq_len, max_len.
+    sum_sq_len, max_len.  ``probes`` is columnar: rank, iteration, probe_s,
+    reference_s — the standby-device probes (:class:`DeviceProbe`) that arrived
+    since the previous record.
     """
 
     TYPE: ClassVar[str] = "iteration"
@@ -350,10 +375,11 @@ class IterationRecord(Message):
     microbatches: dict[str, list] = field(default_factory=dict)
     layout_id: int = 0
     complete: bool = True
+    probes: dict[str, list] = field(default_factory=dict)
 
     def check(self) -> None:
         _nonneg("IterationRecord", iteration=self.iteration, iteration_time_s=self.iteration_time_s)
-        for name in ("chunks", "ranks", "microbatches"):
+        for name in ("chunks", "ranks", "microbatches", "probes"):
             cols = getattr(self, name)
             lens = {len(v) for v in cols.values() if isinstance(v, list | np.ndarray)}
             if len(lens) > 1:
@@ -514,6 +540,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Heartbeat,
         ChunkTiming,
         MicroBatchStats,
+        DeviceProbe,
         LivenessEvent,
         IterationRecord,
         FailureReport,

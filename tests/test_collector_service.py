@@ -18,6 +18,7 @@ from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import (
     ChunkBatch,
+    DeviceProbe,
     Heartbeat,
     HeartbeatBatch,
     IterationRecord,
@@ -215,6 +216,35 @@ def test_layout_change_is_reread_and_unknown_ranks_refused(r):
     ((_, f),) = r.xrange(KEYS.deadletter)
     assert b"rank not in layout 1" in f[b"reason"]
     assert json.loads(f[b"raw"])["ranks"] == [7]
+    p.close()
+
+
+def test_standby_probes_ride_the_next_record_and_bad_ones_are_dead_lettered(r):
+    lay = _layout()
+    lay.groups[1][1] = [6]  # rank 7 set aside as standby
+    lay.standby = [7]
+    lay.validate()
+    _set_layout(r, lay)
+    svc = _service(r)
+    p = TelemetryProducer(None, KEYS, client=r).start()
+    p.send(DeviceProbe(rank=7, node=1, iteration=0, probe_s=0.1, reference_s=0.05))
+    bad = {"type": "probe", "schema_version": 1, "rank": 7, "node": 1, "iteration": 0}
+    r.xadd(KEYS.telemetry, {b"m": json.dumps([{**bad, "probe_s": -1.0, "reference_s": 0.05}])})
+    p.chunk_rows(iteration_rows(lay, 0))
+    for dp in range(2):
+        for mb in range(4):
+            p.mb_stats(_mbs(0, dp, mb))
+    assert p.flush()
+    assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 1 and r.xlen(KEYS.deadletter) == 1)
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.probes == {"rank": [7], "iteration": [0], "probe_s": [0.1], "reference_s": [0.05]}
+    ((_, f),) = r.xrange(KEYS.deadletter)
+    assert b"DeviceProbe" in f[b"reason"] and b"> 0" in f[b"reason"]
+    # carried once: the next record has none
+    p.chunk_rows(iteration_rows(lay, 1))
+    assert p.flush()
+    assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 2)
+    assert _stream(r, KEYS.iterations, IterationRecord)[1].probes == {}
     p.close()
 
 

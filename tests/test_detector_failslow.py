@@ -340,3 +340,47 @@ def test_slowdown_at_any_point_of_the_warmup_boundary_is_caught(at):
     slow = [r for r in reps if r.kind == "fail_slow_compute"]
     assert len(slow) == 1 and slow[0].ranks == [victim], [(r.kind, r.iteration) for r in reps]
     assert slow[0].iteration <= max(at, 19) + 3
+
+
+def test_a_slow_device_set_aside_recovers_through_standby_probes():
+    """Once the scheduler moves the slow GPU to standby it runs no chunks; the trainer's
+    idle-device probe (IterationRecord.probes) is then the only evidence of recovery."""
+    job = SyntheticJob(LAY, seed=11)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[1][2][1]
+    reps = _run(det, job, 64, {60: lambda j: j.rank_slow.update({victim: 2.0})})
+    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    aside = copy.deepcopy(LAY)
+    aside.groups[1][2] = [LAY.groups[1][2][0]]  # TP 2 -> 1 without the victim
+    aside.standby = [victim]
+    aside.layout_id = 1
+    det.set_layout(aside)
+    job2 = SyntheticJob(aside, seed=12)
+    speed = {"p": 0.5}
+
+    def record(i):
+        rec = job2.next_record()
+        rec.iteration = 64 + i
+        if i % 2 == 0:  # a probe every other iteration
+            ref = 0.05
+            rec.probes = {
+                "rank": [victim],
+                "iteration": [rec.iteration],
+                "probe_s": [ref / speed["p"]],
+                "reference_s": [ref],
+            }
+        return rec
+
+    out = []
+    for i in range(40):
+        if i == 20:
+            speed["p"] = 1.0  # back to full speed
+        out += det.handle(record(i))
+    rec = [r for r in out if r.kind == "recovery"]
+    assert len(rec) == 1, [(r.kind, r.ranks, r.iteration) for r in out]
+    assert rec[0].ranks == [victim] and rec[0].severity == {str(victim): 1.0}
+    assert rec[0].evidence["reason"] == "standby_probe"
+    assert rec[0].evidence["probe_throughput"] == pytest.approx(1.0)
+    # three healthy probes (iterations 84, 86, 88), none while it was still slow
+    assert rec[0].iteration == 64 + 24
+    assert [r for r in out if r.kind.startswith("fail_slow")] == []

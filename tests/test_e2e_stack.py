@@ -1,6 +1,7 @@
-"""The whole loop, as a user runs it: `resihp up` with the simulator injecting a fail-slow and
-then a fail-stop; the detector reports both, the scheduler plans, the trainer applies the
-plans, and throughput comes back.  Every part is a real process on a real redis-server."""
+"""The whole loop, as a user runs it: `resihp up` with the simulator injecting a fail-slow,
+then a fail-stop, then the slow GPU's recovery; the detector reports all three, the scheduler
+plans, the trainer applies the plans, throughput comes back and the recovered GPU gets work
+again.  Every part is a real process on a real redis-server."""
 
 import json
 import os
@@ -22,6 +23,7 @@ SCENARIO = """
 events:
   - {at_iteration: 30, action: slow_device, rank: 4, severity: medium}
   - {at_iteration: 70, action: kill_device, rank: 9}
+  - {at_iteration: 100, action: recover, rank: 4, what: compute}
 """
 
 
@@ -75,7 +77,12 @@ def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_pat
         while time.time() < deadline and not done:
             time.sleep(1)
             layout = read_layout(client, keys)
-            done = layout is not None and 9 in layout.dead and layout.layout_id >= 2
+            done = (
+                layout is not None
+                and 9 in layout.dead
+                and 4 in layout.active_ranks()
+                and layout.layout_id >= 3
+            )
             if done:  # let a few iterations run on the final layout
                 target = client.xlen(keys.iterations) + 5
                 while client.xlen(keys.iterations) < target and time.time() < deadline:
@@ -87,7 +94,8 @@ def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_pat
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert done, (
-        f"final layout never excluded rank 9; reports={[(r.kind, r.ranks) for r in reports]}\n{out}"
+        "final layout never excluded rank 9 and gave rank 4 work back; "
+        f"reports={[(r.kind, r.ranks) for r in reports]}\n{out}"
     )
     kinds = [(r.kind, r.ranks) for r in reports]
     slow = [r for r in reports if r.kind == "fail_slow_compute"]
@@ -98,6 +106,11 @@ def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_pat
     assert stop and 9 in stop[0].ranks, kinds
     # no false alarm before the injected slowdown
     assert all(r.iteration >= 30 for r in reports), kinds
+    back = [r for r in reports if r.kind == "recovery" and r.ranks == [4]]
+    assert back and back[0].iteration >= 100, kinds
+    if any(4 in p.after["standby"] for p in plans.values()):
+        # set aside as standby, it ran no chunks: the idle-device probe showed the recovery
+        assert back[0].evidence["reason"] == "standby_probe"
     assert sum(p.state in ("applied", "superseded") for p in plans.values()) >= 2
     # throughput: degraded while slow and unplanned, back up after the plans
     by_it = {r.iteration: r.samples_per_s for r in records if r.complete}

@@ -274,3 +274,35 @@ def test_simulate_run_follow_hook_and_scenario_path(tmp_path):
     assert statuses == ["ok", "ok", "hung", "reconfig", "ok", "ok"]
     assert steps[-1].true_state.layout.layout_id == 1
     assert 6 not in set(steps[-1].chunk_rows["rank"])
+
+
+def test_standby_devices_are_probed_at_their_true_speed():
+    sc = parse_scenario(
+        "events:\n  - {at_iteration: 3, action: slow_device, rank: 5, factor: 0.5}\n"
+        "  - {at_iteration: 12, action: recover, rank: 5}\n"
+    )
+    sim = ClusterSim(_cfg(noise=0.0, probe_interval_iters=5), sc)
+    new = sim.layout.copy()
+    d, s, _ = new.coords()[5]
+    new.groups[d][s] = [r for r in new.groups[d][s] if r != 5][:2]  # TP 4 -> 2
+    new.standby = sorted(r for r in sim.layout.groups[d][s] if r not in new.groups[d][s])
+    new.layout_id += 1
+    sim.apply_layout(new)
+    steps = [sim.step() for _ in range(16)]
+    probes = {st.iteration: {p.rank: p for p in st.probes} for st in steps if st.probes}
+    assert sorted(probes) == [0, 5, 10, 15]
+    assert all(set(ps) == set(new.standby) for ps in probes.values())
+    ref = sim.cfg.probe_reference_s
+    assert probes[5][5].probe_s == pytest.approx(ref / 0.5)  # still slow
+    assert probes[15][5].probe_s == pytest.approx(ref)  # recovered
+    other = next(r for r in new.standby if r != 5)
+    assert probes[5][other].probe_s == pytest.approx(ref)
+    assert probes[5][5].node == new.node_of(5) and probes[5][5].reference_s == ref
+    # probing draws from its own stream: training timings are unchanged by it
+    quiet = ClusterSim(_cfg(noise=0.03, probe_interval_iters=0), sc)
+    loud = ClusterSim(_cfg(noise=0.03, probe_interval_iters=1), sc)
+    for x in (quiet, loud):
+        x.apply_layout(new)
+    a, b = quiet.step(), loud.step()
+    assert not a.probes and b.probes
+    assert np.array_equal(a.chunk_rows["end_s"], b.chunk_rows["end_s"])

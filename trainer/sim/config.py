@@ -86,6 +86,12 @@ class SimConfig:
     fail_stop_policy: str = "wait"
     #: How often plans are polled while the job is hung (wall seconds).
     plan_poll_s: float = 0.25
+    #: Every this many iterations each standby device times the compute probe
+    #: (a DeviceProbe message), so a device set aside for being slow can be seen
+    #: to recover; 0 = never.
+    probe_interval_iters: int = 5
+    #: The probe's duration on a healthy device (training-time seconds).
+    probe_reference_s: float = 0.05
 
     # ------------------------------------------------------------ checks
     def validate(self) -> SimConfig:
@@ -95,7 +101,15 @@ class SimConfig:
         except ValueError as e:
             raise ValueError(f"model: {e}") from None
         self.model = pre.name
-        for name in ("tp", "pp", "dp", "spare_devices", "iterations", "seed"):
+        for name in (
+            "tp",
+            "pp",
+            "dp",
+            "spare_devices",
+            "iterations",
+            "seed",
+            "probe_interval_iters",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name}: must be an integer >= 0, got {v!r}")
@@ -117,7 +131,7 @@ class SimConfig:
             raise ValueError(f"efficiency: must be > 0, or 0 for Table 6, got {self.efficiency!r}")
         if self.efficiency == 0 and pre.name not in TABLE6_SAMPLES_PER_S:
             raise ValueError(f"efficiency: 0 (Table 6) is not available for {pre.name}")
-        for name in ("heartbeat_interval_s", "health_ttl_s", "plan_poll_s"):
+        for name in ("heartbeat_interval_s", "health_ttl_s", "plan_poll_s", "probe_reference_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         if not self.speed >= 0:
@@ -210,6 +224,13 @@ class SimConfig:
         p.add_argument(
             "--fail-stop-policy", default=d.fail_stop_policy, choices=["wait", "drop_replica"]
         )
+        p.add_argument(
+            "--probe-interval-iters",
+            type=int,
+            default=d.probe_interval_iters,
+            help="standby devices time the compute probe every N iterations (0 = never)",
+        )
+        p.add_argument("--probe-reference-s", type=float, default=d.probe_reference_s)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimConfig:

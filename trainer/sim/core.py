@@ -34,6 +34,7 @@ from resihp.schemas import (
     CHUNK_DTYPE,
     HEARTBEAT_DTYPE,
     ChunkKind,
+    DeviceProbe,
     Direction,
     Heartbeat,
     MicroBatchStats,
@@ -106,6 +107,7 @@ class SimStep:
     mb_stats: np.ndarray  # MB_DTYPE
     heartbeats: np.ndarray  # HEARTBEAT_DTYPE
     true_state: TrueState
+    probes: list[DeviceProbe] = field(default_factory=list)  # standby devices' probe timings
 
     def __iter__(self):
         return iter(
@@ -297,6 +299,8 @@ class ClusterSim:
         )
         seed = config.seed if scenario is None or scenario.seed is None else scenario.seed
         self.rng = np.random.default_rng(seed)
+        # its own stream, so probing standby devices leaves the training timings unchanged
+        self.probe_rng = np.random.default_rng([seed, 1])
         self.sampler = LengthSampler(config.seq_len, seed=config.seed)
         if scenario is not None:
             scenario.check(w, self.layout.devices_per_node)
@@ -599,10 +603,39 @@ class ClusterSim:
                 samples=total,
                 tokens=int(st.token_budget.sum()),
             ),
+            self._probes(),
         )
         self.iteration += 1
         self.mb_cursor += total
         return step
+
+    def _probes(self) -> list[DeviceProbe]:
+        """Idle-device probe timings at this iteration (every ``probe_interval_iters``)."""
+        k = self.cfg.probe_interval_iters
+        if not k or self.iteration % k:
+            return []
+        lay = self.layout
+        dead = set(lay.dead)
+        idle = [r for r in lay.standby if r not in dead and self.compute_speed[r] > 0]
+        if not idle:
+            return []
+        ref = self.cfg.probe_reference_s
+        sigma = self.cfg.noise
+        noise = (
+            self.probe_rng.lognormal(-0.5 * sigma * sigma, sigma, size=len(idle))
+            if sigma > 0
+            else np.ones(len(idle))
+        )
+        return [
+            DeviceProbe(
+                rank=r,
+                node=lay.node_of(r),
+                iteration=self.iteration,
+                probe_s=float(ref / self.compute_speed[r] * q),
+                reference_s=ref,
+            )
+            for r, q in zip(idle, noise.tolist(), strict=True)
+        ]
 
     # ------------------------------------------------------------ adaptation
     def reconfig_cost_s(self, old: Layout, new: Layout, base_s: float | None = None) -> float:

@@ -158,6 +158,9 @@ class SimTrainer:
         for m in mb_stats_messages(step.mb_stats):
             self.producer.mb_stats(m)
             sent += 1
+        for p in step.probes:
+            self.producer.send(p)
+            sent += 1
         return sent
 
     # ------------------------------------------------------------ plans
