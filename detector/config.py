@@ -99,6 +99,12 @@ class DetectorConfig:
     #: relative level for ``recovery_iters`` consecutive iterations.
     recovery_shift: float = 0.03
     recovery_iters: int = 3
+    #: A set-aside (standby) device's idle-probe counts as healthy when its probe
+    #: throughput is within this of the reference *and* above the midpoint between
+    #: its reported slow throughput and 1 (a single matmul is noisier than an
+    #: iteration's worth of chunks; the midpoint keeps a mildly slow device from
+    #: flapping between excluded and re-admitted).
+    probe_recovery_shift: float = 0.10
     #: * Master switch of fail-slow detection (fail-stop is always on).
     failslow_enabled: bool = True
     #: * Ranks excluded from fail-slow reporting (operator's per-rank off switch).
@@ -159,6 +165,7 @@ class DetectorConfig:
             "sigma_shift",
             "min_noise_sigma",
             "recovery_shift",
+            "probe_recovery_shift",
             "gh_mean_shift",
             "gh_validation_base_s",
             "gh_validation_per_link_s",

@@ -946,7 +946,15 @@ class FailSlowDetector:
                 val, base = -float(np.log(probed)), 0.0
             if val is None:
                 continue  # no telemetry this iteration: neither slow nor healthy evidence
-            if val - base < lim:
+            if probed is not None:
+                bar = max(
+                    1.0 / (1.0 + self.cfg.probe_recovery_shift),
+                    (1.0 + 1.0 / max(st.factor, 1.0)) / 2,
+                )
+                healthy = probed >= bar
+            else:
+                healthy = val - base < lim
+            if healthy:
                 st.healthy_streak += 1
             else:
                 st.healthy_streak = 0

@@ -373,6 +373,8 @@ def test_a_slow_device_set_aside_recovers_through_standby_probes():
 
     out = []
     for i in range(40):
+        if i == 10:
+            speed["p"] = 0.85  # better, but not within probe_recovery_shift (10 %)
         if i == 20:
             speed["p"] = 1.0  # back to full speed
         out += det.handle(record(i))

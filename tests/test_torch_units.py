@@ -229,3 +229,26 @@ def test_cli_rejects_bad_flags_and_scenarios(tmp_path, capsys):
     far.write_text("events:\n  - {at_iteration: 1, action: kill_device, rank: 9}\n")
     assert main(["--pp", "2", "--scenario", str(far)]) == 2
     assert "rank 9 outside" in capsys.readouterr().out
+
+
+@pytest.mark.redis
+def test_idle_rank_probe_is_timed_and_sent_as_a_device_probe(r):
+    from resihp.keys import JobKeys
+    from resihp.producer import TelemetryProducer
+    from resihp.schemas import DeviceProbe, decode_entry
+    from trainer.torch_trainer.telemetry import RankTelemetry, probe_seconds
+
+    t = probe_seconds(torch.device("cpu"))
+    assert 0 < t < 1.0
+    keys = JobKeys("probe")
+    prod = TelemetryProducer(None, keys, client=r).start()
+    tel = RankTelemetry(prod, rank=7, node=1)
+    tel.probe(10, 2 * t, t)
+    assert prod.flush()
+    got = []
+    for _, fields in r.xrange(keys.telemetry):
+        good, bad = decode_entry(fields)
+        assert not bad
+        got += [m for m in good if isinstance(m, DeviceProbe)]
+    assert got == [DeviceProbe(rank=7, node=1, iteration=10, probe_s=2 * t, reference_s=t)]
+    prod.close()

@@ -67,6 +67,9 @@ class TrainConfig:
     dump_grads_dir: str = ""  # tests: dump gradients of iteration 0 before the step
     dump_telemetry: bool = False  # benches: each rank saves its chunk rows to out_dir
     telemetry_ab: bool = False  # benches: record chunks on even iterations only (A/B overhead)
+    # standby ranks time a small matmul every N iterations (DeviceProbe), so the detector
+    # sees a slow rank the scheduler set aside recover; 0 = never
+    probe_interval_iters: int = 5
     threads_per_worker: int = 1
 
     def validate(self) -> TrainConfig:
@@ -103,6 +106,8 @@ class TrainConfig:
             raise ValueError(f"slow_factor must be >= 1, got {self.slow_factor}")
         if self.pg_timeout_s <= 0:
             raise ValueError("pg_timeout_s must be > 0")
+        if self.probe_interval_iters < 0:
+            raise ValueError(f"probe_interval_iters must be >= 0, got {self.probe_interval_iters}")
         if self.kill_rank >= self.world_size:
             raise ValueError(f"kill_rank {self.kill_rank} outside world of {self.world_size}")
         return self
@@ -138,6 +143,7 @@ HELP = {
     "dp": "data-parallel replicas",
     "microbatches": "micro-batches per replica per iteration",
     "grad_clip_norm": "clip the global gradient norm to this (0 = off)",
+    "probe_interval_iters": "standby ranks time the compute probe every N iterations (0 = never)",
     "schedule": "pipeline schedule: gpipe | 1f1b | zbh1",
     "token_budget": "tokens N per packed micro-batch",
     "token_budgets": "comma list: draw each micro-batch's N from these",

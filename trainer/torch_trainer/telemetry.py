@@ -20,7 +20,14 @@ import time
 import numpy as np
 import torch
 
-from resihp.schemas import CHUNK_DTYPE, ChunkKind, Direction, Heartbeat, MicroBatchStats
+from resihp.schemas import (
+    CHUNK_DTYPE,
+    ChunkKind,
+    DeviceProbe,
+    Direction,
+    Heartbeat,
+    MicroBatchStats,
+)
 
 
 def _costed(fn):
@@ -35,6 +42,28 @@ def _costed(fn):
             self.cost_s += time.perf_counter() - t0
 
     return wrapper
+
+
+#: Side of the probe's square fp32 matmul per device type: about a millisecond on one CPU
+#: core, enough work on a GPU to be measured above launch overhead.
+PROBE_SIDE = {"cpu": 256, "cuda": 4096}
+
+
+def probe_seconds(device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of the standard compute probe (a square fp32 matmul) on ``device``."""
+    n = PROBE_SIDE.get(device.type, 256)
+    a = torch.randn(n, n, device=device)
+    cuda = device.type == "cuda"
+    ts = []
+    for _ in range(repeats + 1):  # the first run warms caches / kernels up
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        if cuda:
+            torch.cuda.synchronize(device)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts[1:]))
 
 
 class RankTelemetry:
@@ -150,6 +179,21 @@ class RankTelemetry:
             row["end_s"] = t1 + self.wall_offset_s
             row["compute_s"] = max(0.0, t1 - token - tp_comm_s)
         self.n += 1
+
+    @_costed
+    def probe(self, iteration: int, probe_s: float, reference_s: float) -> None:
+        """An idle (standby) rank's probe timing; see :func:`probe_seconds`."""
+        if self.producer is None:
+            return
+        self.producer.send(
+            DeviceProbe(
+                rank=self.rank,
+                node=self.node,
+                iteration=iteration,
+                probe_s=probe_s,
+                reference_s=reference_s,
+            )
+        )
 
     @_costed
     def mb_stats(self, iteration: int, dp: int, microbatch: int, mb) -> None:

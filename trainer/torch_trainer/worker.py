@@ -49,7 +49,7 @@ from .state import (
     save_ckpt,
     stage_layers,
 )
-from .telemetry import RankTelemetry
+from .telemetry import RankTelemetry, probe_seconds
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -134,6 +134,7 @@ class Worker:
         self.tel_cost_prev_s = 0.0  # telemetry calls' cost in the previous iteration
         self.scn_compute_stretch = 1.0  # from slow_device events
         self.scn_link_delay_s = 0.0  # from slow_link events
+        self.probe_ref_s: float | None = None  # this device's probe time while healthy
 
     # ---------------------------------------------------------------- main
     def run(self) -> int:
@@ -293,6 +294,17 @@ class Worker:
         self.steps_done = step
         self.tel.dp, self.tel.stage = d, s
 
+    def _probe(self, it: int) -> None:
+        """Time the compute probe on this idle rank and report it (DeviceProbe)."""
+        cfg = self.cfg
+        flag = (
+            cfg.slow_factor if self.rank == cfg.slow_rank and it >= cfg.slow_at_iteration else 1.0
+        )
+        # injected slowdowns are emulated (the engine sleeps in proportion to compute),
+        # so the probe is stretched the same way
+        t = probe_seconds(self.device) * max(flag, self.scn_compute_stretch)
+        self.tel.probe(it, t, self.probe_ref_s or t)
+
     # ------------------------------------------------------------ failures
     def _die(self) -> None:
         self.store.set("timeline/kill", repr(time.time()))
@@ -346,6 +358,8 @@ class Worker:
             )
         pg0 = members.index(self.rank) == 0
         first_done = False
+        if cfg.probe_interval_iters and self.probe_ref_s is None:
+            self.probe_ref_s = probe_seconds(self.device)  # at launch, before any slowdown
         for it in range(self.steps_done, cfg.iterations):
             self.tel.iteration = it
             if self.rank == cfg.kill_rank and it == cfg.kill_at_iteration:
@@ -370,6 +384,8 @@ class Worker:
                 it_time = res.iteration_time_s
             else:
                 contrib, it_time = 0.0, 0.0
+                if cfg.probe_interval_iters and it % cfg.probe_interval_iters == 0:
+                    self._probe(it)
             switch = 1.0 if pg0 and self.store.check([f"gen/{gen + 1}"]) else 0.0
             # Global gradient norm for clipping, riding on the commit all-reduce.  After
             # the DP all-reduce every replica that runs a stage holds that stage's whole
