@@ -83,6 +83,10 @@ def _stop_children(children: list[Child], grace_s: float = 8.0) -> None:
             pass
 
 
+#: ``resihp up --trainer torch`` defaults (each overridable with ``--trainer-arg``).
+TORCH_DEFAULTS = (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", "1000000"))
+
+
 def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
     common = ["--redis-url", url, "--job-id", args.job_id]
     cmds: list[tuple[str, list[str]]] = []
@@ -105,13 +109,28 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
             argv += ["--scenario", args.scenario]
         if args.model and args.trainer == "sim":
             argv += ["--model", args.model]
-        if args.trainer == "torch" and not any(
-            a.startswith("--iterations") for a in args.trainer_arg
-        ):
-            argv += ["--iterations", "1000000"]  # train until the stack is stopped
+        if args.trainer == "torch":
+            given = {a.split("=", 1)[0] for a in args.trainer_arg}
+            # the small real job the README promises: TP2 x PP2 x DP2 on 8 CPU ranks,
+            # training until the stack is stopped
+            for flag, value in TORCH_DEFAULTS:
+                if flag not in given:
+                    argv += [flag, value]
         argv += list(args.trainer_arg)
         cmds.append(("trainer", argv))
     return cmds
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a child's log (its error, when it failed)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    return next((x for x in reversed(lines) if x), "")[:300]
 
 
 def run_stack(args) -> int:
@@ -177,8 +196,11 @@ def run_stack(args) -> int:
                 rc = c.proc.poll()
                 if rc is not None and c.name not in reported_exit:
                     reported_exit.add(c.name)
+                    last = _last_line(c.log_path) if rc else ""
                     print(
-                        f"\nresihp: {c.name} exited with code {rc} (log: {c.log_path})", flush=True
+                        f"\nresihp: {c.name} exited with code {rc} (log: {c.log_path})"
+                        + (f": {last}" if last else ""),
+                        flush=True,
                     )
             if not args.no_summary:
                 try:

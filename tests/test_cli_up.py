@@ -97,3 +97,34 @@ def test_status_without_stack_says_what_to_do(tmp_path):
         timeout=30,
     )
     assert out.returncode == 2 and "resihp up" in out.stderr
+
+
+def _up_args(*argv):
+    from resihp.cli import _build_parser
+
+    return _build_parser().parse_args(["up", *argv])
+
+
+def test_torch_trainer_defaults_to_the_small_real_job_unless_told_otherwise():
+    from resihp.launcher import service_commands
+
+    def trainer_argv(*argv):
+        cmds = dict(service_commands(_up_args("--trainer", "torch", *argv), "redis://x"))
+        return cmds["trainer"]
+
+    a = trainer_argv()
+    assert a[:2] == ["trainer", "torch"]
+    for flag, value in (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", "1000000")):
+        assert a[a.index(flag) + 1] == value
+    b = trainer_argv("--trainer-arg=--tp=1", "--trainer-arg=--iterations=30")
+    assert "--tp" not in b and "--iterations" not in b
+    assert b[-2:] == ["--tp=1", "--iterations=30"] and b[b.index("--dp") + 1] == "2"
+
+
+def test_a_failed_child_is_reported_with_its_last_log_line(tmp_path):
+    from resihp.launcher import _last_line
+
+    log = tmp_path / "trainer.log"
+    log.write_text("starting\nerror: scenario.yaml:2: rank 9 outside the job's 8 ranks\n\n")
+    assert _last_line(log) == "error: scenario.yaml:2: rank 9 outside the job's 8 ranks"
+    assert _last_line(tmp_path / "missing.log") == ""
