@@ -8,7 +8,9 @@ following its own 1F1B/ZB-H1 order this cannot deadlock, because each
 receive's matching send was issued earlier in the sender's order.
 
 Fail-slow injection: ``slow_factor`` stretches every compute chunk by
-sleeping (factor - 1) x its measured duration; ``slow_comm_s`` delays every
+sleeping (factor - 1) x its measured duration inside the chunk's timing, so
+telemetry shows what a slow GPU shows (its own chunks take longer, its peers
+wait); ``slow_comm_s`` delays every
 communication of the rank (P2P transfers, TP collectives, DP all-reduce).
 """
 
@@ -141,8 +143,8 @@ class StageEngine:
                     tgt = torch.from_numpy(mb.targets).to(self.device)
                     out = microbatch_loss(out, tgt) / self.global_mb
                     loss_sum += float(out.detach())
+                self._stretch(c0)  # a slow device's kernels take longer inside the chunk
                 tel.end(tok, ChunkKind.F, j, mod.tp.comm_time_s - tp0, src_dp=e)
-                self._stretch(c0)
                 compute_s += time.perf_counter() - c0
                 if not mod.last:
                     self.xfer.send(out, self.peer_group(e, s + 1, j), gi, backward=False)
@@ -165,8 +167,8 @@ class StageEngine:
                 torch.autograd.backward(out, grad)
                 if zb:
                     self.store.end(gi)
-                tel.end(tok, ChunkKind.B, j, mod.tp.comm_time_s - tp0, src_dp=e)
                 self._stretch(c0)
+                tel.end(tok, ChunkKind.B, j, mod.tp.comm_time_s - tp0, src_dp=e)
                 compute_s += time.perf_counter() - c0
                 if not mod.first:
                     self.xfer.send(x.grad, self.peer_group(e, s - 1, j), gi, backward=True)
@@ -175,8 +177,8 @@ class StageEngine:
                 c0 = time.perf_counter()
                 tok = tel.begin()
                 self.store.run(gi)
-                tel.end(tok, ChunkKind.W, j, src_dp=e)
                 self._stretch(c0)
+                tel.end(tok, ChunkKind.W, j, src_dp=e)
                 compute_s += time.perf_counter() - c0
         self.xfer.wait_sends()
         if self.store.pending():
