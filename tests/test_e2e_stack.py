@@ -122,3 +122,76 @@ def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_pat
     assert max(slowed) < 0.8 * median_healthy
     assert min(final) > max(slowed)
     assert proc.returncode == 0
+
+
+TORCH_SCENARIO = """
+events:
+  - {at_iteration: 25, action: slow_device, rank: 3, factor: 0.3}
+  - {at_iteration: 45, action: recover, rank: 3, what: compute}
+"""
+
+
+@pytest.mark.distributed
+def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
+    """The real torch.distributed job (TP2 x PP2 x DP2 on gloo): a slow rank is localized
+    from its own chunk timings, the plan sets it aside (its TP group shrinks), and once it
+    is healthy again its idle-device probes report the recovery and it gets work back."""
+    scen = tmp_path / "scenario.yaml"
+    scen.write_text(TORCH_SCENARIO)
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "up",
+            "--trainer",
+            "torch",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--dashboard-port",
+            str(free_port()),
+            "--scenario",
+            str(scen),
+            "--grace-period-s",
+            "1",
+            "--trainer-arg=--iterations=400",
+            "--duration",
+            "240",
+            "--no-summary",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    keys = JobKeys("default")
+    try:
+        stack_file = tmp_path / "st" / "stack.json"
+        deadline = time.time() + 60
+        while not stack_file.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        client = connect(json.loads(stack_file.read_text())["redis_url"])
+        deadline = time.time() + 220
+        set_aside = given_back = False
+        while time.time() < deadline and not given_back:
+            time.sleep(1)
+            layout = read_layout(client, keys)
+            if layout is not None and 3 in layout.standby:
+                set_aside = True
+            given_back = set_aside and layout is not None and 3 in layout.active_ranks()
+        reports = _messages(client, keys.failures, FailureReport)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    kinds = [(r.kind, r.ranks, r.iteration) for r in reports]
+    assert set_aside and given_back, f"{kinds}\n{out[-3000:]}"
+    slow = [r for r in reports if r.kind == "fail_slow_compute"]
+    assert slow and slow[0].ranks == [3] and 25 <= slow[0].iteration <= 30, kinds
+    assert slow[0].severity["3"] < 0.5
+    back = [r for r in reports if r.kind == "recovery" and r.ranks == [3]]
+    assert back and back[0].iteration >= 45, kinds
+    assert back[0].evidence["reason"] == "standby_probe"
+    assert proc.returncode == 0
