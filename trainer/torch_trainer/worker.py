@@ -302,8 +302,13 @@ class Worker:
         )
         # injected slowdowns are emulated (the engine sleeps in proportion to compute),
         # so the probe is stretched the same way
-        t = probe_seconds(self.device) * max(flag, self.scn_compute_stretch)
-        self.tel.probe(it, t, self.probe_ref_s or t)
+        t = probe_seconds(self.device)
+        # A GPU is compared with its own probe at launch.  CPU ranks share cores, so
+        # their absolute probe times follow the other ranks' load (measured: a healthy
+        # idle rank at 0.7x its launch time while the others train): there the
+        # reference is this same measurement and only injected slowdowns show.
+        ref = self.probe_ref_s if self.probe_ref_s is not None else t
+        self.tel.probe(it, t * max(flag, self.scn_compute_stretch), ref)
 
     # ------------------------------------------------------------ failures
     def _die(self) -> None:
@@ -358,7 +363,7 @@ class Worker:
             )
         pg0 = members.index(self.rank) == 0
         first_done = False
-        if cfg.probe_interval_iters and self.probe_ref_s is None:
+        if cfg.probe_interval_iters and self.probe_ref_s is None and self.device.type == "cuda":
             self.probe_ref_s = probe_seconds(self.device)  # at launch, before any slowdown
         for it in range(self.steps_done, cfg.iterations):
             self.tel.iteration = it
