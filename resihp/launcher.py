@@ -116,6 +116,8 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
             for flag, value in TORCH_DEFAULTS:
                 if flag not in given:
                     argv += [flag, value]
+            if "--out-dir" not in given:  # checkpoints live with the stack's other state
+                argv += ["--out-dir", str(Path(args.state_dir) / "torch")]
         argv += list(args.trainer_arg)
         cmds.append(("trainer", argv))
     return cmds

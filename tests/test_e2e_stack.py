@@ -35,9 +35,10 @@ def _messages(client, stream, cls):
     return out
 
 
-def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_path):
+def _start_stack(tmp_path, scenario: str, *args: str):
+    """`resihp up` on the embedded Redis with ``scenario``; returns (process, client)."""
     scen = tmp_path / "scenario.yaml"
-    scen.write_text(SCENARIO)
+    scen.write_text(scenario)
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
     proc = subprocess.Popen(
@@ -54,24 +55,28 @@ def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_pat
             str(scen),
             "--grace-period-s",
             "1",
-            "--trainer-arg=--speed=10",
-            "--duration",
-            "150",
             "--no-summary",
+            *args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
+    stack_file = tmp_path / "st" / "stack.json"
+    deadline = time.time() + 60
+    while not stack_file.exists():
+        if proc.poll() is not None or time.time() >= deadline:
+            proc.kill()
+            raise AssertionError(proc.communicate(timeout=30)[0])
+        time.sleep(0.2)
+    return proc, connect(json.loads(stack_file.read_text())["redis_url"])
+
+
+def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_path):
+    proc, client = _start_stack(tmp_path, SCENARIO, "--trainer-arg=--speed=10", "--duration", "150")
     keys = JobKeys("default")
     try:
-        stack_file = tmp_path / "st" / "stack.json"
-        deadline = time.time() + 60
-        while not stack_file.exists():
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-            time.sleep(0.2)
-        client = connect(json.loads(stack_file.read_text())["redis_url"])
         deadline = time.time() + 140
         done = False
         while time.time() < deadline and not done:
@@ -137,44 +142,17 @@ def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
     """The real torch.distributed job (TP2 x PP2 x DP2 on gloo): a slow rank is localized
     from its own chunk timings, the plan sets it aside (its TP group shrinks), and once it
     is healthy again its idle-device probes report the recovery and it gets work back."""
-    scen = tmp_path / "scenario.yaml"
-    scen.write_text(TORCH_SCENARIO)
-    env = dict(os.environ)
-    env.pop("REDIS_URL", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "resihp.cli",
-            "up",
-            "--trainer",
-            "torch",
-            "--state-dir",
-            str(tmp_path / "st"),
-            "--dashboard-port",
-            str(free_port()),
-            "--scenario",
-            str(scen),
-            "--grace-period-s",
-            "1",
-            "--trainer-arg=--iterations=400",
-            "--duration",
-            "240",
-            "--no-summary",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    proc, client = _start_stack(
+        tmp_path,
+        TORCH_SCENARIO,
+        "--trainer",
+        "torch",
+        "--trainer-arg=--iterations=400",
+        "--duration",
+        "240",
     )
     keys = JobKeys("default")
     try:
-        stack_file = tmp_path / "st" / "stack.json"
-        deadline = time.time() + 60
-        while not stack_file.exists():
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-            time.sleep(0.2)
-        client = connect(json.loads(stack_file.read_text())["redis_url"])
         deadline = time.time() + 220
         set_aside = given_back = False
         while time.time() < deadline and not given_back:
