@@ -294,12 +294,16 @@ class Worker:
         self.steps_done = step
         self.tel.dp, self.tel.stage = d, s
 
-    def _probe(self, it: int) -> None:
-        """Time the compute probe on this idle rank and report it (DeviceProbe)."""
+    def _compute_stretch(self, it: int) -> float:
+        """Injected compute slowdown of this rank at iteration ``it`` (1.0 = healthy)."""
         cfg = self.cfg
         flag = (
             cfg.slow_factor if self.rank == cfg.slow_rank and it >= cfg.slow_at_iteration else 1.0
         )
+        return max(flag, self.scn_compute_stretch)
+
+    def _probe(self, it: int) -> None:
+        """Time the compute probe on this idle rank and report it (DeviceProbe)."""
         # injected slowdowns are emulated (the engine sleeps in proportion to compute),
         # so the probe is stretched the same way
         t = probe_seconds(self.device)
@@ -308,7 +312,7 @@ class Worker:
         # idle rank at 0.7x its launch time while the others train): there the
         # reference is this same measurement and only injected slowdowns show.
         ref = self.probe_ref_s if self.probe_ref_s is not None else t
-        self.tel.probe(it, t * max(flag, self.scn_compute_stretch), ref)
+        self.tel.probe(it, t * self._compute_stretch(it), ref)
 
     # ------------------------------------------------------------ failures
     def _die(self) -> None:
@@ -374,12 +378,7 @@ class Worker:
             self.tel.paused = cfg.telemetry_ab and it % 2 == 1
             tel_c0 = self.tel.cost_s
             if engine is not None:
-                flag = (
-                    cfg.slow_factor
-                    if self.rank == cfg.slow_rank and it >= cfg.slow_at_iteration
-                    else 1.0
-                )
-                engine.slow_factor = max(flag, self.scn_compute_stretch)
+                engine.slow_factor = self._compute_stretch(it)
                 engine.slow_comm_s = slow_comm + self.scn_link_delay_s
                 res = engine.run_iteration(it)
                 engine.allreduce_grads()
