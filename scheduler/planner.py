@@ -394,7 +394,7 @@ def plan(
 WIDE_SEARCH_TRIPLES = 256
 #: Wide search: starting structures and engine evaluations of the migration local search.
 REFINE_STARTS = 4
-REFINE_EVALS = 100
+REFINE_EVALS = 150
 
 
 def _shifted_counts(counts: list[list[int]], per_mb_s: list[float], total: int) -> list[list[int]]:
