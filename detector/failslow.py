@@ -311,7 +311,7 @@ class FailSlowDetector:
         cres_at: dict[LinkKey, list[int]] = {}
         it_at: list[int] = []
         for v in views:
-            x, c, rr = self._residuals(v)
+            x, c, rr = self._residuals(v, set(outliers))
             for g, val in x.items():
                 res.setdefault(g, []).append(val)
                 res_at.setdefault(g, []).append(v.iteration)
@@ -378,7 +378,7 @@ class FailSlowDetector:
         sd0 = float(np.median(peers_sd)) if peers_sd else self.cfg.min_noise_sigma
         v = views[-1]
         self.recent.extend(views[-8:])
-        x, c, rr = self._residuals(v)
+        x, c, rr = self._residuals(v, self._warm_outliers)
         for g in sorted(self._warm_outliers):
             xs = res.get(g, [])
             self.mu[g], self.sigma[g] = mu0, sd0
@@ -422,15 +422,19 @@ class FailSlowDetector:
         return out
 
     # --------------------------------------------------------- residuals
-    def _residuals(self, v: IterationView):
-        """Per-group compute, per-link P2P and per-rank compute log-ratios of one iteration."""
+    def _residuals(self, v: IterationView, also_slow: set[Group] = frozenset()):
+        """Per-group compute, per-link P2P and per-rank compute log-ratios of one iteration.
+
+        ``also_slow``: groups to leave out of the peer medians besides the known-slow ones
+        (the warm-up's outliers, before they are judged).
+        """
         pred = self.pred.predict_compute(v)
         cm = v.compute_mask() & np.isfinite(pred) & (pred > 0) & (v.duration_s > 0)
         ratio = np.full(v.num_chunks, np.nan)
         ratio[cm] = v.duration_s[cm] / pred[cm]
         x = {g: float(np.log(r)) for g, r in _group_medians(v, cm, ratio).items() if r > 0}
         if self.cfg.peer_relative:
-            x = _peer_relative(x)
+            x = _peer_relative(x, self.slow_groups() | also_slow)
         # P2P statistics against their healthy medians
         c: dict[LinkKey, float] = {}
         if self.pred.comm_median:
@@ -1016,23 +1020,36 @@ def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> di
     }
 
 
-def _peer_relative(x: dict[Group, float]) -> dict[Group, float]:
+def _peer_relative(
+    x: dict[Group, float], known_slow: set[Group] = frozenset()
+) -> dict[Group, float]:
     """Each group's residual against the median of the same stage in the other replicas.
 
     A slow device is slower than its DP peers doing the same work; a residual
     that moves with the whole stage (eq.-1 misfit when the data mix leaves the
-    warm-up's range) is not the device.  Stages with one replica keep the
-    absolute residual.
+    warm-up's range) is not the device.  Groups in ``known_slow`` are left out
+    of every peer median: otherwise a known-slow replica drags its peers'
+    residuals down (with two replicas, by its whole slowdown), a re-warm learns
+    that as their baseline, and its recovery later looks like the peers slowing
+    down.  A stage with no other healthy replica keeps the absolute residual.
     """
     by_stage: dict[int, list[tuple[Group, float]]] = {}
     for g, val in x.items():
         by_stage.setdefault(g[1], []).append((g, val))
     out = {}
     for members in by_stage.values():
-        vals = np.array([val for _, val in members])
+        healthy = [(g, val) for g, val in members if g not in known_slow]
+        vals = np.array([val for _, val in healthy])
         n = len(vals)
+        if n:
+            ref_all = float(np.median(vals))  # reference for the known-slow groups
+        for g, val in members:
+            if g in known_slow:
+                out[g] = val - ref_all if n else val
         if n == 1:
-            out[members[0][0]] = float(vals[0])
+            out[healthy[0][0]] = float(vals[0])
+            continue
+        if n == 0:
             continue
         # median of the others = median of the sorted values with this one left out
         order = np.argsort(vals, kind="stable")
@@ -1045,7 +1062,7 @@ def _peer_relative(x: dict[Group, float]) -> dict[Group, float]:
         a = np.where(lo < rank, srt[lo], srt[np.minimum(lo + 1, n - 1)])
         b = np.where(hi < rank, srt[hi], srt[np.minimum(hi + 1, n - 1)])
         med = (a + b) / 2
-        for (g, _), val, md in zip(members, vals.tolist(), med.tolist(), strict=True):
+        for (g, _), val, md in zip(healthy, vals.tolist(), med.tolist(), strict=True):
             out[g] = val - md
     return out
 

@@ -386,3 +386,67 @@ def test_a_slow_device_set_aside_recovers_through_standby_probes():
     # three healthy probes (iterations 84, 86, 88), none while it was still slow
     assert rec[0].iteration == 64 + 24
     assert [r for r in out if r.kind.startswith("fail_slow")] == []
+
+
+def test_slow_device_moved_into_another_group_is_judged_there():
+    """The scheduler set a slow GPU aside, then a later plan pulled it into another group
+    (the best subgroup there needed it): it is neither re-reported as a new fail-slow nor
+    stuck as slow forever; its recovery shows in the new group's timings."""
+    lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8, devices_per_node=32)
+    lay.world_size = 17
+    lay.standby = [16]
+    lay.validate()
+    victim = lay.groups[0][1][1]
+    job = SyntheticJob(lay, seed=23)
+    det = Detector(DetectorConfig(), layout=lay)
+    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 1.8})})
+    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    # set aside: its place taken by the standby GPU
+    lay2 = copy.deepcopy(lay)
+    lay2.groups[0][1][1] = 16
+    lay2.standby = [victim]
+    lay2.layout_id = 1
+    lay2.validate()
+    job.layout = lay2
+    job.dag = type(job.dag).from_layout(lay2)
+    det.set_layout(lay2)
+    assert _run(det, job, 30) == []
+    # a device of replica 1, stage 3 dies; the still slow victim replaces it
+    lay3 = copy.deepcopy(lay2)
+    gone = lay3.groups[1][3][0]
+    lay3.groups[1][3][0] = victim
+    lay3.standby = []
+    lay3.dead = [gone]
+    lay3.layout_id = 2
+    lay3.validate()
+    job.layout = lay3
+    job.dag = type(job.dag).from_layout(lay3)
+    det.set_layout(lay3)
+    assert _run(det, job, 40) == []  # known slow where it now works: nothing new
+    assert det.health[victim]["state"] == "slow"
+    job.rank_slow[victim] = 1.0
+    reps = _run(det, job, 30)
+    assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
+    assert reps[0].evidence["reason"] == "healthy_speed"
+
+
+def test_recovery_after_a_replan_does_not_alarm_the_slow_groups_peer():
+    """A slow GPU kept in its group (weak slowdown: the plan moved layers instead), the job
+    re-warmed on the new layout with the slow GPU in it; when the GPU recovers, its DP peer
+    group must not look slow (the peer comparison must not have learned the slow group)."""
+    job = SyntheticJob(LAY, seed=31)
+    det = Detector(DetectorConfig(), layout=LAY)
+    victim = LAY.groups[1][3][0]
+    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 1.8})})
+    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    lay2 = copy.deepcopy(LAY)
+    lay2.layers = [5, 4, 4, 3]  # one layer off the slow stage
+    lay2.layout_id = 1
+    lay2.validate()
+    job.layout = lay2
+    job.dag = type(job.dag).from_layout(lay2)
+    det.set_layout(lay2)
+    assert _run(det, job, 40) == []
+    job.rank_slow[victim] = 1.0
+    reps = _run(det, job, 30)
+    assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
