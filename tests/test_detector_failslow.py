@@ -275,25 +275,42 @@ def test_garbage_columns_do_not_crash():
     assert _run(det, job, 20) == []
 
 
-def test_swapped_out_slow_device_is_not_reported_recovered():
+def _switch(job, det, lay):
+    """The plan is applied: the job runs ``lay`` and the detector is told."""
+    lay.validate()
+    job.layout = lay
+    job.dag = type(job.dag).from_layout(lay)
+    det.set_layout(lay)
+
+
+def _reported_slow(lay, seed, victim, at, factor, n):
+    """``victim`` slows by ``factor`` at iteration ``at`` of ``n``; exactly it is reported."""
+    job = SyntheticJob(lay, seed=seed)
+    det = Detector(DetectorConfig(), layout=lay)
+    reps = _run(det, job, n, {at: lambda j: j.rank_slow.update({victim: factor})})
+    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    return job, det
+
+
+def _slow_then_swapped(spares):
+    """A GPU of replica 0 stage 1 slows down, is reported, and is swapped for spare 16."""
+    n = 16 + spares
     lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8, devices_per_node=32)
-    lay.world_size = 18
-    lay.standby = [16, 17]
+    lay.world_size = n
+    lay.standby = list(range(16, n))
     lay.validate()
     victim = lay.groups[0][1][1]
-    job = SyntheticJob(lay, seed=23)
-    det = Detector(DetectorConfig(), layout=lay)
-    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 1.8})})
-    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
-    # the scheduler swaps the slow device for a standby one
+    job, det = _reported_slow(lay, 23, victim, at=30, factor=1.8, n=40)
     lay2 = copy.deepcopy(lay)
     lay2.groups[0][1][1] = 16
-    lay2.standby = [victim, 17]
+    lay2.standby = [victim, *range(17, n)]
     lay2.layout_id = 1
-    lay2.validate()
-    job.layout = lay2
-    job.dag = type(job.dag).from_layout(lay2)
-    det.set_layout(lay2)
+    _switch(job, det, lay2)
+    return job, det, victim, lay2
+
+
+def test_swapped_out_slow_device_is_not_reported_recovered():
+    job, det, victim, _ = _slow_then_swapped(spares=2)
     reps = _run(det, job, 30)
     assert reps == []  # neither "recovered" nor re-reported
     assert det.health[victim]["state"] == "slow"
@@ -345,11 +362,8 @@ def test_slowdown_at_any_point_of_the_warmup_boundary_is_caught(at):
 def test_a_slow_device_set_aside_recovers_through_standby_probes():
     """Once the scheduler moves the slow GPU to standby it runs no chunks; the trainer's
     idle-device probe (IterationRecord.probes) is then the only evidence of recovery."""
-    job = SyntheticJob(LAY, seed=11)
-    det = Detector(DetectorConfig(), layout=LAY)
     victim = LAY.groups[1][2][1]
-    reps = _run(det, job, 64, {60: lambda j: j.rank_slow.update({victim: 2.0})})
-    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    job, det = _reported_slow(LAY, 11, victim, at=60, factor=2.0, n=64)
     aside = copy.deepcopy(LAY)
     aside.groups[1][2] = [LAY.groups[1][2][0]]  # TP 2 -> 1 without the victim
     aside.standby = [victim]
@@ -392,24 +406,7 @@ def test_slow_device_moved_into_another_group_is_judged_there():
     """The scheduler set a slow GPU aside, then a later plan pulled it into another group
     (the best subgroup there needed it): it is neither re-reported as a new fail-slow nor
     stuck as slow forever; its recovery shows in the new group's timings."""
-    lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8, devices_per_node=32)
-    lay.world_size = 17
-    lay.standby = [16]
-    lay.validate()
-    victim = lay.groups[0][1][1]
-    job = SyntheticJob(lay, seed=23)
-    det = Detector(DetectorConfig(), layout=lay)
-    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 1.8})})
-    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
-    # set aside: its place taken by the standby GPU
-    lay2 = copy.deepcopy(lay)
-    lay2.groups[0][1][1] = 16
-    lay2.standby = [victim]
-    lay2.layout_id = 1
-    lay2.validate()
-    job.layout = lay2
-    job.dag = type(job.dag).from_layout(lay2)
-    det.set_layout(lay2)
+    job, det, victim, lay2 = _slow_then_swapped(spares=1)
     assert _run(det, job, 30) == []
     # a device of replica 1, stage 3 dies; the still slow victim replaces it
     lay3 = copy.deepcopy(lay2)
@@ -418,10 +415,7 @@ def test_slow_device_moved_into_another_group_is_judged_there():
     lay3.standby = []
     lay3.dead = [gone]
     lay3.layout_id = 2
-    lay3.validate()
-    job.layout = lay3
-    job.dag = type(job.dag).from_layout(lay3)
-    det.set_layout(lay3)
+    _switch(job, det, lay3)
     assert _run(det, job, 40) == []  # known slow where it now works: nothing new
     assert det.health[victim]["state"] == "slow"
     job.rank_slow[victim] = 1.0
@@ -434,18 +428,12 @@ def test_recovery_after_a_replan_does_not_alarm_the_slow_groups_peer():
     """A slow GPU kept in its group (weak slowdown: the plan moved layers instead), the job
     re-warmed on the new layout with the slow GPU in it; when the GPU recovers, its DP peer
     group must not look slow (the peer comparison must not have learned the slow group)."""
-    job = SyntheticJob(LAY, seed=31)
-    det = Detector(DetectorConfig(), layout=LAY)
     victim = LAY.groups[1][3][0]
-    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 1.8})})
-    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
+    job, det = _reported_slow(LAY, 31, victim, at=30, factor=1.8, n=40)
     lay2 = copy.deepcopy(LAY)
     lay2.layers = [5, 4, 4, 3]  # one layer off the slow stage
     lay2.layout_id = 1
-    lay2.validate()
-    job.layout = lay2
-    job.dag = type(job.dag).from_layout(lay2)
-    det.set_layout(lay2)
+    _switch(job, det, lay2)
     assert _run(det, job, 40) == []
     job.rank_slow[victim] = 1.0
     reps = _run(det, job, 30)
