@@ -42,6 +42,26 @@ def register_job(client: redis.Redis, keys: JobKeys) -> None:
     client.sadd(JOBS_SET, keys.job_id)
 
 
+def clear_job(client: redis.Redis, keys: JobKeys) -> int:
+    """Delete every stream and key of one job (and its entry in the job set); -> keys deleted.
+
+    Only keys under the job's own namespace are touched: other jobs sharing the Redis
+    keep everything.  Services must not be running for the job (their consumer groups
+    go with the streams).
+    """
+    n = 0
+    batch: list = []
+    for k in client.scan_iter(match=f"{keys.base}:*", count=1000):
+        batch.append(k)
+        if len(batch) >= 500:
+            n += client.delete(*batch)
+            batch = []
+    if batch:
+        n += client.delete(*batch)
+    client.srem(JOBS_SET, keys.job_id)
+    return n
+
+
 def list_jobs(client: redis.Redis) -> list[str]:
     return sorted(j.decode() if isinstance(j, bytes) else j for j in client.smembers(JOBS_SET))
 

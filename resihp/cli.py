@@ -47,7 +47,17 @@ def _build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("REDIS_URL"),
         help="use this Redis instead of the embedded redis-server",
     )
-    up.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+    up.add_argument(
+        "--job-id",
+        default=None,
+        help="job id (default: $RESIHP_JOB_ID, else 'default'; with --demo: 'demo')",
+    )
+    up.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete this job's data from previous runs (iterations, failures, plans, audit "
+        "log) before starting; without it a new run appends to the job's history",
+    )
     up.add_argument(
         "--trainer",
         choices=["sim", "torch", "none"],
@@ -65,7 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--demo",
         action="store_true",
-        help="inject the bundled demo failures (examples/demo.yaml: a fail-slow, then a fail-stop)",
+        help="inject the bundled demo failures (resihp/data/demo.yaml: a fail-slow, a "
+        "fail-stop, then the slow GPU recovers); runs as job 'demo', fresh each time, unless "
+        "--job-id is given",
     )
     up.add_argument(
         "--model",

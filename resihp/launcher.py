@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from resihp.keys import validate_job_id
-from resihp.redis_client import EmbeddedRedis
-from resihp.status import STACK_FILE, collect_status, summary_line
+from resihp.bus import Health, clear_job, list_jobs
+from resihp.keys import JobKeys, validate_job_id
+from resihp.redis_client import EmbeddedRedis, connect
+from resihp.status import STACK_FILE, collect_status, job_status, summary_line
 
 SERVICES = ("collector", "detector", "scheduler", "dashboard")
 DEMO_SCENARIO = Path(__file__).resolve().parent / "data" / "demo.yaml"
@@ -88,7 +89,7 @@ TORCH_DEFAULTS = (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", 
 
 
 def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
-    common = ["--redis-url", url, "--job-id", args.job_id]
+    common = ["--redis-url", url, "--job-id", resolve_job(args)]
     cmds: list[tuple[str, list[str]]] = []
     for name in SERVICES:
         if not service_exists(name):
@@ -135,8 +136,61 @@ def _last_line(path: Path) -> str:
     return next((x for x in reversed(lines) if x), "")[:300]
 
 
+class JobInUse(RuntimeError):
+    """``--fresh`` asked for a job whose services are running."""
+
+
+#: The job id ``--demo`` runs under unless one is given: a demo is disposable, so it
+#: starts fresh every time without touching a real job's history.
+DEMO_JOB_ID = "demo"
+
+
+def prepare_job(client, job_id: str, fresh: bool) -> str | None:
+    """Before any service starts: clear the job (``fresh``) or say that this run appends.
+
+    A trainer that starts from iteration 0 under a job id with history would mix two
+    runs on the dashboard and in incident reports; the operator decides, and is told.
+    -> the line to print, if any.
+    """
+    keys = JobKeys(job_id)
+    if fresh:
+        live = sorted(Health.all(client, keys))  # health keys expire: these are running now
+        if live:
+            raise JobInUse(
+                f"job {job_id!r} has running services ({', '.join(live)}): stop them before "
+                "--fresh deletes its data, or use another --job-id"
+            )
+        n = clear_job(client, keys)
+        gone = f" ({n} keys of its previous runs deleted)" if n else ""
+        return f"resihp: job {job_id!r} starts fresh{gone}"
+    if job_id not in list_jobs(client):
+        return None
+    st = job_status(client, job_id)
+    c = st["counts"]
+    if not (c["iterations_total"] or c["failures_total"] or c["plans_total"]):
+        return None
+    last = st["last_iteration"]
+    return (
+        f"resihp: job {job_id!r} already has data in this Redis (last iteration "
+        f"{last['iteration'] if last else '-'}, {c['failures_total']} failure reports, "
+        f"{c['plans_total']} plans); this run appends to it. "
+        "--fresh starts the job from scratch, --job-id NAME runs a separate job."
+    )
+
+
+def resolve_job(args) -> str:
+    """The job id of ``resihp up`` (idempotent): given, else ``demo`` (fresh) with --demo,
+    else ``$RESIHP_JOB_ID``, else ``default``."""
+    if args.job_id is None:
+        if args.demo:
+            args.job_id, args.fresh = DEMO_JOB_ID, True
+        else:
+            args.job_id = os.environ.get("RESIHP_JOB_ID", "default")
+    return validate_job_id(args.job_id)
+
+
 def run_stack(args) -> int:
-    validate_job_id(args.job_id)
+    resolve_job(args)
     if args.demo and not args.scenario:
         args.scenario = str(DEMO_SCENARIO)
     state_dir = Path(args.state_dir)
@@ -155,6 +209,25 @@ def run_stack(args) -> int:
         embedded = EmbeddedRedis(data_dir=str(data_dir), appendonly=True).start()
         url = embedded.url
         print(f"resihp: embedded redis-server on {url} (data in {data_dir})", flush=True)
+
+    try:
+        client = connect(url)
+        try:
+            note = prepare_job(client, args.job_id, args.fresh)
+        finally:
+            client.close()
+    except JobInUse as e:
+        if embedded is not None:
+            embedded.stop()
+        print(f"resihp up: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a Redis we cannot use stops here, with the reason
+        if embedded is not None:
+            embedded.stop()
+        print(f"resihp up: cannot use Redis at {url}: {e}", file=sys.stderr)
+        return 2
+    if note:
+        print(note, flush=True)
 
     env = dict(os.environ, REDIS_URL=url, RESIHP_JOB_ID=args.job_id, PYTHONUNBUFFERED="1")
     stop = threading.Event()

@@ -129,3 +129,50 @@ def test_a_failed_child_is_reported_with_its_last_log_line(tmp_path):
     log.write_text("starting\nerror: scenario.yaml:2: rank 9 outside the job's 8 ranks\n\n")
     assert _last_line(log) == "error: scenario.yaml:2: rank 9 outside the job's 8 ranks"
     assert _last_line(tmp_path / "missing.log") == ""
+
+
+def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(r):
+    from resihp import bus
+    from resihp.keys import JobKeys
+    from resihp.launcher import JobInUse, prepare_job
+
+    old, other = JobKeys("prod"), JobKeys("other")
+    assert prepare_job(r, "prod", fresh=False) is None  # a new job: nothing to say
+    for k in (old, other):
+        bus.register_job(r, k)
+        r.xadd(k.failures, {"m": "x"})
+        r.hset(k.counters, "heartbeats_total", 5)
+    note = prepare_job(r, "prod", fresh=False)
+    assert "already has data" in note and "1 failure reports" in note and "--fresh" in note
+    assert r.xlen(old.failures) == 1  # told, nothing deleted
+
+    # services of the job still running: --fresh refuses instead of deleting under them
+    bus.Health(r, old, "detector").beat()
+    with pytest.raises(JobInUse, match="detector"):
+        prepare_job(r, "prod", fresh=True)
+    assert r.xlen(old.failures) == 1
+    r.delete(old.health("detector", "0"))
+
+    note = prepare_job(r, "prod", fresh=True)
+    assert "starts fresh" in note and "2 keys" in note
+    assert not list(r.scan_iter(match=f"{old.base}:*"))
+    assert bus.list_jobs(r) == ["other"]
+    assert r.xlen(other.failures) == 1 and r.hget(other.counters, "heartbeats_total") == b"5"
+    assert prepare_job(r, "prod", fresh=False) is None
+
+
+def test_demo_runs_as_its_own_fresh_job_unless_a_job_id_is_given(monkeypatch):
+    from resihp.launcher import resolve_job
+
+    monkeypatch.delenv("RESIHP_JOB_ID", raising=False)
+    a = _up_args("--demo")
+    assert resolve_job(a) == "demo" and a.fresh
+    b = _up_args("--demo", "--job-id", "mine")
+    assert resolve_job(b) == "mine" and not b.fresh
+    c = _up_args()
+    assert resolve_job(c) == "default" and not c.fresh
+    monkeypatch.setenv("RESIHP_JOB_ID", "from-env")
+    d = _up_args()
+    assert resolve_job(d) == "from-env"
+    with pytest.raises(ValueError, match="invalid job id"):
+        resolve_job(_up_args("--job-id", "bad id"))
