@@ -21,6 +21,7 @@ all-reduce) are left as they are.  Everything else is then a prediction.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -168,7 +169,7 @@ def table6(models, seeds) -> list[str]:
     )
     print(
         f"{'model':12s} {'freq':4s} | {'Oobleck':>15s} | {'ReCycle':>15s} | {'ResiHP':>15s} || "
-        f"{'ResiHP/ReCycle':>17s} | {'ResiHP/Oobleck':>17s} || {'cap':>5s}"
+        f"{'ResiHP/ReCycle':>17s} | {'ResiHP/Oobleck':>17s} || {'cap':>5s} {'tp':>5s}"
     )
     fails = []
     over_cap = []
@@ -188,7 +189,8 @@ def table6(models, seeds) -> list[str]:
                 m, ab = row[pol]
                 tag = "" if ab == 0 else f"({ab}/{len(seeds)} abort)" if ab < len(seeds) else ""
                 cells.append(f"{fmt(m, ab == len(seeds))}|{fmt(paper[pol][fi])}{tag}")
-            cap = capacity_bound(layout, every, dur, FAULT_FREE.get(model, 5.0))
+            bounds = mean_bounds(model, scen, seeds)
+            cap, tpcap = bounds
             ratios = []
             for base in ("recycle", "oobleck"):
                 # aborted runs count with what they trained before the abort (zero after)
@@ -201,84 +203,113 @@ def table6(models, seeds) -> list[str]:
                 if ours is not None and pp is not None and ours < pp:
                     # the ResiHP throughput the paper's ratio would need against our baseline
                     need = pp * row[base][0]
-                    why = (
-                        f" (needs {need:.2f} samples/s, above the capacity bound {cap:.2f})"
-                        if need > cap
-                        else f" (needs {need:.2f} samples/s, cap {cap:.2f})"
-                    )
                     fails.append(
                         f"Table 6 {model} {fname}: ResiHP/{base} {ours:.2f}x < paper {pp:.2f}x"
-                        + why
+                        + _why(need, bounds)
                     )
             if row["resihp"][1]:
                 fails.append(
                     f"Table 6 {model} {fname}: ResiHP aborted in {row['resihp'][1]} run(s)"
                 )
-            if paper["resihp"][fi] and paper["resihp"][fi] > cap:
-                over_cap.append(f"{model} {fname} (paper {paper['resihp'][fi]:.2f} > {cap:.2f})")
+            if paper["resihp"][fi] and paper["resihp"][fi] > tpcap:
+                over_cap.append(
+                    f"{model} {fname} (paper {paper['resihp'][fi]:.2f}; cap {cap:.2f}, tp {tpcap:.2f})"
+                )
             print(
                 f"{model:12s} {fname:4s} | "
                 + " | ".join(cells)
                 + " || "
                 + " | ".join(ratios)
-                + f" || {cap:5.2f}"
+                + f" || {cap:5.2f} {tpcap:5.2f}"
             )
     print(
         "(* = the baseline aborted in some runs; its mean counts zero throughput after the abort)"
     )
     print(
         "(cap = fault-free x time-averaged fraction of live GPUs: what perfect linear scaling "
-        "over the survivors would give, with no pause and no detection delay)"
+        "over the survivors would give, with no pause and no detection delay; tp = the same with "
+        "each node's survivors counted as the power-of-two TP groups §6.1 can form)"
     )
     if over_cap:
-        print("paper's ResiHP above that capacity bound: " + "; ".join(over_cap))
+        print("paper's ResiHP above the TP-regrouping bound: " + "; ".join(over_cap))
     return fails
 
 
-def capacity_bound(layout: Layout, every_s: float, duration_s: float, fault_free: float) -> float:
-    """Samples/s if throughput scaled exactly with the live GPUs (kills at (k - 1/2) * every_s)."""
-    n = layout.world_size
-    t, alive, area = 0.0, n, 0.0
-    k = every_s / 2
-    while k < duration_s:
-        area += alive * (k - t)
-        t, alive = k, alive - 1
-        k += every_s
-    area += alive * (duration_s - t)
-    return fault_free * area / (n * duration_s)
+def _tp_capacity(speeds: list[float], groups: int, tp: int) -> float:
+    """GPU-equivalents one node can give under the paper's TP rule (§6.1).
+
+    Its live devices form at most ``groups`` TP groups of power-of-two size <= ``tp``; a
+    group of k runs at k x its slowest member.  Best over every choice of group sizes,
+    each group a run of the speed-sorted devices.
+    """
+    s = sorted(speeds, reverse=True)
+    sizes = [0] + [2**i for i in range(tp.bit_length()) if 2**i <= tp]
+    best = 0.0
+    for combo in itertools.product(sizes, repeat=groups):
+        if sum(combo) > len(s):
+            continue
+        pos, tot = 0, 0.0
+        for k in combo:
+            if k:
+                tot += k * s[pos + k - 1]
+                pos += k
+        best = max(best, tot)
+    return best
 
 
-def speed_bound(model: str, events: list[ScenarioEvent], duration_s: float) -> float:
-    """Samples/s if throughput scaled exactly with the summed device speeds over time.
+def speed_bounds(model: str, events: list[ScenarioEvent], duration_s: float) -> tuple[float, float]:
+    """Two samples/s references for a run: (linear, TP regrouping).
 
-    Killed GPUs count 0, a slowed GPU its speed factor (the same severity rule as the
-    timeline), everything from the moment of the event, with no pause or detection delay.
-    Not a hard ceiling under the engine (a plan can fill the fault-free layout's 1F1B
-    bubbles), but a plan far above it is not credible.
+    linear: throughput scaled exactly with the summed device speeds over time (killed GPUs
+    0, a slowed GPU its speed factor under the timeline's severity rule); TP regrouping: the
+    same with each node's devices counted as the TP groups the §6.1 rule can form from them
+    (power-of-two degrees, a group as fast as its slowest member).  Both from the moment of
+    the event, with no pause or detection delay.  Neither is a hard ceiling under the engine
+    (a plan can fill the fault-free layout's 1F1B bubbles), but a plan well above them is
+    not credible.
     """
     layout = table3_layout(model, MBS)
     pred = predictor(model, layout)
-    n = layout.world_size
+    n, per_node = layout.world_size, layout.devices_per_node
+    tp = len(layout.groups[0][0])
     speed = dict.fromkeys(range(n), 1.0)
-    t, area = 0.0, 0.0
+
+    def rates() -> tuple[float, float]:
+        nodes = [[speed[r] for r in range(i, min(i + per_node, n))] for i in range(0, n, per_node)]
+        return sum(speed.values()), sum(_tp_capacity(x, len(x) // tp, tp) for x in nodes)
+
+    t, lin, grp = 0.0, 0.0, 0.0
     for ev in sorted(events, key=lambda e: e.at_s):
         if ev.at_s >= duration_s:
             break
-        area += sum(speed.values()) * (ev.at_s - t)
-        t = ev.at_s
+        a, b = rates()
+        lin, grp, t = lin + a * (ev.at_s - t), grp + b * (ev.at_s - t), ev.at_s
         for r in ev.ranks:
             if ev.action == "kill_device":
                 speed[r] = 0.0
             elif ev.action == "slow_device" and speed[r] > 0:
                 speed[r] = severity_factor(pred, layout, [r], ev.severity)
-    area += sum(speed.values()) * (duration_s - t)
-    return FAULT_FREE.get(model, 5.0) * area / (n * duration_s)
+    a, b = rates()
+    lin, grp = lin + a * (duration_s - t), grp + b * (duration_s - t)
+    ff = FAULT_FREE.get(model, 5.0)
+    return ff * lin / (n * duration_s), ff * grp / (n * duration_s)
 
 
-def _why(need: float, bound: float) -> str:
-    if need > bound:
-        return f" (needs {need:.2f} samples/s, above the linear-scaling bound {bound:.2f})"
-    return f" (needs {need:.2f} samples/s, bound {bound:.2f})"
+def mean_bounds(model: str, scen, seeds) -> tuple[float, float]:
+    both = [speed_bounds(model, *scen(s)) for s in seeds]
+    return statistics.mean(x for x, _ in both), statistics.mean(y for _, y in both)
+
+
+def _why(need: float, bounds: tuple[float, float]) -> str:
+    lin, grp = bounds
+    where = (
+        "above both bounds"
+        if need > lin
+        else "above the TP-regrouping bound"
+        if need > grp
+        else "within both bounds"
+    )
+    return f" (needs {need:.2f} samples/s, {where}: linear {lin:.2f}, TP regrouping {grp:.2f})"
 
 
 # --------------------------------------------------------------------- Figure 9
@@ -306,7 +337,7 @@ def fig9(models, seeds) -> list[str]:
 
             pols = ("none", "adaptra", "greyhound", "resihp")
             row = {pol: r[0] for pol, r in runs_many(model, pols, scen, seeds).items()}
-            bound = statistics.mean(speed_bound(model, *scen(s)) for s in seeds)
+            bound = mean_bounds(model, scen, seeds)
             rat = {b: row["resihp"] / row[b] for b in ("none", "adaptra", "greyhound")}
             print(
                 f"{model:12s} {sev:6s} | "
@@ -367,7 +398,7 @@ def fig10_11(models, seeds) -> list[str]:
             ).items()
         }
         abl[model] = row
-        bound = statistics.mean(speed_bound(model, *scen(s)) for s in seeds)
+        bound = mean_bounds(model, scen, seeds)
         cells = [
             f"{row[p][0]:8.2f}{'(' + str(row[p][1]) + ' ab)' if row[p][1] else '':>10s}"
             for p in pols
