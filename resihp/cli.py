@@ -9,6 +9,10 @@ core never imports a service:
     resihp simulate ...        -> python -m scheduler simulate ...
     resihp report export ...   -> python -m dashboard report export ...
     resihp act ...             -> python -m scheduler act ...   (ack/override/reject from a shell)
+
+Run beside a ``resihp up`` (whose embedded Redis listens on a random port), a
+forwarded command defaults to that stack's Redis URL and job id, read from
+``.resihp/stack.json``; ``--redis-url``, ``--job-id`` and the environment win.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ FORWARDED = {
 
 
 def _forward(service: str, sub: str, rest: list[str]) -> NoReturn:
-    os.execv(sys.executable, [sys.executable, "-m", service, sub, *rest])
+    from resihp.status import stack_env
+
+    # beside a running `resihp up` (embedded Redis on a random port), its URL and job
+    # are the defaults; --redis-url / --job-id / the environment still win
+    env = stack_env(dict(os.environ))
+    os.execve(sys.executable, [sys.executable, "-m", service, sub, *rest], env)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -16,15 +16,37 @@ from resihp.schemas import IterationRecord, SchemaError, decode_entry
 STACK_FILE = "stack.json"
 
 
+def running_stack(state_dir: str = ".resihp") -> dict[str, Any] | None:
+    """What ``resihp up`` wrote about the stack it runs (URL, job id, children), if any."""
+    f = Path(state_dir) / STACK_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stack_env(env: dict[str, str], state_dir: str = ".resihp") -> dict[str, str]:
+    """``env`` with REDIS_URL and RESIHP_JOB_ID of the running stack filled in where unset,
+    so a command run beside ``resihp up`` talks to that stack's Redis and job by default."""
+    st = running_stack(state_dir)
+    out = dict(env)
+    if st:
+        if not out.get("REDIS_URL") and st.get("redis_url"):
+            out["REDIS_URL"] = st["redis_url"]
+        if not out.get("RESIHP_JOB_ID") and st.get("job_id"):
+            out["RESIHP_JOB_ID"] = st["job_id"]
+    return out
+
+
 def resolve_url(url: str | None, state_dir: str = ".resihp") -> str:
     """--redis-url, else $REDIS_URL, else the URL that ``resihp up`` wrote in state_dir."""
     if url:
         return url
     if os.environ.get("REDIS_URL"):
         return os.environ["REDIS_URL"]
-    f = Path(state_dir) / STACK_FILE
-    if f.exists():
-        return json.loads(f.read_text())["redis_url"]
+    st = running_stack(state_dir)
+    if st and st.get("redis_url"):
+        return st["redis_url"]
     raise ValueError("no running stack found: pass --redis-url, set REDIS_URL, or run `resihp up`")
 
 

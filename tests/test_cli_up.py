@@ -176,3 +176,36 @@ def test_demo_runs_as_its_own_fresh_job_unless_a_job_id_is_given(monkeypatch):
     assert resolve_job(d) == "from-env"
     with pytest.raises(ValueError, match="invalid job id"):
         resolve_job(_up_args("--job-id", "bad id"))
+
+
+def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
+    from resihp import cli
+    from resihp.status import STACK_FILE
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("RESIHP_JOB_ID", raising=False)
+    seen = {}
+
+    def fake_execve(path, argv, env):
+        seen.update(argv=argv, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.os, "execve", fake_execve)
+    with pytest.raises(SystemExit):  # no stack: nothing filled in
+        cli.main(["report", "export", "--incident", "1"])
+    assert "REDIS_URL" not in seen["env"] and "RESIHP_JOB_ID" not in seen["env"]
+    assert seen["argv"][1:] == ["-m", "dashboard", "report", "export", "--incident", "1"]
+
+    (tmp_path / ".resihp").mkdir()
+    (tmp_path / ".resihp" / STACK_FILE).write_text(
+        json.dumps({"redis_url": "redis://127.0.0.1:41234/0", "job_id": "demo"})
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["act", "ack", "3"])
+    assert seen["env"]["REDIS_URL"] == "redis://127.0.0.1:41234/0"
+    assert seen["env"]["RESIHP_JOB_ID"] == "demo"
+    monkeypatch.setenv("RESIHP_JOB_ID", "prod")  # the environment wins
+    with pytest.raises(SystemExit):
+        cli.main(["act", "ack", "3"])
+    assert seen["env"]["RESIHP_JOB_ID"] == "prod"
