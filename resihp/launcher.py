@@ -24,7 +24,7 @@ from pathlib import Path
 from resihp.bus import Health, clear_job, list_jobs
 from resihp.keys import JobKeys, validate_job_id
 from resihp.redis_client import EmbeddedRedis, connect
-from resihp.status import STACK_FILE, collect_status, job_status, summary_line
+from resihp.status import STACK_FILE, collect_status, job_status, running_stack, summary_line
 
 SERVICES = ("collector", "detector", "scheduler", "dashboard")
 DEMO_SCENARIO = Path(__file__).resolve().parent / "data" / "demo.yaml"
@@ -124,6 +124,22 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
     return cmds
 
 
+def _pid_alive(pid) -> bool:
+    """A live (not zombie) process with this pid."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _last_line(path: Path) -> str:
     """The last non-empty line of a child's log (its error, when it failed)."""
     try:
@@ -198,6 +214,16 @@ def run_stack(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     if args.scenario and not Path(args.scenario).exists():
         print(f"resihp up: scenario file not found: {args.scenario}", file=sys.stderr)
+        return 2
+    other = running_stack(str(state_dir))
+    if other and _pid_alive(other.get("pid")):
+        # a second embedded redis-server on the same data dir would corrupt its AOF
+        print(
+            f"resihp up: a stack already runs from {state_dir} (pid {other['pid']}, job "
+            f"{other.get('job_id')!r}, dashboard {other.get('dashboard')}); stop it first "
+            "(Ctrl-C there, or kill that pid), or give this one another --state-dir",
+            file=sys.stderr,
+        )
         return 2
 
     embedded: EmbeddedRedis | None = None

@@ -209,3 +209,24 @@ def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["act", "ack", "3"])
     assert seen["env"]["RESIHP_JOB_ID"] == "prod"
+
+
+def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys):
+    from resihp import cli
+    from resihp.launcher import _pid_alive
+    from resihp.status import STACK_FILE
+
+    state = tmp_path / "state"
+    state.mkdir()
+    stack = {"redis_url": "redis://127.0.0.1:1/0", "job_id": "prod", "pid": os.getpid()}
+    (state / STACK_FILE).write_text(json.dumps(stack))
+    rc = cli.main(["up", "--state-dir", str(state), "--trainer", "none", "--duration", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()}" in err and "'prod'" in err and "--state-dir" in err
+    assert not (state / "redis").exists()  # refused before any redis-server started
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert _pid_alive(os.getpid()) and not _pid_alive(p.pid)
+    assert not _pid_alive(None) and not _pid_alive("12")
