@@ -124,22 +124,6 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
     return cmds
 
 
-def _pid_alive(pid) -> bool:
-    """A live (not zombie) process with this pid."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _last_line(path: Path) -> str:
     """The last non-empty line of a child's log (its error, when it failed)."""
     try:
@@ -215,8 +199,8 @@ def run_stack(args) -> int:
     if args.scenario and not Path(args.scenario).exists():
         print(f"resihp up: scenario file not found: {args.scenario}", file=sys.stderr)
         return 2
-    other = running_stack(str(state_dir))
-    if other and _pid_alive(other.get("pid")):
+    other = running_stack(str(state_dir))  # None when its pid is gone (a crashed stack)
+    if other:
         # a second embedded redis-server on the same data dir would corrupt its AOF
         print(
             f"resihp up: a stack already runs from {state_dir} (pid {other['pid']}, job "

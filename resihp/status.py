@@ -16,13 +16,33 @@ from resihp.schemas import IterationRecord, SchemaError, decode_entry
 STACK_FILE = "stack.json"
 
 
+def pid_alive(pid) -> bool:
+    """A live (not zombie) process with this pid."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def running_stack(state_dir: str = ".resihp") -> dict[str, Any] | None:
-    """What ``resihp up`` wrote about the stack it runs (URL, job id, children), if any."""
+    """What a running ``resihp up`` wrote about its stack (URL, job id, children), if any.
+
+    A file left behind by a stack whose process is gone (killed -9, crashed) is ignored.
+    """
     f = Path(state_dir) / STACK_FILE
     try:
-        return json.loads(f.read_text())
+        st = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
+    return st if isinstance(st, dict) and pid_alive(st.get("pid")) else None
 
 
 def stack_env(env: dict[str, str], state_dir: str = ".resihp") -> dict[str, str]:

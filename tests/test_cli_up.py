@@ -199,7 +199,7 @@ def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
 
     (tmp_path / ".resihp").mkdir()
     (tmp_path / ".resihp" / STACK_FILE).write_text(
-        json.dumps({"redis_url": "redis://127.0.0.1:41234/0", "job_id": "demo"})
+        json.dumps({"redis_url": "redis://127.0.0.1:41234/0", "job_id": "demo", "pid": os.getpid()})
     )
     with pytest.raises(SystemExit):
         cli.main(["act", "ack", "3"])
@@ -213,8 +213,7 @@ def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
 
 def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys):
     from resihp import cli
-    from resihp.launcher import _pid_alive
-    from resihp.status import STACK_FILE
+    from resihp.status import STACK_FILE, pid_alive, running_stack
 
     state = tmp_path / "state"
     state.mkdir()
@@ -228,5 +227,8 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys):
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    assert _pid_alive(os.getpid()) and not _pid_alive(p.pid)
-    assert not _pid_alive(None) and not _pid_alive("12")
+    assert pid_alive(os.getpid()) and not pid_alive(p.pid)
+    assert not pid_alive(None) and not pid_alive("12")
+    # the file of a stack whose process is gone is stale: ignored, and a new stack may start
+    (state / STACK_FILE).write_text(json.dumps({**stack, "pid": p.pid}))
+    assert running_stack(str(state)) is None
