@@ -166,19 +166,30 @@ class FailSlowDetector:
     def set_layout(self, layout: Layout | None) -> None:
         self.layout = layout
         if layout is not None:
+            old_size = {g: len(r) for g, r in self.group_ranks.items()}
             self.rank_group = {r: (d, s) for r, (d, s, _t) in layout.coords().items()}
             self.group_ranks = {}
             for d, stages in enumerate(layout.groups):
                 for s, grp in enumerate(stages):
                     self.group_ranks[(d, s)] = list(grp)
-            # A slow device the scheduler moved or set aside is no longer what its
-            # old group's timings measure: stop judging its recovery from them
-            # (a re-join still reports it).
+            # A slow device is judged where it now works.  In a group of unchanged TP
+            # degree that group's healthy scale and baseline still hold, so its residual
+            # keeps showing the slowdown until the device recovers (this needs no peer
+            # replica, unlike the warm-up's peer comparison).  Set aside (standby: the
+            # trainer's probes judge it), split over groups, or in a group whose degree
+            # changed, it is detached; the warm-up's peer comparison re-attaches it where
+            # it can (a re-join still reports it).
             for st in self.slow.values():
-                if st.group is not None and not set(st.ranks) <= set(
-                    self.group_ranks.get(st.group, [])
-                ):
-                    st.group = None
+                if st.link is None and st.pair is None:
+                    homes = {self.rank_group.get(r) for r in st.ranks}
+                    g = homes.pop() if len(homes) == 1 else None
+                    kept = (
+                        g is not None
+                        and old_size.get(g) == len(self.group_ranks[g])
+                        and g in self.pred.scale
+                        and g in self.mu
+                    )
+                    st.group = g if kept else None
                 if st.pair is not None:
                     d, lo = st.pair
                     ends = set(self.group_ranks.get((d, lo), [])) | set(
@@ -222,6 +233,19 @@ class FailSlowDetector:
 
     def slow_groups(self) -> set[Group]:
         return {s.group for s in self.slow.values() if s.group is not None}
+
+    def _slow_alone(self, slow: set[Group]) -> dict[Group, float]:
+        """Known-slow groups whose stage has no other live group, with their slow factors."""
+        stages: dict[int, set[Group]] = {}
+        for g, ranks in self.group_ranks.items():
+            if ranks:
+                stages.setdefault(g[1], set()).add(g)
+        out = {}
+        for st in self.slow.values():
+            g = st.group
+            if g is not None and g in slow and stages.get(g[1], set()) <= slow:
+                out[g] = max(st.factor, 1.0)
+        return out
 
     # ------------------------------------------------------------- main
     def process(self, v: IterationView) -> list[Finding]:
@@ -281,12 +305,16 @@ class FailSlowDetector:
         # two passes: pooled fit, per-group scales, refit on scale-corrected times;
         # groups far slower than their peers are left out of the second fit
         outliers: dict[Group, float] = {}
+        # a stage whose every group is known slow has nothing healthy to learn from: its
+        # groups are fitted at healthy speed (durations / their slow factor), so their
+        # residuals keep showing the slowdown and their recovery can be seen
+        solo = self._slow_alone(slow)
         for _pass in range(2):
             self.pred.fits.clear()
             self.pred._coef.clear()
-            skip = slow | set(outliers)
+            skip = (slow - set(solo)) | set(outliers)
             for v in views:
-                self.pred.observe(v, exclude=skip)
+                self.pred.observe(v, exclude=skip, slowed=solo)
             per: dict[Group, list[float]] = {}
             for v in views:
                 pr = self.pred.predict_compute(v, with_scale=False)

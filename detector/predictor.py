@@ -343,8 +343,18 @@ class ChunkPredictor:
             self.comm_median.pop(key, None)
 
     # ------------------------------------------------------------- fitting
-    def observe(self, v: IterationView, exclude: set[tuple[int, int]] | None = None) -> None:
-        """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip)."""
+    def observe(
+        self,
+        v: IterationView,
+        exclude: set[tuple[int, int]] | None = None,
+        slowed: dict[tuple[int, int], float] | None = None,
+    ) -> None:
+        """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip).
+
+        ``slowed``: groups known to run ``factor`` times slower than healthy, folded in at
+        healthy speed (their durations divided by the factor) -- for a stage with no
+        healthy group to learn from.
+        """
         cm = v.compute_mask()
         if exclude:
             gk = v.dp.astype(np.int64) * 4096 + v.stage
@@ -357,6 +367,10 @@ class ChunkPredictor:
             f.decay(self.forget)
         if cm.any():
             sc = self._scales(v.dp[cm], v.stage[cm])
+            if slowed:
+                gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+                for (d, s), f in slowed.items():
+                    sc = np.where(gk == d * 4096 + s, sc * f, sc)
             y = v.duration_s[cm] / sc
             x = np.stack([v.tokens_n[cm] / N_UNIT, v.sum_sq[cm] / SQ_UNIT], axis=1)
             st, kd = v.stage[cm], v.kind[cm]

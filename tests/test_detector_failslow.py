@@ -438,3 +438,32 @@ def test_recovery_after_a_replan_does_not_alarm_the_slow_groups_peer():
     job.rank_slow[victim] = 1.0
     reps = _run(det, job, 30)
     assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
+
+
+def test_slow_device_moved_where_it_has_no_peers_is_still_judged_there():
+    """DP=1: no peer replica to compare against after a replan, so the slow device must be
+    followed into its new group from the layout itself (its recovery is then seen there)."""
+    lay = Layout.uniform(tp=2, pp=4, dp=1, num_layers=16, num_microbatches=8, devices_per_node=32)
+    lay.world_size = 9
+    lay.standby = [8]
+    lay.validate()
+    victim = lay.groups[0][1][1]
+    job, det = _reported_slow(lay, 41, victim, at=30, factor=1.8, n=40)
+    lay2 = copy.deepcopy(lay)
+    lay2.groups[0][1][1] = 8
+    lay2.standby = [victim]
+    lay2.layout_id = 1
+    _switch(job, det, lay2)
+    assert _run(det, job, 30) == []
+    lay3 = copy.deepcopy(lay2)
+    gone = lay3.groups[0][3][0]
+    lay3.groups[0][3][0] = victim
+    lay3.standby = []
+    lay3.dead = [gone]
+    lay3.layout_id = 2
+    _switch(job, det, lay3)
+    assert _run(det, job, 40) == []
+    assert det.health[victim]["state"] == "slow"
+    job.rank_slow[victim] = 1.0
+    reps = _run(det, job, 30)
+    assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
