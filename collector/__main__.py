@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 
 from collector.config import CollectorConfig
+from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,16 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    try:
-        cfg = CollectorConfig.from_args(args)
-    except ValueError as e:
-        print(f"collector: bad setting: {e}", file=sys.stderr)
+    setup_logging(args.log_level)
+    cfg = load_config("collector", lambda: CollectorConfig.from_args(args))
+    if cfg is None:
         return 2
+    if args.check_health:
+        return health_exit_code(cfg.redis_url, cfg.job_id, "collector", cfg.instance)
 
-    from resihp.bus import Health
     from resihp.keys import JobKeys
     from resihp.redis_client import connect
 
@@ -64,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"collector: {e}", file=sys.stderr)
         return 2
     keys = JobKeys(cfg.job_id)
-    if args.check_health:
-        return 0 if Health.check(client, keys, "collector", cfg.instance) else 1
     if args.cmd == "record":
         from collector import record
 
@@ -86,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from collector.service import CollectorService
     from resihp.bus import register_job
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = stop_on_signals()
     svc = CollectorService(cfg, client)
     try:
         register_job(client, keys)

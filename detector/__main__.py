@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 
 from detector.config import DetectorConfig
+from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,39 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
-    )
+    setup_logging(args.log_level)
     if args.cmd == "replay" and getattr(args, "baseline", None):
         args.mode = args.baseline
-    try:
-        cfg = DetectorConfig.from_args(args)
-    except (ValueError, TypeError) as e:
-        print(f"detector: {e}", file=sys.stderr)
+    cfg = load_config("detector", lambda: DetectorConfig.from_args(args))
+    if cfg is None:
         return 2
     if args.cmd == "replay":
         from detector.replay import main as replay_main
 
         return replay_main(args.trace, args.out, cfg, args.heartbeat_interval_s)
+    if args.check_health:
+        return health_exit_code(cfg.redis_url, cfg.job_id, "detector")
 
-    from resihp.bus import Health
-    from resihp.keys import JobKeys
     from resihp.redis_client import connect
 
     try:
         client = connect(cfg.redis_url)
     except ValueError as e:
         print(f"detector: {e}", file=sys.stderr)
-        return 1 if args.check_health else 2
-    keys = JobKeys(cfg.job_id)
-    if args.check_health:
-        return 0 if Health.check(client, keys, "detector") else 1
+        return 2
     from detector.service import DetectorService
 
     svc = DetectorService(cfg, client)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     logging.getLogger(__name__).info("detector: job %s, mode %s", cfg.job_id, cfg.mode)
     svc.run(stop)
     return 0

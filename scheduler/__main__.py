@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import signal
 import sys
 import threading
 import time
 
-from resihp.bus import Health, publish
+from resihp.bus import publish
+from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
 from resihp.keys import JobKeys
 from resihp.redis_client import connect
 from resihp.schemas import OperatorAction
@@ -84,21 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s"
-    )
+    setup_logging()
     args = build_parser().parse_args(argv)
     if args.cmd == "simulate":
         from scheduler.simulate import main_simulate
 
         return main_simulate(args)
     if args.check_health:
-        try:
-            client = connect(args.redis_url)
-            return 0 if Health.check(client, JobKeys(args.job_id), "scheduler") else 1
-        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
-            print(f"unhealthy: {e}", file=sys.stderr)
-            return 1
+        return health_exit_code(args.redis_url, args.job_id, "scheduler")
     if args.cmd == "act":
         try:
             override = json.loads(args.override)
@@ -122,10 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.config import SchedulerConfig
     from scheduler.service import SchedulerService
 
-    try:
-        cfg = SchedulerConfig.from_args(args)
-    except ValueError as e:
-        print(f"bad configuration: {e}", file=sys.stderr)
+    cfg = load_config("scheduler", lambda: SchedulerConfig.from_args(args))
+    if cfg is None:
         return 2
     try:
         client = connect(cfg.redis_url or None)
@@ -133,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 2
     svc = SchedulerService(cfg, client)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = stop_on_signals()
     if args.duration:
         threading.Timer(args.duration, stop.set).start()
     svc.run(stop)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
+
+from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
 
 from .config import SimConfig
 
@@ -29,22 +29,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    try:
-        cfg = SimConfig.from_args(args)
-    except ValueError as e:
-        print(f"trainer sim: bad setting: {e}", file=sys.stderr)
+    setup_logging(args.log_level)
+    cfg = load_config("trainer sim", lambda: SimConfig.from_args(args))
+    if cfg is None:
         return 2
+    if args.check_health:
+        return health_exit_code(cfg.redis_url, cfg.job_id, "trainer")
 
-    from resihp.bus import Health
-    from resihp.keys import JobKeys
     from resihp.redis_client import connect
 
     client = connect(cfg.redis_url)
-    if args.check_health:
-        return 0 if Health.check(client, JobKeys(cfg.job_id), "trainer") else 1
 
     from resihp.scenario import ScenarioError, load_scenario
 
@@ -60,13 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainer sim: bad scenario: {e}", file=sys.stderr)
             return 2
     trainer = SimTrainer(cfg, client, scenario=scenario)
-    stop = threading.Event()
-
-    def _stop(*_):
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     logging.getLogger("trainer.sim").info(
         "simulating %s %s on %d ranks (speed %s)",
         cfg.model,

@@ -1,0 +1,62 @@
+"""The shared shape of every service entry point (``python -m <service>``).
+
+Each service's ``__main__`` parses its own arguments and then does the same few
+things: set up logging, build its config object (a bad value exits 2 naming the
+setting), answer ``--check-health`` from the service's health key (exit 0/1, for
+compose healthchecks), and run until SIGTERM/SIGINT.  Those steps live here so
+they behave the same in every service.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def load_config(service: str, build: Callable[[], T]) -> T | None:
+    """``build()``, or None after printing ``<service>: bad setting: <why>`` (exit code 2)."""
+    try:
+        return build()
+    except (ValueError, TypeError) as e:
+        print(f"{service}: bad setting: {e}", file=sys.stderr)
+        return None
+
+
+def health_exit_code(redis_url: str | None, job_id: str, service: str, instance: str = "0") -> int:
+    """0 if ``service``'s health key for ``job_id`` is present and ok, else 1.
+
+    An unreachable or misconfigured Redis is unhealthy too (said on stderr), never a crash.
+    """
+    from resihp.bus import Health
+    from resihp.keys import JobKeys
+    from resihp.redis_client import connect
+
+    try:
+        client = connect(redis_url)
+        try:
+            return 0 if Health.check(client, JobKeys(job_id), service, instance) else 1
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+        print(f"{service}: unhealthy: {e}", file=sys.stderr)
+        return 1
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: the service's run loop stops at a safe point."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
