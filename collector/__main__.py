@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from collector.config import CollectorConfig
-from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
+from resihp.entry import (
+    add_entry_arguments,
+    health_exit_code,
+    load_config,
+    setup_logging,
+    stop_on_signals,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,12 +23,7 @@ def _parser() -> argparse.ArgumentParser:
         description="ResiHP collector: two-level heartbeat liveness and iteration records.",
     )
     CollectorConfig.add_arguments(p)
-    p.add_argument(
-        "--check-health",
-        action="store_true",
-        help="exit 0 if the collector's health key is present and ok, 1 otherwise",
-    )
-    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
+    add_entry_arguments(p, "collector")
     sub = p.add_subparsers(dest="cmd")
     rec = sub.add_parser("record", help="write the job's telemetry stream as JSON lines")
     rec.add_argument("--out", required=True, help="trace file (JSON lines), '-' for stdout")

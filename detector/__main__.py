@@ -13,7 +13,13 @@ import os
 import sys
 
 from detector.config import DetectorConfig
-from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
+from resihp.entry import (
+    add_entry_arguments,
+    health_exit_code,
+    load_config,
+    setup_logging,
+    stop_on_signals,
+)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -48,10 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
     p.add_argument("--mode", choices=["resihp", "greyhound"], default="resihp")
-    p.add_argument(
-        "--check-health", action="store_true", help="exit 0 if the detector's health key is ok"
-    )
-    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
+    add_entry_arguments(p, "detector")
     _common(p)
     sub = p.add_subparsers(dest="cmd")
     rp = sub.add_parser("replay", help="run the detector over a recorded trace (no Redis)")

@@ -9,7 +9,9 @@ they behave the same in every service.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -19,6 +21,16 @@ from typing import TypeVar
 T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def add_entry_arguments(p: argparse.ArgumentParser, service: str) -> None:
+    """``--check-health`` and ``--log-level`` (default ``$RESIHP_LOG_LEVEL``, else INFO)."""
+    p.add_argument(
+        "--check-health",
+        action="store_true",
+        help=f"exit 0 if the {service}'s health key is present and ok, 1 otherwise",
+    )
+    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
 
 
 def setup_logging(level: str = "INFO") -> None:

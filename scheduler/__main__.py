@@ -16,7 +16,13 @@ import threading
 import time
 
 from resihp.bus import publish
-from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
+from resihp.entry import (
+    add_entry_arguments,
+    health_exit_code,
+    load_config,
+    setup_logging,
+    stop_on_signals,
+)
 from resihp.keys import JobKeys
 from resihp.redis_client import connect
 from resihp.schemas import OperatorAction
@@ -30,9 +36,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
     _common(ap)
-    ap.add_argument(
-        "--check-health", action="store_true", help="exit 0 if the scheduler's health key is ok"
-    )
+    add_entry_arguments(ap, "scheduler")
     sub = ap.add_subparsers(dest="cmd")
     run = sub.add_parser("run", help="run the scheduler service (the default)")
     _common(run)
@@ -83,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
     if args.cmd == "simulate":
         from scheduler.simulate import main_simulate
 

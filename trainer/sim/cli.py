@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-from resihp.entry import health_exit_code, load_config, setup_logging, stop_on_signals
+from resihp.entry import (
+    add_entry_arguments,
+    health_exit_code,
+    load_config,
+    setup_logging,
+    stop_on_signals,
+)
 
 from .config import SimConfig
 
@@ -18,12 +23,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Simulated TP x PP x DP training job that emits real telemetry and follows plans.",
     )
     SimConfig.add_arguments(p)
-    p.add_argument(
-        "--check-health",
-        action="store_true",
-        help="exit 0 if the trainer's health key is present and ok, 1 otherwise",
-    )
-    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
+    add_entry_arguments(p, "trainer")
     return p
 
 
