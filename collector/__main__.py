@@ -8,13 +8,7 @@ import logging
 import sys
 
 from collector.config import CollectorConfig
-from resihp.entry import (
-    add_entry_arguments,
-    health_exit_code,
-    load_config,
-    setup_logging,
-    stop_on_signals,
-)
+from resihp import entry
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,7 +17,7 @@ def _parser() -> argparse.ArgumentParser:
         description="ResiHP collector: two-level heartbeat liveness and iteration records.",
     )
     CollectorConfig.add_arguments(p)
-    add_entry_arguments(p, "collector")
+    entry.add_entry_arguments(p, "collector")
     sub = p.add_subparsers(dest="cmd")
     rec = sub.add_parser("record", help="write the job's telemetry stream as JSON lines")
     rec.add_argument("--out", required=True, help="trace file (JSON lines), '-' for stdout")
@@ -44,12 +38,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging(args.log_level)
-    cfg = load_config("collector", lambda: CollectorConfig.from_args(args))
+    entry.setup_logging(args.log_level)
+    cfg = entry.load_config("collector", lambda: CollectorConfig.from_args(args))
     if cfg is None:
         return 2
     if args.check_health:
-        return health_exit_code(cfg.redis_url, cfg.job_id, "collector", cfg.instance)
+        return entry.health_exit_code(cfg.redis_url, cfg.job_id, "collector", cfg.instance)
 
     from resihp.keys import JobKeys
     from resihp.redis_client import connect
@@ -80,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from collector.service import CollectorService
     from resihp.bus import register_job
 
-    stop = stop_on_signals()
+    stop = entry.stop_on_signals()
     svc = CollectorService(cfg, client)
     try:
         register_job(client, keys)

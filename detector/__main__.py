@@ -13,13 +13,7 @@ import os
 import sys
 
 from detector.config import DetectorConfig
-from resihp.entry import (
-    add_entry_arguments,
-    health_exit_code,
-    load_config,
-    setup_logging,
-    stop_on_signals,
-)
+from resihp import entry
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -54,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
     p.add_argument("--mode", choices=["resihp", "greyhound"], default="resihp")
-    add_entry_arguments(p, "detector")
+    entry.add_entry_arguments(p, "detector")
     _common(p)
     sub = p.add_subparsers(dest="cmd")
     rp = sub.add_parser("replay", help="run the detector over a recorded trace (no Redis)")
@@ -70,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    entry.setup_logging(args.log_level)
     if args.cmd == "replay" and getattr(args, "baseline", None):
         args.mode = args.baseline
-    cfg = load_config("detector", lambda: DetectorConfig.from_args(args))
+    cfg = entry.load_config("detector", lambda: DetectorConfig.from_args(args))
     if cfg is None:
         return 2
     if args.cmd == "replay":
@@ -81,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return replay_main(args.trace, args.out, cfg, args.heartbeat_interval_s)
     if args.check_health:
-        return health_exit_code(cfg.redis_url, cfg.job_id, "detector")
+        return entry.health_exit_code(cfg.redis_url, cfg.job_id, "detector")
 
     from resihp.redis_client import connect
 
@@ -93,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from detector.service import DetectorService
 
     svc = DetectorService(cfg, client)
-    stop = stop_on_signals()
+    stop = entry.stop_on_signals()
     logging.getLogger(__name__).info("detector: job %s, mode %s", cfg.job_id, cfg.mode)
     svc.run(stop)
     return 0

@@ -15,14 +15,8 @@ import sys
 import threading
 import time
 
+from resihp import entry
 from resihp.bus import publish
-from resihp.entry import (
-    add_entry_arguments,
-    health_exit_code,
-    load_config,
-    setup_logging,
-    stop_on_signals,
-)
 from resihp.keys import JobKeys
 from resihp.redis_client import connect
 from resihp.schemas import OperatorAction
@@ -36,7 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
     _common(ap)
-    add_entry_arguments(ap, "scheduler")
+    entry.add_entry_arguments(ap, "scheduler")
     sub = ap.add_subparsers(dest="cmd")
     run = sub.add_parser("run", help="run the scheduler service (the default)")
     _common(run)
@@ -88,13 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    entry.setup_logging(args.log_level)
     if args.cmd == "simulate":
         from scheduler.simulate import main_simulate
 
         return main_simulate(args)
     if args.check_health:
-        return health_exit_code(args.redis_url, args.job_id, "scheduler")
+        return entry.health_exit_code(args.redis_url, args.job_id, "scheduler")
     if args.cmd == "act":
         try:
             override = json.loads(args.override)
@@ -118,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler.config import SchedulerConfig
     from scheduler.service import SchedulerService
 
-    cfg = load_config("scheduler", lambda: SchedulerConfig.from_args(args))
+    cfg = entry.load_config("scheduler", lambda: SchedulerConfig.from_args(args))
     if cfg is None:
         return 2
     try:
@@ -127,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 2
     svc = SchedulerService(cfg, client)
-    stop = stop_on_signals()
+    stop = entry.stop_on_signals()
     if args.duration:
         threading.Timer(args.duration, stop.set).start()
     svc.run(stop)

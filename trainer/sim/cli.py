@@ -6,13 +6,7 @@ import argparse
 import logging
 import sys
 
-from resihp.entry import (
-    add_entry_arguments,
-    health_exit_code,
-    load_config,
-    setup_logging,
-    stop_on_signals,
-)
+from resihp import entry
 
 from .config import SimConfig
 
@@ -23,18 +17,18 @@ def _parser() -> argparse.ArgumentParser:
         description="Simulated TP x PP x DP training job that emits real telemetry and follows plans.",
     )
     SimConfig.add_arguments(p)
-    add_entry_arguments(p, "trainer")
+    entry.add_entry_arguments(p, "trainer")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging(args.log_level)
-    cfg = load_config("trainer sim", lambda: SimConfig.from_args(args))
+    entry.setup_logging(args.log_level)
+    cfg = entry.load_config("trainer sim", lambda: SimConfig.from_args(args))
     if cfg is None:
         return 2
     if args.check_health:
-        return health_exit_code(cfg.redis_url, cfg.job_id, "trainer")
+        return entry.health_exit_code(cfg.redis_url, cfg.job_id, "trainer")
 
     from resihp.redis_client import connect
 
@@ -54,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainer sim: bad scenario: {e}", file=sys.stderr)
             return 2
     trainer = SimTrainer(cfg, client, scenario=scenario)
-    stop = stop_on_signals()
+    stop = entry.stop_on_signals()
     logging.getLogger("trainer.sim").info(
         "simulating %s %s on %d ranks (speed %s)",
         cfg.model,
