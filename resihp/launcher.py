@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from resihp.bus import Health, clear_job, list_jobs
+from resihp.bus import Health, clear_job, list_jobs, set_job_state
 from resihp.keys import JobKeys, validate_job_id
 from resihp.redis_client import EmbeddedRedis, connect
 from resihp.status import STACK_FILE, collect_status, job_status, running_stack, summary_line
@@ -137,7 +137,7 @@ def _last_line(path: Path) -> str:
 
 
 class JobInUse(RuntimeError):
-    """``--fresh`` asked for a job whose services are running."""
+    """The job cannot be started as asked: its services run, or it has another run's history."""
 
 
 #: The job id ``--demo`` runs under unless one is given: a demo is disposable, so it
@@ -145,12 +145,15 @@ class JobInUse(RuntimeError):
 DEMO_JOB_ID = "demo"
 
 
-def prepare_job(client, job_id: str, fresh: bool) -> str | None:
-    """Before any service starts: clear the job (``fresh``) or say that this run appends.
+def prepare_job(client, job_id: str, fresh: bool, new_run: bool = True) -> str | None:
+    """Before any service starts: clear the job (``fresh``), or check it may be used as is.
 
-    A trainer that starts from iteration 0 under a job id with history would mix two
-    runs on the dashboard and in incident reports; the operator decides, and is told.
-    -> the line to print, if any.
+    Every trainer start is a new run from iteration 0 (neither trainer resumes a job), so
+    a new run under a job id that holds another run's iterations, failures and plans would
+    mix the two on the dashboard and in incident reports, and the services would act on
+    the old run's state (its layout, dead ranks, pending plans).  ``new_run`` (a trainer
+    will start): such a job is refused unless ``fresh``; without a trainer the stack just
+    shows the job's history.  -> the line to print, if any.
     """
     keys = JobKeys(job_id)
     if fresh:
@@ -170,12 +173,27 @@ def prepare_job(client, job_id: str, fresh: bool) -> str | None:
     if not (c["iterations_total"] or c["failures_total"] or c["plans_total"]):
         return None
     last = st["last_iteration"]
-    return (
-        f"resihp: job {job_id!r} already has data in this Redis (last iteration "
+    what = (
+        f"job {job_id!r} already holds a run in this Redis (last iteration "
         f"{last['iteration'] if last else '-'}, {c['failures_total']} failure reports, "
-        f"{c['plans_total']} plans); this run appends to it. "
-        "--fresh starts the job from scratch, --job-id NAME runs a separate job."
+        f"{c['plans_total']} plans)"
     )
+    if new_run:
+        raise JobInUse(
+            f"{what}; a new run would be mixed with it. --fresh deletes it first, "
+            "--job-id NAME runs beside it, --trainer none shows it without a new run"
+        )
+    return f"resihp: {what}; no trainer started: showing it"
+
+
+def mark_stopped(client, job_id: str) -> None:
+    """The stack was stopped on purpose: the trainer's silence from now on is not a failure.
+
+    Said before the children stop, so a collector still running cannot count the
+    trainer's last missed beats as a fail-stop, and a later stack that shows this job
+    (``--trainer none``) does not judge the old layout's ranks dead.
+    """
+    set_job_state(client, JobKeys(job_id), "finished", reason="stopped by resihp up")
 
 
 def resolve_job(args) -> str:
@@ -223,7 +241,7 @@ def run_stack(args) -> int:
     try:
         client = connect(url)
         try:
-            note = prepare_job(client, args.job_id, args.fresh)
+            note = prepare_job(client, args.job_id, args.fresh, new_run=args.trainer != "none")
         finally:
             client.close()
     except JobInUse as e:
@@ -299,6 +317,15 @@ def run_stack(args) -> int:
             stop.wait(1.0 if tty else 5.0)
         print("\nresihp: stopping ...", flush=True)
     finally:
+        if any(c.name == "trainer" for c in children):
+            try:
+                client = connect(url)
+                try:
+                    mark_stopped(client, args.job_id)
+                finally:
+                    client.close()
+            except Exception as e:  # noqa: BLE001 - stopping must go on whatever Redis does
+                print(f"resihp: could not mark job {args.job_id!r} stopped: {e}", flush=True)
         _stop_children(children)
         if embedded is not None:
             embedded.stop()

@@ -85,6 +85,24 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     assert [p for p in children if _alive(p)] == [], "orphaned service processes"
     assert not stack_file.exists()
 
+    # the stop marked the job finished: its silence from now on is not a failure
+    from resihp.bus import job_state
+    from resihp.keys import JobKeys
+    from resihp.redis_client import EmbeddedRedis
+
+    srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
+    try:
+        client = srv.client()
+        assert job_state(client, JobKeys("default")) == "finished"
+        client.close()
+    finally:
+        srv.stop()
+    # a new run under the same job would mix with the old one: refused before anything starts
+    up = [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path), "--no-summary"]
+    again = subprocess.run([*up, "--duration", "5"], capture_output=True, text=True, env=env)
+    assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
+    assert "--fresh" in again.stderr
+
 
 def test_status_without_stack_says_what_to_do(tmp_path):
     env = dict(os.environ)
@@ -142,9 +160,14 @@ def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(
         bus.register_job(r, k)
         r.xadd(k.failures, {"m": "x"})
         r.hset(k.counters, "heartbeats_total", 5)
-    note = prepare_job(r, "prod", fresh=False)
-    assert "already has data" in note and "1 failure reports" in note and "--fresh" in note
-    assert r.xlen(old.failures) == 1  # told, nothing deleted
+    # a new run would be mixed with the old one: refused, with the ways out
+    with pytest.raises(JobInUse, match="1 failure reports") as e:
+        prepare_job(r, "prod", fresh=False)
+    assert "--fresh" in str(e.value) and "--job-id" in str(e.value)
+    # no trainer: the services just show the old run
+    note = prepare_job(r, "prod", fresh=False, new_run=False)
+    assert "already holds a run" in note and "showing it" in note
+    assert r.xlen(old.failures) == 1  # nothing deleted
 
     # services of the job still running: --fresh refuses instead of deleting under them
     bus.Health(r, old, "detector").beat()
