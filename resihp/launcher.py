@@ -157,7 +157,9 @@ def prepare_job(client, job_id: str, fresh: bool, new_run: bool = True) -> str |
     """
     keys = JobKeys(job_id)
     if fresh:
-        live = sorted(Health.all(client, keys))  # health keys expire: these are running now
+        # health keys expire: these are running now (a dashboard only reads, and one
+        # dashboard beats for every job in the Redis: it does not hold a job)
+        live = sorted(s for s in Health.all(client, keys) if not s.startswith("dashboard:"))
         if live:
             raise JobInUse(
                 f"job {job_id!r} has running services ({', '.join(live)}): stop them before "
@@ -184,6 +186,18 @@ def prepare_job(client, job_id: str, fresh: bool, new_run: bool = True) -> str |
             "--job-id NAME runs beside it, --trainer none shows it without a new run"
         )
     return f"resihp: {what}; no trainer started: showing it"
+
+
+def _with_redis(url: str, fn, what: str) -> None:
+    """``fn(client)`` on a short-lived connection; a failure is said, never raised (shutdown)."""
+    try:
+        client = connect(url)
+        try:
+            fn(client)
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 - stopping must go on whatever Redis does
+        print(f"resihp: could not {what}: {e}", flush=True)
 
 
 def mark_stopped(client, job_id: str) -> None:
@@ -318,15 +332,18 @@ def run_stack(args) -> int:
         print("\nresihp: stopping ...", flush=True)
     finally:
         if any(c.name == "trainer" for c in children):
-            try:
-                client = connect(url)
-                try:
-                    mark_stopped(client, args.job_id)
-                finally:
-                    client.close()
-            except Exception as e:  # noqa: BLE001 - stopping must go on whatever Redis does
-                print(f"resihp: could not mark job {args.job_id!r} stopped: {e}", flush=True)
+            _with_redis(url, lambda cl: mark_stopped(cl, args.job_id), "mark the job stopped")
         _stop_children(children)
+        # the stopped services' health keys would live on for their TTL and make a
+        # `resihp up --fresh` right after this one refuse the job as still running
+        names = [c.name for c in children]
+        if names:
+            keys = JobKeys(args.job_id)
+            _with_redis(
+                url,
+                lambda cl: cl.delete(*(keys.health(n, "0") for n in names)),
+                "clear the stopped services' health keys",
+            )
         if embedded is not None:
             embedded.stop()
         stack_file.unlink(missing_ok=True)
