@@ -243,7 +243,7 @@ class FailSlowDetector:
         out = {}
         for st in self.slow.values():
             g = st.group
-            if g is not None and g in slow and stages.get(g[1], set()) <= slow:
+            if g is not None and stages.get(g[1], set()) <= slow:
                 out[g] = max(st.factor, 1.0)
         return out
 

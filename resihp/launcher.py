@@ -258,15 +258,11 @@ def run_stack(args) -> int:
             note = prepare_job(client, args.job_id, args.fresh, new_run=args.trainer != "none")
         finally:
             client.close()
-    except JobInUse as e:
+    except Exception as e:  # noqa: BLE001 - a job or a Redis we cannot use stops here, with the reason
         if embedded is not None:
             embedded.stop()
-        print(f"resihp up: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - a Redis we cannot use stops here, with the reason
-        if embedded is not None:
-            embedded.stop()
-        print(f"resihp up: cannot use Redis at {url}: {e}", file=sys.stderr)
+        why = str(e) if isinstance(e, JobInUse) else f"cannot use Redis at {url}: {e}"
+        print(f"resihp up: {why}", file=sys.stderr)
         return 2
     if note:
         print(note, flush=True)
