@@ -14,6 +14,14 @@ Wiring only; the decisions live in :mod:`resihp.liveness` and
   takes them over after ``claim_idle_ms``; re-read rows are deduplicated.
 * While Redis is unreachable nothing is judged; after it returns every rank
   gets a fresh deadline (nobody could be heard during the outage).
+* Liveness is judged only once the job has been heard: a telemetry entry that
+  arrived no more than one fail-stop deadline before this collector started, or
+  any later.  A collector started on a job that went silent before it (its
+  stack was killed, or one shows an old job's history) would otherwise declare
+  every node dead at once; it says the job is silent instead, and starts judging
+  (every rank with a fresh deadline) when telemetry comes again.  A collector
+  restarted during a live job hears it within a heartbeat, and ranks that died
+  while it was down are still judged from the backlog it reads.
 """
 
 from __future__ import annotations
@@ -122,6 +130,9 @@ class CollectorService:
         self._outage = False
         self._finished = False
         self._job_state_next = 0.0
+        self._started_s = time.time()
+        self._heard = False  # any telemetry from the job's present (see module doc)
+        self._silence_said = False
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -243,6 +254,13 @@ class CollectorService:
             now = time.time()
             if batch:
                 self._frontier_s = max(self._frontier_s, self._arrival_s(batch[-1][0]))
+                if not self._heard and self._frontier_s >= self._started_s - self._deadline_s():
+                    self._heard = True
+                    self.liveness.resume(now)
+                    if self._silence_said:
+                        log.info(
+                            "collector: job %s reports again; judging liveness", self.keys.job_id
+                        )
             # Behind in reading (a full batch came back): everything up to the read
             # frontier has been seen, what arrived after it not yet, so judge
             # liveness at the frontier, never at a time whose beats are unread.
@@ -431,8 +449,32 @@ class CollectorService:
             self._finished = finished
         return self._finished
 
+    def _deadline_s(self) -> float:
+        lv = self.liveness
+        return (lv.k + lv.jitter_beats) * lv.interval_s
+
+    def _say_silent(self, now: float) -> None:
+        if self._silence_said or now - self._started_s < self._deadline_s():
+            return
+        self._silence_said = True
+        last = self.client.xrevrange(self.keys.telemetry, count=1)
+        since = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._arrival_s(last[0][0])))
+            if last
+            else "never"
+        )
+        log.warning(
+            "collector: job %s is silent (last telemetry: %s) and was before this collector "
+            "started: no liveness verdicts until it reports again",
+            self.keys.job_id,
+            since,
+        )
+
     def _check_liveness(self, judge_s: float, now: float) -> None:
         if self._outage or self._job_finished(now):
+            return
+        if not self._heard:
+            self._say_silent(now)
             return
         for ev in self.liveness.check(judge_s):
             ev.detected_at_s = now
@@ -462,6 +504,8 @@ class CollectorService:
             "last_telemetry_age_s": round(max(0.0, time.time() - self._frontier_s), 3)
             if self._frontier_s
             else None,
+            # false while the job has been silent since before this collector started
+            "judging_liveness": self._heard and not self._finished,
             "deadletter_total": self.consumer.stats.deadletter_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
         }

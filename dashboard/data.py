@@ -497,6 +497,15 @@ class DashboardData:
                 continue
         return out
 
+    def job_state(self, job_id: str) -> dict[str, Any]:
+        """What the trainer last said (``state`` running | finished, ``at_s``, ``reason``);
+        {} when it never said or the key does not parse."""
+        try:
+            st = json.loads(self.client.get(JobKeys(job_id).job_state) or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        return st if isinstance(st, dict) else {}
+
     def service_health(self, job_id: str) -> dict[str, dict]:
         try:
             return bus.Health.all(self.client, JobKeys(job_id))

@@ -10,6 +10,7 @@ period) so no process is orphaned.  Logs go to ``<state-dir>/logs/``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from resihp.bus import Health, clear_job, list_jobs, set_job_state
 from resihp.keys import JobKeys, validate_job_id
+from resihp.lifetime import exit_with_parent, pid_alive, stale_processes
 from resihp.redis_client import EmbeddedRedis, connect
 from resihp.status import STACK_FILE, collect_status, job_status, running_stack, summary_line
 
@@ -54,9 +56,49 @@ def _spawn(name: str, argv: list[str], env: dict, log_dir: Path) -> Child:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # own process group: we can signal it and its children
+        # ... and, being in its own session, it would outlive a launcher killed with -9
+        preexec_fn=functools.partial(exit_with_parent, os.getpid()),
     )
     log.close()
     return Child(name, proc, log_path)
+
+
+def stop_stale_stack(state_dir: Path) -> str | None:
+    """Stop what a stack that died without stopping (``kill -9``, OOM) left running.
+
+    Its children normally follow it (``exit_with_parent``); this covers the rest
+    (another OS, a stack started by an older version).  Services first, then
+    their redis-server with SIGTERM, on which it syncs its append-only file:
+    the data stays for the next stack.  -> the line to print, if anything ran.
+    """
+    try:
+        st = json.loads((state_dir / STACK_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(st, dict) or pid_alive(st.get("pid")):
+        return None
+    left = stale_processes(st)
+    if not left:
+        return None
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for order in (lambda n: n != "redis-server", lambda n: n == "redis-server"):
+            batch = [pid for name, pid in left if order(name) and pid_alive(pid)]
+            for pid in batch:
+                try:
+                    if sig == signal.SIGTERM and pid == st.get("redis_pid"):
+                        os.kill(pid, sig)  # the server alone: it shuts down cleanly
+                    else:
+                        os.killpg(pid, sig)  # a service and anything it started
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + wait_s
+            while any(pid_alive(p) for p in batch) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    names = ", ".join(f"{n} (pid {p})" for n, p in left)
+    return (
+        f"resihp: the stack that last ran from {state_dir} (pid {st.get('pid')}) died without "
+        f"stopping {names}: stopped them; its Redis data is kept"
+    )
 
 
 def _stop_children(children: list[Child], grace_s: float = 8.0) -> None:
@@ -242,15 +284,31 @@ def run_stack(args) -> int:
         )
         return 2
 
+    stale = stop_stale_stack(state_dir)
+    if stale:
+        print(stale, flush=True)
+    stack_file = state_dir / STACK_FILE
     embedded: EmbeddedRedis | None = None
     if args.redis_url:
         url = args.redis_url
     else:
         data_dir = state_dir / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
-        embedded = EmbeddedRedis(data_dir=str(data_dir), appendonly=True).start()
+        embedded = EmbeddedRedis(data_dir=str(data_dir), appendonly=True, die_with_parent=True)
+        embedded.start()
         url = embedded.url
         print(f"resihp: embedded redis-server on {url} (data in {data_dir})", flush=True)
+    stack = {
+        "redis_url": url,
+        "job_id": args.job_id,
+        "pid": os.getpid(),
+        "redis_pid": embedded.pid if embedded is not None else None,
+        "children": {},
+        "dashboard": f"http://{args.dashboard_host}:{args.dashboard_port}/",
+    }
+    # written before any child starts, rewritten with each: whatever this stack
+    # leaves behind if it is killed, the next one can find
+    stack_file.write_text(json.dumps(stack, indent=2))
 
     try:
         client = connect(url)
@@ -261,6 +319,7 @@ def run_stack(args) -> int:
     except Exception as e:  # noqa: BLE001 - a job or a Redis we cannot use stops here, with the reason
         if embedded is not None:
             embedded.stop()
+        stack_file.unlink(missing_ok=True)
         why = str(e) if isinstance(e, JobInUse) else f"cannot use Redis at {url}: {e}"
         print(f"resihp up: {why}", file=sys.stderr)
         return 2
@@ -276,22 +335,11 @@ def run_stack(args) -> int:
     old_int = signal.signal(signal.SIGINT, _on_signal)
     old_term = signal.signal(signal.SIGTERM, _on_signal)
     children: list[Child] = []
-    stack_file = state_dir / STACK_FILE
     try:
         for name, argv in service_commands(args, url):
             children.append(_spawn(name, argv, env, log_dir))
-        stack_file.write_text(
-            json.dumps(
-                {
-                    "redis_url": url,
-                    "job_id": args.job_id,
-                    "pid": os.getpid(),
-                    "children": {c.name: c.proc.pid for c in children},
-                    "dashboard": f"http://{args.dashboard_host}:{args.dashboard_port}/",
-                },
-                indent=2,
-            )
-        )
+            stack["children"][name] = children[-1].proc.pid
+            stack_file.write_text(json.dumps(stack, indent=2))
         names = ", ".join(c.name for c in children) or "no services"
         print(f"resihp: started {names}; logs in {log_dir}", flush=True)
         if any(c.name == "dashboard" for c in children):

@@ -7,6 +7,7 @@ the URL (``redis://:secret@host:6379/0``) or in ``REDIS_PASSWORD``.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from resihp.lifetime import exit_with_parent
 
 DEFAULT_URL_ENV = "REDIS_URL"
 
@@ -69,8 +72,11 @@ class EmbeddedRedis:
         password: str | None = None,
         appendonly: bool = True,
         host: str = "127.0.0.1",
+        die_with_parent: bool = False,
     ):
         self.host = host
+        # `resihp up` sets it: its server must not outlive a launcher killed with -9
+        self.die_with_parent = die_with_parent
         self.port = port or free_port(host)
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="resihp-redis-")
@@ -79,11 +85,16 @@ class EmbeddedRedis:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        os.makedirs(self.data_dir, exist_ok=True)  # redis-server exits without a word otherwise
         args = [
             redis_server_binary(),
             "--port",
@@ -108,7 +119,13 @@ class EmbeddedRedis:
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=functools.partial(exit_with_parent, os.getpid())
+            if self.die_with_parent
+            else None,
         )
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(host=self.host, port=self.port, password=self.password)

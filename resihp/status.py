@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from resihp.bus import Health, list_jobs
 from resihp.keys import JobKeys
+from resihp.lifetime import pid_alive
 from resihp.plans import latest_plans, read_layout
 from resihp.redis_client import connect
 from resihp.schemas import IterationRecord, SchemaError, decode_entry
 
 STACK_FILE = "stack.json"
-
-
-def pid_alive(pid) -> bool:
-    """A live (not zombie) process with this pid."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def running_stack(state_dir: str = ".resihp") -> dict[str, Any] | None:
@@ -104,8 +90,14 @@ def job_status(client, job_id: str) -> dict[str, Any]:
                 open_failures += 1
         except ValueError:
             pass
+    try:
+        state = json.loads(client.get(keys.job_state) or b"null")
+    except ValueError:
+        state = None
     return {
         "job_id": job_id,
+        # what the trainer last said: running, or finished on purpose (None: never said)
+        "job_state": state if isinstance(state, dict) else None,
         "services": Health.all(client, keys),
         "layout": layout.to_dict() if layout else None,
         "layout_summary": layout.summary() if layout else layout_error,
@@ -158,7 +150,24 @@ def format_status(st: dict[str, Any]) -> str:
     for js in st["jobs"].values():
         lines.append(summary_line(js))
         lines.append(f"  layout: {js['layout_summary']}")
+        lines.append(f"  job: {_job_line(js)}")
         for name, h in sorted(js["services"].items()):
             lines.append(f"  service {name}: {h.get('status')} (pid {h.get('pid')})")
         lines.append("  counts: " + ", ".join(f"{k}={v}" for k, v in js["counts"].items()))
     return "\n".join(lines)
+
+
+def _job_line(js: dict[str, Any]) -> str:
+    """The trainer's last word on the job, and whether its silence is being judged."""
+    st = js.get("job_state") or {}
+    line = st.get("state") or "state unknown (the trainer never said)"
+    if st.get("reason"):
+        line += f" ({st['reason']})"
+    if st.get("at_s"):
+        line += time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(st["at_s"]))
+    col = js.get("services", {}).get("collector:0", {})
+    if col.get("judging_liveness") is False and st.get("state") != "finished":
+        line += (
+            "; silent since before the collector started: no fail-stop verdicts until it reports"
+        )
+    return line

@@ -258,3 +258,143 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys):
     # the file of a stack whose process is gone is stale: ignored, and a new stack may start
     (state / STACK_FILE).write_text(json.dumps({**stack, "pid": p.pid}))
     assert running_stack(str(state)) is None
+
+
+def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path):
+    from resihp.launcher import stop_stale_stack
+    from resihp.redis_client import EmbeddedRedis
+    from resihp.status import STACK_FILE
+
+    srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()  # not tied to us
+    srv.client().set("kept", "1")
+    svc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    bystander = subprocess.Popen(["sleep", "60"])  # a recycled pid: not the stack's any more
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stack = {
+        "redis_url": srv.url,
+        "job_id": "prod",
+        "pid": dead.pid,
+        "redis_pid": srv.pid,
+        "children": {"http.server": svc.pid, "collector": bystander.pid},
+    }
+    (tmp_path / STACK_FILE).write_text(json.dumps(stack))
+    try:
+        said = stop_stale_stack(tmp_path)
+        assert said is not None and f"pid {dead.pid}" in said
+        assert f"http.server (pid {svc.pid})" in said and f"redis-server (pid {srv.pid})" in said
+        assert "collector" not in said
+        assert svc.wait(5) is not None and srv.proc.wait(5) == 0  # redis shut down cleanly
+        assert bystander.poll() is None
+        # its data survived: a new server on the same directory has it
+        srv2 = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
+        assert srv2.client().get("kept") == b"1"
+        srv2.stop()
+        # a live stack is never touched, and nothing left means nothing said
+        assert stop_stale_stack(tmp_path) is None
+        (tmp_path / STACK_FILE).write_text(json.dumps({**stack, "pid": os.getpid()}))
+        assert stop_stale_stack(tmp_path) is None
+    finally:
+        bystander.kill()
+        svc.kill()
+        srv.stop()
+
+
+def test_a_stack_killed_with_sigkill_takes_its_children_along_and_leaves_no_false_failure(
+    tmp_path,
+):
+    """`kill -9` on `resihp up` (the OOM killer does the same): its redis-server, services
+    and trainer follow it, and a stack started next to show the job does not report the
+    killed job's ranks dead."""
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    up = [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path), "--no-summary"]
+    proc = subprocess.Popen(
+        [*up, "--dashboard-port", str(free_port()), "--trainer-arg=--speed=20", "--duration", "90"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    stack_file = tmp_path / "stack.json"
+    deadline = time.time() + 60
+    stack = {}
+    while time.time() < deadline and "trainer" not in stack.get("children", {}):
+        assert proc.poll() is None
+        time.sleep(0.2)
+        try:
+            stack = json.loads(stack_file.read_text())
+        except (OSError, ValueError):
+            pass
+    from resihp.bus import job_state
+    from resihp.keys import JobKeys
+    from resihp.redis_client import connect
+
+    keys = JobKeys("default")
+    client = connect(stack["redis_url"])
+    deadline = time.time() + 60
+    while time.time() < deadline and client.xlen(keys.iterations) < 3:
+        time.sleep(0.2)
+    assert client.xlen(keys.iterations) >= 3
+    client.close()
+    pids = [stack["redis_pid"], *stack["children"].values()]
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # never leave them to the next test
+        os.killpg(p, signal.SIGKILL)
+    assert left == [], "the stack's processes outlived it"
+
+    # the next stack shows the job: several fail-stop deadlines pass, nothing is reported
+    out = subprocess.run(
+        [*up, "--trainer", "none", "--duration", "15", "--dashboard-port", str(free_port())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no trainer started: showing it" in out.stdout
+    from resihp.redis_client import EmbeddedRedis
+
+    srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
+    try:
+        c = srv.client()
+        assert job_state(c, keys) == "running"  # nobody said it finished
+        assert c.xlen(keys.liveness) == 0 and c.xlen(keys.failures) == 0
+        c.close()
+    finally:
+        srv.stop()
+    log = (tmp_path / "logs" / "collector.log").read_text()
+    assert "is silent" in log
+
+
+def test_status_says_what_the_trainer_last_said_and_whether_silence_is_judged():
+    from resihp.status import format_status
+
+    js = {
+        "job_id": "prod",
+        "job_state": {"state": "running", "at_s": 1.0e9},
+        "services": {"collector:0": {"status": "ok", "pid": 7, "judging_liveness": False}},
+        "layout_summary": "DP2xPP2",
+        "last_iteration": None,
+        "counts": {},
+        "plans_by_state": {},
+        "open_failures": 0,
+    }
+    out = format_status({"redis_url": "redis://x", "jobs": {"prod": js}})
+    assert "job: running since 2001-09-" in out and "no fail-stop verdicts until it reports" in out
+    js["job_state"] = {"state": "finished", "reason": "stopped by resihp up"}
+    out = format_status({"redis_url": "redis://x", "jobs": {"prod": js}})
+    assert "job: finished (stopped by resihp up)" in out and "verdicts" not in out
+    js["job_state"] = None
+    assert "job: state unknown (the trainer never said)" in format_status(
+        {"redis_url": "redis://x", "jobs": {"prod": js}}
+    )

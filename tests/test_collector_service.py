@@ -437,3 +437,36 @@ def test_finished_job_is_not_reported_dead_and_a_relaunch_is_watched_again(r):
         svc.run_once()
     p.close()
     assert r.xlen(KEYS.liveness) >= 1
+
+
+def test_a_job_silent_since_before_the_collector_started_is_not_declared_dead(r):
+    """A collector started on a job whose stack was killed (no 'finished' mark) does not
+    report every node dead; it starts judging, with fresh deadlines, once the job is heard."""
+    from resihp.bus import set_job_state
+
+    lay = _layout()
+    _set_layout(r, lay)
+    set_job_state(r, KEYS, "running")
+    now_ms = int(r.time()[0] * 1000)
+    old = [Heartbeat(rank=k, node=lay.node_of(k), iteration=3, wall_time_s=0.0) for k in range(8)]
+    r.xadd(KEYS.telemetry, encode_entry(old), id=f"{now_ms - 60_000}-0")  # a minute ago
+    svc = _service(r, heartbeat_interval_s=0.1, heartbeat_k=2, check_interval_s=0.01)
+    t_end = time.time() + 1.0  # four fail-stop deadlines
+    while time.time() < t_end:
+        svc.run_once()
+    assert r.xlen(KEYS.liveness) == 0
+    assert svc.health_extra()["judging_liveness"] is False
+    # the job reports again, but only node 0: node 1 is judged dead, one deadline later
+    t_back = time.time()
+    while time.time() < t_back + 1.0:
+        beats = [Heartbeat(rank=k, node=0, iteration=4, wall_time_s=0.0) for k in range(4)]
+        r.xadd(KEYS.telemetry, encode_entry(beats))
+        svc.run_once()
+        time.sleep(0.02)
+        if r.xlen(KEYS.liveness):
+            break
+    events = _stream(r, KEYS.liveness, LivenessEvent)
+    assert [(e.scope, e.state, e.node) for e in events] == [("node", "dead", 1)]
+    assert svc.health_extra()["judging_liveness"] is True
+    # not before a full deadline from the moment the job was heard again
+    assert events[0].detected_at_s - t_back >= 0.25 - 0.05

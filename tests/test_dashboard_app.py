@@ -321,3 +321,19 @@ def test_served_by_waitress_and_stops_on_sigterm(redis_server, r):
 def test_server_settings_are_validated(kw, field):
     with pytest.raises(ValueError, match=field):
         DashboardConfig(**kw)
+
+
+def test_overview_says_when_the_job_finished_or_went_silent_before_the_collector(app, r):
+    from resihp.bus import Health, set_job_state
+
+    keys = JobKeys("job-a")
+    assert _overview(app)["ov-status"] == {"children": ""}  # running: nothing to say
+    col = Health(r, keys, "collector", ttl_s=30)
+    col.beat("ok", judging_liveness=False)
+    assert "No telemetry from this job since before the collector" in json.dumps(
+        _overview(app)["ov-status"]
+    )
+    set_job_state(r, keys, "finished", reason="stopped by resihp up")
+    text = json.dumps(_overview(app)["ov-status"])
+    assert "This job finished (stopped by resihp up) at " in text and "banner-info" in text
+    r.delete(keys.job_state, keys.health("collector", "0"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
@@ -62,9 +63,29 @@ def summarize(ctx: AppContext, job: str) -> dict:
         "plans": plans,
         "open_incidents": open_inc,
         "health": d.service_health(job),
+        "job_state": d.job_state(job),
         "liveness": d.liveness(job)[-20:],
         "device_health": d.device_health(job),
     }
+
+
+def job_banner(s: dict[str, Any]) -> Any:
+    """Say when the job is not running: ended on purpose, or silent since before the
+    collector started (its stack was killed), so the page shows history."""
+    st = s["job_state"]
+    col = next((v for k, v in s["health"].items() if k.startswith("collector:")), {})
+    if st.get("state") == "finished":
+        why = f" ({st['reason']})" if st.get("reason") else ""
+        when = figures._ts(st["at_s"]).strftime(" at %Y-%m-%d %H:%M:%S") if st.get("at_s") else ""
+        return banner(f"This job finished{why}{when}: showing its history.", "info")
+    if col.get("judging_liveness") is False:
+        return banner(
+            "No telemetry from this job since before the collector started (its trainer "
+            "stopped without saying so): showing its history; no fail-stop verdicts until "
+            "it reports again.",
+            "warn",
+        )
+    return ""
 
 
 def register(app, ctx: AppContext) -> None:
@@ -233,4 +254,4 @@ def register(app, ctx: AppContext) -> None:
                 title="Layout and health: min p_i of each TP group (stage x DP replica)",
                 height=max(200, 80 + 24 * lay.pp),
             )
-        return "", cards, thr, itf, table, lay_fig, sig
+        return job_banner(s), cards, thr, itf, table, lay_fig, sig

@@ -25,12 +25,14 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 from datetime import timedelta
 
 import redis
 import torch.distributed as dist
 
+from resihp import entry
 from resihp.bus import Health, set_job_state
 from resihp.keys import JobKeys
 from resihp.topology import Layout, Migration
@@ -365,8 +367,22 @@ class JobLauncher:
         last_poll = 0.0
         failed_seen = 0
         return_code = 0
+        stop = (
+            entry.stop_on_signals()
+            if threading.current_thread() is threading.main_thread()
+            else None
+        )
         try:
             while True:
+                if stop is not None and stop.is_set():
+                    # stopped from outside (resihp up, or the stack that started us died):
+                    # an interruption, not the end of the job, so it is not marked finished
+                    print("[launcher] stopping on a signal", flush=True)
+                    for p in self.procs.values():
+                        if p.is_alive():
+                            p.terminate()
+                    return_code = 143
+                    break
                 newly_dead = {
                     r
                     for r, p in self.procs.items()

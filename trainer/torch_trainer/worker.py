@@ -19,6 +19,7 @@ It leaves a generation in two ways:
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from resihp.keys import JobKeys
+from resihp.lifetime import exit_with_parent
 from resihp.topology import Layout
 
 from .config import TrainConfig
@@ -468,6 +470,9 @@ class Worker:
 
 
 def worker_entry(rank: int, cfg_dict: dict, host: str, port: int, start_gen: int = 0) -> None:
+    # a worker whose launcher is gone (killed -9 with its stack) has nobody to report to
+    parent = mp.parent_process()
+    exit_with_parent(parent.pid if parent is not None else None, signal.SIGKILL)
     cfg = TrainConfig.from_dict(cfg_dict)
     torch.set_num_threads(cfg.threads_per_worker)
     to = timedelta(seconds=cfg.store_timeout_s)
