@@ -9,7 +9,7 @@ from resihp.redis_client import EmbeddedRedis
 
 @pytest.fixture(scope="session")
 def redis_server():
-    srv = EmbeddedRedis().start()
+    srv = EmbeddedRedis(die_with_parent=True).start()  # a killed pytest leaves none
     yield srv
     srv.cleanup()
 
