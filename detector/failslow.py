@@ -144,6 +144,13 @@ class FailSlowDetector:
         self.last_iteration = -1
         self.paused_until_layout = False
         self.hold_iters_left = 0
+        # layers per stage of every layout seen, and the healthy fit of the last layout
+        # with the layers it was learned on: what a stage that is slow in every replica
+        # is judged against during a re-warm (it has no healthy peer to learn from)
+        self._layers_of: dict[int, list[int]] = {}
+        if layout is not None:
+            self._layers_of[layout.layout_id] = list(layout.layers)
+        self._prior: tuple[ChunkPredictor, list[int]] | None = None
 
     # ---------------------------------------------------------- plumbing
     def _new_det(self, direction: int = 0) -> OnlineChangeDetector:
@@ -166,6 +173,7 @@ class FailSlowDetector:
     def set_layout(self, layout: Layout | None) -> None:
         self.layout = layout
         if layout is not None:
+            self._layers_of[layout.layout_id] = list(layout.layers)
             old_size = {g: len(r) for g, r in self.group_ranks.items()}
             self.rank_group = {r: (d, s) for r, (d, s, _t) in layout.coords().items()}
             self.group_ranks = {}
@@ -276,6 +284,13 @@ class FailSlowDetector:
 
     def _on_layout_change(self, layout_id: int) -> None:
         """Re-fit what the new layout may have changed; slow devices keep their state."""
+        old_layers = self._layers_of.get(self._layout_id) if self._layout_id is not None else None
+        if self.ready and self.pred.coef and old_layers:
+            # (a re-warm cut short by another change keeps the prior it had)
+            prior = ChunkPredictor(forget=self.pred.forget)
+            prior._coef = dict(self.pred.coef)
+            prior.scale = dict(self.pred.scale)
+            self._prior = (prior, list(old_layers))
         self._layout_id = layout_id
         keep_scale = {g: self.pred.scale[g] for g in self.slow_groups() if g in self.pred.scale}
         keep_comm = {
@@ -309,12 +324,13 @@ class FailSlowDetector:
         # groups are fitted at healthy speed (durations / their slow factor), so their
         # residuals keep showing the slowdown and their recovery can be seen
         solo = self._slow_alone(slow)
+        slowed_in = self._still_slow(views, solo)
         for _pass in range(2):
             self.pred.fits.clear()
             self.pred._coef.clear()
             skip = (slow - set(solo)) | set(outliers)
-            for v in views:
-                self.pred.observe(v, exclude=skip, slowed=solo)
+            for v, slowed in zip(views, slowed_in, strict=True):
+                self.pred.observe(v, exclude=skip, slowed=slowed)
             per: dict[Group, list[float]] = {}
             for v in views:
                 pr = self.pred.predict_compute(v, with_scale=False)
@@ -394,6 +410,39 @@ class FailSlowDetector:
         self.idet.prime(it_at, it_log)
         self.ready = True
         self._warm_findings = self._validate_warm_outliers(views, res)
+
+    def _still_slow(
+        self, views: list[IterationView], solo: dict[Group, float]
+    ) -> list[dict[Group, float]]:
+        """Per re-warm iteration, which of the ``solo`` groups (slow, alone in their stage)
+        still ran slow, with their factors.
+
+        Judged against the previous layout's healthy fit scaled by the stage's layer count
+        (its TP degree is unchanged, or the group would not be followed here): a median
+        chunk ratio closer to the slow factor than to 1 (log scale) is still slow.  A device
+        that recovered during the re-warm is then fitted as it runs, and its recovery shows
+        afterwards; without a prior (first warm-up, unknown layers, stages dropped) every
+        iteration counts as slow.
+        """
+        every = [dict(solo) for _ in views]
+        new_layers = self._layers_of.get(self._layout_id)
+        if not solo or self._prior is None or not new_layers:
+            return every
+        prior, old_layers = self._prior
+        if len(old_layers) != len(new_layers):
+            return every
+        for v, slowed in zip(views, every, strict=True):
+            pr = prior.predict_compute(v)
+            cm = v.compute_mask() & np.isfinite(pr) & (pr > 0)
+            for g, f in solo.items():
+                d, s = g
+                sel = cm & (v.dp == d) & (v.stage == s)
+                if not sel.any() or f <= 1.0:
+                    continue
+                r = float(np.median(v.duration_s[sel] / pr[sel])) * old_layers[s] / new_layers[s]
+                if r > 0 and np.log(r) < 0.5 * np.log(f):
+                    del slowed[g]
+        return every
 
     def _validate_warm_outliers(self, views, res) -> list[Finding]:
         """A group slow since the warm-up: judge it against its peers right away."""

@@ -39,7 +39,7 @@ class SyntheticJob:
     layout: Layout
     token_budget: int = 8192
     mean_doc: float = 1500.0
-    alpha_s: float = 2.0e-6  # per token per stage (scaled by layers)
+    alpha_s: float = 2.0e-6  # per token per stage holding an even share of the layers
     beta_s: float = 2.0e-10  # per l^2
     noise: float = 0.01
     p2p_s: float = 0.002
@@ -69,7 +69,10 @@ class SyntheticJob:
         sq = np.array(
             [mbs[(int(s), int(j))][1] for s, j in zip(dag.chunk_src_dp, dag.chunk_mb, strict=True)]
         )
-        base = (self.alpha_s * n + self.beta_s * sq) * mult
+        # a stage's chunks cost in proportion to the layers it holds (alpha, beta are for
+        # an even share): a replan that moves layers changes its chunk times
+        per_layer = np.asarray(lay.layers, dtype=float) * lay.pp / lay.num_layers
+        base = (self.alpha_s * n + self.beta_s * sq) * mult * per_layer[st]
         base *= 1 + self.noise * rng.standard_normal(len(st))
         # per-rank speed factors within each TP group
         coords = lay.coords()
