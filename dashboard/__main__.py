@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 
 from dashboard.config import SERVERS
+from resihp import entry
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -44,11 +45,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="WSGI server: waitress (default, production) or dev (Flask's, debugging only)",
     )
     p.add_argument("--threads", type=int, default=8, help="request threads (waitress; default 8)")
-    p.add_argument(
-        "--check-health",
-        action="store_true",
-        help="exit 0 if the dashboard's health key is present and ok, else 1",
-    )
+    entry.add_entry_arguments(p, "dashboard")
     return p
 
 
@@ -110,12 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _serve_parser().parse_args(argv)
     from dashboard.config import config_from_args
 
-    try:
-        config = config_from_args(args)
-    except ValueError as e:
-        print(f"dashboard: bad configuration: {e}", file=sys.stderr)
+    config = entry.load_config("dashboard", lambda: config_from_args(args))
+    if config is None:
         return 2
     if args.check_health:
+        # one dashboard serves every job in the Redis: healthy when it beats for all of them
         from resihp.bus import Health, list_jobs
         from resihp.keys import JobKeys
         from resihp.redis_client import connect
@@ -132,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not config.redis_url:
         print("dashboard: no Redis URL: pass --redis-url or set REDIS_URL", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s dashboard %(levelname)s %(message)s"
-    )
+    entry.setup_logging(args.log_level)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "task queue depth" chatter
     if not config.operators:

@@ -21,11 +21,9 @@ def _check_health(argv: list[str]) -> int:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
     args = p.parse_args(argv)
-    from resihp.bus import Health
-    from resihp.keys import JobKeys
-    from resihp.redis_client import connect
+    from resihp.entry import health_exit_code
 
-    return 0 if Health.check(connect(args.redis_url), JobKeys(args.job_id), "trainer") else 1
+    return health_exit_code(args.redis_url, args.job_id, "trainer")
 
 
 def main(argv: list[str] | None = None) -> int:
