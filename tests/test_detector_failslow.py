@@ -443,6 +443,19 @@ def test_recovery_after_a_replan_does_not_alarm_the_slow_groups_peer():
     assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
 
 
+def _slow_alone_then_replanned(factor):
+    """DP=1: a GPU of the last stage slows by ``factor``, is reported, and the plan moves
+    one layer off its stage (TP degree kept)."""
+    lay = Layout.uniform(tp=2, pp=4, dp=1, num_layers=16, num_microbatches=8)
+    victim = lay.groups[0][3][0]
+    job, det = _reported_slow(lay, 31, victim, at=30, factor=factor, n=40)
+    lay2 = copy.deepcopy(lay)
+    lay2.layers = [5, 4, 4, 3]
+    lay2.layout_id = 1
+    _switch(job, det, lay2)
+    return job, det, victim
+
+
 @pytest.mark.parametrize("recovers_at", [0, 3])
 def test_a_slow_stage_with_no_healthy_peer_that_recovers_during_the_rewarm_is_reported(
     recovers_at,
@@ -452,13 +465,7 @@ def test_a_slow_stage_with_no_healthy_peer_that_recovers_during_the_rewarm_is_re
     switch, or a few iterations into the re-warm, that fit must not learn its healthy speed
     as 'healthy / slow factor' (it would then look slow forever): it is reported recovered,
     and nothing else is reported."""
-    lay = Layout.uniform(tp=2, pp=4, dp=1, num_layers=16, num_microbatches=8)
-    victim = lay.groups[0][3][0]
-    job, det = _reported_slow(lay, 31, victim, at=30, factor=1.8, n=40)
-    lay2 = copy.deepcopy(lay)
-    lay2.layers = [5, 4, 4, 3]
-    lay2.layout_id = 1
-    _switch(job, det, lay2)
+    job, det, victim = _slow_alone_then_replanned(factor=1.8)
     reps = _run(det, job, 40, {recovers_at: lambda j: j.rank_slow.update({victim: 1.0})})
     assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
     assert reps[0].evidence["reason"] == "healthy_speed"
@@ -466,13 +473,7 @@ def test_a_slow_stage_with_no_healthy_peer_that_recovers_during_the_rewarm_is_re
 
 
 def test_a_slow_stage_with_no_healthy_peer_still_slow_after_the_rewarm_stays_slow():
-    lay = Layout.uniform(tp=2, pp=4, dp=1, num_layers=16, num_microbatches=8)
-    victim = lay.groups[0][3][0]
-    job, det = _reported_slow(lay, 31, victim, at=30, factor=1.4, n=40)
-    lay2 = copy.deepcopy(lay)
-    lay2.layers = [5, 4, 4, 3]
-    lay2.layout_id = 1
-    _switch(job, det, lay2)
+    job, det, victim = _slow_alone_then_replanned(factor=1.4)
     assert _run(det, job, 40) == []
     assert det.health[victim]["state"] == "slow"
     job.rank_slow[victim] = 1.0
