@@ -122,6 +122,8 @@ class SchedulerService:
         self.p: dict[int, float] = {}
         self.refused_total = 0
         self.plans_total = 0
+        self._finished = False
+        self._state_next = 0.0
 
     # ------------------------------------------------------------ state io
     def _load_plans(self) -> dict[int, AdaptationPlan]:
@@ -396,9 +398,27 @@ class SchedulerService:
                         )
                 ids.append(entry_id)
             consumer.ack(ids)
-        self.persist(self.book.tick(self.config.mode))
+        self.persist(self.book.tick(self._auto_mode()))
         self.health.beat("ok", mode=self.config.mode, plans_total=self.plans_total)
         return handled
+
+    def _auto_mode(self) -> str:
+        """The mode the grace-period tick runs in: ``manual`` while the job is finished.
+
+        Nobody would apply a plan of a finished job (shown after its run, or its trainer
+        ended): auto-acknowledging it would leave an 'acknowledged' plan that was never
+        applied in its history, and hand it to a later relaunch under the same job id.
+        It waits as proposed, for an operator or for the job to run again."""
+        if self.config.mode != "auto":
+            return self.config.mode
+        now = time.monotonic()
+        if now >= self._state_next:
+            self._state_next = now + 1.0
+            finished = bus.job_state(self.client, self.keys) == "finished"
+            if finished and not self._finished and self.book.open_plans():
+                log.info("job %s finished: open plans wait for an operator", self.keys.job_id)
+            self._finished = finished
+        return "manual" if self._finished else "auto"
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

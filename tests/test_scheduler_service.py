@@ -318,3 +318,28 @@ def test_recovered_device_rejoins_through_a_plan(r):
     after = Layout.from_dict(p2.after)
     assert 5 not in after.dead and sorted(after.groups[1][0]) == [4, 5, 6, 7]
     assert p2.predicted_after_s < p2.predicted_before_s
+
+
+def test_auto_mode_does_not_acknowledge_plans_of_a_finished_job(r):
+    from resihp.bus import set_job_state
+
+    keys, lay = _setup(r)
+    set_job_state(r, keys, "finished")
+    svc = _svc(r, mode="auto", grace_period_s=0.0)
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    svc.run_once()
+    (plan,) = latest_plans(r, keys).values()
+    assert plan.state == "proposed" and _audit(r, keys) == []
+    # an operator may still act on it
+    publish(r, keys.actions, _act("reject", plan.plan_id))
+    svc.run_once()
+    assert latest_plans(r, keys)[plan.plan_id].state == "rejected"
+    # the job runs again: a new plan is acknowledged after its grace period as usual
+    set_job_state(r, keys, "running")
+    svc._state_next = 0.0  # re-read now, not at the next second
+    publish(r, keys.failures, _report(ranks=(9,), rid="r2"))
+    svc.run_once()
+    svc.run_once()
+    states = {p.plan_id: p.state for p in latest_plans(r, keys).values()}
+    assert sorted(states.values()) == ["acknowledged", "rejected"]
