@@ -1,13 +1,14 @@
-"""The planner's migration local search (scheduler.refine), measured side by side.
+"""The planner's local searches after Algorithm 1, measured side by side.
 
     python bench/refine.py            # 6 models x 3 severities x 3 seeds (Figure 9 cases)
     python bench/refine.py --quick    # LLaMA2-7B only
 
 For each Figure 9 case (one fail-slow GPU on a Table 3 layout, calibrated as in
-bench/paper.py) the same plan is made twice in one run: without the refinement
-(``REFINE_EVALS = 0``: Algorithm 1 and the partition search only) and with it
-(the default budget).  Prints the predicted throughput of each as a fraction of
-fault-free, the ratio, and the planning time of each.
+bench/paper.py) the same plan is made three times in one run: Algorithm 1 and the
+partition search only (``REFINE_EVALS = PROBE_BUDGET = 0``); plus the migration
+descent (``scheduler.refine``, ``REFINE_EVALS``); plus the joint (partition, owner
+counts) probes (``PROBE_BUDGET``; the defaults).  Prints the predicted throughput
+of each as a fraction of fault-free and the planning time of each.
 """
 
 from __future__ import annotations
@@ -28,18 +29,28 @@ from resihp.pipeline.models import table3_layout  # noqa: E402
 from resihp.scenario import SEVERITY_DROP  # noqa: E402
 from scheduler.simulate import severity_factor  # noqa: E402
 
+VARIANTS = {
+    "alg1": (0, 0),
+    "+descent": (planner.REFINE_EVALS, 0),
+    "+probes": (planner.REFINE_EVALS, planner.PROBE_BUDGET),
+}
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     models = ["llama2-7b"] if args.quick else list(paper.FAULT_FREE)
-    budget = planner.REFINE_EVALS
+    names = list(VARIANTS)
     print(
-        f"{'model':12s} {'sev':6s} seed | {'without':>8s} {'with':>8s} {'gain':>7s} | plan s (without / with)"
+        f"{'model':12s} {'sev':6s} seed | "
+        + " ".join(f"{n:>9s}" for n in names)
+        + " | plan s ("
+        + " / ".join(names)
+        + ")"
     )
-    frac = {0: [], budget: []}
-    secs = {0: [], budget: []}
+    frac: dict[str, list[float]] = {n: [] for n in names}
+    secs: dict[str, list[float]] = {n: [] for n in names}
     for model in models:
         layout = table3_layout(model, paper.MBS)
         pred = paper.predictor(model, layout)
@@ -49,28 +60,32 @@ def main(argv=None) -> int:
                 rng = random.Random(f"{model}-{sev}-{seed}")  # the same GPU as bench/paper.py
                 r = rng.randrange(layout.world_size)
                 p = {r: severity_factor(pred, layout, [r], sev)}
-                row = {}
-                for evals in (0, budget):
-                    planner.REFINE_EVALS = evals
+                for n, (evals, probes) in VARIANTS.items():
+                    planner.REFINE_EVALS, planner.PROBE_BUDGET = evals, probes
                     t0 = time.perf_counter()
                     res = planner.plan(layout, p, pred)
-                    secs[evals].append(time.perf_counter() - t0)
-                    row[evals] = t_ff / res.predicted_after_s
-                    frac[evals].append(row[evals])
-                planner.REFINE_EVALS = budget
+                    secs[n].append(time.perf_counter() - t0)
+                    frac[n].append(t_ff / res.predicted_after_s)
+                planner.REFINE_EVALS, planner.PROBE_BUDGET = VARIANTS["+probes"]
                 print(
-                    f"{model:12s} {sev:6s} {seed:4d} | {row[0]:8.3f} {row[budget]:8.3f} "
-                    f"{row[budget] / row[0]:6.3f}x | {secs[0][-1]:.2f} / {secs[budget][-1]:.2f}"
+                    f"{model:12s} {sev:6s} {seed:4d} | "
+                    + " ".join(f"{frac[n][-1]:9.3f}" for n in names)
+                    + " | "
+                    + " / ".join(f"{secs[n][-1]:.2f}" for n in names)
                 )
-    gains = [b / a for a, b in zip(frac[0], frac[budget], strict=True)]
+    print("\nmean predicted throughput (fraction of fault-free) and planning time per plan:")
+    for n in names:
+        gains = [b / a for a, b in zip(frac["alg1"], frac[n], strict=True)]
+        print(
+            f"  {n:9s} {statistics.mean(frac[n]):.4f}  (vs alg1: mean {statistics.mean(gains):.3f}x, "
+            f"max {max(gains):.3f}x, min {min(gains):.3f}x)  {statistics.mean(secs[n]):.2f} s "
+            f"(max {max(secs[n]):.2f} s)"
+        )
+    step = [b / a for a, b in zip(frac["+descent"], frac["+probes"], strict=True)]
     print(
-        f"\nmean predicted throughput (fraction of fault-free): without {statistics.mean(frac[0]):.3f}, "
-        f"with {statistics.mean(frac[budget]):.3f}; gain mean {statistics.mean(gains):.3f}x, "
-        f"max {max(gains):.3f}x, never below {min(gains):.3f}x"
-    )
-    print(
-        f"planning time per plan: without {statistics.mean(secs[0]):.2f} s, "
-        f"with {statistics.mean(secs[budget]):.2f} s (budget {budget} engine evaluations)"
+        f"  probes over descent alone: mean {statistics.mean(step):.4f}x, max {max(step):.3f}x, "
+        f"min {min(step):.3f}x; budgets: descent {VARIANTS['+descent'][0]}, probes "
+        f"{VARIANTS['+probes'][1]} engine evaluations"
     )
     return 0
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -361,6 +361,49 @@ def plan(
             if t_ref < t_after - 1e-12:
                 after, t_after = refined, t_ref
                 mig_moves = MigrationResult(list(after.migrations)).moves()
+        if PROBE_BUDGET > 0 and (opt.pp or gone) and opt.layers is None:
+            # joint (partition, owner counts) probes around the refined layout: moving a
+            # layer off or onto its slowest stage can pay only together with an ownership
+            # shift and new migrations, a combination no single descent move reaches (each
+            # step alone is worse). Each probe gets a short descent; the best one continues
+            # with what is left of its own budget, and replaces the layout only if faster.
+            pbudget = [PROBE_BUDGET]
+            one_off = [
+                c
+                for c in _shifted_counts(
+                    [list(after.microbatches)], chunk_per_mb(after), lay.total_microbatches
+                )
+                if sum(abs(a - b) for a, b in zip(c, after.microbatches, strict=True)) == 2
+            ]
+            probes: list[tuple[float, Layout, list[dict]]] = []
+            for L in _partition_neighbours(after, caps, w):
+                for mbs in [list(after.microbatches), *one_off]:
+                    b5 = clone_layout(after)
+                    b5.layers, b5.microbatches, b5.migrations = list(L), mbs, []
+                    n0 = len(structs)
+                    with_migrations(b5, balancing)
+                    probes += structs[n0:]
+                    pbudget[0] -= len(structs) - n0
+
+            def pscore(c: Layout) -> float:
+                pbudget[0] -= 1
+                return predictor.iteration_s(c, p)
+
+            tried = []
+            for t_s, c, _ in sorted(probes, key=lambda x: x[0])[:PROBE_STARTS]:
+                if pbudget[0] <= 0:
+                    break
+                short = [min(PROBE_EVALS, pbudget[0])]  # pscore charges the whole budget too
+                r5, t5 = refine_migrations(
+                    c, t_s, lambda x, b=short: _count(b, pscore, x), act_caps(c), short
+                )
+                tried.append((t5, r5))
+            if tried:
+                t5, r5 = min(tried, key=lambda x: x[0])
+                r5, t5 = refine_migrations(r5, t5, pscore, act_caps(r5), pbudget)
+                if t5 < t_after - 1e-12:
+                    after, t_after = r5, t5
+                    mig_moves = MigrationResult(list(after.migrations)).moves()
     if runnable and t_after >= before_s and opt.layers is None and not opt.keep and not opt.drop:
         return PlanResult(
             layout.copy(),
@@ -395,6 +438,31 @@ WIDE_SEARCH_TRIPLES = 256
 #: Wide search: starting structures and engine evaluations of the migration local search.
 REFINE_STARTS = 4
 REFINE_EVALS = 150
+#: Joint (partition, counts) probes after the refinement: how many, the short descent each
+#: gets, and their whole budget of engine evaluations (the best probe continues on the rest).
+PROBE_STARTS = 8
+PROBE_EVALS = 15
+PROBE_BUDGET = 100
+
+
+def _count(left: list[int], score: Callable[[Layout], float], c: Layout) -> float:
+    left[0] -= 1
+    return score(c)
+
+
+def _partition_neighbours(lay: Layout, caps: list[int], w: np.ndarray) -> list[list[int]]:
+    """Partitions one layer away from ``lay``'s, out of or into its slowest stage."""
+    L = list(lay.layers)
+    per = np.where(np.isfinite(w), w, 0).max(axis=0) * np.asarray(L)
+    slow = int(np.argmax(per))
+    out = []
+    for a, b in ((slow, slow - 1), (slow, slow + 1), (slow - 1, slow), (slow + 1, slow)):
+        if 0 <= a < len(L) and 0 <= b < len(L) and L[a] > 1 and L[b] + 1 <= caps[b]:
+            n = list(L)
+            n[a] -= 1
+            n[b] += 1
+            out.append(n)
+    return out
 
 
 def _shifted_counts(counts: list[list[int]], per_mb_s: list[float], total: int) -> list[list[int]]:
