@@ -73,6 +73,7 @@ def test_planner_with_refinement_beats_planner_without(monkeypatch):
     p = {5: 0.6}  # replica 1's first stage: measured 3 % faster with the search
     with_ref = plan(lay(), p, PRED)
     monkeypatch.setattr(planner, "REFINE_EVALS", 0)
+    monkeypatch.setattr(planner, "PROBE_BUDGET", 0)
     without = plan(lay(), p, PRED)
     assert with_ref.predicted_after_s < 0.99 * without.predicted_after_s
     assert with_ref.predicted_after_s == pytest.approx(PRED.iteration_s(with_ref.after, p))
@@ -94,3 +95,20 @@ def test_refinement_is_deterministic():
         runs.append((best.microbatches, [m.to_list() for m in best.migrations], t))
     assert runs[0] == runs[1]
     assert runs[0][2] < t0  # and it did move
+
+
+def test_joint_probes_leave_the_descents_local_optimum(monkeypatch):
+    """The slow GPU on replica 1's last stage: the descent stops at layers [20, 12] with even
+    owner counts; one layer back onto the slow stage *with* an ownership shift off its
+    replica (and new migrations) is faster, though each step alone is slower.  Where the
+    probes find nothing faster (the slow GPU on replica 1's first stage) the plan stands."""
+    other = {5: 0.6}
+    probed, probed_other = plan(lay(), SLOW, PRED), plan(lay(), other, PRED)
+    monkeypatch.setattr(planner, "PROBE_BUDGET", 0)
+    descent, descent_other = plan(lay(), SLOW, PRED), plan(lay(), other, PRED)
+    assert probed.predicted_after_s < 0.96 * descent.predicted_after_s
+    assert probed.predicted_after_s == pytest.approx(PRED.iteration_s(probed.after, SLOW))
+    assert probed.after.layers != descent.after.layers
+    assert probed.after.microbatches[1] < probed.after.microbatches[0]  # off the slow replica
+    probed.after.validate()
+    assert probed_other.predicted_after_s <= descent_other.predicted_after_s + 1e-12
