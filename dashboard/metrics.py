@@ -1,7 +1,8 @@
 """Prometheus ``/metrics`` on the dashboard's own Flask server (text exposition format 0.0.4).
 
 One scrape covers every job in ``resihp:jobs``: latest iteration time,
-predicted healthy time, throughput, failures by kind, plans by state, per-device
+predicted healthy time, throughput, whether the job runs and its services are up,
+whether its liveness is being judged, failures by kind, plans by state, per-device
 p_i and node heartbeat age, plus the job's ``*_total`` counters hash.
 """
 
@@ -93,6 +94,31 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                     "Predicted healthy iteration time (DAG cost model / detector evidence).",
                 )
                 w.sample("resihp_predicted_iteration_time_seconds", _labels(job=job), pred)
+        st = data.job_state(job)
+        w.family(
+            "resihp_job_running",
+            "gauge",
+            "1 while the trainer says the job runs, 0 once it said it finished (absent: never said).",
+        )
+        if st.get("state") in ("running", "finished"):
+            w.sample("resihp_job_running", _labels(job=job), st["state"] == "running")
+        services = data.service_health(job)
+        w.family(
+            "resihp_service_up",
+            "gauge",
+            "1 if a service's health key for the job is fresh and ok (absent: expired).",
+        )
+        for name, h in sorted(services.items()):
+            w.sample("resihp_service_up", _labels(job=job, service=name), h.get("status") == "ok")
+        judging = services.get("collector:0", {}).get("judging_liveness")
+        if isinstance(judging, bool):
+            w.family(
+                "resihp_liveness_judged",
+                "gauge",
+                "1 while the collector judges the job's heartbeats; 0 when the job has been "
+                "silent since before the collector started (or finished): no fail-stop verdicts.",
+            )
+            w.sample("resihp_liveness_judged", _labels(job=job), judging)
         w.family("resihp_failures_total", "counter", "Failure reports by kind.")
         by_kind = Counter(f.kind for f in failures)
         counters = data.counters(job)

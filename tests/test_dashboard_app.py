@@ -333,7 +333,13 @@ def test_overview_says_when_the_job_finished_or_went_silent_before_the_collector
     assert "No telemetry from this job since before the collector" in json.dumps(
         _overview(app)["ov-status"]
     )
+    metrics = app.server.test_client().get("/metrics").get_data(as_text=True)
+    assert 'resihp_liveness_judged{job="job-a"} 0.0' in metrics
+    assert 'resihp_service_up{job="job-a",service="collector:0"} 1.0' in metrics
+    assert 'resihp_job_running{job="job-a"}' not in metrics  # the trainer never said
     set_job_state(r, keys, "finished", reason="stopped by resihp up")
     text = json.dumps(_overview(app)["ov-status"])
     assert "This job finished (stopped by resihp up) at " in text and "banner-info" in text
+    metrics = app.server.test_client().get("/metrics").get_data(as_text=True)
+    assert 'resihp_job_running{job="job-a"} 0.0' in metrics
     r.delete(keys.job_state, keys.health("collector", "0"))
