@@ -26,6 +26,20 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
+def _load_prctl():
+    # resolved once, in the parent: a child between fork and exec must not dlopen
+    # (another thread of the parent may have held the loader's lock at the fork)
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
 def pid_alive(pid) -> bool:
     """A live (not zombie) process with this pid."""
     if not isinstance(pid, int) or pid <= 0:
@@ -59,13 +73,7 @@ def exit_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -
     already gone (it died between the fork and this call), ``sig`` is raised now.
     Linux only; elsewhere a no-op that returns False.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
+    if _PRCTL is None or _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
