@@ -52,3 +52,84 @@ def test_kill_tp_rank_reshards_from_persistent_state(tmp_path):
     assert gen1["moved"]["from_disk"] > 0
     layouts = [e["layout"] for e in tl["events"] if e["what"] == "plan_chosen"]
     assert layouts and "TP1/2" in layouts[0]
+
+
+@pytest.mark.redis
+def test_sigterm_stops_the_workers_and_is_not_a_finished_job(tmp_path, redis_server, r):
+    """`resihp up` stopping (or the stack that started it dying) sends the torch launcher
+    SIGTERM: it stops its workers and exits 143 without marking the job finished (an
+    interruption, not the end of the run); a worker whose launcher is killed outright
+    follows it."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from resihp.bus import job_state
+    from resihp.keys import JobKeys
+
+    keys = JobKeys("sigterm")
+    cmd = [
+        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "100000",
+        "--redis-url", redis_server.url, "--job-id", "sigterm", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+
+    def start_and_wait_running():
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 90
+        while time.time() < deadline and job_state(r, keys) != "running":
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        assert job_state(r, keys) == "running"
+        kids: list[int] = []
+        while time.time() < deadline and len(kids) < 2:  # the two ranks (spawned workers)
+            time.sleep(0.2)
+            kids = [
+                int(p)
+                for p in subprocess.run(
+                    ["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
+                    capture_output=True,
+                    text=True,
+                ).stdout.split()
+            ]
+        assert len(kids) == 2, kids
+        while time.time() < deadline and r.get(keys.health("trainer", "0")) is None:
+            time.sleep(0.2)
+        assert json.loads(r.get(keys.health("trainer", "0")))["status"] == "ok"
+        return proc, kids
+
+    def gone(pids, within_s):
+        deadline = time.time() + within_s
+        while time.time() < deadline:
+            if not any(os.path.exists(f"/proc/{p}") and _not_zombie(p) for p in pids):
+                return True
+            time.sleep(0.1)
+        for p in pids:  # never leave them to the next test
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return False
+
+    proc, kids = start_and_wait_running()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 143, out
+    assert "stopping on a signal" in out
+    assert gone(kids, 10), "workers outlived their launcher's stop"
+    assert job_state(r, keys) == "running"  # not said to be finished
+
+    proc, kids = start_and_wait_running()
+    proc.kill()
+    proc.wait(10)
+    assert gone(kids, 10), "workers outlived a launcher killed with -9"
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
