@@ -86,14 +86,7 @@ def test_sigterm_stops_the_workers_and_is_not_a_finished_job(tmp_path, redis_ser
         kids: list[int] = []
         while time.time() < deadline and len(kids) < 2:  # the two ranks (spawned workers)
             time.sleep(0.2)
-            kids = [
-                int(p)
-                for p in subprocess.run(
-                    ["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
-                    capture_output=True,
-                    text=True,
-                ).stdout.split()
-            ]
+            kids = _spawned_workers(proc.pid)
         assert len(kids) == 2, kids
         while time.time() < deadline and r.get(keys.health("trainer", "0")) is None:
             time.sleep(0.2)
@@ -133,3 +126,21 @@ def _not_zombie(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """Pids of ``parent``'s multiprocessing-spawned children (from /proc: no procps needed)."""
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in argv:
+            out.append(int(d.name))
+    return out
