@@ -122,7 +122,7 @@ class SchedulerService:
         self.p: dict[int, float] = {}
         self.refused_total = 0
         self.plans_total = 0
-        self._finished = False
+        self._idle = False
         self._state_next = 0.0
 
     # ------------------------------------------------------------ state io
@@ -403,22 +403,28 @@ class SchedulerService:
         return handled
 
     def _auto_mode(self) -> str:
-        """The mode the grace-period tick runs in: ``manual`` while the job is finished.
+        """The mode the grace-period tick runs in: ``manual`` while the job is not running.
 
-        Nobody would apply a plan of a finished job (shown after its run, or its trainer
-        ended): auto-acknowledging it would leave an 'acknowledged' plan that was never
-        applied in its history, and hand it to a later relaunch under the same job id.
-        It waits as proposed, for an operator or for the job to run again."""
+        Nobody would apply a plan of a job that finished (shown after its run, or its
+        trainer ended) or that has been silent since before the collector started (its
+        stack was killed): auto-acknowledging it would leave an 'acknowledged' plan that
+        was never applied in its history, and hand it to a later relaunch under the same
+        job id.  It waits as proposed, for an operator or for the job to run again."""
         if self.config.mode != "auto":
             return self.config.mode
         now = time.monotonic()
         if now >= self._state_next:
             self._state_next = now + 1.0
-            finished = bus.job_state(self.client, self.keys) == "finished"
-            if finished and not self._finished and self.book.open_plans():
-                log.info("job %s finished: open plans wait for an operator", self.keys.job_id)
-            self._finished = finished
-        return "manual" if self._finished else "auto"
+            idle = bus.job_state(self.client, self.keys) == "finished"
+            raw = self.client.get(self.keys.health("collector", "0"))
+            try:
+                idle = idle or json.loads(raw or b"{}").get("judging_liveness") is False
+            except (ValueError, AttributeError):
+                pass
+            if idle and not self._idle and self.book.open_plans():
+                log.info("job %s is not running: open plans wait for an operator", self.keys.job_id)
+            self._idle = idle
+        return "manual" if self._idle else "auto"
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

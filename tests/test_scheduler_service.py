@@ -320,8 +320,8 @@ def test_recovered_device_rejoins_through_a_plan(r):
     assert p2.predicted_after_s < p2.predicted_before_s
 
 
-def test_auto_mode_does_not_acknowledge_plans_of_a_finished_job(r):
-    from resihp.bus import set_job_state
+def test_auto_mode_does_not_acknowledge_plans_of_a_job_that_is_not_running(r):
+    from resihp.bus import Health, set_job_state
 
     keys, lay = _setup(r)
     set_job_state(r, keys, "finished")
@@ -343,3 +343,10 @@ def test_auto_mode_does_not_acknowledge_plans_of_a_finished_job(r):
     svc.run_once()
     states = {p.plan_id: p.state for p in latest_plans(r, keys).values()}
     assert sorted(states.values()) == ["acknowledged", "rejected"]
+    # silent since before the collector started (its stack was killed): held as well
+    Health(r, keys, "collector", ttl_s=30).beat("ok", judging_liveness=False)
+    svc._state_next = 0.0
+    publish(r, keys.failures, _report(ranks=(13,), rid="r3"))
+    svc.run_once()
+    svc.run_once()
+    assert max(latest_plans(r, keys).values(), key=lambda p: p.plan_id).state == "proposed"
