@@ -24,7 +24,7 @@ from pathlib import Path
 
 from resihp.bus import Health, clear_job, list_jobs, set_job_state
 from resihp.keys import JobKeys, validate_job_id
-from resihp.lifetime import exit_with_parent, pid_alive, stale_processes
+from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
 from resihp.redis_client import EmbeddedRedis, connect
 from resihp.status import STACK_FILE, collect_status, job_status, running_stack, summary_line
 
@@ -75,7 +75,7 @@ def stop_stale_stack(state_dir: Path) -> str | None:
         st = json.loads((state_dir / STACK_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(st, dict) or pid_alive(st.get("pid")):
+    if not isinstance(st, dict) or launcher_alive(st.get("pid")):
         return None
     left = stale_processes(st)
     if not left:

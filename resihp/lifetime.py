@@ -65,6 +65,16 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
+def launcher_alive(pid) -> bool:
+    """A live ``resihp up`` with this pid (not another program the pid was given to since)."""
+    if not pid_alive(pid):
+        return False
+    argv = cmdline(pid)
+    if not argv:
+        return True  # unreadable (another user's /proc): trust the pid
+    return "up" in argv and any("resihp" in a for a in argv)
+
+
 def exit_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> bool:
     """Have the kernel send ``sig`` to this process when its parent dies.
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from resihp.bus import Health, list_jobs
 from resihp.keys import JobKeys
-from resihp.lifetime import pid_alive
+from resihp.lifetime import launcher_alive
 from resihp.plans import latest_plans, read_layout
 from resihp.redis_client import connect
 from resihp.schemas import IterationRecord, SchemaError, decode_entry
@@ -21,14 +21,15 @@ STACK_FILE = "stack.json"
 def running_stack(state_dir: str = ".resihp") -> dict[str, Any] | None:
     """What a running ``resihp up`` wrote about its stack (URL, job id, children), if any.
 
-    A file left behind by a stack whose process is gone (killed -9, crashed) is ignored.
+    A file left behind by a stack whose process is gone (killed -9, crashed) is ignored,
+    also when its pid has since gone to another program.
     """
     f = Path(state_dir) / STACK_FILE
     try:
         st = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
-    return st if isinstance(st, dict) and pid_alive(st.get("pid")) else None
+    return st if isinstance(st, dict) and launcher_alive(st.get("pid")) else None
 
 
 def stack_env(env: dict[str, str], state_dir: str = ".resihp") -> dict[str, str]:

@@ -26,6 +26,16 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+@pytest.fixture
+def fake_launcher():
+    """A live process whose command line reads like `resihp up` (what a stack file's pid
+    must be, to count as a running stack)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "resihp", "up"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
 def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     port = free_port()
     env = dict(os.environ)
@@ -204,7 +214,7 @@ def test_demo_runs_as_its_own_fresh_job_unless_a_job_id_is_given(monkeypatch):
         resolve_job(_up_args("--job-id", "bad id"))
 
 
-def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
+def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch, fake_launcher):
     from resihp import cli
     from resihp.status import STACK_FILE
 
@@ -225,7 +235,9 @@ def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
 
     (tmp_path / ".resihp").mkdir()
     (tmp_path / ".resihp" / STACK_FILE).write_text(
-        json.dumps({"redis_url": "redis://127.0.0.1:41234/0", "job_id": "demo", "pid": os.getpid()})
+        json.dumps(
+            {"redis_url": "redis://127.0.0.1:41234/0", "job_id": "demo", "pid": fake_launcher}
+        )
     )
     with pytest.raises(SystemExit):
         cli.main(["act", "ack", "3"])
@@ -237,19 +249,23 @@ def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch):
     assert seen["env"]["RESIHP_JOB_ID"] == "prod"
 
 
-def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys):
+def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys, fake_launcher):
     from resihp import cli
-    from resihp.status import STACK_FILE, pid_alive, running_stack
+    from resihp.lifetime import pid_alive
+    from resihp.status import STACK_FILE, running_stack
 
     state = tmp_path / "state"
     state.mkdir()
-    stack = {"redis_url": "redis://127.0.0.1:1/0", "job_id": "prod", "pid": os.getpid()}
+    stack = {"redis_url": "redis://127.0.0.1:1/0", "job_id": "prod", "pid": fake_launcher}
     (state / STACK_FILE).write_text(json.dumps(stack))
     rc = cli.main(["up", "--state-dir", str(state), "--trainer", "none", "--duration", "1"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert f"pid {os.getpid()}" in err and "'prod'" in err and "--state-dir" in err
+    assert f"pid {fake_launcher}" in err and "'prod'" in err and "--state-dir" in err
     assert not (state / "redis").exists()  # refused before any redis-server started
+    # a pid the system has since given to another program is no stack
+    (state / STACK_FILE).write_text(json.dumps({**stack, "pid": os.getpid()}))
+    assert running_stack(str(state)) is None
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -260,7 +276,7 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys):
     assert running_stack(str(state)) is None
 
 
-def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path):
+def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path, fake_launcher):
     from resihp.launcher import stop_stale_stack
     from resihp.redis_client import EmbeddedRedis
     from resihp.status import STACK_FILE
@@ -297,7 +313,7 @@ def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path)
         srv2.stop()
         # a live stack is never touched, and nothing left means nothing said
         assert stop_stale_stack(tmp_path) is None
-        (tmp_path / STACK_FILE).write_text(json.dumps({**stack, "pid": os.getpid()}))
+        (tmp_path / STACK_FILE).write_text(json.dumps({**stack, "pid": fake_launcher}))
         assert stop_stale_stack(tmp_path) is None
     finally:
         bystander.kill()
