@@ -505,7 +505,7 @@ class CollectorService:
             if self._frontier_s
             else None,
             # false while the job has been silent since before this collector started
-            "judging_liveness": self._heard and not self._finished,
+            bus.JUDGING_LIVENESS: self._heard and not self._finished,
             "deadletter_total": self.consumer.stats.deadletter_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
         }

@@ -19,6 +19,7 @@ import redis
 from dashboard import figures
 from dashboard.data import DashboardData
 from dashboard.predict import healthy_iteration_time_s
+from resihp.bus import liveness_judged
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
@@ -110,7 +111,7 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
         )
         for name, h in sorted(services.items()):
             w.sample("resihp_service_up", _labels(job=job, service=name), h.get("status") == "ok")
-        judging = services.get("collector:0", {}).get("judging_liveness")
+        judging = liveness_judged(services.get("collector:0"))
         if isinstance(judging, bool):
             w.family(
                 "resihp_liveness_judged",

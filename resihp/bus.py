@@ -237,6 +237,18 @@ class StreamConsumer:
             self.stats.reconnects_total += 1
 
 
+#: Field of the collector's health payload: false while the job has been silent since
+#: before the collector started, or has finished (no liveness verdicts are made then).
+JUDGING_LIVENESS = "judging_liveness"
+
+
+def liveness_judged(collector_health: dict | None) -> bool | None:
+    """Whether the job's collector judges its liveness, from the collector's health payload
+    (``Health.get`` / ``Health.all()["collector:0"]``); None without a collector."""
+    v = (collector_health or {}).get(JUDGING_LIVENESS)
+    return v if isinstance(v, bool) else None
+
+
 @dataclass
 class Health:
     """Refreshes ``keys.health(service)`` with a TTL; its absence means unhealthy."""
@@ -263,6 +275,16 @@ class Health:
             )
         except (redis.ConnectionError, redis.TimeoutError):
             pass
+
+    @staticmethod
+    def get(client: redis.Redis, keys: JobKeys, service: str, instance: str = "0") -> dict | None:
+        """The service's current health payload (None: expired, or unreadable)."""
+        try:
+            raw = client.get(keys.health(service, instance))
+            d = json.loads(raw) if raw else None
+        except (redis.RedisError, ValueError):
+            return None
+        return d if isinstance(d, dict) else None
 
     @staticmethod
     def check(client: redis.Redis, keys: JobKeys, service: str, instance: str = "0") -> bool:

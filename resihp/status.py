@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resihp.bus import Health, list_jobs
+from resihp.bus import Health, list_jobs, liveness_judged
 from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
 from resihp.plans import latest_plans, read_layout
@@ -166,8 +166,8 @@ def _job_line(js: dict[str, Any]) -> str:
         line += f" ({st['reason']})"
     if st.get("at_s"):
         line += time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(st["at_s"]))
-    col = js.get("services", {}).get("collector:0", {})
-    if col.get("judging_liveness") is False and st.get("state") != "finished":
+    judged = liveness_judged(js.get("services", {}).get("collector:0"))
+    if judged is False and st.get("state") != "finished":
         line += (
             "; silent since before the collector started: no fail-stop verdicts until it reports"
         )

@@ -416,11 +416,8 @@ class SchedulerService:
         if now >= self._state_next:
             self._state_next = now + 1.0
             idle = bus.job_state(self.client, self.keys) == "finished"
-            raw = self.client.get(self.keys.health("collector", "0"))
-            try:
-                idle = idle or json.loads(raw or b"{}").get("judging_liveness") is False
-            except (ValueError, AttributeError):
-                pass
+            col = bus.Health.get(self.client, self.keys, "collector")
+            idle = idle or bus.liveness_judged(col) is False
             if idle and not self._idle and self.book.open_plans():
                 log.info("job %s is not running: open plans wait for an operator", self.keys.job_id)
             self._idle = idle

@@ -11,6 +11,7 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dashboard import figures, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
+from resihp.bus import liveness_judged
 
 PATH = "/"
 NAME = "Overview"
@@ -73,12 +74,12 @@ def job_banner(s: dict[str, Any]) -> Any:
     """Say when the job is not running: ended on purpose, or silent since before the
     collector started (its stack was killed), so the page shows history."""
     st = s["job_state"]
-    col = next((v for k, v in s["health"].items() if k.startswith("collector:")), {})
+    col = next((v for k, v in s["health"].items() if k.startswith("collector:")), None)
     if st.get("state") == "finished":
         why = f" ({st['reason']})" if st.get("reason") else ""
         when = figures._ts(st["at_s"]).strftime(" at %Y-%m-%d %H:%M:%S") if st.get("at_s") else ""
         return banner(f"This job finished{why}{when}: showing its history.", "info")
-    if col.get("judging_liveness") is False:
+    if liveness_judged(col) is False:
         return banner(
             "No telemetry from this job since before the collector started (its trainer "
             "stopped without saying so): showing its history; no fail-stop verdicts until "
