@@ -102,7 +102,7 @@ def stale_processes(stack: dict) -> list[tuple[str, int]]:
     for name, pid in dict(stack.get("children") or {}).items():
         if isinstance(pid, int) and pid_alive(pid):
             argv = cmdline(pid)
-            if "-m" in argv and name in argv[argv.index("-m") + 1 : argv.index("-m") + 2]:
+            if ("-m", name) in zip(argv, argv[1:], strict=False):  # python -m <service>
                 out.append((name, pid))
     pid = stack.get("redis_pid")
     if isinstance(pid, int) and pid_alive(pid):

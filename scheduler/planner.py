@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -393,10 +393,13 @@ def plan(
             for t_s, c, _ in sorted(probes, key=lambda x: x[0])[:PROBE_STARTS]:
                 if pbudget[0] <= 0:
                     break
-                short = [min(PROBE_EVALS, pbudget[0])]  # pscore charges the whole budget too
-                r5, t5 = refine_migrations(
-                    c, t_s, lambda x, b=short: _count(b, pscore, x), act_caps(c), short
-                )
+                short = [min(PROBE_EVALS, pbudget[0])]
+
+                def probe_score(x: Layout, short: list[int] = short) -> float:
+                    short[0] -= 1  # and pscore charges the probes' whole budget
+                    return pscore(x)
+
+                r5, t5 = refine_migrations(c, t_s, probe_score, act_caps(c), short)
                 tried.append((t5, r5))
             if tried:
                 t5, r5 = min(tried, key=lambda x: x[0])
@@ -443,11 +446,6 @@ REFINE_EVALS = 150
 PROBE_STARTS = 8
 PROBE_EVALS = 15
 PROBE_BUDGET = 100
-
-
-def _count(left: list[int], score: Callable[[Layout], float], c: Layout) -> float:
-    left[0] -= 1
-    return score(c)
 
 
 def _partition_neighbours(lay: Layout, caps: list[int], w: np.ndarray) -> list[list[int]]:
