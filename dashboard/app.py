@@ -56,6 +56,7 @@ body{font-family:system-ui,-apple-system,sans-serif;margin:0;background:#f6f7f9;
 button{cursor:pointer;padding:4px 10px;margin-right:6px}
 table.simple{border-collapse:collapse}table.simple td,table.simple th{border:1px solid #ddd;padding:3px 8px;font-size:13px}
 tr.changed td{background:#fff3cd}
+table.facts th{text-align:left;padding:2px 14px 2px 0;font-size:13px;color:#555;white-space:nowrap;vertical-align:top}table.facts td{font-size:13px;padding:2px 0}
 pre{background:#f7f7f7;padding:8px;overflow:auto;max-height:360px;font-size:12px}
 """
 

@@ -832,16 +832,25 @@ def filter_failures(
 
 
 def evidence_figure(f: FailureReport) -> go.Figure:
-    """Per-rank p_i (severity) or per-rank ratios, with observed vs predicted time."""
-    ratios = f.evidence.get("ratios") or f.evidence.get("per_rank_ratio") or f.severity
+    """Per-rank time/predicted ratios (slowest first) or, without them, per-rank p_i
+    (lowest first), beside observed vs predicted iteration time."""
+    ev = f.evidence
+    ratios = ev.get("rank_ratios") or ev.get("ratios") or ev.get("per_rank_ratio")
+    by_ratio = isinstance(ratios, dict) and bool(ratios)
+    if not by_ratio:
+        ratios = f.severity
     fig = make_subplots(
         rows=1,
         cols=2,
         column_widths=[0.7, 0.3],
-        subplot_titles=["per-rank ratio / p_i", "iteration time"],
+        subplot_titles=[
+            "per-rank time / predicted (slowest first)" if by_ratio else "per-rank p_i",
+            "iteration time",
+        ],
     )
     if isinstance(ratios, dict) and ratios:
-        items = sorted(ratios.items(), key=lambda kv: float(kv[1]))[:64]
+        sign = -1.0 if by_ratio else 1.0
+        items = sorted(ratios.items(), key=lambda kv: sign * float(kv[1]))[:64]
         fig.add_trace(
             go.Bar(
                 x=[f"rank {k}" for k, _ in items],

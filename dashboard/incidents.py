@@ -113,6 +113,106 @@ def _fmt_s(v: float | None) -> str:
     return "" if v is None else f"{v:.3f} s"
 
 
+_SIGNALS = {
+    "iteration_time": "iteration-time change point",
+    "chunk_residual": "per-chunk residuals (observed vs predicted chunk cost)",
+    "p2p_residual": "point-to-point transfer residuals",
+}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _worst(ratios: dict[str, Any], n: int = 5) -> str:
+    items = [(k, _num(v)) for k, v in ratios.items()]
+    items = sorted((kv for kv in items if kv[1] is not None), key=lambda kv: -kv[1])
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(f"rank {k} {v:.2f}x" for k, v in items[:n]) + more
+
+
+def evidence_facts(f: FailureReport) -> list[tuple[str, str]]:
+    """Why the detector said what it said, as a few labelled lines an on-call reader
+    takes in at a glance (the raw evidence stays available beside them).  Keys the
+    function does not know are left to the raw view, so a detector that adds evidence
+    never breaks the page."""
+    ev, out = f.evidence, []
+    if (sig := ev.get("signal")) is not None:
+        out.append(("signal", _SIGNALS.get(str(sig), str(sig))))
+    cp = ev.get("change_point")
+    if isinstance(cp, dict) and _num(cp.get("iteration")) is not None:
+        text = f"iteration {int(cp['iteration'])}"
+        if (
+            _num(cp.get("screen_iteration")) is not None
+            and cp["screen_iteration"] != cp["iteration"]
+        ):
+            text += f", flagged at iteration {int(cp['screen_iteration'])}"
+        out.append(("change point", text + (f" ({cp['note']})" if cp.get("note") else "")))
+    elif _num(cp) is not None:
+        out.append(("change point", f"iteration {int(cp)}"))
+    obs = figures.evidence_number(ev, *figures.OBSERVED_KEYS)
+    pred = figures.evidence_number(ev, *figures.PREDICTED_KEYS)
+    if obs is not None and pred:
+        out.append(
+            (
+                "iteration time",
+                f"observed {obs:.3f} s vs predicted healthy {pred:.3f} s ({obs / pred:.2f}x)",
+            )
+        )
+    elif obs is not None:
+        out.append(("iteration time", f"observed {obs:.3f} s"))
+    if (loss := _num(ev.get("throughput_loss"))) is not None:
+        text = f"{loss:.1%} of healthy throughput"
+        if (sl := _num(ev.get("predicted_with_slowdown_s"))) is not None:
+            text += f" (DAG with the slowdown: {sl:.3f} s per iteration)"
+        out.append(("cost", text))
+    if isinstance(g := ev.get("group"), dict):
+        text = f"DP replica {g.get('dp')}, stage {g.get('stage')}"
+        if (cr := _num(ev.get("chunk_ratio"))) is not None:
+            text += f": its chunks take {cr:.2f}x their predicted time"
+        out.append(("slow TP group", text))
+    if ev.get("tp_collectives"):
+        out.append(("where", "inside the TP collectives (members compute at their usual speed)"))
+    if isinstance(ln := ev.get("link"), dict):
+        text = f"DP replica {ln.get('dp')}, stages {ln.get('stages')}"
+        if (pr := _num(ev.get("p2p_ratio"))) is not None:
+            text += f": transfers take {pr:.2f}x their usual time"
+        out.append(("slow link", text))
+    links = [x for x in ev.get("slow_links") or [] if isinstance(x, dict)]
+    if links:
+        text = "; ".join(f"DP replica {x.get('dp')}, stages {x.get('stages')}" for x in links[:8])
+        out.append(("slow links at this group", text))
+    ratios = ev.get("rank_ratios") or ev.get("ratios") or ev.get("per_rank_ratio")
+    if isinstance(ratios, dict) and ratios:
+        out.append(("slowest ranks (time / predicted)", _worst(ratios)))
+    if f.severity and f.kind.startswith("fail_slow"):
+        worst = sorted(f.severity.items(), key=lambda kv: kv[1])[:5]
+        more = f" (+{len(f.severity) - 5} more)" if len(f.severity) > 5 else ""
+        out.append(("severity p_i", ", ".join(f"rank {r} {p:.2f}" for r, p in worst) + more))
+    if (pause := _num(ev.get("validation_pause_s"))) is not None:
+        out.append(("validation pause", f"{pause:.2f} s of training stopped to validate"))
+    if ev.get("scope"):
+        text = f"{ev['scope']} {ev.get('state', '')}".strip()
+        if (mb := _num(ev.get("missed_beats"))) is not None:
+            text += f" after {int(mb)} missed heartbeats"
+        if (lat := _num(ev.get("decision_latency_s"))) is not None:
+            text += f", decided {lat:.2f} s after the last one"
+        out.append(("liveness", text))
+    if f.kind == "recovery" and ev.get("reason"):
+        text = {"healthy_speed": "back at its healthy speed", "standby_probe": "idle-device probes"}
+        line = text.get(str(ev["reason"]), str(ev["reason"]))
+        if (pt := _num(ev.get("probe_throughput"))) is not None:
+            line += f" (probe throughput {pt:.2f})"
+        if ev.get("was"):
+            line += f"; was {ev['was']}"
+            if (sf := _num(ev.get("slow_factor"))) is not None:
+                line += f" at {sf:.2f}x"
+            if (si := _num(ev.get("slow_since_iteration"))) is not None:
+                line += f" since iteration {int(si)}"
+        out.append(("recovered", line))
+    return out
+
+
 def list_incidents(failures: list[FailureReport]) -> list[FailureReport]:
     return [f for f in failures if f.kind != "recovery"]
 
@@ -394,6 +494,8 @@ def to_markdown(inc: Incident) -> str:
         "",
         "## Evidence",
         "",
+        *[f"- **{label}**: {text}" for label, text in evidence_facts(f)],
+        "",
         "```json",
         json.dumps({"severity": f.severity, "links": f.links, **f.evidence}, indent=2, default=str),
         "```",
@@ -493,6 +595,7 @@ def to_html(inc: Incident) -> str:
         ),
         incident_figure(inc).to_html(include_plotlyjs=True, full_html=False),
         "<h2>Evidence</h2>",
+        _table(["fact", "value"], [[label, text] for label, text in evidence_facts(f)]),
         f"<pre>{esc(json.dumps({'severity': f.severity, 'links': f.links, **f.evidence}, indent=2, default=str))}</pre>",
         "<h2>Plan</h2>",
     ]

@@ -40,18 +40,24 @@ def _num(v: float) -> str:
 
 
 class _Writer:
+    """Collects samples per metric family and writes each family as one group (HELP,
+    TYPE, then all its samples): the exposition format requires it, and with several
+    jobs the samples of one family arrive job after job, interleaved with others."""
+
     def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._seen: set[str] = set()
+        self._families: dict[str, list[str]] = {}
 
     def family(self, name: str, kind: str, help_: str) -> None:
-        if name not in self._seen:
-            self._seen.add(name)
-            self.lines.append(f"# HELP {name} {help_}")
-            self.lines.append(f"# TYPE {name} {kind}")
+        if name not in self._families:
+            self._families[name] = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
 
     def sample(self, name: str, labels: str, value: float) -> None:
-        self.lines.append(f"{name}{labels} {_num(value)}")
+        self._families.setdefault(name, []).append(f"{name}{labels} {_num(value)}")
+
+    def text(self) -> str:
+        # a family none of the jobs had a sample for is left out altogether
+        groups = [lines for lines in self._families.values() if len(lines) > 2]
+        return "\n".join(line for lines in groups for line in lines) + "\n"
 
 
 def render(data: DashboardData, now_s: float | None = None) -> str:
@@ -62,7 +68,7 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
         jobs = data.jobs()
     except redis.RedisError:
         w.sample("resihp_dashboard_redis_up", "", 0)
-        return "\n".join(w.lines) + "\n"
+        return w.text()
     w.sample("resihp_dashboard_redis_up", "", 1)
     for job in jobs:
         rows = [r.to_dict() for r in data.iterations(job)]
@@ -177,7 +183,7 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
             metric = "resihp_" + _NAME_RE.sub("_", name)
             w.family(metric, "counter", f"Job counter {name}.")
             w.sample(metric, _labels(job=job), val)
-    return "\n".join(w.lines) + "\n"
+    return w.text()
 
 
 def install(server: flask.Flask, data: DashboardData) -> None:

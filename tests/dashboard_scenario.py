@@ -168,7 +168,12 @@ def publish_job(
             "observed_s": slow_t,
             "predicted_s": healthy_t,
             "change_point": slow_from,
-            "ratios": {str(k): (slow_p if k == slow_rank else 1.0) for k in range(16)},
+            "signal": "iteration_time",
+            # as the detector writes it: chunk time / predicted, for the slow TP group
+            "rank_ratios": {
+                str(k): (round(1.0 / slow_p, 4) if k == slow_rank else 1.0)
+                for k in (slow_rank - slow_rank % 2, slow_rank - slow_rank % 2 + 1)
+            },
         },
     )
     bus.publish(r, keys.failures, failure)

@@ -46,10 +46,30 @@ def test_redis_persistence_password_and_env_wiring():
         assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
 
 
-def test_dashboard_port_published_and_bound_to_all_interfaces_inside_container():
+def test_dashboard_port_published_on_host_loopback_and_all_interfaces_inside_container():
     d = _compose()["services"]["dashboard"]
-    assert "8050:8050" in d["ports"]
+    # inside the container it must listen beyond loopback for the port mapping to reach
+    # it; on the host the mapping stays on loopback unless the operator opens it
+    assert d["ports"] == ["${RESIHP_DASHBOARD_BIND:-127.0.0.1}:8050:8050"]
     assert d["command"][d["command"].index("--host") + 1] == "0.0.0.0"
+
+
+def test_optional_prometheus_scrapes_the_dashboard_with_the_alert_rules():
+    c = _compose()
+    prom = c["services"]["prometheus"]
+    assert prom["profiles"] == ["monitoring"]  # a plain `docker compose up` does not need it
+    mounts = {v.split(":")[1]: ROOT / v.split(":")[0] for v in prom["volumes"] if v[0] == "."}
+    for path in mounts.values():
+        assert path.is_file(), path
+    conf = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    assert conf["rule_files"] == ["/etc/prometheus/resihp-alerts.yml"]
+    assert "/etc/prometheus/resihp-alerts.yml" in mounts
+    (scrape,) = conf["scrape_configs"]
+    assert scrape["honor_labels"] is True  # our `job` label is the training job
+    dash_port = c["services"]["dashboard"]["ports"][0].rsplit(":", 1)[1]
+    assert scrape["static_configs"][0]["targets"] == [f"dashboard:{dash_port}"]
+    assert scrape["metrics_path"] == "/metrics"
+    assert "prometheus-data" in c["volumes"]
 
 
 def test_dockerfile_copies_every_package_and_pins_cpu_torch():

@@ -13,7 +13,8 @@ from dashboard_scenario import publish_job
 
 from dashboard.app import create_app, start_health_thread
 from dashboard.config import DashboardConfig
-from dashboard.pages.plans import build_override, submit_action
+from dashboard.pages.plans import _audit_cell, build_override, submit_action
+from resihp import bus
 from resihp.keys import JobKeys
 
 pytestmark = pytest.mark.redis
@@ -77,6 +78,43 @@ def test_metrics_exposition(app, r):
     assert 'resihp_node_heartbeat_age_seconds{job="job-a",node="1"}' in text
 
 
+def test_alert_rules_use_only_metrics_the_dashboard_exposes(app, r):
+    """deploy/prometheus/resihp-alerts.yml must not silently watch a renamed metric."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    # the two dynamic counters the rules watch exist once something was counted
+    r.hset(JobKeys("job-a").counters, mapping={"producer_dropped_total": 1, "deadletter_total": 1})
+    # and the collector's health says whether it judges liveness
+    bus.Health(r, JobKeys("job-a"), "collector").beat("ok", **{bus.JUDGING_LIVENESS: True})
+    bus.set_job_state(r, JobKeys("job-a"), "running")
+    text = app.server.test_client().get("/metrics").get_data(as_text=True)
+    exposed = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    path = Path(__file__).resolve().parents[1] / "deploy/prometheus/resihp-alerts.yml"
+    rules = [x for g in yaml.safe_load(path.read_text())["groups"] for x in g["rules"]]
+    assert len(rules) >= 10 and len({x["alert"] for x in rules}) == len(rules)
+    used = {m for x in rules for m in re.findall(r"resihp_[a-z_]+", x["expr"])}
+    assert used and used <= exposed, used - exposed
+    for x in rules:
+        assert x["labels"]["severity"] in ("page", "ticket") and x["annotations"]["summary"]
+        for label in re.findall(r"\$labels\.(\w+)", x["annotations"]["summary"]):
+            assert re.search(rf"\b{label}=", text), (x["alert"], label)
+
+
+def test_metrics_of_several_jobs_are_grouped_per_family(app, r):
+    publish_job(r, "job-b", iterations=5, slow_from=3)
+    text = app.server.test_client().get("/metrics").get_data(as_text=True)
+    names = [line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"]
+    assert 'resihp_iteration{job="job-b"} 4.0' in text and 'resihp_iteration{job="job-a"}' in text
+    # the exposition format wants one group per family: a name never comes back later
+    groups = [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+    assert len(groups) == len(set(groups)), groups
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types)) and set(types) == set(names)
+
+
 def test_login_logout_and_redirect_safety(app):
     c = app.server.test_client()
     bad = c.post("/auth/login", data={"username": "alice", "password": "nope", "next": "/plans"})
@@ -129,6 +167,14 @@ def test_submit_action_and_override_builder(app, r):
     }
     with pytest.raises(ValueError, match="drop ranks"):
         build_override("", "a", "", [])
+    # audit rows without a new plan or an override show those cells empty, not "0" / "{}"
+    assert [_audit_cell(v) for v in (0, "0", "{}", 12, '{"layers": [4, 4]}')] == [
+        "",
+        "",
+        "",
+        "12",
+        '{"layers": [4, 4]}',
+    ]
 
 
 def _overview(app):
@@ -165,8 +211,6 @@ def test_overview_callback_returns_live_cards(app):
     names = [t.get("name") for t in out["ov-itertime"]["figure"]["data"]]
     assert "observed" in names and "predicted (healthy)" in names
     assert "fr-slow-1" in json.dumps(out["ov-incidents"])
-    heat = out["ov-layout"]["figure"]["data"][0]
-    assert heat["type"] == "heatmap" and heat["z"][1][0] == 0.5  # stage 1 of dp0 holds rank 5
     heat = out["ov-layout"]["figure"]["data"][0]
     assert heat["type"] == "heatmap" and heat["z"][1][0] == 0.5  # stage 1 of dp0 holds rank 5
 

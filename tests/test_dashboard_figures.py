@@ -259,7 +259,17 @@ def test_evidence_figure_and_failure_rows():
         ratios={"3": 0.5, "4": 0.9},
     )
     fig = figures.evidence_figure(f)
-    assert list(fig.data[0].y) == [0.5, 0.9] and list(fig.data[1].y) == [2.0, 1.0]
+    # time/predicted ratios: the slowest rank first
+    assert list(fig.data[0].y) == [0.9, 0.5] and list(fig.data[1].y) == [2.0, 1.0]
+    assert "slowest first" in fig.layout.annotations[0].text
+    # the detector's own key wins over the older ones
+    g = _failure("g", "fail_slow_compute", [3, 4], 1.0, rank_ratios={"3": 1.7, "4": 1.02})
+    assert list(figures.evidence_figure(g).data[0].x) == ["rank 3", "rank 4"]
+    # without ratios: p_i, lowest first
+    h = _failure("h", "fail_slow_compute", [3, 4], 1.0)
+    h.severity = {"3": 0.9, "4": 0.4}
+    fig = figures.evidence_figure(h)
+    assert list(fig.data[0].y) == [0.4, 0.9] and fig.layout.annotations[0].text == "per-rank p_i"
     row = figures.failure_rows([f], 8)[0]
     assert row["ranks"] == "3, 4" and row["nodes"] == "0" and row["kind"] == "fail_slow_comm"
     json.dumps(row)

@@ -164,3 +164,80 @@ def test_recovered_means_reaching_what_the_applied_plan_promised():
     assert partial.status == "open"
     # Not recovered, but the plan was applied: "after" is the rate since then.
     assert partial.throughput == {"before": 100.0, "during": 60.0, "after": 80.0}
+
+
+def _detector_reports(mode, n, at):
+    from detector.config import DetectorConfig
+    from detector.engine import Detector
+    from detector.synthetic import SyntheticJob
+    from resihp.topology import Layout
+
+    lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8)
+    job, det, out = SyntheticJob(lay, seed=11), Detector(DetectorConfig(mode=mode), layout=lay), []
+    for i in range(n):
+        if i in at:
+            at[i](job, lay)
+        out += det.handle(job.next_record())
+    return lay, out
+
+
+def test_evidence_facts_read_the_detectors_real_reports():
+    """The facts are read from what the detectors really publish, so a renamed evidence
+    key shows up here rather than as a silently thinner failures page."""
+    at = {
+        60: lambda j, lay: j.rank_slow.update({lay.groups[1][2][1]: 1.6}),
+        90: lambda j, lay: j.rank_slow.update({lay.groups[1][2][1]: 1.0}),
+    }
+    lay, reps = _detector_reports("resihp", 110, at)
+    victim = lay.groups[1][2][1]
+    slow = next(r for r in reps if r.kind == "fail_slow_compute")
+    facts = dict(incidents.evidence_facts(slow))
+    assert facts["change point"].startswith("iteration 60")
+    assert "predicted healthy" in facts["iteration time"] and facts["iteration time"].endswith("x)")
+    assert facts["cost"].endswith("per iteration)") and "% of healthy throughput" in facts["cost"]
+    assert facts["slow TP group"].startswith("DP replica 1, stage 2: its chunks take 1.")
+    assert facts["slowest ranks (time / predicted)"].startswith(f"rank {victim} 1.")
+    assert facts["severity p_i"].startswith(f"rank {victim} 0.6")
+    rec = dict(incidents.evidence_facts(next(r for r in reps if r.kind == "recovery")))
+    assert rec["recovered"].startswith("back at its healthy speed; was fail_slow_compute at 1.")
+    assert "severity p_i" not in rec
+
+    at = {50: lambda j, lay: j.link_slow.update({(0, 1): 10.0})}
+    _lay, reps = _detector_reports("resihp", 80, at)
+    link = dict(incidents.evidence_facts(next(r for r in reps if r.kind == "fail_slow_comm")))
+    assert link["slow link"].startswith("DP replica 0, stages [1, 2]: transfers take ")
+    assert link["signal"] == "point-to-point transfer residuals"
+
+    at = {50: lambda j, lay: j.rank_slow.update({lay.groups[0][3][1]: 3.0})}
+    _lay, reps = _detector_reports("greyhound", 90, at)
+    gh = dict(incidents.evidence_facts(next(r for r in reps if r.kind == "fail_slow_compute")))
+    assert gh["validation pause"].endswith("s of training stopped to validate")
+
+
+def test_evidence_facts_of_a_fail_stop_and_of_unknown_evidence():
+    from resihp.schemas import FailureReport
+
+    dead = FailureReport(
+        report_id="fs-1",
+        kind="fail_stop",
+        iteration=7,
+        ranks=[9],
+        nodes=[1],
+        detected_at_s=1.0,
+        severity={"9": 0.0},
+        evidence={"scope": "node", "state": "dead", "missed_beats": 3, "decision_latency_s": 2.5},
+    )
+    assert dict(incidents.evidence_facts(dead))["liveness"] == (
+        "node dead after 3 missed heartbeats, decided 2.50 s after the last one"
+    )
+    assert "severity p_i" not in dict(incidents.evidence_facts(dead))
+    odd = FailureReport(
+        report_id="x-1",
+        kind="fail_slow_compute",
+        ranks=[],
+        nodes=[],
+        detected_at_s=1.0,
+        iteration=1,
+        evidence={"new_key": [1, 2]},
+    )
+    assert incidents.evidence_facts(odd) == []

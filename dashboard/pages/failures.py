@@ -8,6 +8,7 @@ import time
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
 from dashboard import figures
+from dashboard.incidents import evidence_facts
 from dashboard.pages import AppContext, banner, redis_safe
 from resihp.schemas import FailureReport
 
@@ -147,10 +148,24 @@ def register(app, ctx: AppContext) -> None:
                     f"ranks {f.ranks[:64]} · nodes {f.nodes[:64]} · detector {f.detector_mode}"
                     + (f" · slow links {f.links[:16]}" if f.links else "")
                 ),
+                html.Table(
+                    [html.Tr([html.Th(label), html.Td(text)]) for label, text in evidence_facts(f)],
+                    id="fl-evidence-facts",
+                    className="facts",
+                ),
                 dcc.Graph(figure=figures.evidence_figure(f), config={"displaylogo": False}),
-                html.Pre(
-                    json.dumps({"severity": f.severity, **f.evidence}, indent=2, default=str),
-                    id="fl-evidence-json",
+                html.Details(
+                    [
+                        html.Summary("raw evidence (JSON)"),
+                        html.Pre(
+                            json.dumps(
+                                {"severity": f.severity, "links": f.links, **f.evidence},
+                                indent=2,
+                                default=str,
+                            ),
+                            id="fl-evidence-json",
+                        ),
+                    ]
                 ),
                 dcc.Link("open as incident", href=f"/incidents?id={f.report_id}"),
             ],

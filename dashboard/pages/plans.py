@@ -185,6 +185,13 @@ def _outcome(audit: list[dict], action_id: str | None):
     )
 
 
+def _audit_cell(value) -> str:
+    # The audit log stores "no new plan" as 0 and "no override" as {}: show them as empty
+    # so the rows that did create a plan stand out.
+    text = str(value)
+    return "" if text in ("0", "{}") else text
+
+
 def _plan_label(p: AdaptationPlan) -> str:
     return f"#{p.plan_id} {p.state} · {p.reason[:60]}"
 
@@ -333,6 +340,8 @@ def register(app, ctx: AppContext) -> None:
             {
                 "at": figures._ts(float(a.get("at_s", 0) or 0)).strftime("%H:%M:%S"),
                 **{c: str(a.get(c, "")) for c in cols[1:]},
+                "new_plan_id": _audit_cell(a.get("new_plan_id", "")),
+                "override": _audit_cell(a.get("override", "")),
             }
             for a in audit
         ]

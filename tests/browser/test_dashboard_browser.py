@@ -194,6 +194,11 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         cell = page.locator("#fl-table td", has_text="fr-slow-1")
         cell.click()
         expect(page.locator("#fl-evidence-json")).to_contain_text('"change_point": 40')
+        facts = page.locator("#fl-evidence-facts")
+        expect(facts).to_contain_text("iteration 40")
+        expect(facts).to_contain_text("observed 0.530 s vs predicted healthy 0.330 s (1.61x)")
+        expect(facts).to_contain_text("rank 5 2.00x, rank 4 1.00x")
+        expect(page.locator("#fl-evidence-body .js-plotly-plot .main-svg").first).to_be_visible()
         page.screenshot(path=str(SHOTS / "failures.png"), full_page=True)
 
         # Plans, not logged in: the click is refused visibly and publishes nothing.
