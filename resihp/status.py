@@ -13,7 +13,7 @@ from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
 from resihp.plans import latest_plans, read_layout
 from resihp.redis_client import connect
-from resihp.schemas import IterationRecord, SchemaError, decode_entry
+from resihp.schemas import FailureReport, IterationRecord, SchemaError, decode_entry
 
 STACK_FILE = "stack.json"
 
@@ -69,6 +69,23 @@ def last_iteration(client, keys: JobKeys) -> IterationRecord | None:
     return None
 
 
+#: Plans in these states still wait for the scheduler's grace period or an operator.
+AWAITING = ("proposed", "acknowledged", "overridden")
+
+
+def recent_failures(client, keys: JobKeys, count: int = 5) -> list[FailureReport]:
+    """The newest ``count`` failure reports, newest first (undecodable entries skipped:
+    the detector only publishes valid ones, and a stray entry must not hide the rest)."""
+    out: list[FailureReport] = []
+    for _, fields in client.xrevrange(keys.failures, count=count):
+        try:
+            good, _ = decode_entry(fields)
+        except SchemaError:
+            continue
+        out += [m for m in good if isinstance(m, FailureReport)]
+    return out[:count]
+
+
 def job_status(client, job_id: str) -> dict[str, Any]:
     keys = JobKeys(job_id)
     counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
@@ -118,6 +135,32 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             "deadletter_total": client.xlen(keys.deadletter),
         },
         "plans_by_state": by_state,
+        # what an operator may have to act on, oldest first
+        "awaiting_plans": [
+            {
+                "plan_id": p.plan_id,
+                "state": p.state,
+                "reason": p.reason,
+                "created_at_s": p.created_at_s,
+                "apply_after_s": p.apply_after_s,
+                "mode": p.mode,
+                "predicted_before_s": p.predicted_before_s,
+                "predicted_after_s": p.predicted_after_s,
+            }
+            for p in sorted(plans.values(), key=lambda p: p.plan_id)
+            if p.state in AWAITING
+        ],
+        "recent_failures": [
+            {
+                "report_id": f.report_id,
+                "kind": f.kind,
+                "ranks": f.ranks,
+                "nodes": f.nodes,
+                "iteration": f.iteration,
+                "detected_at_s": f.detected_at_s,
+            }
+            for f in recent_failures(client, keys)
+        ],
         "open_failures": open_failures,
         "counters": counters,
     }
@@ -154,8 +197,33 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"  job: {_job_line(js)}")
         for name, h in sorted(js["services"].items()):
             lines.append(f"  service {name}: {h.get('status')} (pid {h.get('pid')})")
+        for p in js.get("awaiting_plans", []):
+            lines.append("  " + _plan_line(js["job_id"], p))
+        for f in js.get("recent_failures", []):
+            ranks = f["ranks"][:8] + (["..."] if len(f["ranks"]) > 8 else [])
+            lines.append(
+                f"  failure {f['report_id']}: {f['kind']} ranks {ranks} at iteration "
+                f"{f['iteration']}"
+                + time.strftime(" (%H:%M:%S)", time.localtime(f["detected_at_s"]))
+            )
         lines.append("  counts: " + ", ".join(f"{k}={v}" for k, v in js["counts"].items()))
     return "\n".join(lines)
+
+
+def _plan_line(job_id: str, p: dict[str, Any]) -> str:
+    """One plan that waits, what it predicts, and the command that decides it."""
+    line = (
+        f"plan {p['plan_id']} {p['state']}: {p['reason']} (predicted iteration "
+        f"{p['predicted_before_s']:.3f} s -> {p['predicted_after_s']:.3f} s)"
+    )
+    if p["state"] == "proposed":
+        if p["mode"] == "auto" and p["apply_after_s"]:
+            wait_s = p["apply_after_s"] - time.time()
+            line += f"; applies by itself in {wait_s:.0f} s" if wait_s > 0 else "; grace period over"
+        line += (
+            f"; decide: resihp act acknowledge|reject --plan-id {p['plan_id']} --job-id {job_id}"
+        )
+    return line
 
 
 def _job_line(js: dict[str, Any]) -> str:

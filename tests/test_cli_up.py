@@ -414,3 +414,32 @@ def test_status_says_what_the_trainer_last_said_and_whether_silence_is_judged():
     assert "job: state unknown (the trainer never said)" in format_status(
         {"redis_url": "redis://x", "jobs": {"prod": js}}
     )
+
+
+@pytest.mark.redis
+def test_status_lists_plans_awaiting_a_decision_and_recent_failures(redis_server, r):
+    from dashboard_scenario import publish_job
+
+    from resihp.keys import JobKeys
+    from resihp.plans import latest_plans
+    from resihp.status import collect_status, format_status
+
+    publish_job(r, "job-a", iterations=20, slow_from=12)
+    r.xadd(JobKeys("job-a").failures, {b"m": b"not json"})  # a stray entry hides nothing
+    st = collect_status(redis_server.url, "job-a")
+    js = st["jobs"]["job-a"]
+    assert [p["plan_id"] for p in js["awaiting_plans"]] == [1]
+    assert [f["report_id"] for f in js["recent_failures"]] == ["fr-slow-1"]
+    out = format_status(st)
+    assert "plan 1 proposed: " in out and "(predicted iteration " in out
+    assert "decide: resihp act acknowledge|reject --plan-id 1 --job-id job-a" in out
+    assert "failure fr-slow-1: fail_slow_compute ranks [5] at iteration 15" in out
+    # once decided, the plan no longer waits on anyone
+    keys = JobKeys("job-a")
+    plan = latest_plans(r, keys)[1]
+    plan.state = "applied"
+    r.hset(keys.plan_state, "1", plan.to_json())
+    js = collect_status(redis_server.url, "job-a")["jobs"]["job-a"]
+    assert js["awaiting_plans"] == [] and "decide:" not in format_status(
+        {"redis_url": "x", "jobs": {"job-a": js}}
+    )
