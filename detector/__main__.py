@@ -3,6 +3,7 @@
 python -m detector [--redis-url URL] [--job-id ID] [--mode resihp|greyhound]
 python -m detector --check-health
 python -m detector replay TRACE.jsonl --out REPORTS.jsonl [--baseline greyhound]
+python -m detector config [show | set FIELD=VALUE ...]   (tune a running detector)
 """
 
 from __future__ import annotations
@@ -59,11 +60,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     _common(rp)
+    cf = sub.add_parser(
+        "config",
+        help="show or change a running detector's runtime settings (applied without restart)",
+    )
+    cf.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    cf.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+    cf.add_argument("action", nargs="?", choices=["show", "set"], default="show")
+    cf.add_argument("assignments", nargs="*", metavar="FIELD=VALUE")
     return p
+
+
+def _config(args: argparse.Namespace) -> int:
+    import redis
+
+    from detector import tune
+    from resihp.redis_client import connect
+
+    if args.action == "set" and not args.assignments:
+        print("detector config set: give FIELD=VALUE ...", file=sys.stderr)
+        return 2
+    try:
+        client = connect(args.redis_url)
+        if args.action == "set":
+            for name, (old, new) in tune.write(client, args.job_id, args.assignments).items():
+                print(f"{name}: {old if old is not None else '-'} -> {new}")
+            print("the running detector applies it within one loop (see `config show`)")
+        else:
+            print(tune.format_rows(tune.read(client, args.job_id)))
+    except ValueError as e:
+        print(f"detector config: {e}", file=sys.stderr)
+        return 2
+    except redis.RedisError as e:
+        print(f"detector config: cannot reach Redis at {args.redis_url}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "config":
+        return _config(args)
     entry.setup_logging(args.log_level)
     if args.cmd == "replay" and getattr(args, "baseline", None):
         args.mode = args.baseline

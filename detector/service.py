@@ -163,6 +163,8 @@ class DetectorService:
             "validations_total": fs.validations_total,
             "benign_filtered_total": fs.benign_filtered_total,
             "warm": self.engine.failslow.ready,
+            # what it applied, so `resihp config show` can confirm a change took effect
+            "config": self.config.runtime_dict(),
         }
 
     def run(self, stop: threading.Event) -> None:

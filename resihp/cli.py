@@ -9,6 +9,7 @@ core never imports a service:
     resihp simulate ...        -> python -m scheduler simulate ...
     resihp report export ...   -> python -m dashboard report export ...
     resihp act ...             -> python -m scheduler act ...   (ack/override/reject from a shell)
+    resihp config ...          -> python -m detector config ... (tune a running detector)
 
 Run beside a ``resihp up`` (whose embedded Redis listens on a random port), a
 forwarded command defaults to that stack's Redis URL and job id, read from
@@ -29,6 +30,7 @@ FORWARDED = {
     "simulate": ("scheduler", "simulate"),
     "report": ("dashboard", "report"),
     "act": ("scheduler", "act"),
+    "config": ("detector", "config"),
 }
 
 

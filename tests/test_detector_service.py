@@ -112,6 +112,44 @@ def test_runtime_config_changes_without_restart(r):
     assert svc2.config.cpd_penalty == 20.0
 
 
+def test_config_command_validates_writes_and_shows_what_the_detector_applied(
+    r, redis_server, capsys
+):
+    from detector.__main__ import main
+
+    keys = JobKeys("tune")
+    svc = _svc(r, job="tune")
+    svc.run_once()
+    base = ["config", "--redis-url", redis_server.url, "--job-id", "tune"]
+    assert main([*base, "set", "threshold=1.4", "disabled_ranks=[6, 5]"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold: 1.25 -> 1.4" in out and "disabled_ranks: [] -> [5, 6]" in out
+    # one bad assignment refuses the whole command: nothing is written
+    for bad, why in (
+        (["threshold=1.5", "cpd_penalty=lots"], "cpd_penalty: "),
+        (["treshold=1.5"], "treshold: not a runtime-tunable field (allowed: threshold,"),
+        (["threshold"], "'threshold': expected FIELD=VALUE"),
+        (["heartbeat_k=0"], "heartbeat_k"),
+    ):
+        assert main([*base, "set", *bad]) == 2
+        assert why in capsys.readouterr().err
+    assert r.hget(keys.detector_config, "threshold") == b"1.4"
+    assert r.hget(keys.detector_config, "cpd_penalty") == b"8.0"
+    # show: before the detector's next loop the change is stored but not applied ...
+    svc.health.beat("ok", **svc.health_extra())
+    assert main([*base, "show"]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("threshold"))
+    assert row.split() == ["threshold", "1.4", "1.25", "1.25"]
+    # ... and after it, applied
+    svc.run_once()
+    svc.health.beat("ok", **svc.health_extra())
+    assert main([*base, "show"]) == 0
+    rows = {x.split()[0]: x.split()[1:] for x in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["threshold"] == ["1.4", "1.4", "1.25"] and svc.config.disabled_ranks == {5, 6}
+    assert rows["disabled_ranks"][:2] == ["[5,", "6]"]
+    assert int(r.hget(keys.counters, "detector_config_rejected_total") or 0) == 0
+
+
 def test_disabled_rank_switch_applies_live(r):
     keys = JobKeys("off")
     r.set(keys.layout, json.dumps(LAY.to_dict()))

@@ -1,0 +1,96 @@
+"""Operator-side runtime tuning of a running detector (``resihp config``).
+
+The detector re-reads ``keys.detector_config`` every loop and keeps the last
+good value of a field whose new value is invalid.  That protects the service,
+but an operator who mistypes a value at a terminal only learns it from the
+detector's log.  This module validates assignments *before* they are written
+(all of them or none) with the same parser the service uses, and shows what
+the hash holds beside what the running detector reports it applied (its health
+key carries its runtime settings), so a change can be seen taking effect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from detector.config import RUNTIME_FIELDS, DetectorConfig
+from resihp.bus import Health
+from resihp.keys import JobKeys
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """``["threshold=1.3", "disabled_ranks=4,5"]`` -> field -> value (strings)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"{item!r}: expected FIELD=VALUE")
+        if name not in RUNTIME_FIELDS:
+            raise ValueError(
+                f"{name}: not a runtime-tunable field (allowed: {', '.join(RUNTIME_FIELDS)})"
+            )
+        out[name] = value.strip()
+    return out
+
+
+def validate(stored: dict[str, str], changes: dict[str, str]) -> dict[str, str]:
+    """The hash values to write for ``changes`` on top of what is ``stored``; raises
+    ValueError naming every bad field, so nothing is written when one is wrong."""
+    base, _ignored = DetectorConfig().with_runtime(
+        {k: v for k, v in stored.items() if k in RUNTIME_FIELDS and k not in changes}
+    )
+    new, errors = base.with_runtime(changes)
+    if errors:
+        raise ValueError("; ".join(errors))
+    # write the canonical form (e.g. a rank list as JSON) so `show` reads back cleanly
+    canonical = new.runtime_dict()
+    return {k: canonical[k] for k in changes}
+
+
+def _decode(raw: dict) -> dict[str, str]:
+    return {
+        (k.decode() if isinstance(k, bytes) else str(k)): (
+            v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+        )
+        for k, v in raw.items()
+    }
+
+
+def read(client: redis.Redis, job_id: str) -> list[dict[str, Any]]:
+    """One row per runtime field: the hash value, the default, and what the running
+    detector says it applied (None when no detector reports)."""
+    keys = JobKeys(job_id)
+    stored = _decode(client.hgetall(keys.detector_config))
+    health = Health.get(client, keys, "detector") or {}
+    applied = health.get("config") if isinstance(health.get("config"), dict) else {}
+    defaults = DetectorConfig().runtime_dict()
+    return [
+        {
+            "field": f,
+            "stored": stored.get(f),
+            "default": defaults[f],
+            "applied": applied.get(f),
+        }
+        for f in RUNTIME_FIELDS
+    ]
+
+
+def write(client: redis.Redis, job_id: str, assignments: list[str]) -> dict[str, tuple]:
+    """Validate and write; returns field -> (previous stored value, new value)."""
+    keys = JobKeys(job_id)
+    stored = _decode(client.hgetall(keys.detector_config))
+    values = validate(stored, parse_assignments(assignments))
+    client.hset(keys.detector_config, mapping=values)
+    return {k: (stored.get(k), v) for k, v in values.items()}
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'field':<22}{'in Redis':<16}{'applied':<16}default"]
+    for r in rows:
+        stored = "-" if r["stored"] is None else r["stored"]
+        applied = "(no detector)" if r["applied"] is None else r["applied"]
+        lines.append(f"{r['field']:<22}{stored:<16}{applied:<16}{r['default']}")
+    return "\n".join(lines)
