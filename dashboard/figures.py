@@ -63,6 +63,43 @@ def empty_figure(message: str) -> go.Figure:
 # ---------------------------------------------------------------- overview
 
 
+def _vertical_lines(fig: go.Figure, marks: list[tuple[Any, str, str, str | None]]) -> None:
+    """Full-height lines at x (with an optional rotated label), set in one layout update:
+    ``add_vline`` per line re-validates the whole layout each time, which costs seconds
+    once a job has a hundred failures on a page refreshed every second."""
+    shapes, notes = [], []
+    for x, color, dash, label in marks:
+        shapes.append(
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": x,
+                "x1": x,
+                "y0": 0,
+                "y1": 1,
+                "line": {"color": color, "dash": dash, "width": 1},
+            }
+        )
+        if label:
+            notes.append(
+                {
+                    "x": x,
+                    "xref": "x",
+                    "y": 1,
+                    "yref": "paper",
+                    "text": label,
+                    "textangle": -90,
+                    "showarrow": False,
+                    "font": {"size": 10},
+                    "xanchor": "left",
+                    "yanchor": "top",
+                }
+            )
+    if shapes:
+        fig.update_layout(shapes=shapes, annotations=notes or None)
+
+
 def throughput_figure(
     rows: list[dict[str, Any]],
     failures: list[FailureReport] = (),
@@ -84,19 +121,11 @@ def throughput_figure(
             hovertemplate="iteration %{customdata}<br>%{y:.2f} samples/s<extra></extra>",
         )
     )
-    for f in failures:
-        fig.add_vline(
-            x=_ts(f.detected_at_s).timestamp() * 1000,
-            line={"color": FAILURE_COLORS.get(f.kind, "black"), "dash": "dot", "width": 1},
-        )
-    for name, t in phases:
-        fig.add_vline(
-            x=_ts(t).timestamp() * 1000,
-            line={"color": "#555", "dash": "dash", "width": 1},
-            annotation_text=name,
-            annotation_textangle=-90,
-            annotation_font_size=10,
-        )
+    marks = [
+        (_ts(f.detected_at_s), FAILURE_COLORS.get(f.kind, "black"), "dot", None) for f in failures
+    ]
+    marks += [(_ts(t), "#555", "dash", name) for name, t in phases]
+    _vertical_lines(fig, marks)
     fig.update_layout(
         template=PLOT_TEMPLATE,
         title=title,
@@ -194,9 +223,9 @@ def iteration_time_figure(
             )
         )
     lo, hi = min(its), max(its)
-    for cp in change_points(failures):
-        if lo <= cp <= hi:
-            fig.add_vline(x=cp, line={"color": "#e45756", "dash": "dash", "width": 1})
+    _vertical_lines(
+        fig, [(cp, "#e45756", "dash", None) for cp in change_points(failures) if lo <= cp <= hi]
+    )
     shown = [f for f in failures if lo <= f.iteration <= hi]
     if shown:
         by_it = {r["iteration"]: r["iteration_time_s"] for r in rows}

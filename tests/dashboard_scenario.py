@@ -291,3 +291,33 @@ def touch_heartbeats(r, keys: JobKeys, num_nodes: int, dead_node: int, now: floa
         keys.node_heartbeat,
         mapping={str(n): repr(now - (30.0 if n == dead_node else 0.2)) for n in range(num_nodes)},
     )
+
+
+def dash_call(app, output_id: str, values: dict, trigger: str):
+    """Drive the Dash callback whose outputs include ``output_id`` through the real
+    ``/_dash-update-component`` endpoint, as the browser does.  ``values`` maps
+    ``"component.property"`` of its inputs and states to values (missing ones: None);
+    returns the response's ``{component: {property: value}}``."""
+    key = next(k for k in app.callback_map if f"{output_id}." in k)
+    spec = app.callback_map[key]
+    multi = key.startswith("..")
+    outs = [
+        {"id": o.rsplit(".", 1)[0], "property": o.rsplit(".", 1)[1]}
+        for o in (key.strip(".").split("...") if multi else [key])
+    ]
+
+    def _items(kind):
+        return [
+            {**x, "value": values.get(f"{x['id']}.{x['property']}")} for x in spec.get(kind, [])
+        ]
+
+    req = {
+        "output": key,
+        "outputs": outs if multi else outs[0],
+        "inputs": _items("inputs"),
+        "state": _items("state"),
+        "changedPropIds": [trigger],
+    }
+    res = app.server.test_client().post("/_dash-update-component", json=req)
+    assert res.status_code in (200, 204), res.get_data(as_text=True)[:500]
+    return res.json["response"] if res.status_code == 200 else {}

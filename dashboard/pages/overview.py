@@ -42,6 +42,37 @@ def layout(ctx: AppContext) -> html.Div:
     )
 
 
+#: Failure reports (newest first) searched for open incidents, and how many are shown.
+OPEN_LOOKBACK = 200
+OPEN_SHOWN = 20
+
+
+def dead_and_slow(lay, device_health: dict[str, dict]) -> tuple[set[int], list[int]]:
+    """Dead ranks (the layout's, and the detector's verdicts the scheduler has not yet
+    applied) and slow ranks (p below the bar, neither dead nor set aside as standby)."""
+    dead = set(lay.dead) if lay is not None else set()
+    standby = set(lay.standby) if lay is not None else set()
+    dead |= {int(r) for r, v in device_health.items() if v.get("state") == "dead"}
+    slow = [
+        int(r)
+        for r, v in device_health.items()
+        if isinstance(v.get("p"), int | float)
+        and v["p"] < figures.SLOW_P
+        and v.get("state") not in ("dead", "standby")
+        and int(r) not in dead | standby
+    ]
+    return dead, sorted(slow)
+
+
+def dead_after(events) -> set[int]:
+    """Ranks whose latest liveness event (in stream order) says dead."""
+    state: dict[int, str] = {}
+    for e in events:
+        for r in e.ranks:
+            state[r] = e.state
+    return {r for r, st in state.items() if st == "dead"}
+
+
 def summarize(ctx: AppContext, job: str) -> dict:
     """Everything the overview shows, as plain data (also used by tests)."""
     d = ctx.data
@@ -53,10 +84,15 @@ def summarize(ctx: AppContext, job: str) -> dict:
     acts = d.actions(job)
     open_inc = []
     wrows = incidents.wall_rows(rows)
-    for f in incidents.list_incidents(fails)[-20:]:
+    # An old incident can still be open behind many newer ones that closed: look back
+    # over the last OPEN_LOOKBACK reports, show the newest OPEN_SHOWN that are open.
+    for f in reversed(incidents.list_incidents(fails)[-OPEN_LOOKBACK:]):
         inc = incidents.build_incident(job, f.report_id, fails, hist, acts, wrows)
         if inc.status == "open":
             open_inc.append(inc)
+            if len(open_inc) == OPEN_SHOWN:
+                break
+    open_inc.reverse()
     return {
         "rows": rows,
         "failures": fails,
@@ -127,27 +163,25 @@ def register(app, ctx: AppContext) -> None:
                     + ("..." if lay.pp > 8 else ""),
                 )
             )
-            dead = len(lay.dead)
+        dead, slow = dead_and_slow(lay, s["device_health"])
+        if lay is not None:
+            standby = set(lay.standby) - dead
             cards.append(
                 card(
                     "devices",
-                    f"{lay.world_size - dead - len(lay.standby)} active",
-                    f"{dead} dead, {len(lay.standby)} standby",
+                    f"{lay.world_size - len(dead) - len(standby)} active",
+                    f"{len(dead)} dead, {len(standby)} standby"
+                    + (f" (dead: {', '.join(map(str, sorted(dead)[:6]))})" if dead else ""),
                     "bad" if dead else "ok",
                 )
             )
         else:
             cards.append(card("layout", "unknown", "no layout key yet", "warn"))
-        slow = [
-            r
-            for r, v in s["device_health"].items()
-            if isinstance(v.get("p"), int | float) and v["p"] < figures.SLOW_P
-        ]
         cards.append(
             card(
                 "slow devices (p<0.9)",
                 len(slow),
-                ", ".join(map(str, sorted(slow)[:6])),
+                ", ".join(map(str, slow[:6])),
                 "warn" if slow else "ok",
             )
         )
@@ -163,9 +197,7 @@ def register(app, ctx: AppContext) -> None:
         live = s["liveness"]
         if live:
             last = live[-1]
-            dead_now = {r for e in live for r in e.ranks if e.state == "dead"} - {
-                r for e in live for r in e.ranks if e.state in ("alive", "rejoined")
-            }
+            dead_now = dead_after(live)
             cards.append(
                 card(
                     "liveness",

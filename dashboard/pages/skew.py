@@ -168,6 +168,16 @@ def register(app, ctx: AppContext) -> None:
             return banner("no job selected", "info"), empty, empty, empty, empty, "", "", "", None
         lay, p, state, dpn = device_state(ctx, job)
         rng = tuple(stack[-1]) if stack else None
+        num_nodes = -(-len(p) // dpn) if len(p) else 0
+        status = ""
+        if (node is not None and not 0 <= int(node) < num_nodes) or (rng and rng[0] >= num_nodes):
+            asked = node if node is not None else rng[0]
+            status = banner(
+                f"node {asked} does not exist: this job has {num_nodes} nodes "
+                f"(0-{num_nodes - 1}); showing all nodes",
+                "warn",
+            )
+            rng, node = None, None
         hb = figures.heartbeat_age_figure(ctx.data.node_heartbeats(job), time.time())
         fails = ctx.data.failures(job)
         # Redraw the heatmaps only when what they show changed: a redraw every tick would
@@ -185,7 +195,7 @@ def register(app, ctx: AppContext) -> None:
             )
         ).hexdigest()
         if sig == last_sig:
-            return "", no_update, no_update, hb, no_update, no_update, no_update, no_update, sig
+            return status, no_update, no_update, hb, no_update, no_update, no_update, no_update, sig
         grid = figures.skew_grid(p, state, dpn, rng, max_rows)
         heat = figures.skew_heatmap_figure(grid, dpn)
         coords = (
@@ -209,7 +219,6 @@ def register(app, ctx: AppContext) -> None:
             if culprits
             else html.Div("no culprits reported")
         )
-        num_nodes = -(-len(p) // dpn) if len(p) else 0
         where = (
             f"{len(p)} devices on {num_nodes} nodes; showing "
             + (f"nodes {rng[0]}-{min(rng[1], num_nodes) - 1}" if rng else "all nodes")
@@ -249,4 +258,4 @@ def register(app, ctx: AppContext) -> None:
                     ),
                 ]
             )
-        return "", heat, coords, hb, rec, ctable, where, detail, sig
+        return status, heat, coords, hb, rec, ctable, where, detail, sig
