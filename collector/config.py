@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -108,8 +109,8 @@ class CollectorConfig:
         )
         for name in positive:
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
-                raise ValueError(f"{name}: must be a number > 0, got {v!r}")
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v < math.inf:
+                raise ValueError(f"{name}: must be a finite number > 0, got {v!r}")
         ints_min = {
             "heartbeat_k": 1,
             "read_count": 1,

@@ -182,8 +182,8 @@ class CollectorService:
             return
         self._layout_raw = raw
         try:
-            layout = Layout.from_dict(json.loads(raw))
-        except (json.JSONDecodeError, UnicodeDecodeError, LayoutError, TypeError) as e:
+            layout = Layout.from_json(raw)
+        except LayoutError as e:
             log.error("layout at %s is invalid, keeping the previous one: %s", self.keys.layout, e)
             self._count("collector_layout_invalid_total")
             bus.dead_letter(

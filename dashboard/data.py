@@ -436,8 +436,8 @@ class DashboardData:
         if hit and hit[1][0] == raw:
             return hit[1][1]
         try:
-            lay = Layout.from_dict(json.loads(raw))
-        except (json.JSONDecodeError, LayoutError, UnicodeDecodeError):
+            lay = Layout.from_json(raw)
+        except LayoutError:
             lay = None
         c.hash_cache["layout"] = (time.monotonic(), (raw, lay))
         return lay

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,20 +133,31 @@ class DetectorConfig:
     gh_validation_per_link_s: float = 0.065
 
     # ------------------------------------------------------------------ checks
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> DetectorConfig:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"detector config field {name!r}: {why} (got {getattr(self, name)!r})")
 
         if self.mode not in MODES:
             bad("mode", f"must be one of {MODES}")
+
+        def integer(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         for name in ("batch_count", "warmup_iters", "cpd_window", "heartbeat_k"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not integer(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
         for name in ("rewarm_iters", "block_ms", "recovery_iters", "gh_min_gap_iters"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+            if not integer(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
         if self.warmup_iters < 5:
             bad("warmup_iters", "needs at least 5 iterations to fit alpha, beta and the noise")
+        for name in ("forget", "threshold", "min_throughput_loss", "cpd_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                bad(name, "must be a number")
         if not 0.5 < self.forget <= 1.0:
             bad("forget", "must be in (0.5, 1]")
         if not 1.0 < self.threshold <= 10.0:
@@ -171,11 +183,11 @@ class DetectorConfig:
             "gh_validation_per_link_s",
         ):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or v < 0 or v != v:
-                bad(name, "must be a number >= 0")
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
+                bad(name, "must be a finite number >= 0")
         for name in ("gh_peer_ratio", "gh_compute_ratio", "gh_link_ratio"):
-            if not getattr(self, name) > 1.0:
-                bad(name, "must be > 1")
+            if not 1.0 < getattr(self, name) < math.inf:
+                bad(name, "must be a finite number > 1")
         if not isinstance(self.failslow_enabled, bool):
             bad("failslow_enabled", "must be a bool")
         if not isinstance(self.disabled_ranks, frozenset) or any(
@@ -255,20 +267,22 @@ def parse_ranks(v: Any) -> frozenset[int]:
         if s.startswith("["):
             try:
                 items = json.loads(s)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"not a JSON list of ranks: {e}") from e
+            if not isinstance(items, list):
+                raise ValueError("not a JSON list of ranks")
         else:
             items = [x.strip() for x in s.split(",") if x.strip()]
     else:
         items = list(v)
     out = set()
     for x in items:
+        if isinstance(x, bool) or not isinstance(x, int | str):
+            raise ValueError(f"not a rank: {x!r}")
         try:
             r = int(x)
         except (TypeError, ValueError) as e:
             raise ValueError(f"not a rank: {x!r}") from e
-        if isinstance(x, float) and x != r:
-            raise ValueError(f"not a rank: {x!r}")
         if r < 0:
             raise ValueError(f"rank must be >= 0: {r}")
         out.add(r)
@@ -294,4 +308,6 @@ def _parse_runtime(name: str, val: str) -> Any:
         x = float(val)
     except ValueError as e:
         raise ValueError(f"not a number: {val!r}") from e
+    if not math.isfinite(x):
+        raise ValueError(f"not a finite number: {val!r}")
     return x

@@ -25,7 +25,7 @@ from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp import bus
 from resihp.keys import JobKeys
-from resihp.schemas import FailureReport
+from resihp.schemas import FailureReport, IterationRecord, LivenessEvent
 from resihp.topology import Layout, LayoutError
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,8 @@ class DetectorService:
             return
         self._layout_raw = raw
         try:
-            layout = Layout.from_dict(json.loads(raw))
-        except (json.JSONDecodeError, UnicodeDecodeError, LayoutError, TypeError) as e:
+            layout = Layout.from_json(raw)
+        except LayoutError as e:
             log.error(
                 "detector: layout at %s is invalid, keeping the previous one: %s",
                 self.keys.layout,
@@ -119,11 +119,29 @@ class DetectorService:
         msgs = [m for _id, ms in live for m in ms] + [m for _id, ms in its for m in ms]
         if not msgs:
             return 0
+        self._dead_letter_misrouted(live, LivenessEvent, self.keys.liveness)
+        self._dead_letter_misrouted(its, IterationRecord, self.keys.iterations)
         reports = self.engine.handle_batch(msgs, now_s=time.time())
         self._publish(reports)
         self.live_in.ack([i for i, _ in live])
         self.iter_in.ack([i for i, _ in its])
         return len(msgs)
+
+    def _dead_letter_misrouted(self, entries, expected: type, stream: str) -> None:
+        """A valid message of another kind on this stream is kept in the dead-letter
+        stream (the engine skips it), so a producer writing to the wrong stream shows."""
+        for _id, ms in entries:
+            for m in ms:
+                if not isinstance(m, expected):
+                    bus.dead_letter(
+                        self.client,
+                        self.keys,
+                        stream,
+                        SERVICE,
+                        f"{getattr(m, 'TYPE', type(m).__name__)} on the stream of "
+                        f"{expected.TYPE} messages: ignored",
+                        m.to_dict(),
+                    )
 
     def _publish(self, reports: list[FailureReport]) -> None:
         pipe = self.client.pipeline(transaction=False)

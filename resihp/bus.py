@@ -161,7 +161,19 @@ class StreamConsumer:
             if fields is None:  # entry trimmed away while pending
                 bad_ids.append(entry_id)
                 continue
-            good, bad = decode_entry(fields, self.max_rank)
+            try:
+                good, bad = decode_entry(fields, self.max_rank)
+            except Exception as e:  # noqa: BLE001 - a poison entry must not stop the service
+                # decode_entry turns every known kind of bad input into a reason; this
+                # is the backstop for an unknown one, so that the entry is dead-lettered
+                # and acked instead of crashing every consumer that re-reads it
+                good = []
+                bad = [
+                    (
+                        f"undecodable entry: {type(e).__name__}: {e}",
+                        {str(k): str(v)[:200] for k, v in fields.items()},
+                    )
+                ]
             for reason, raw in bad:
                 self.stats.deadletter_total += 1
                 dead_letter(self.client, self.keys, self.stream, self.consumer, reason, raw)

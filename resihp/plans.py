@@ -26,7 +26,7 @@ def read_layout(client: redis.Redis, keys: JobKeys) -> Layout | None:
     raw = client.get(keys.layout)
     if not raw:
         return None
-    return Layout.from_dict(json.loads(raw))
+    return Layout.from_json(raw)
 
 
 def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:

@@ -23,6 +23,7 @@ start (``at_s``).  Every error names the file and line of the bad entry.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -122,18 +123,36 @@ class Scenario:
 # --------------------------------------------------------------------------- parsing
 
 
-def _line_map(text: str) -> tuple[int, list[int], list[dict[str, int]]]:
-    """(top line, per-event line, per-event {key: line}) from the YAML node tree (1-based)."""
+def _line_map(
+    text: str,
+) -> tuple[int, list[int], list[dict[str, int]], tuple[int, str] | None]:
+    """(top line, per-event line, per-event {key: line}, first duplicated key as
+    (line, key) or None) from the YAML node tree (1-based).  YAML and JSON loaders keep
+    the last of two equal keys without a word; a scenario must not lose an event's
+    first ``at_s`` that way."""
     try:
         root = yaml.compose(text.replace("\t", " "), Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return 1, [], []
+        return 1, [], [], None
     if root is None:
-        return 1, [], []
+        return 1, [], [], None
+    dup: tuple[int, str] | None = None
+
+    def keys_of(node) -> dict[str, int]:
+        nonlocal dup
+        out: dict[str, int] = {}
+        for k, _v in node.value:
+            name, line = str(getattr(k, "value", "")), k.start_mark.line + 1
+            if name in out and dup is None:
+                dup = (line, name)
+            out.setdefault(name, line)
+        return out
+
     seq = None
     if isinstance(root, yaml.SequenceNode):
         seq = root
     elif isinstance(root, yaml.MappingNode):
+        keys_of(root)
         for k, v in root.value:
             if getattr(k, "value", None) == "events" and isinstance(v, yaml.SequenceNode):
                 seq = v
@@ -142,12 +161,8 @@ def _line_map(text: str) -> tuple[int, list[int], list[dict[str, int]]]:
     if seq is not None:
         for item in seq.value:
             ev_lines.append(item.start_mark.line + 1)
-            keys = {}
-            if isinstance(item, yaml.MappingNode):
-                for k, _v in item.value:
-                    keys[str(k.value)] = k.start_mark.line + 1
-            key_lines.append(keys)
-    return root.start_mark.line + 1, ev_lines, key_lines
+            key_lines.append(keys_of(item) if isinstance(item, yaml.MappingNode) else {})
+    return root.start_mark.line + 1, ev_lines, key_lines, dup
 
 
 def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
@@ -159,6 +174,8 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ScenarioError(f"{source}:{e.lineno}: invalid JSON: {e.msg}") from None
+        except (ValueError, RecursionError) as e:  # e.g. an integer of 5,000 digits
+            raise ScenarioError(f"{source}:1: invalid JSON: {e}") from None
     else:
         try:
             data = yaml.safe_load(text)
@@ -167,7 +184,14 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
             line = mark.line + 1 if mark is not None else 1
             problem = getattr(e, "problem", None) or str(e)
             raise ScenarioError(f"{source}:{line}: invalid YAML: {problem}") from None
-    top_line, ev_lines, key_lines = _line_map(text)
+        except (ValueError, RecursionError) as e:
+            raise ScenarioError(f"{source}:1: invalid YAML: {type(e).__name__}: {e}") from None
+    try:
+        top_line, ev_lines, key_lines, dup = _line_map(text)
+    except RecursionError:
+        top_line, ev_lines, key_lines, dup = 1, [], [], None
+    if dup is not None:
+        raise ScenarioError(f"{source}:{dup[0]}: duplicate key {dup[1]!r}")
     if data is None:
         return Scenario(source=source)
     name, seed = "", None
@@ -202,9 +226,12 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ScenarioError(f"{p}:0: cannot read scenario file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[: e.start].count(b"\n") + 1
+        raise ScenarioError(f"{p}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return parse_scenario(text, str(p))
 
 
@@ -238,6 +265,8 @@ def _parse_event(item: Any, source: str, line: int, keys: dict[str, int]) -> Sce
         if not isinstance(v, int | float) or isinstance(v, bool):
             raise fail(f"{key} must be a number, got {v!r}", key)
         v = float(v)
+        if not math.isfinite(v):
+            raise fail(f"{key} must be a finite number, got {v}", key)
         if (v <= lo if lo_open else v < lo) or v > hi:
             raise fail(f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
         return v
@@ -261,7 +290,7 @@ def _parse_event(item: Any, source: str, line: int, keys: dict[str, int]) -> Sce
     node = integer("node")
     factor = number("factor", 0.0, 1.0, lo_open=True)
     severity = item.get("severity")
-    if severity is not None and severity not in SEVERITY_DROP:
+    if severity is not None and (not isinstance(severity, str) or severity not in SEVERITY_DROP):
         raise fail(f"severity must be one of {list(SEVERITY_DROP)}, got {severity!r}", "severity")
     dur_it = integer("duration_iterations", 1)
     dur_s = number("duration_s", 0.0, float("inf"), lo_open=True)

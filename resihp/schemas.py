@@ -140,10 +140,17 @@ def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> Any:
     if isinstance(tp, str) and tp.startswith("list"):
         if not isinstance(value, list):
             raise SchemaError(f"{cls_name}.{name}: expected list, got {type(value).__name__}")
+        inner = tp[5:-1] if tp.startswith("list[") else "Any"
+        if inner not in ("Any", ""):
+            # elements are checked too: a rank 5.5 or true must not become rank 5 or 1
+            return [_check_type(cls_name, f"{name}[{i}]", v, inner) for i, v in enumerate(value)]
         return value
     if isinstance(tp, str) and tp.startswith("dict"):
         if not isinstance(value, dict):
             raise SchemaError(f"{cls_name}.{name}: expected object, got {type(value).__name__}")
+        inner = tp[5:-1].split(",", 1)[1].strip() if tp.startswith("dict[") else "Any"
+        if inner not in ("Any", ""):
+            return {k: _check_type(cls_name, f"{name}[{k!r}]", v, inner) for k, v in value.items()}
         return value
     if isinstance(tp, str) and "None" in tp:
         if value is None:
@@ -426,6 +433,15 @@ def unpack_record_chunks(raw: bytes) -> dict[str, np.ndarray]:
     kind = rows["kind"]
     if len(rows) and ((kind < 0).any() or (kind > max(ChunkKind)).any()):
         raise SchemaError("iteration chunks: unknown chunk kind")
+    if len(rows):
+        if not (np.isfinite(rows["start_s"]).all() and np.isfinite(rows["duration_s"]).all()):
+            raise SchemaError("iteration chunks: non-finite start_s/duration_s")
+        if (rows["duration_s"] < 0).any():
+            raise SchemaError("iteration chunks: negative duration_s")
+        if (rows["dp"] < 0).any() or (rows["stage"] < 0).any() or (rows["microbatch"] < 0).any():
+            raise SchemaError("iteration chunks: negative dp/stage/microbatch")
+        if (rows["src_dp"] < -1).any() or (np.abs(rows["direction"]) > 1).any():
+            raise SchemaError("iteration chunks: src_dp < -1 or direction not in -1, 0, 1")
     out = {name: np.ascontiguousarray(rows[name]) for name in RECORD_CHUNK_DTYPE.names}
     out["kind"] = KIND_NAMES[kind]
     return out
@@ -458,8 +474,15 @@ class FailureReport(Message):
         if self.kind not in self.KINDS:
             raise SchemaError(f"FailureReport.kind: unknown kind {self.kind!r}")
         for r, p in self.severity.items():
+            if not (r.isascii() and r.isdigit()):
+                raise SchemaError(f"FailureReport.severity: key {r!r} is not a rank number")
             if not isinstance(p, int | float) or not (0.0 <= p <= 1.5):
                 raise SchemaError(f"FailureReport.severity[{r}]: p_i must be in [0, 1.5], got {p}")
+        for i, link in enumerate(self.links):
+            if len(link) != 2 or min(link) < 0:
+                raise SchemaError(f"FailureReport.links[{i}]: a link is two ranks >= 0, got {link}")
+        if any(r < 0 for r in self.ranks) or any(n < 0 for n in self.nodes):
+            raise SchemaError("FailureReport: ranks and nodes must be >= 0")
 
 
 @dataclass
@@ -554,6 +577,32 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 # packed chunk batches
 
 
+def _json_column(type_name: str, name: str, values: Any, n: int, dtype: np.dtype) -> np.ndarray:
+    """One JSON column, checked before it meets numpy: numpy would silently turn 1.7 or
+    true into rank 1 and wrap 2**40 around an int32."""
+    if not isinstance(values, list):
+        raise SchemaError(f"{type_name}: column {name} is not a list")
+    if len(values) != n:
+        raise SchemaError(f"{type_name}: column {name} has {len(values)} rows, not {n}")
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise SchemaError(f"{type_name}: column {name}: {e}") from e
+    if not n:
+        return arr.astype(dtype)
+    if arr.ndim != 1:
+        raise SchemaError(f"{type_name}: column {name}: expected a flat list of numbers")
+    if dtype.kind in "iu":
+        if arr.dtype.kind not in "iu":
+            raise SchemaError(f"{type_name}: column {name}: expected integers")
+        info = np.iinfo(dtype)
+        if arr.min() < info.min or arr.max() > info.max:
+            raise SchemaError(f"{type_name}: column {name}: value out of range for {dtype}")
+    elif arr.dtype.kind not in "iuf":
+        raise SchemaError(f"{type_name}: column {name}: expected numbers")
+    return arr.astype(dtype)
+
+
 @dataclass
 class PackedBatch:
     """Many rows of one message kind packed as a numpy structured array.
@@ -613,16 +662,13 @@ class PackedBatch:
         missing = [c for c in cls.COLUMNS if c not in cols and c not in cls.OPTIONAL]
         if missing:
             raise SchemaError(f"{cls.TYPE}: missing columns {missing}")
+        if not isinstance(cols["rank"], list):
+            raise SchemaError(f"{cls.TYPE}: column rank is not a list")
         n = len(cols["rank"])
         rows = cls.empty(n)
         for c in cls.COLUMNS:
             if c in cols:
-                if len(cols[c]) != n:
-                    raise SchemaError(f"{cls.TYPE}: column {c} has {len(cols[c])} rows, not {n}")
-                try:
-                    rows[c] = cols[c]
-                except (TypeError, ValueError) as e:
-                    raise SchemaError(f"{cls.TYPE}: column {c}: {e}") from e
+                rows[c] = _json_column(cls.TYPE, c, cols[c], n, cls.DTYPE[c])
         cls.check_rows(rows, max_rank)
         return cls(rows)
 
@@ -743,24 +789,31 @@ def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
         raise SchemaError(f"message is not a JSON object but {type(d).__name__}", d)
     t = d.get("type")
     v = d.get("schema_version")
-    if v != SCHEMA_VERSION:
+    if type(v) is not int or v != SCHEMA_VERSION:
         raise SchemaError(
             f"unsupported schema_version {v!r} (this build reads {SCHEMA_VERSION})", d
         )
+    if not isinstance(t, str):
+        raise SchemaError(f"message type must be a string, got {type(t).__name__}", d)
     if t == ChunkBatch.TYPE:
-        return ChunkBatch.from_dict(d, max_rank)
-    if t == HeartbeatBatch.TYPE:
-        return HeartbeatBatch.from_dict(d, max_rank)
-    cls = MESSAGE_TYPES.get(t)  # type: ignore[arg-type]
+        cls = ChunkBatch
+    elif t == HeartbeatBatch.TYPE:
+        cls = HeartbeatBatch
+    else:
+        cls = MESSAGE_TYPES.get(t)
     if cls is None:
         raise SchemaError(f"unknown message type {t!r}", d)
     try:
+        if issubclass(cls, PackedBatch):
+            return cls.from_dict(d, max_rank)
         msg = cls.from_dict(d)
     except SchemaError as e:
         e.raw = d
         raise
-    except TypeError as e:  # unexpected keyword etc.
-        raise SchemaError(f"{cls.__name__}: {e}", d) from e
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        # whatever a hostile payload provokes below the field checks (an unexpected
+        # keyword, a number too big for its column) is a bad message, not a crash
+        raise SchemaError(f"{cls.__name__}: {type(e).__name__}: {e}", d) from e
     if max_rank is not None:
         rank = getattr(msg, "rank", None)
         if isinstance(rank, int) and rank >= max_rank:
@@ -771,7 +824,7 @@ def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
 def decode_json(line: str | bytes, max_rank: int | None = None) -> Message | ChunkBatch:
     try:
         d = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints
         raise SchemaError(f"malformed JSON: {e}", line) from e
     return decode_message(d, max_rank)
 
@@ -857,14 +910,17 @@ def decode_entry(
     if raw_m is not None:
         try:
             items = json.loads(raw_m)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints
             bad.append((f"malformed JSON: {e}", raw_m[:2000]))
             items = []
-        if isinstance(items, dict):
-            items = [items]
-        if not isinstance(items, list):
-            bad.append(("messages field is not a JSON list", raw_m[:2000]))
-            items = []
+        else:
+            if isinstance(items, dict):
+                items = [items]
+            if not isinstance(items, list):
+                bad.append(("messages field is not a JSON list", raw_m[:2000]))
+                items = []
+            elif not items and raw_c is None and raw_h is None:
+                bad.append(("messages field is an empty list", raw_m[:2000]))
         for it in items:
             try:
                 good.append(decode_message(it, max_rank))

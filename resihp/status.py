@@ -219,7 +219,9 @@ def _plan_line(job_id: str, p: dict[str, Any]) -> str:
     if p["state"] == "proposed":
         if p["mode"] == "auto" and p["apply_after_s"]:
             wait_s = p["apply_after_s"] - time.time()
-            line += f"; applies by itself in {wait_s:.0f} s" if wait_s > 0 else "; grace period over"
+            line += (
+                f"; applies by itself in {wait_s:.0f} s" if wait_s > 0 else "; grace period over"
+            )
         line += (
             f"; decide: resihp act acknowledge|reject --plan-id {p['plan_id']} --job-id {job_id}"
         )

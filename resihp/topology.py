@@ -11,6 +11,7 @@ through ``to_dict``/``from_dict``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,10 @@ class Migration:
 
     def to_list(self) -> list[int]:
         return [self.stage, self.src_dp, self.microbatch, self.dst_dp]
+
+
+#: The largest job a layout may describe (64x the 16,384-GPU jobs the stack is sized for).
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass
@@ -155,6 +160,11 @@ class Layout:
     def validate(self) -> None:
         if self.world_size <= 0 or self.devices_per_node <= 0:
             raise LayoutError("world_size and devices_per_node must be > 0")
+        if self.world_size > MAX_WORLD_SIZE:
+            # services size per-rank arrays by it: a typo must not allocate for 10^9 GPUs
+            raise LayoutError(
+                f"world_size {self.world_size} is beyond the {MAX_WORLD_SIZE} ranks ResiHP handles"
+            )
         if not self.groups or not self.layers:
             raise LayoutError("layout has no replicas or no stages")
         if any(len(stages) != self.pp for stages in self.groups):
@@ -246,10 +256,22 @@ class Layout:
                 layout_id=int(d.get("layout_id", 0)),
                 schedule=str(d.get("schedule", "1f1b")),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
             raise LayoutError(f"malformed layout: {e!r}") from e
         lay.validate()
         return lay
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Layout:
+        """A layout as stored in ``keys.layout``; LayoutError for anything unreadable
+        (bad JSON or UTF-8, nesting too deep, numbers too big), never another error."""
+        try:
+            d = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise LayoutError(f"layout is not JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise LayoutError(f"layout is not a JSON object but {type(d).__name__}")
+        return cls.from_dict(d)
 
     def copy(self) -> Layout:
         return Layout.from_dict(self.to_dict())

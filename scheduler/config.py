@@ -8,6 +8,7 @@ changed while the service runs through the ``keys.scheduler_config`` hash.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -57,18 +58,24 @@ class SchedulerConfig:
         validate_job_id(self.job_id)
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
-        if not (self.grace_period_s >= 0):
-            raise ValueError(f"grace_period_s: must be >= 0, got {self.grace_period_s}")
-        if self.delta < 0:
-            raise ValueError(f"delta: must be >= 0, got {self.delta}")
-        if self.seq_len <= 0:
-            raise ValueError(f"seq_len: must be > 0, got {self.seq_len}")
-        if not (self.device_mem_gb > 0):
-            raise ValueError(f"device_mem_gb: must be > 0, got {self.device_mem_gb}")
+        for name, lo in (("delta", 0), ("seq_len", 1), ("block_ms", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name}: must be an integer >= {lo}, got {v!r}")
+        for name in ("grace_period_s", "device_mem_gb", "min_gain"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                raise ValueError(f"{name}: must be a number, got {v!r}")
+        if not (0 <= self.grace_period_s < math.inf):
+            raise ValueError(
+                f"grace_period_s: must be a finite number >= 0, got {self.grace_period_s}"
+            )
+        if not (0 < self.device_mem_gb < math.inf):
+            raise ValueError(
+                f"device_mem_gb: must be a finite number > 0, got {self.device_mem_gb}"
+            )
         if not (0 <= self.min_gain < 1):
             raise ValueError(f"min_gain: must be in [0, 1), got {self.min_gain}")
-        if self.block_ms < 0:
-            raise ValueError(f"block_ms: must be >= 0, got {self.block_ms}")
         from scheduler.policies import POLICIES
 
         if self.policy not in POLICIES:

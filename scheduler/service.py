@@ -154,7 +154,7 @@ class SchedulerService:
         raw = self.client.get(self.keys.layout)
         if not raw:
             return None
-        return Layout.from_dict(json.loads(raw))
+        return Layout.from_json(raw)
 
     def speeds(self, layout: Layout) -> dict[int, float]:
         p: dict[int, float] = {}
@@ -253,7 +253,11 @@ class SchedulerService:
         log.info("refused report: %s", reason)
 
     def handle_report(self, report: FailureReport) -> None:
-        layout = self.layout()
+        try:
+            layout = self.layout()
+        except LayoutError as e:
+            self.refuse(report, f"the layout at {self.keys.layout} is unreadable: {e}")
+            return
         if layout is None:
             self.refuse(report, "no layout published yet (keys.layout is empty)")
             return
@@ -348,7 +352,9 @@ class SchedulerService:
         if not raw:
             return
         d = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            (k.decode(errors="replace") if isinstance(k, bytes) else k): (
+                v.decode(errors="replace") if isinstance(v, bytes) else v
+            )
             for k, v in raw.items()
         }
         try:
