@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from resihp import bus
-from resihp.keys import JobKeys
+from resihp.keys import JOB_EPOCHS, JobKeys
 from resihp.schemas import (
     ENTRY_MESSAGES,
     AdaptationPlan,
@@ -157,6 +157,9 @@ class _JobCache:
     iteration_ids: dict[int, str] = field(default_factory=dict)
     records: dict[tuple[str, int | None], dict | None] = field(default_factory=dict)
     hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
+    #: the job's JOB_EPOCHS value this cache was filled under, and when it was checked
+    epoch: bytes | None = None
+    epoch_checked_s: float = float("-inf")
 
 
 class DashboardData:
@@ -178,10 +181,20 @@ class DashboardData:
 
     # ------------------------------------------------------------ plumbing
     def _cache(self, job_id: str) -> _JobCache:
+        """The job's cached history; dropped when the job's data was deleted since
+        (``resihp up --fresh``): XREAD from the last seen id would otherwise carry on
+        into the new run with the old one's iterations and failures still shown."""
+        now = time.monotonic()
         with self._lock:
             c = self._caches.get(job_id)
-            if c is None:
-                c = self._caches[job_id] = _JobCache()
+            if c is not None and now - c.epoch_checked_s < self.hash_ttl_s:
+                return c
+        epoch = self.client.hget(JOB_EPOCHS, job_id)
+        with self._lock:
+            c = self._caches.get(job_id)
+            if c is None or c.epoch != epoch:
+                c = self._caches[job_id] = _JobCache(epoch=epoch)
+            c.epoch_checked_s = now
             return c
 
     def _tail(self, stream: str, tail: _StreamTail, maxlen: int, parse) -> list:
@@ -309,16 +322,23 @@ class DashboardData:
             c.iteration_ids = {r.iteration: r.entry_id for r in rows}
             return rows
 
-    def iteration_record(self, job_id: str, iteration: int | None = None) -> dict | None:
+    def iteration_record(
+        self, job_id: str, iteration: int | None = None, entry_id: str | None = None
+    ) -> dict | None:
         """The full record dict (chunk columns, extra fields kept) of one iteration.
 
-        ``None`` means the latest.  Returns None when it is not (or no longer) in Redis.
+        ``None`` means the latest; ``entry_id`` names the stream entry of the row the
+        caller chose (a restarted trainer repeats iteration numbers, so the number alone
+        may name the newer run's record).  Returns None when it is not (or no longer) in
+        Redis.
         """
         keys = JobKeys(job_id)
         rows = self.iterations(job_id)
         if not rows:
             return None
-        if iteration is None:
+        if entry_id is not None:
+            eid = entry_id
+        elif iteration is None:
             eid = rows[-1].entry_id
         else:
             eid = self._cache(job_id).iteration_ids.get(int(iteration))

@@ -190,6 +190,18 @@ def change_points(failures: list[FailureReport]) -> list[int]:
     return sorted(out)
 
 
+def _gapped(values: list, breaks: list[int]) -> list:
+    """``values`` with a None before each index in ``breaks`` (plotly breaks the line)."""
+    if not breaks:
+        return list(values)
+    out, cut = [], set(breaks)
+    for i, v in enumerate(values):
+        if i in cut:
+            out.append(None)
+        out.append(v)
+    return out
+
+
 def iteration_time_figure(
     rows: list[dict[str, Any]],
     failures: list[FailureReport] = (),
@@ -199,11 +211,14 @@ def iteration_time_figure(
     if not rows:
         return empty_figure("no iterations yet")
     its = [r["iteration"] for r in rows]
+    # A trainer restarted from a checkpoint repeats iteration numbers: break the lines
+    # there (no zig-zag back across the chart) and mark where the new run starts.
+    restarts = [i for i in range(1, len(its)) if its[i] <= its[i - 1]]
     fig = go.Figure()
     fig.add_trace(
         go.Scatter(
-            x=its,
-            y=[r["iteration_time_s"] for r in rows],
+            x=_gapped(its, restarts),
+            y=_gapped([r["iteration_time_s"] for r in rows], restarts),
             mode="lines+markers" if len(rows) < 200 else "lines",
             name="observed",
             line={"color": "#4C78A8"},
@@ -214,8 +229,8 @@ def iteration_time_figure(
     if any(p is not None for p in pred):
         fig.add_trace(
             go.Scatter(
-                x=its,
-                y=pred,
+                x=_gapped(its, restarts),
+                y=_gapped(pred, restarts),
                 mode="lines",
                 name="predicted (healthy)",
                 line={"color": "#54A24B", "dash": "dash", "shape": "hv"},
@@ -224,7 +239,9 @@ def iteration_time_figure(
         )
     lo, hi = min(its), max(its)
     _vertical_lines(
-        fig, [(cp, "#e45756", "dash", None) for cp in change_points(failures) if lo <= cp <= hi]
+        fig,
+        [(cp, "#e45756", "dash", None) for cp in change_points(failures) if lo <= cp <= hi]
+        + [(its[i], "#888", "dot", f"run restarted at {its[i]}") for i in restarts],
     )
     shown = [f for f in failures if lo <= f.iteration <= hi]
     if shown:

@@ -226,7 +226,9 @@ def wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     out = []
     prev = None
-    for r in sorted(rows, key=lambda r: r["iteration"]):
+    # in publish order: a trainer restarted from a checkpoint repeats iteration numbers,
+    # and sorting by number would interleave the two runs
+    for r in sorted(rows, key=figures.wall_end):
         end = figures.wall_end(r)
         if prev is not None and prev["iteration"] == r["iteration"] - 1:
             start = min(prev["wall_end_s"], end)
@@ -240,7 +242,12 @@ def wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _onset_s(f: FailureReport, rows: list[dict[str, Any]]) -> float:
     ev = f.evidence
-    by_it = {r["iteration"]: r for r in rows}
+    # iteration -> its row in the run the report is about: the last one published by
+    # the time of detection (a restarted run may repeat the number later)
+    by_it: dict[int, dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: r["wall_end_s"]):
+        if r["wall_end_s"] <= f.detected_at_s or r["iteration"] not in by_it:
+            by_it[r["iteration"]] = r
     cp = figures.change_points([f])
     if cp and cp[0] in by_it:
         return min(by_it[cp[0]]["wall_start_s"], f.detected_at_s)

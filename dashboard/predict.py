@@ -46,14 +46,35 @@ def _group_p(layout: Layout, device_health: dict[int, dict[str, Any]]) -> np.nda
     return out
 
 
+def health_at(
+    device_health: dict[int, dict[str, Any]] | None, at_s: float | None
+) -> dict[int, dict[str, Any]]:
+    """The device verdicts that already held at wall time ``at_s`` (None: all of them).
+
+    A past iteration must not be "healed" by a slowdown that began after it: its
+    observed chunks were already healthy, and dividing them by today's p_i would draw a
+    healthy prediction faster than the hardware can go."""
+    health = device_health or {}
+    if at_s is None:
+        return health
+    return {
+        r: h
+        for r, h in health.items()
+        if not (isinstance(h.get("since"), int | float) and h["since"] > at_s)
+    }
+
+
 def predict_healthy(
     layout: Layout | None,
     record: dict[str, Any] | None,
     device_health: dict[int, dict[str, Any]] | None = None,
+    at_s: float | None = None,
 ) -> dict[str, Any] | None:
-    """{"chunks": columnar predicted chunks, "iteration_time_s": float} or None."""
+    """{"chunks": columnar predicted chunks, "iteration_time_s": float} or None;
+    ``at_s``: when the record was published (wall time), see :func:`health_at`."""
     if layout is None or not record or not record.get("chunks"):
         return None
+    device_health = health_at(device_health, at_s)
     key = (
         json.dumps(layout.to_dict(), sort_keys=True),
         record.get("iteration"),
@@ -137,8 +158,8 @@ def _predict(layout: Layout, record: dict[str, Any], device_health) -> dict[str,
     }
 
 
-def predicted_chunks(layout, record, device_health=None) -> dict[str, list] | None:
-    res = predict_healthy(layout, record, device_health)
+def predicted_chunks(layout, record, device_health=None, at_s=None) -> dict[str, list] | None:
+    res = predict_healthy(layout, record, device_health, at_s)
     return None if res is None else res["chunks"]
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 PREFIX = "resihp"
 #: Set of every job id that has ever reported into this Redis.
 JOBS_SET = f"{PREFIX}:jobs"
+#: Hash job id -> how many times its data was deleted (``resihp up --fresh``), so that a
+#: reader holding cached history (the dashboard) notices a new run behind the same id.
+JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

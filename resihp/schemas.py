@@ -138,6 +138,8 @@ def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> Any:
             raise SchemaError(f"{cls_name}.{name}: expected bool, got {type(value).__name__}")
         return value
     if isinstance(tp, str) and tp.startswith("list"):
+        if tp == "list" and isinstance(value, np.ndarray) and value.ndim == 1:
+            return value  # a column unpacked from a packed entry ("rc") is already typed
         if not isinstance(value, list):
             raise SchemaError(f"{cls_name}.{name}: expected list, got {type(value).__name__}")
         inner = tp[5:-1] if tp.startswith("list[") else "Any"

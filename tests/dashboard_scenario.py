@@ -182,6 +182,8 @@ def publish_job(
             {
                 "p": slow_p if k == slow_rank else 1.0,
                 "state": "slow" if k == slow_rank else "healthy",
+                # as the detector writes it: when the device entered that state
+                "since": detected if k == slow_rank else times[0][0],
             }
         )
         for k in range(16)

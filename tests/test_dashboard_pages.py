@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from dashboard_scenario import dash_call, publish_big_job, publish_job
 
@@ -14,6 +15,7 @@ from dashboard.app import create_app
 from dashboard.config import DashboardConfig
 from dashboard.pages.overview import dead_after, dead_and_slow
 from resihp import bus
+from resihp.keys import JobKeys
 from resihp.schemas import FailureReport, LivenessEvent
 from resihp.topology import Layout
 
@@ -118,3 +120,102 @@ def test_failure_lines_are_one_layout_update():
     assert len(fig.layout.shapes) == 101 and [a.text for a in fig.layout.annotations] == ["applied"]
     fig = figures.iteration_time_figure(rows, fails)
     assert len(fig.layout.shapes) == 50  # one per distinct change point
+
+
+def _restart_from(r, sc, first: int, last: int, start_s: float) -> None:
+    """A trainer restarted from a checkpoint: iterations ``first..last`` again, later."""
+    from dashboard_scenario import simulate
+
+    from resihp.schemas import IterationRecord, encode_one
+
+    t = start_s
+    for i in range(first, last + 1):
+        cols, dur = simulate(sc["layout"], {5: 0.5}, t)
+        rec = IterationRecord(
+            iteration=i,
+            iteration_time_s=dur,
+            start_s=t,
+            end_s=t + dur,
+            samples=32,
+            tokens=32 * 4096,
+            num_ranks_reporting=16,
+            chunks=cols,
+        )
+        r.xadd(sc["keys"].iterations, encode_one(rec), id=f"{int((t + dur) * 1000)}-0")
+        t += dur + 0.002
+
+
+def test_a_trainer_restarted_from_a_checkpoint_does_not_rewrite_history(r, redis_server):
+    import time
+
+    from dashboard import incidents
+    from dashboard.data import DashboardData
+
+    now = time.time()
+    sc = publish_job(r, "job-a", iterations=60, slow_from=40, end_s=now - 30)
+    d = DashboardData(r)
+
+    def incident():
+        rows = [x.to_dict() for x in d.iterations("job-a")]
+        return incidents.build_incident(
+            "job-a", "fr-slow-1", d.failures("job-a"), [], [], rows
+        ).phase_rows()
+
+    before = incident()
+    _restart_from(r, sc, 35, 50, now - 10)
+    after = incident()
+    assert [x["at_s"] for x in after[:2]] == [x["at_s"] for x in before[:2]]
+    assert after[1]["since_previous_s"] == pytest.approx(2.13, abs=0.05)
+    # the timeline of iteration 45 is the newest run's, fetched by its own entry
+    rows = d.iterations("job-a")
+    newest_45 = [x for x in rows if x.iteration == 45][-1]
+    rec = d.iteration_record("job-a", 45, newest_45.entry_id)
+    assert rec["start_s"] == pytest.approx(newest_45.start_s)
+    old_45 = [x for x in rows if x.iteration == 45][0]
+    assert d.iteration_record("job-a", 45, old_45.entry_id)["start_s"] == pytest.approx(
+        old_45.start_s
+    )
+    # the iteration-time chart breaks its line where the run restarted, and says so
+    fig = figures.iteration_time_figure([x.to_dict() for x in rows])
+    xs = list(fig.data[0].x)
+    assert xs[60] is None and xs[59] == 59 and xs[61] == 35
+    assert "run restarted at 35" in [a.text for a in fig.layout.annotations]
+
+
+def test_a_fresh_run_under_the_same_job_id_replaces_the_cached_history(r, redis_server):
+    from dashboard.data import DashboardData
+
+    publish_job(r, "job-a", iterations=60, slow_from=40)
+    d = DashboardData(r, hash_ttl_s=0.0)
+    assert len(d.iterations("job-a")) == 60 and [f.report_id for f in d.failures("job-a")] == [
+        "fr-slow-1"
+    ]
+    bus.clear_job(r, JobKeys("job-a"))  # resihp up --fresh, no page polling meanwhile
+    publish_job(r, "job-a", iterations=10, slow_from=8, with_plan=False)
+    rows = d.iterations("job-a")
+    assert len(rows) == 10 and rows[0].iteration == 0
+    assert len(d.failures("job-a")) == 1
+
+
+def test_past_iterations_are_not_healed_by_a_later_slowdown(r, redis_server):
+    from dashboard.figures import normalize_chunks
+    from dashboard.pages.timeline import load
+
+    publish_job(r, "job-a", iterations=60, slow_from=40)
+    app = _app(r, redis_server)
+    ctx = app.resihp_ctx
+    rows = {x.iteration: x for x in ctx.data.iterations("job-a")}
+
+    def stage1_dp0_ms(it):
+        rec, _lay, pred = load(ctx, "job-a", it, rows[it].entry_id)
+        out = []
+        for cols in (rec["chunks"], pred):
+            c = normalize_chunks(cols)
+            sel = (c["dp"] == 0) & (c["stage"] == 1) & np.isin(c["kind"], ["F", "B"])
+            out.append(round(float(c["duration_s"][sel].mean()) * 1000, 1))
+        return out
+
+    # before the slowdown the device was healthy: predicted = observed
+    assert stage1_dp0_ms(5) == [15.0, 15.0]
+    # after it, the healthy prediction takes the slow device's p_i out
+    assert stage1_dp0_ms(59) == [30.0, 15.0]

@@ -60,13 +60,15 @@ def layout(ctx: AppContext) -> html.Div:
     )
 
 
-def load(ctx: AppContext, job: str, iteration: int | None):
-    rec = ctx.data.iteration_record(job, iteration)
+def load(ctx: AppContext, job: str, iteration: int | None, entry_id: str | None = None):
+    rec = ctx.data.iteration_record(job, iteration, entry_id)
     lay = ctx.data.layout(job)
     pred = None
     if rec is not None:
+        # the entry id is the record's publish time: only verdicts older than it apply
+        at_s = int(entry_id.split("-", 1)[0]) / 1000.0 if entry_id else None
         pred = rec.get("predicted_chunks") or predicted_chunks(
-            lay, rec, ctx.data.device_health(job)
+            lay, rec, ctx.data.device_health(job), at_s
         )
     return rec, lay, pred
 
@@ -109,7 +111,8 @@ def register(app, ctx: AppContext) -> None:
         if iteration is None:
             target = rows[-1]
         else:
-            target = next((r for r in rows if r.iteration == int(iteration)), None)
+            # the newest: after a restart from a checkpoint the number repeats
+            target = next((r for r in reversed(rows) if r.iteration == int(iteration)), None)
             if target is None:
                 return (
                     banner(
@@ -126,7 +129,7 @@ def register(app, ctx: AppContext) -> None:
         key = [job, target.entry_id, sorted(dps or [])]
         if rendered == key:
             return no_update, no_update, no_update, no_update, no_update, no_update
-        rec, _lay, pred = load(ctx, job, target.iteration)
+        rec, _lay, pred = load(ctx, job, target.iteration, target.entry_id)
         if rec is None:
             return (
                 banner("record no longer in Redis", "warn"),
