@@ -103,6 +103,39 @@ def simulate(layout: Layout, slow: dict[int, float], t0: float) -> tuple[dict, f
     return cols, end_all - t0
 
 
+def publish_iteration(
+    r, keys: JobKeys, layout: Layout, it: int, t: float, slow: dict, healthy_t: float | None
+) -> float:
+    """One iteration's record as the collector publishes it (JSON), with its entry id the
+    wall time it was "published" (the end of the iteration); returns its duration."""
+    cols, dur = simulate(layout, slow, t)
+    n = layout.world_size
+    rec = IterationRecord(
+        iteration=it,
+        iteration_time_s=dur,
+        start_s=t,
+        end_s=t + dur,
+        samples=32,
+        tokens=32 * 4096,
+        num_ranks_reporting=n,
+        chunks=cols,
+        ranks={
+            "rank": list(range(n)),
+            "dp": [layout.coords()[k][0] for k in range(n)],
+            "stage": [layout.coords()[k][1] for k in range(n)],
+        },
+    )
+    d = rec.to_dict()
+    if healthy_t is not None:
+        d["predicted_iteration_time_s"] = healthy_t
+    r.xadd(
+        keys.iterations,
+        {b"m": ("[" + json.dumps(d) + "]").encode()},
+        id=f"{int((t + dur) * 1000)}-0",
+    )
+    return dur
+
+
 def publish_job(
     r,
     job_id: str = "job-a",
@@ -128,30 +161,7 @@ def publish_job(
     times = {}
     for it in range(iterations):
         slow = {slow_rank: slow_p} if it >= slow_from else {}
-        cols, dur = simulate(layout, slow, t)
-        rec = IterationRecord(
-            iteration=it,
-            iteration_time_s=dur,
-            start_s=t,
-            end_s=t + dur,
-            samples=32,
-            tokens=32 * 4096,
-            num_ranks_reporting=16,
-            chunks=cols,
-            ranks={
-                "rank": list(range(16)),
-                "dp": [layout.coords()[k][0] for k in range(16)],
-                "stage": [layout.coords()[k][1] for k in range(16)],
-            },
-        )
-        d = rec.to_dict()
-        d["predicted_iteration_time_s"] = healthy_t
-        # Entry id = the wall time the record was "published" (the end of the iteration).
-        pipe.xadd(
-            keys.iterations,
-            {b"m": ("[" + json.dumps(d) + "]").encode()},
-            id=f"{int((t + dur) * 1000)}-0",
-        )
+        dur = publish_iteration(pipe, keys, layout, it, t, slow, healthy_t)
         times[it] = (t, t + dur)
         t += dur + gap
     pipe.execute()

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from dashboard_scenario import dash_call, publish_big_job, publish_job
+from dashboard_scenario import dash_call, publish_big_job, publish_iteration, publish_job
 
 from dashboard import figures
 from dashboard.app import create_app
@@ -124,25 +124,9 @@ def test_failure_lines_are_one_layout_update():
 
 def _restart_from(r, sc, first: int, last: int, start_s: float) -> None:
     """A trainer restarted from a checkpoint: iterations ``first..last`` again, later."""
-    from dashboard_scenario import simulate
-
-    from resihp.schemas import IterationRecord, encode_one
-
     t = start_s
     for i in range(first, last + 1):
-        cols, dur = simulate(sc["layout"], {5: 0.5}, t)
-        rec = IterationRecord(
-            iteration=i,
-            iteration_time_s=dur,
-            start_s=t,
-            end_s=t + dur,
-            samples=32,
-            tokens=32 * 4096,
-            num_ranks_reporting=16,
-            chunks=cols,
-        )
-        r.xadd(sc["keys"].iterations, encode_one(rec), id=f"{int((t + dur) * 1000)}-0")
-        t += dur + 0.002
+        t += publish_iteration(r, sc["keys"], sc["layout"], i, t, {5: 0.5}, None) + 0.002
 
 
 def test_a_trainer_restarted_from_a_checkpoint_does_not_rewrite_history(r, redis_server):
