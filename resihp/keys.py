@@ -114,6 +114,13 @@ class JobKeys:
         return f"{self.base}:detector_config"
 
     @property
+    def scheduler_handled(self) -> str:
+        """Sorted set of the report and action ids the scheduler has handled (score: when),
+        written in the same transaction as their plans, so that a message re-delivered
+        after a crash is not handled twice."""
+        return f"{self.base}:scheduler_handled"
+
+    @property
     def scheduler_config(self) -> str:
         """Hash of runtime-tunable scheduler settings (mode, grace period)."""
         return f"{self.base}:scheduler_config"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -513,6 +514,8 @@ class AdaptationPlan(Message):
     updated_at_s: float = 0.0
     apply_after_s: float = 0.0
     note: str = ""
+    #: when it was first acknowledged (0: never); a plan is applied only after that
+    acknowledged_at_s: float = 0.0
 
     STATES: ClassVar[tuple[str, ...]] = (
         "proposed",
@@ -542,7 +545,8 @@ class OperatorAction(Message):
     at_s: float
     override: dict[str, Any] = field(default_factory=dict)
     comment: str = ""
-    action_id: str = ""
+    #: unique per action (the scheduler handles each id once, the audit record keeps it)
+    action_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     ACTIONS: ClassVar[tuple[str, ...]] = (
         "acknowledge",

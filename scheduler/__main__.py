@@ -96,17 +96,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--override is not JSON: {e}", file=sys.stderr)
             return 2
         client = connect(args.redis_url)
-        publish(
-            client,
-            JobKeys(args.job_id).actions,
-            OperatorAction(
-                action=args.action,
-                plan_id=args.plan_id,
-                actor=args.actor,
-                at_s=time.time(),
-                override=override,
-                comment=args.comment,
-            ),
+        action = OperatorAction(
+            action=args.action,
+            plan_id=args.plan_id,
+            actor=args.actor,
+            at_s=time.time(),
+            override=override,
+            comment=args.comment,
+        )
+        publish(client, JobKeys(args.job_id).actions, action)
+        print(
+            f"sent {args.action} for plan {args.plan_id} as {args.actor} (action "
+            f"{action.action_id}); the scheduler's verdict goes to the audit log"
         )
         return 0
     from scheduler.config import SchedulerConfig

@@ -8,6 +8,12 @@ States::
         |---override infeasible --> a new "refused" record carrying the reason in ``note``
     proposed/acknowledged --(a newer plan is proposed)--> superseded
 
+``applied`` is a fact, not a request: the trainer picks a plan up while it is
+acknowledged and may finish applying it after an operator rejected it, an override
+replaced it or a newer plan superseded it.  Its confirmation is then accepted from
+those states too (the audit note says what happened), because the job now runs that
+layout; only a plan that was never acknowledged cannot have been applied.
+
 In ``auto`` mode a proposed plan is acknowledged by actor ``"auto"`` once its
 grace period (``apply_after_s``) has passed; in ``manual`` mode it waits for an
 operator.  Every operator action, accepted or refused, yields an
@@ -32,12 +38,15 @@ from resihp.schemas import AdaptationPlan, OperatorAction
 TRANSITIONS: dict[str, set[str]] = {
     "proposed": {"acknowledged", "overridden", "rejected", "superseded"},
     "acknowledged": {"applied", "overridden", "rejected", "superseded"},
-    "overridden": set(),
-    "rejected": set(),
+    "overridden": {"applied"},
+    "rejected": {"applied"},
     "applied": {"superseded"},
-    "superseded": set(),
+    "superseded": {"applied"},
     "refused": set(),
 }
+
+#: States a plan leaves only when the trainer confirms it applied it (see above).
+LATE_APPLY = ("overridden", "rejected", "superseded")
 
 OVERRIDE_KEYS = ("layers", "keep_ranks", "drop_ranks", "migration")
 
@@ -159,6 +168,8 @@ class PlanBook:
     ) -> None:
         plan.state = state
         plan.updated_at_s = now
+        if state == "acknowledged" and not plan.acknowledged_at_s:
+            plan.acknowledged_at_s = now
         if note:
             plan.note = note
         out.plans.append(plan)
@@ -203,6 +214,7 @@ class PlanBook:
             updated_at_s=now,
             apply_after_s=now + grace_s,
             note=draft.note,
+            acknowledged_at_s=now if state == "acknowledged" else 0.0,
         )
         plan.check()
         self.plans[plan.plan_id] = plan
@@ -215,8 +227,13 @@ class PlanBook:
         """A new plan; every older plan not yet applied is superseded by it."""
         now = self.clock()
         out = Changes()
+        answered: list[str] = []
         for old in self.open_plans():
             self._set(old, "superseded", now, out, note=old.note or "superseded by a newer plan")
+            answered += old.failure_ids
+        # the new plan is computed from every failure known so far: it answers the
+        # reports of the plans it replaces as well as the new one
+        ids = list(dict.fromkeys([*answered, *failure_ids]))
         plan = self._new(
             draft,
             "proposed",
@@ -224,10 +241,23 @@ class PlanBook:
             mode=mode,
             grace_s=grace_s,
             policy=policy,
-            failure_ids=failure_ids,
+            failure_ids=ids,
         )
         out.plans.append(plan)
         return out
+
+    def withdraw(self, why: str) -> Changes:
+        """Every open plan superseded with ``why``: the current layout already is the
+        best answer to what is known now (e.g. the device a plan drops recovered)."""
+        now = self.clock()
+        out = Changes()
+        for old in self.open_plans():
+            self._set(old, "superseded", now, out, note=why)
+        return out
+
+    def same_as_open(self, draft: PlanDraft) -> AdaptationPlan | None:
+        """The open plan that already proposes exactly ``draft``'s layout, if any."""
+        return next((p for p in self.open_plans() if p.after == draft.after), None)
 
     def tick(self, mode: str) -> Changes:
         """Auto mode: acknowledge proposed plans whose grace period is over (actor ``auto``)."""
@@ -292,10 +322,17 @@ class PlanBook:
         }.get(action.action)
         if target is None:
             return refuse(f"action {action.action!r} does not change a plan")
-        if target not in TRANSITIONS[plan.state]:
-            return refuse(f"plan {plan.plan_id} is {plan.state}; cannot {action.action}")
-        if action.action == "applied" and plan.state != "acknowledged":
+        if action.action == "applied" and plan.state == "proposed":
             return refuse(f"plan {plan.plan_id} was never acknowledged")
+        if action.action == "applied" and plan.state in LATE_APPLY:
+            if not plan.acknowledged_at_s:
+                return refuse(f"plan {plan.plan_id} was never acknowledged")
+            rec.note = (
+                f"the trainer had already taken plan {plan.plan_id} up when it was "
+                f"{plan.state}: the job runs it now"
+            )
+        elif target not in TRANSITIONS[plan.state]:
+            return refuse(f"plan {plan.plan_id} is {plan.state}; cannot {action.action}")
         if action.action == "override":
             try:
                 validate_override_shape(action.override)

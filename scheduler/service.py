@@ -124,6 +124,9 @@ class SchedulerService:
         self.plans_total = 0
         self._idle = False
         self._state_next = 0.0
+        #: id of the report/action being handled, until persist() records it handled
+        self._handling: str | None = None
+        self.duplicates_total = 0
 
     # ------------------------------------------------------------ state io
     def _load_plans(self) -> dict[int, AdaptationPlan]:
@@ -170,10 +173,28 @@ class SchedulerService:
             p[r] = 0.0
         return {r: v for r, v in p.items() if 0 <= r < layout.world_size}
 
+    #: How many handled message ids ``keys.scheduler_handled`` keeps (newest).
+    HANDLED_KEEP = 100_000
+
+    def _seen(self, mid: str) -> bool:
+        return self.client.zscore(self.keys.scheduler_handled, mid) is not None
+
+    def _mark(self, pipe) -> None:
+        """Record the message being handled as handled, inside ``pipe``'s transaction."""
+        if self._handling is None:
+            return
+        pipe.zadd(self.keys.scheduler_handled, {self._handling: time.time()})
+        pipe.zremrangebyrank(self.keys.scheduler_handled, 0, -self.HANDLED_KEEP - 1)
+        self._handling = None
+
     def persist(self, ch: Changes) -> None:
+        """Write plan snapshots and audit records, and mark the message that caused them
+        handled, in one transaction: after a crash either all of it is there (and the
+        re-delivered message is skipped) or none of it (and it is handled again)."""
         if not ch.plans and not ch.audit:
             return
         pipe = self.client.pipeline(transaction=True)
+        self._mark(pipe)
         for plan_ in ch.plans:
             js = plan_.to_json()
             pipe.hset(self.keys.plan_state, str(plan_.plan_id), js)
@@ -294,6 +315,24 @@ class SchedulerService:
             return
         if draft is None:
             bus.incr_counter(self.client, self.keys, "scheduler_plans_skipped_total")
+            # what is known now leaves the current layout as the best one: a plan still
+            # waiting (e.g. one dropping a device that has just recovered) must not be
+            # acknowledged after its grace period
+            self.persist(
+                self.book.withdraw(
+                    f"superseded: after report {report.report_id} ({report.kind} on ranks "
+                    f"{report.ranks[:8]}) the current layout needs no change"
+                )
+            )
+            return
+        same = self.book.same_as_open(draft)
+        if same is not None:
+            # the report changes nothing in the open plan (a re-sent or overlapping
+            # report): keep it, with the operator's acknowledgement if it has one
+            if report.report_id not in same.failure_ids:
+                same.failure_ids.append(report.report_id)
+                self.persist(Changes(plans=[same]))
+            log.info("report %s: plan %d already proposes this", report.report_id, same.plan_id)
             return
         ch = self.book.propose(
             draft,
@@ -358,20 +397,43 @@ class SchedulerService:
             for k, v in raw.items()
         }
         try:
-            self.config.apply_runtime(d)
+            changed = self.config.apply_runtime(d)
         except ValueError as e:
             log.warning("ignoring bad runtime config: %s", e)
+            return
+        if changed:
+            # also at start-up: an operator's set_mode outlives a scheduler restart (a
+            # crash-restarted scheduler must not fall back to auto behind their back),
+            # so say plainly when it overrides the command line
+            log.warning(
+                "runtime settings from %s now in force: %s",
+                self.keys.scheduler_config,
+                {k: getattr(self.config, k) for k in changed},
+            )
 
     def run_once(self) -> int:
         self._runtime_config()
         handled = 0
-        for consumer, kind in ((self.failures, FailureReport), (self.actions, OperatorAction)):
+        # Operators' actions and the trainer's confirmations first: they were decided on
+        # the plans as they stood, before any report in the same step replaces them.
+        for consumer, kind in ((self.actions, OperatorAction), (self.failures, FailureReport)):
             block = self.config.block_ms if consumer is self.failures else 0
             entries = consumer.read(count=100, block_ms=block or None)
-            ids = []
             for entry_id, msgs in entries:
                 for m in msgs:
                     if isinstance(m, kind):
+                        mid = (
+                            f"report:{m.report_id}"
+                            if kind is FailureReport
+                            else (f"action:{m.action_id}" if m.action_id else None)
+                        )
+                        if mid is not None and self._seen(mid):
+                            # re-delivered after a crash, or sent twice: handled once
+                            self.duplicates_total += 1
+                            bus.incr_counter(self.client, self.keys, "scheduler_duplicates_total")
+                            log.info("skipping %s: already handled", mid)
+                            continue
+                        self._handling = mid
                         try:
                             if kind is FailureReport:
                                 self.handle_report(m)
@@ -392,6 +454,10 @@ class SchedulerService:
                             bus.incr_counter(
                                 self.client, self.keys, "scheduler_internal_errors_total"
                             )
+                        if self._handling is not None:  # handled without a plan change
+                            pipe = self.client.pipeline(transaction=True)
+                            self._mark(pipe)
+                            pipe.execute()
                         handled += 1
                     else:
                         bus.dead_letter(
@@ -402,8 +468,9 @@ class SchedulerService:
                             f"unexpected message type {type(m).__name__} on {consumer.stream}",
                             m.to_dict() if hasattr(m, "to_dict") else repr(m),
                         )
-                ids.append(entry_id)
-            consumer.ack(ids)
+                # acked entry by entry: planning takes up to seconds per report, and a
+                # crash must not re-deliver a whole batch of handled messages
+                consumer.ack([entry_id])
         self.persist(self.book.tick(self._auto_mode()))
         self.health.beat("ok", mode=self.config.mode, plans_total=self.plans_total)
         return handled

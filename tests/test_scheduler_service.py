@@ -350,3 +350,117 @@ def test_auto_mode_does_not_acknowledge_plans_of_a_job_that_is_not_running(r):
     svc.run_once()
     svc.run_once()
     assert max(latest_plans(r, keys).values(), key=lambda p: p.plan_id).state == "proposed"
+
+
+# ------------------------------------------------------------ races an operator meets
+
+
+def _plans(r, keys) -> dict[int, str]:
+    return {pid: p.state for pid, p in sorted(latest_plans(r, keys).items())}
+
+
+def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhile(r):
+    keys, _lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
+    svc.run_once()
+    follower = PlanFollower(r, keys)
+    (plan,) = follower.poll()  # the trainer takes it up ...
+    publish(r, keys.actions, _act("reject", 1, "carol"))  # ... and carol rejects it
+    svc.run_once()
+    assert _plans(r, keys) == {1: "rejected"}
+    follower.confirm_applied(plan, Layout.from_dict(plan.after))
+    svc.run_once()
+    assert _plans(r, keys) == {1: "applied"}  # the job runs it: the record says so
+    last = _audit(r, keys)[-1]
+    assert (last.action, last.result) == ("applied", "ok")
+    assert "already taken plan 1 up when it was rejected" in last.note
+    # a plan nobody acknowledged cannot have been applied
+    publish(
+        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
+    )
+    svc.run_once()
+    publish(r, keys.actions, _act("applied", 2, "trainer"))
+    svc.run_once()
+    assert _audit(r, keys)[-1].note == "plan 2 was never acknowledged"
+
+
+def test_actions_are_handled_before_reports_of_the_same_step(r):
+    keys, _lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
+    svc.run_once()
+    follower = PlanFollower(r, keys)
+    (plan,) = follower.poll()
+    follower.confirm_applied(plan, Layout.from_dict(plan.after))  # applied first ...
+    publish(
+        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
+    )
+    svc.run_once()  # ... then a report, both read in one step
+    assert _plans(r, keys) == {1: "applied", 2: "proposed"}
+    plan2 = latest_plans(r, keys)[2]
+    assert Layout.from_dict(plan2.before).dead == [5]  # planned on the applied layout
+
+
+def test_a_recovery_withdraws_a_waiting_plan_that_drops_the_device(r):
+    keys, _lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=0.3)
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    publish(r, keys.failures, _report("recovery", ranks=(5,), severity={"5": 1.0}, rid="back5"))
+    svc.run_once()
+    time.sleep(0.4)
+    svc.run_once()  # the grace period is over: nothing may be auto-acknowledged
+    (plan,) = latest_plans(r, keys).values()
+    assert plan.state == "superseded" and "after report back5" in plan.note
+    assert not [a for a in _audit(r, keys) if a.action == "acknowledge"]
+
+
+def test_a_resent_report_keeps_the_open_plan_and_its_acknowledgement(r):
+    keys, _lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
+    svc.run_once()
+    publish(r, keys.failures, _report())  # the same report again (same id)
+    publish(r, keys.failures, _report(rid="r1-bis"))  # another report of the same failure
+    svc.run_once()
+    assert _plans(r, keys) == {1: "acknowledged"}
+    assert latest_plans(r, keys)[1].failure_ids == ["r1", "r1-bis"]
+    assert svc.duplicates_total == 1
+    # a newer plan answers the reports of the plan it replaces too
+    publish(
+        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
+    )
+    svc.run_once()
+    assert latest_plans(r, keys)[2].failure_ids == ["r1", "r1-bis", "r2"]
+
+
+def test_messages_redelivered_after_a_crash_are_handled_once(r):
+    keys, _lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    ov = OperatorAction(
+        action="override",
+        plan_id=1,
+        actor="alice",
+        at_s=time.time(),
+        override={"migration": False},
+        action_id="ov-1",
+    )
+    publish(r, keys.actions, ov)
+    svc.actions.ack = lambda ids: None  # killed after persisting, before acking
+    svc.run_once()
+    svc2 = _svc(r, mode="manual")  # the restarted scheduler gets the entry again
+    svc2.actions.claim_idle_ms = 0
+    for _ in range(3):
+        svc2.run_once()
+    assert [(a.actor, a.action, a.result) for a in _audit(r, keys)] == [("alice", "override", "ok")]
+    assert _plans(r, keys) == {1: "overridden", 2: "acknowledged"}
+    assert svc2.duplicates_total == 1
