@@ -13,7 +13,7 @@ from resihp import entry
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m collector",
+        prog=entry.prog("collector"),
         description="ResiHP collector: two-level heartbeat liveness and iteration records.",
     )
     CollectorConfig.add_arguments(p)

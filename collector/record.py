@@ -135,10 +135,20 @@ def record(
 def main(
     client: redis.Redis, keys: JobKeys, out_path: str, duration_s: float | None, from_start: bool
 ) -> int:
+    try:
+        client.ping()  # before the output is opened: an unreachable Redis must not empty it
+    except redis.RedisError as e:
+        print(f"collector record: cannot reach Redis: {e}", file=sys.stderr)
+        return 1
     if out_path == "-":
         st = record(client, keys, sys.stdout, duration_s, from_start)
     else:
-        with open(out_path, "w", encoding="utf-8") as f:
+        try:
+            f = open(out_path, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError as e:
+            print(f"collector record: cannot write {out_path}: {e.strerror}", file=sys.stderr)
+            return 2
+        with f:
             st = record(client, keys, f, duration_s, from_start)
     print(
         f"recorded {st.entries_total} entries: {st.messages_total} messages, "

@@ -33,7 +33,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dashboard", description="ResiHP live dashboard")
+    p = argparse.ArgumentParser(prog=entry.prog("dashboard"), description="ResiHP live dashboard")
     _common(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
@@ -50,7 +50,9 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _report_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dashboard report", description="incident reports")
+    p = argparse.ArgumentParser(
+        prog=entry.prog("dashboard") + " report", description="incident reports"
+    )
     sub = p.add_subparsers(dest="sub", required=True)
     ex = sub.add_parser("export", help="write one incident as html, md or json")
     _common(ex)
@@ -95,7 +97,11 @@ def report_main(argv: list[str]) -> int:
     if args.out == "-":
         sys.stdout.write(body)
     else:
-        Path(args.out).write_text(body, encoding="utf-8")
+        try:
+            Path(args.out).write_text(body, encoding="utf-8")
+        except OSError as e:
+            print(f"report export: cannot write {args.out}: {e.strerror}", file=sys.stderr)
+            return 2
         print(f"wrote {args.out} ({len(body)} bytes, incident {inc.incident_id}, {inc.status})")
     return 0
 

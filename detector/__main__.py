@@ -42,7 +42,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m detector",
+        prog=entry.prog("detector"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -208,7 +208,12 @@ def main(
         if out_path == "-":
             reports, st = replay(src, config, sys.stdout, heartbeat_interval_s)
         else:
-            with open(out_path, "w", encoding="utf-8") as f:
+            try:
+                f = open(out_path, "w", encoding="utf-8")  # noqa: SIM115
+            except OSError as e:
+                print(f"detector replay: cannot write {out_path}: {e.strerror}", file=sys.stderr)
+                return 2
+            with f:
                 reports, st = replay(src, config, f, heartbeat_interval_s)
     for e in st.errors[:20]:
         print(f"detector replay: {e}", file=sys.stderr)
@@ -221,4 +226,5 @@ def main(
         f"[mode {config.mode}]",
         file=sys.stderr,
     )
-    return 0
+    # a trace of which not one line could be read is a wrong file, not a quiet job
+    return 1 if st.lines_total and st.bad_lines_total == st.lines_total else 0

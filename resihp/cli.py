@@ -37,10 +37,22 @@ FORWARDED = {
 def _forward(service: str, sub: str, rest: list[str]) -> NoReturn:
     from resihp.status import stack_env
 
+    # --state-dir names the stack whose Redis and job are the defaults (as for status);
+    # it is ours, not the service's
+    state_dir, left = ".resihp", []
+    it = iter(rest)
+    for a in it:
+        if a == "--state-dir":
+            state_dir = next(it, state_dir)
+        elif a.startswith("--state-dir="):
+            state_dir = a.split("=", 1)[1]
+        else:
+            left.append(a)
     # beside a running `resihp up` (embedded Redis on a random port), its URL and job
     # are the defaults; --redis-url / --job-id / the environment still win
-    env = stack_env(dict(os.environ))
-    os.execve(sys.executable, [sys.executable, "-m", service, sub, *rest], env)
+    env = stack_env(dict(os.environ), state_dir)
+    env["RESIHP_PROG"] = "resihp"
+    os.execve(sys.executable, [sys.executable, "-m", service, sub, *left], env)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -140,17 +152,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_stack(args)
     if args.cmd == "status":
+        from resihp.keys import validate_job_id
+        from resihp.redis_client import redact
         from resihp.status import collect_status, format_status, resolve_url
 
         try:
             url = resolve_url(args.redis_url, args.state_dir)
+            if args.job_id is not None:
+                validate_job_id(args.job_id)
         except ValueError as e:
             print(f"resihp status: {e}", file=sys.stderr)
             return 2
         try:
             st = collect_status(url, args.job_id)
         except Exception as e:  # noqa: BLE001 - report any connection problem plainly
-            print(f"resihp status: cannot read {url}: {e}", file=sys.stderr)
+            print(f"resihp status: cannot read {redact(url)}: {e}", file=sys.stderr)
             return 1
         print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
         return 0

@@ -23,6 +23,12 @@ T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
+def prog(service: str) -> str:
+    """The program name usage lines show: ``resihp`` when the ``resihp`` command forwarded
+    the call (so ``resihp record -h`` says ``resihp record``), else ``python -m <service>``."""
+    return os.environ.get("RESIHP_PROG") or f"python -m {service}"
+
+
 def add_entry_arguments(p: argparse.ArgumentParser, service: str) -> None:
     """``--check-health`` and ``--log-level`` (default ``$RESIHP_LOG_LEVEL``, else INFO)."""
     p.add_argument(

@@ -25,7 +25,7 @@ from pathlib import Path
 from resihp.bus import Health, clear_job, list_jobs, set_job_state
 from resihp.keys import JobKeys, validate_job_id
 from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
-from resihp.redis_client import EmbeddedRedis, connect
+from resihp.redis_client import EmbeddedRedis, connect, redact
 from resihp.status import STACK_FILE, collect_status, job_status, running_stack, summary_line
 
 SERVICES = ("collector", "detector", "scheduler", "dashboard")
@@ -131,7 +131,10 @@ TORCH_DEFAULTS = (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", 
 
 
 def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
-    common = ["--redis-url", url, "--job-id", resolve_job(args)]
+    """Each child's ``python -m`` arguments.  The Redis URL reaches the children through
+    $REDIS_URL, not their command line, where ``ps`` would show its password to every
+    user of the machine."""
+    common = ["--job-id", resolve_job(args)]
     cmds: list[tuple[str, list[str]]] = []
     for name in SERVICES:
         if not service_exists(name):
@@ -263,16 +266,86 @@ def resolve_job(args) -> str:
     return validate_job_id(args.job_id)
 
 
-def run_stack(args) -> int:
-    resolve_job(args)
+#: A child that exits with an error this soon after it started failed to start: the
+#: stack is stopped rather than left running without it.
+STARTUP_S = 15.0
+
+
+def preflight(args) -> str | None:
+    """What would make a child fail at once, checked before anything starts (-> the
+    reason, or None): a bad job id, a state dir that cannot be made, a scenario or model
+    the trainer would refuse, a dashboard port another program holds."""
+    try:
+        resolve_job(args)
+    except ValueError as e:
+        return str(e)
     if args.demo and not args.scenario:
         args.scenario = str(DEMO_SCENARIO)
+    try:
+        (Path(args.state_dir) / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot use state dir {args.state_dir}: {e.strerror or e}"
+    if args.scenario and args.trainer != "none":
+        from resihp.scenario import ScenarioError, load_scenario
+
+        try:
+            load_scenario(args.scenario)
+        except ScenarioError as e:
+            return f"scenario: {e}"
+    if args.model:
+        from resihp.pipeline.models import get_preset
+
+        try:
+            get_preset(args.model)
+        except ValueError as e:
+            return str(e)
+    if service_exists("dashboard"):
+        if not 0 < args.dashboard_port < 65536:
+            return f"--dashboard-port {args.dashboard_port} is not a TCP port (1-65535)"
+        import socket
+
+        try:
+            with socket.create_server((args.dashboard_host, args.dashboard_port)):
+                pass
+        except OSError as e:
+            return (
+                f"the dashboard cannot listen on {args.dashboard_host}:{args.dashboard_port}: "
+                f"{e.strerror or e} (another program holds it? pick --dashboard-port)"
+            )
+    return None
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it holds the Redis URL, password included)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an older file keeps its mode through O_TRUNC
+
+
+def run_stack(args) -> int:
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):  # noqa: ARG001
+        stop.set()
+
+    # first thing: a Ctrl-C while Redis starts must stop the stack, not leave a traceback
+    old_int = signal.signal(signal.SIGINT, _on_signal)
+    old_term = signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        return _run_stack(args, stop)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _run_stack(args, stop: threading.Event) -> int:
+    problem = preflight(args)
+    if problem:
+        print(f"resihp up: {problem}", file=sys.stderr)
+        return 2
     state_dir = Path(args.state_dir)
     log_dir = state_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    if args.scenario and not Path(args.scenario).exists():
-        print(f"resihp up: scenario file not found: {args.scenario}", file=sys.stderr)
-        return 2
     other = running_stack(str(state_dir))  # None when its pid is gone (a crashed stack)
     if other:
         # a second embedded redis-server on the same data dir would corrupt its AOF
@@ -293,9 +366,13 @@ def run_stack(args) -> int:
         url = args.redis_url
     else:
         data_dir = state_dir / "redis"
-        data_dir.mkdir(parents=True, exist_ok=True)
         embedded = EmbeddedRedis(data_dir=str(data_dir), appendonly=True, die_with_parent=True)
-        embedded.start()
+        try:
+            embedded.start()
+        except (OSError, RuntimeError) as e:
+            embedded.stop()
+            print(f"resihp up: the embedded redis-server did not start: {e}", file=sys.stderr)
+            return 1
         url = embedded.url
         print(f"resihp: embedded redis-server on {url} (data in {data_dir})", flush=True)
     stack = {
@@ -308,7 +385,7 @@ def run_stack(args) -> int:
     }
     # written before any child starts, rewritten with each: whatever this stack
     # leaves behind if it is killed, the next one can find
-    stack_file.write_text(json.dumps(stack, indent=2))
+    _write_private(stack_file, json.dumps(stack, indent=2))
 
     try:
         client = connect(url)
@@ -320,26 +397,22 @@ def run_stack(args) -> int:
         if embedded is not None:
             embedded.stop()
         stack_file.unlink(missing_ok=True)
-        why = str(e) if isinstance(e, JobInUse) else f"cannot use Redis at {url}: {e}"
+        why = str(e) if isinstance(e, JobInUse) else f"cannot use Redis at {redact(url)}: {e}"
         print(f"resihp up: {why}", file=sys.stderr)
         return 2
     if note:
         print(note, flush=True)
 
     env = dict(os.environ, REDIS_URL=url, RESIHP_JOB_ID=args.job_id, PYTHONUNBUFFERED="1")
-    stop = threading.Event()
-
-    def _on_signal(signum, frame):  # noqa: ARG001
-        stop.set()
-
-    old_int = signal.signal(signal.SIGINT, _on_signal)
-    old_term = signal.signal(signal.SIGTERM, _on_signal)
     children: list[Child] = []
+    failed: list[str] = []  # children that exited with an error
     try:
+        if stop.is_set():  # Ctrl-C while Redis started
+            return 130
         for name, argv in service_commands(args, url):
             children.append(_spawn(name, argv, env, log_dir))
             stack["children"][name] = children[-1].proc.pid
-            stack_file.write_text(json.dumps(stack, indent=2))
+            _write_private(stack_file, json.dumps(stack, indent=2))
         names = ", ".join(c.name for c in children) or "no services"
         print(f"resihp: started {names}; logs in {log_dir}", flush=True)
         if any(c.name == "dashboard" for c in children):
@@ -353,6 +426,7 @@ def run_stack(args) -> int:
         while not stop.is_set():
             if args.duration is not None and time.monotonic() - t0 >= args.duration:
                 break
+            starting = time.monotonic() - t0 < STARTUP_S
             for c in children:
                 rc = c.proc.poll()
                 if rc is not None and c.name not in reported_exit:
@@ -363,6 +437,15 @@ def run_stack(args) -> int:
                         + (f": {last}" if last else ""),
                         flush=True,
                     )
+                    if rc:
+                        failed.append(c.name)
+            if failed and starting:
+                print(
+                    f"resihp up: {', '.join(failed)} failed to start; stopping the stack",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
             if not args.no_summary:
                 try:
                     st = collect_status(url, args.job_id)["jobs"][args.job_id]
@@ -391,7 +474,6 @@ def run_stack(args) -> int:
         if embedded is not None:
             embedded.stop()
         stack_file.unlink(missing_ok=True)
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
     print("resihp: stopped", flush=True)
-    return 0
+    # a child that died with an error makes the whole run a failure for scripts and CI
+    return 1 if failed else 0

@@ -23,6 +23,17 @@ from resihp.lifetime import exit_with_parent
 DEFAULT_URL_ENV = "REDIS_URL"
 
 
+def redact(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for printing and logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    cred, _at, host = rest.rpartition("@")
+    user, colon, _password = cred.partition(":")
+    # "user:password@" keeps the user name; a lone "secret@" may be a password too
+    return f"{scheme}://{user + ':***' if colon else '***'}@{host}"
+
+
 def connect(url: str | None = None, *, decode_responses: bool = False, **kwargs) -> redis.Redis:
     """A client for ``url`` (default: $REDIS_URL). Raises ValueError when neither is set."""
     url = url or os.environ.get(DEFAULT_URL_ENV)

@@ -12,7 +12,7 @@ from resihp.bus import Health, list_jobs, liveness_judged
 from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
 from resihp.plans import latest_plans, read_layout
-from resihp.redis_client import connect
+from resihp.redis_client import connect, redact
 from resihp.schemas import FailureReport, IterationRecord, SchemaError, decode_entry
 
 STACK_FILE = "stack.json"
@@ -170,7 +170,7 @@ def collect_status(url: str, job_id: str | None = None) -> dict[str, Any]:
     client = connect(url)
     try:
         jobs = [job_id] if job_id else list_jobs(client)
-        return {"redis_url": url, "jobs": {j: job_status(client, j) for j in jobs}}
+        return {"redis_url": redact(url), "jobs": {j: job_status(client, j) for j in jobs}}
     finally:
         client.close()
 

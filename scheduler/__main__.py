@@ -15,9 +15,12 @@ import sys
 import threading
 import time
 
+import redis
+
 from resihp import entry
 from resihp.bus import publish
 from resihp.keys import JobKeys
+from resihp.plans import latest_plans
 from resihp.redis_client import connect
 from resihp.schemas import OperatorAction
 
@@ -28,7 +31,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=entry.prog("scheduler"), description=__doc__.splitlines()[0])
     _common(ap)
     entry.add_entry_arguments(ap, "scheduler")
     sub = ap.add_subparsers(dest="cmd")
@@ -73,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     act = sub.add_parser("act", help="acknowledge / reject / override a plan from a shell")
     _common(act)
     act.add_argument("action", choices=["acknowledge", "reject", "override", "set_mode"])
-    act.add_argument("--plan-id", type=int, default=0)
+    act.add_argument("--plan-id", type=int, default=None, help="required except for set_mode")
     act.add_argument("--actor", default=os.environ.get("USER", "cli"))
     act.add_argument("--override", default="{}", help='JSON, e.g. {"layers": [5, 2, 5]}')
     act.add_argument("--comment", default="")
@@ -95,16 +98,37 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError as e:
             print(f"--override is not JSON: {e}", file=sys.stderr)
             return 2
-        client = connect(args.redis_url)
+        if args.plan_id is None and args.action != "set_mode":
+            print(f"{args.action} needs --plan-id", file=sys.stderr)
+            return 2
+        try:
+            client = connect(args.redis_url)
+            if args.action != "set_mode":
+                plans = latest_plans(client, JobKeys(args.job_id))
+                if args.plan_id not in plans:
+                    known = ", ".join(f"{p.plan_id} ({p.state})" for p in plans.values())
+                    print(
+                        f"job {args.job_id!r} has no plan {args.plan_id}"
+                        + (f"; its plans: {known}" if known else "; it has no plans"),
+                        file=sys.stderr,
+                    )
+                    return 1
+        except (ValueError, redis.RedisError) as e:
+            print(f"act: {e}", file=sys.stderr)
+            return 2 if isinstance(e, ValueError) else 1
         action = OperatorAction(
             action=args.action,
-            plan_id=args.plan_id,
+            plan_id=args.plan_id or 0,
             actor=args.actor,
             at_s=time.time(),
             override=override,
             comment=args.comment,
         )
-        publish(client, JobKeys(args.job_id).actions, action)
+        try:
+            publish(client, JobKeys(args.job_id).actions, action)
+        except redis.RedisError as e:
+            print(f"act: {e}", file=sys.stderr)
+            return 1
         print(
             f"sent {args.action} for plan {args.plan_id} as {args.actor} (action "
             f"{action.action_id}); the scheduler's verdict goes to the audit log"

@@ -87,6 +87,41 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     job = st["jobs"]["default"]
     assert job["last_iteration"]["iteration"] >= 0
     assert job["counts"]["iterations_total"] >= 1
+    # the stack file (it holds the Redis URL) is its owner's alone, and no child carries
+    # the URL on its command line, where ps shows it to everyone
+    assert stack_file.stat().st_mode & 0o777 == 0o600
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--redis-url" not in argv and not any(b"redis://" in a for a in argv), argv
+    # forwarded commands find this stack by its --state-dir, and speak as `resihp`
+    cli = [sys.executable, "-m", "resihp.cli"]
+    rec = subprocess.run(
+        [
+            *cli,
+            "record",
+            "--state-dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "t.jsonl"),
+            "--duration",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert rec.returncode == 0 and "recorded" in rec.stderr, rec.stderr
+    act = subprocess.run(
+        [*cli, "act", "acknowledge", "--plan-id", "99", "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert act.returncode == 1 and "job 'default' has no plan 99" in act.stderr, act.stderr
+    usage = subprocess.run([*cli, "act"], capture_output=True, text=True, env=env, timeout=60)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: resihp act"), usage.stderr
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
@@ -114,6 +149,71 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     again = subprocess.run([*up, "--duration", "5"], capture_output=True, text=True, env=env)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
     assert "--fresh" in again.stderr
+
+
+def _up(tmp_path, *argv, timeout=120):
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "up",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--no-summary",
+            "--duration",
+            "30",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_up_refuses_what_would_fail_before_starting_anything(tmp_path):
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("events:\n  - {at_s: 1, action: kill_device, rank: 1, colour: red}\n")
+    with __import__("socket").create_server(("127.0.0.1", 0)) as held:
+        port = str(held.getsockname()[1])
+        for argv, why in (
+            (["--job-id", "bad id!"], "invalid job id 'bad id!'"),
+            (["--scenario", str(bad)], "scenario: " + str(bad) + ":2: unknown key 'colour'"),
+            (["--model", "nosuch"], "unknown model 'nosuch'"),
+            (["--dashboard-port", port], f"the dashboard cannot listen on 127.0.0.1:{port}"),
+            (["--dashboard-port", "70000"], "--dashboard-port 70000 is not a TCP port"),
+        ):
+            out = _up(tmp_path, *argv)
+            assert out.returncode == 2, (argv, out.stderr)
+            assert f"resihp up: {why}" in out.stderr and "Traceback" not in out.stderr, out.stderr
+            assert not (tmp_path / "st" / "stack.json").exists()
+    out = _up(tmp_path, "--state-dir", str(tmp_path / "file"))
+    assert out.returncode == 2 and "cannot use state dir" in out.stderr, out.stderr
+
+
+def test_up_stops_and_fails_when_a_child_cannot_start(tmp_path):
+    out = _up(tmp_path, "--dashboard-port", str(free_port()), "--trainer-arg=--no-such-flag")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "trainer exited with code 2" in out.stdout
+    assert "resihp up: trainer failed to start; stopping the stack" in out.stderr
+    assert "resihp: stopped" in out.stdout and not (tmp_path / "st" / "stack.json").exists()
+
+
+def test_passwords_are_not_printed():
+    from resihp.redis_client import redact
+
+    assert redact("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact("rediss://bob:pw@h:1") == "rediss://bob:***@h:1"
+    assert redact("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
+    env = dict(os.environ, REDIS_URL="redis://:s3cret@127.0.0.1:1/0")
+    out = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "status"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 1 and "s3cret" not in out.stderr and ":***@" in out.stderr
 
 
 def test_status_without_stack_says_what_to_do(tmp_path):
