@@ -154,6 +154,46 @@ def main() -> None:
     print(f"{'timeline PP16 x 64 mb x 4 DP: chunks':<40}{len(cols['stage']):>14,}")
     print(f"{'timeline figure build ms / JSON bytes':<40}{tl_s * 1e3:>14.1f}{len(fig_json):>16,}")
     print(f"{'DAG-predicted healthy timeline, ms':<40}{pred_s * 1e3:>14.1f}")
+    failure_marks()
+
+
+def failure_marks() -> None:
+    """The overview's throughput chart marks every failure with a vertical line, rebuilt
+    every second: one ``add_vline`` per failure (each re-validates the whole layout)
+    against all lines set in one layout update (``figures.throughput_figure``)."""
+    from resihp.schemas import FailureReport
+
+    rows = [
+        {"iteration": i, "samples_per_s": 10.0, "iteration_time_s": 1.0, "published_s": 1e9 + i}
+        for i in range(600)
+    ]
+    print(
+        f"\n{'throughput chart, failures marked':<40}{'one update':>14}{'add_vline each':>16}{'ratio':>8}"
+    )
+    for n in (10, 100, 300):
+        fails = [
+            FailureReport(
+                report_id=f"f{i}",
+                kind="fail_slow_compute",
+                ranks=[1],
+                nodes=[0],
+                detected_at_s=1e9 + i,
+                iteration=i,
+            )
+            for i in range(n)
+        ]
+
+        def naive(fails=fails):
+            fig = figures.throughput_figure(rows)
+            for f in fails:
+                fig.add_vline(x=figures._ts(f.detected_at_s).timestamp() * 1000, line={"width": 1})
+            return fig
+
+        _, one_s = timed(lambda fails=fails: figures.throughput_figure(rows, fails), repeat=2)
+        _, each_s = timed(naive, repeat=1)
+        print(
+            f"{f'{n} failures, ms':<40}{one_s * 1e3:>14.1f}{each_s * 1e3:>16.1f}{each_s / one_s:>7.0f}x"
+        )
 
 
 if __name__ == "__main__":
