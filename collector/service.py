@@ -122,7 +122,11 @@ class CollectorService:
         self.layout: Layout | None = None
         self._layout_raw: bytes | None = None
         self._layout_next = 0.0
-        self._clock_offset_s = 0.0
+        # The collector's clock is Redis's, carried forward by the monotonic clock between
+        # re-syncs: arrivals are Redis stream ids, and a step of this host's wall clock
+        # (NTP) must not make every beat look late (or early).
+        self._redis0_s = time.time()
+        self._mono0_s = time.monotonic()
         self._clock_next = 0.0
         self._check_next = 0.0
         self._frontier_s = 0.0
@@ -130,7 +134,7 @@ class CollectorService:
         self._outage = False
         self._finished = False
         self._job_state_next = 0.0
-        self._started_s = time.time()
+        self._started_s = self._clock()
         self._heard = False  # any telemetry from the job's present (see module doc)
         self._silence_said = False
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -161,17 +165,26 @@ class CollectorService:
         self._counters.clear()
 
     def _arrival_s(self, entry_id: bytes | str) -> float:
+        """When an entry reached Redis, on Redis's clock (its stream id)."""
         eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        return int(eid.split("-", 1)[0]) / 1000.0 + self._clock_offset_s
+        return int(eid.split("-", 1)[0]) / 1000.0
 
-    def _sync_clock(self, now: float) -> None:
-        if now < self._clock_next:
+    def _clock(self) -> float:
+        """Now, on Redis's clock: the last synced Redis time plus monotonic time since."""
+        return self._redis0_s + (time.monotonic() - self._mono0_s)
+
+    def _sync_clock(self) -> None:
+        mono = time.monotonic()
+        if mono < self._clock_next:
             return
-        t0 = time.time()
+        t0 = time.monotonic()
         sec, usec = self.client.time()
-        t1 = time.time()
-        self._clock_offset_s = (t0 + t1) / 2 - (sec + usec / 1e6)
-        self._clock_next = now + 10.0
+        t1 = time.monotonic()
+        first = self._clock_next == 0.0
+        self._redis0_s, self._mono0_s = sec + usec / 1e6, (t0 + t1) / 2
+        if first:  # until now the host's clock stood in for Redis's
+            self._started_s = self._clock()
+        self._clock_next = mono + 10.0
 
     def _refresh_layout(self, now: float) -> None:
         if now < self._layout_next:
@@ -193,7 +206,7 @@ class CollectorService:
         self.set_layout(layout, now)
 
     def set_layout(self, layout: Layout, now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        now = self._clock() if now is None else now
         self.layout = layout
         self.assembler.set_layout(layout, now)
         self.consumer.max_rank = layout.world_size
@@ -234,16 +247,16 @@ class CollectorService:
     def run_once(self) -> int:
         """Read one batch, judge liveness if due, publish what is ready. Never raises on
         Redis outages or bad input."""
-        now = time.time()
         try:
             if not self._group_ready:
                 self.consumer.ensure_group()
                 self._group_ready = True
-            self._sync_clock(now)
+            self._sync_clock()
+            now = self._clock()
             self._refresh_layout(now)
             if self._outage:
                 # Reachable again: nobody could be heard meanwhile, restart every deadline.
-                self.liveness.resume(time.time())
+                self.liveness.resume(now)
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
             read_before = self.consumer.stats.read_total
@@ -251,7 +264,7 @@ class CollectorService:
             if self.consumer.stats.reconnects_total != reconnects:
                 self._mark_outage()
                 return 0
-            now = time.time()
+            now = self._clock()
             if batch:
                 self._frontier_s = max(self._frontier_s, self._arrival_s(batch[-1][0]))
                 if not self._heard and self._frontier_s >= self._started_s - self._deadline_s():
@@ -384,8 +397,11 @@ class CollectorService:
             if len(its):
                 lo, hi = int(its.min()), int(its.max())
                 entry_iters[eid].update([lo] if lo == hi else np.unique(its).tolist())
+        # only iterations whose rows were taken: an entry whose rows were all refused
+        # (dead-lettered) has nothing to wait for, and held it would be re-read forever
+        taken = set(res.iterations)
         for eid, its in entry_iters.items():
-            open_its = {i for i in its if not self.assembler.finalized(i)}
+            open_its = {i for i in its if i in taken and not self.assembler.finalized(i)}
             if not open_its:
                 self._ack_ready.append(eid)
                 continue
@@ -501,7 +517,7 @@ class CollectorService:
             "layout_id": self.layout.layout_id if self.layout is not None else None,
             # age of the newest telemetry entry read: grows when the collector falls
             # behind, or when the job stops sending
-            "last_telemetry_age_s": round(max(0.0, time.time() - self._frontier_s), 3)
+            "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)
             if self._frontier_s
             else None,
             # false while the job has been silent since before this collector started
@@ -515,7 +531,7 @@ class CollectorService:
         extra_next = 0.0
         while not stop.is_set():
             self.run_once()
-            now = time.time()
+            now = time.monotonic()
             if self._outage:
                 continue
             if now >= extra_next:

@@ -292,7 +292,14 @@ class IterationAssembler:
         """Published already.  An iteration published incomplete under an older
         layout is not: rows for it now are its re-run, and reopen it."""
         lid = self._incomplete_under.get(iteration)
-        if lid is not None and self.view is not None and lid != self.view.layout_id:
+        if (
+            lid is not None
+            and self.view is not None
+            and lid != self.view.layout_id
+            # a re-run brings the ranks back to it; late rows of ranks that have all
+            # moved past it (a layout changed by an unrelated plan) are just late
+            and not self._moved_on(iteration)
+        ):
             return False
         return iteration <= self._done_floor or iteration in self._done
 

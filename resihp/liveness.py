@@ -80,8 +80,11 @@ class NodeMonitor:
         st = self.ranks.get(rank)
         if st is None:
             st = self.ranks[rank] = RankState(rank, self.node, -math.inf)
+        # only a beat newer than any heard from it brings a dead device back: an old entry
+        # read again (reclaimed after a consumer restart) says nothing about now
+        newer = arrival_s > st.last_arrival_s
         # Invariant: last_heard_s >= every device's last_arrival_s.
-        if arrival_s > st.last_arrival_s:
+        if newer:
             st.last_arrival_s = arrival_s
             if arrival_s > self.last_heard_s:
                 self.last_heard_s = arrival_s
@@ -91,7 +94,7 @@ class NodeMonitor:
             st.iteration = iteration
         if generation > st.generation:
             st.generation = generation
-        if not st.alive:
+        if not st.alive and newer:
             st.alive = True
             st.rejoined = True
 
@@ -161,6 +164,8 @@ class LivenessCoordinator:
         self.monitors: dict[int, NodeMonitor] = {}
         self.node_down: set[int] = set()
         self._rank_node: dict[int, int] = {}
+        #: the ranks the current layout lists as dead
+        self._layout_dead: set[int] = set()
         #: rank -> node for ranks heard but not expected (set from the layout)
         self.node_of: Callable[[int], int] | None = None
 
@@ -200,9 +205,13 @@ class LivenessCoordinator:
             self._rank_node[r] = node
             mon = self._monitor(node)
             mon.track(r, now_s, dead=r in dead)
-            if r in dead:
+            if r in dead and r not in self._layout_dead:
+                # newly dead in the layout: a beat from it from now on is a re-join; one
+                # already dead in the previous layout keeps what was heard since (each
+                # layout rewrite must not report the same re-join again)
                 mon.ranks[r].alive = False
                 mon.ranks[r].rejoined = False
+        self._layout_dead = set(dead)
         for node in [n for n, m in self.monitors.items() if not m.ranks]:
             del self.monitors[node]
             self.node_down.discard(node)

@@ -174,3 +174,28 @@ def test_ranks_known_only_from_their_beats():
     node_ev = events[1][1]
     assert 11 < node_ev.last_seen_s <= 12  # the node's last beat, a real time
     assert coord.node_last_heard()[1] == node_ev.last_seen_s
+
+
+def test_an_old_beat_read_again_does_not_bring_a_dead_rank_back():
+    coord = LivenessCoordinator(IV, k=2)
+    _two_nodes(coord)
+    beats = {r: (r // 4, _beats(0, 10)) for r in range(8) if r != 7}
+    beats[7] = (1, [0.0, 1.0])
+    events = _run(coord, beats, 10)
+    assert [(e.ranks, e.state) for _, e in events] == [([7], "dead")]
+    coord.observe(7, 1, 1.0, seq=99)  # its last entry, reclaimed after a consumer restart
+    assert coord.check(10.5) == []
+    coord.observe(7, 1, 10.6, seq=100)  # a new beat is news
+    assert [(e.ranks, e.state) for e in coord.check(10.75)] == [([7], "rejoined")]
+
+
+def test_a_rank_the_layout_keeps_dead_rejoins_once_not_at_every_layout_rewrite():
+    coord = LivenessCoordinator(IV, k=2)
+    coord.set_expected({0: 0, 1: 0}, {1}, 0.0)
+    beats = {0: (0, _beats(0, 10)), 1: (0, _beats(2, 10))}
+    events = _run(coord, beats, 4)
+    assert [(e.ranks, e.state) for _, e in events] == [([1], "rejoined")]
+    for t in (5.0, 6.0, 7.0):  # plans rewrite the layout; rank 1 is still listed dead
+        coord.set_expected({0: 0, 1: 0}, {1}, t)
+    events = _run(coord, beats, 10, t_start=4.25)
+    assert events == []

@@ -470,3 +470,71 @@ def test_a_job_silent_since_before_the_collector_started_is_not_declared_dead(r)
     assert svc.health_extra()["judging_liveness"] is True
     # not before a full deadline from the moment the job was heard again
     assert events[0].detected_at_s - t_back >= 0.25 - 0.05
+
+
+def test_a_step_of_the_collector_hosts_clock_is_not_a_fail_stop(r, monkeypatch):
+    import collector.service as cs
+
+    iv = 0.2
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r, heartbeat_interval_s=iv, heartbeat_k=2)
+    p = TelemetryProducer(None, KEYS, client=r, flush_interval_s=0.005).start()
+    real = time.time
+
+    def run_for(seconds):
+        end = time.monotonic() + seconds
+        next_beat = 0.0
+        while time.monotonic() < end:
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + iv
+                for rank in range(8):
+                    p.heartbeat(
+                        Heartbeat(rank=rank, node=rank // 4, iteration=1, wall_time_s=real())
+                    )
+            svc.run_once()
+
+    run_for(1.0)
+    monkeypatch.setattr(cs.time, "time", lambda: real() + 5.0)  # NTP steps the clock
+    run_for(1.5)
+    monkeypatch.setattr(cs.time, "time", lambda: real() - 5.0)
+    run_for(1.5)
+    p.close()
+    assert [m for m in svc.published if isinstance(m, LivenessEvent)] == []
+
+
+def test_an_entry_whose_rows_were_all_refused_is_acked(r):
+    lay = _layout()
+    lay.groups[1][1] = [6]  # rank 7 excluded as dead: rows from it are refused
+    lay.dead = [7]
+    _set_layout(r, lay)
+    svc = _service(r)
+    rows = iteration_rows(_layout(), 500)  # a zombie process of rank 7 still reports
+    r.xadd(KEYS.telemetry, encode_entry(None, rows[rows["rank"] == 7]))
+    for _ in range(5):
+        svc.run_once()
+    assert r.xpending(KEYS.telemetry, svc.consumer.group)["pending"] == 0
+    assert svc._pending == {} and r.xlen(KEYS.deadletter) == 1
+
+
+def test_late_rows_after_an_unrelated_layout_change_do_not_republish_an_iteration(r):
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r, grace_s=0.5, stale_s=3.0, stall_s=0.3)
+    rows0 = iteration_rows(lay, 0, t0_s=1000.0)
+    held = rows0["rank"] == 3
+    r.xadd(KEYS.telemetry, encode_entry(None, rows0[~held]))
+    r.xadd(KEYS.telemetry, encode_entry(None, iteration_rows(lay, 1, t0_s=1001.0)))
+    _pump(svc, lambda: len(_stream(r, KEYS.iterations, IterationRecord)) == 2)
+    lay1 = lay.copy()
+    lay1.layout_id = 1  # a plan that moves no rank (e.g. micro-batch rebalance)
+    _set_layout(r, lay1)
+    r.xadd(KEYS.telemetry, encode_entry(None, iteration_rows(lay1, 2, t0_s=1002.0)))
+    r.xadd(KEYS.telemetry, encode_entry(None, rows0[held]))  # rank 3's rows, very late
+    _pump(svc, lambda: len(_stream(r, KEYS.iterations, IterationRecord)) >= 3)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        svc.run_once()
+    recs = [(x.iteration, x.layout_id) for x in _stream(r, KEYS.iterations, IterationRecord)]
+    assert sorted(recs) == [(0, 0), (1, 0), (2, 1)], recs
+    assert svc.stats["chunk_rows_late_total"] == int(held.sum())
