@@ -69,6 +69,11 @@ class CollectorConfig:
     #: the attempt a fail-stop abandoned: it is published incomplete at once, and
     #: its re-run under the new layout is assembled afresh (seconds).
     stall_s: float = 2.0
+    #: A rank whose clock is off Redis's by more than this (estimated from its
+    #: heartbeats: send time vs arrival) has its chunk timestamps shifted onto Redis's
+    #: clock, so that one skewed node does not stretch every iteration's span
+    #: (seconds; smaller offsets are left, they are within network and batching delay).
+    clock_skew_correct_s: float = 0.25
     #: Drop chunk rows of non-zero TP indices on arrival (less work, but no
     #: per-rank view inside a TP group).
     tp_dedup: bool = False
@@ -105,6 +110,7 @@ class CollectorConfig:
             "grace_s",
             "stale_s",
             "stall_s",
+            "clock_skew_correct_s",
             "iterations_budget_mb",
         )
         for name in positive:

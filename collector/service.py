@@ -125,6 +125,8 @@ class CollectorService:
         # The collector's clock is Redis's, carried forward by the monotonic clock between
         # re-syncs: arrivals are Redis stream ids, and a step of this host's wall clock
         # (NTP) must not make every beat look late (or early).
+        #: rank -> estimated offset of its clock from Redis's (NaN: not heard yet)
+        self._skew_s = np.full(0, np.nan)
         self._redis0_s = time.time()
         self._mono0_s = time.monotonic()
         self._clock_next = 0.0
@@ -316,10 +318,12 @@ class CollectorService:
                     beats += 1
                     # the coordinator maps known ranks to their layout node itself
                     observe(m.rank, m.node, arrival_s, m.seq, m.iteration, m.generation)
+                    self._track_skew(np.array([m.rank]), np.array([m.wall_time_s]), arrival_s)
                     continue
                 if type(m) is HeartbeatBatch:
                     hr = m.rows
                     beats += len(hr)
+                    self._track_skew(hr["rank"], hr["wall_time_s"], arrival_s)
                     for r, n, q, i, g in zip(
                         hr["rank"].tolist(),
                         hr["node"].tolist(),
@@ -370,10 +374,45 @@ class CollectorService:
             self._add_rows(singles, single_entry, now, checked=False)
         return handled
 
+    def _track_skew(self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s: float) -> None:
+        """Per-rank estimate of (rank clock - Redis clock) from its beats' send times.
+
+        A beat's arrival also holds its network and batching delay; the estimate follows
+        the smallest recent offsets (a new low is taken at once, a higher one only a
+        little), which is the clock difference plus the least delay."""
+        n = int(ranks.max()) + 1 if len(ranks) else 0
+        if n > len(self._skew_s):
+            grown = np.full(n, np.nan)
+            grown[: len(self._skew_s)] = self._skew_s
+            self._skew_s = grown
+        d = np.asarray(wall_s, dtype=float) - arrival_s
+        est = self._skew_s[ranks]
+        self._skew_s[ranks] = np.where(np.isnan(est) | (d < est), d, est + 0.02 * (d - est))
+
+    def _on_redis_clock(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` with the timestamps of ranks whose clock is off by more than
+        ``clock_skew_correct_s`` shifted onto Redis's clock."""
+        if not len(self._skew_s) or not len(rows):
+            return rows
+        ranks = rows["rank"]
+        known = ranks < len(self._skew_s)
+        est = np.zeros(len(rows))
+        est[known] = self._skew_s[ranks[known]]
+        est = np.nan_to_num(est)
+        far = np.abs(est) > self.config.clock_skew_correct_s
+        if not far.any():
+            return rows
+        rows = rows.copy()
+        rows["start_s"][far] -= est[far]
+        rows["end_s"][far] -= est[far]
+        self._count("chunk_rows_clock_corrected_total", int(far.sum()))
+        return rows
+
     def _add_rows(
         self, parts: list[np.ndarray], part_entry: list[bytes], now: float, checked: bool
     ) -> None:
         rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        rows = self._on_redis_clock(rows)
         res = self.assembler.add_rows(rows, now, checked=checked)
         self._count("chunk_rows_total", len(rows))
         self._count("chunk_rows_duplicate_total", res.duplicate_total)

@@ -538,3 +538,26 @@ def test_late_rows_after_an_unrelated_layout_change_do_not_republish_an_iteratio
     recs = [(x.iteration, x.layout_id) for x in _stream(r, KEYS.iterations, IterationRecord)]
     assert sorted(recs) == [(0, 0), (1, 0), (2, 1)], recs
     assert svc.stats["chunk_rows_late_total"] == int(held.sum())
+
+
+def test_a_node_whose_clock_is_off_does_not_stretch_the_iteration(r):
+    lay = _layout()  # ranks 4-7 on node 1
+    _set_layout(r, lay)
+    svc = _service(r)
+    ahead = 3.0  # node 1's clock runs 3 s ahead of everyone's
+    t0 = time.time()
+    for rank in range(8):
+        skew = ahead if rank >= 4 else 0.0
+        beat = Heartbeat(rank=rank, node=rank // 4, iteration=0, wall_time_s=time.time() + skew)
+        r.xadd(KEYS.telemetry, encode_entry([beat]))
+    rows = iteration_rows(lay, 0, t0_s=t0)
+    healthy = float(rows["end_s"].max() - rows["start_s"].min())
+    on_node1 = rows["rank"] >= 4
+    rows["start_s"][on_node1] += ahead
+    rows["end_s"][on_node1] += ahead
+    r.xadd(KEYS.telemetry, encode_entry(None, rows))
+    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    # without the correction the span would be 3 s longer; what is left is beat delay
+    assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
+    assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
