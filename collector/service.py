@@ -413,6 +413,16 @@ class CollectorService:
     ) -> None:
         rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
         rows = self._on_redis_clock(rows)
+        view = self.assembler.view
+        if view is not None and len(rows):
+            r = rows["rank"]
+            inside = r < view.world_size
+            if not inside.all() or not view.active[r[inside]].all():
+                # rows of a rank the layout we hold gives no work: a plan may have just
+                # put it back to work (the trainer writes the layout an iteration before
+                # its rows); read the layout now rather than at the next poll
+                self._layout_next = 0.0
+                self._refresh_layout(now)
         res = self.assembler.add_rows(rows, now, checked=checked)
         self._count("chunk_rows_total", len(rows))
         self._count("chunk_rows_duplicate_total", res.duplicate_total)

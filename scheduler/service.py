@@ -296,7 +296,9 @@ class SchedulerService:
             else:
                 self.p[r] = sev.get(r, 0.5)
         if report.kind == "recovery":
-            back = [r for r in report.ranks if r in layout.dead]
+            # every device of the layout's dead list known to be back, not only this
+            # report's: two that re-joined together may be worth a group only together
+            back = [r for r in layout.dead if r in report.ranks or self.p.get(r, 0.0) > 0.0]
             if back:
                 layout = Layout.from_dict(
                     {

@@ -47,7 +47,7 @@ def _set_layout(r, lay: Layout) -> None:
 
 
 def _service(r, **kw) -> CollectorService:
-    cfg = CollectorConfig(job_id=JOB, layout_poll_s=0.05, block_ms=5, **kw)
+    cfg = CollectorConfig(job_id=JOB, **{"layout_poll_s": 0.05, "block_ms": 5, **kw})
     return CollectorService(cfg, r)
 
 
@@ -67,6 +67,25 @@ def _pump(svc, until, timeout_s=10.0):
         if until():
             return True
     return False
+
+
+def _beat_and_run(svc, producer, ranks, iv, seconds, wall=time.time, node=None, each=None):
+    """Every ``iv`` seconds each rank in ``ranks`` (read each beat: it may change) beats
+    through ``producer`` with send time ``wall(rank)``; the collector runs in between,
+    and ``each()`` after every step."""
+    end = time.monotonic() + seconds
+    next_beat = 0.0
+    while time.monotonic() < end:
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + iv
+            for rank in sorted(ranks):
+                n = rank // 4 if node is None else node
+                producer.heartbeat(
+                    Heartbeat(rank=rank, node=n, iteration=1, wall_time_s=wall(rank))
+                )
+        svc.run_once()
+        if each is not None:
+            each()
 
 
 def _mbs(it, dp, mb):
@@ -141,22 +160,14 @@ def test_liveness_rank_node_rejoin_with_skewed_clocks(r):
     beating = set(range(8))
     events: list[tuple[float, LivenessEvent]] = []
 
+    def collect():
+        for m in svc.published:
+            if isinstance(m, LivenessEvent) and all(m is not e for _, e in events):
+                events.append((time.monotonic(), m))
+
     def run_for(seconds):
-        end = time.monotonic() + seconds
-        next_beat = 0.0
-        while time.monotonic() < end:
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + iv
-                for rank in sorted(beating):
-                    p.heartbeat(
-                        Heartbeat(
-                            rank=rank, node=0, iteration=1, wall_time_s=time.time() + skew[rank]
-                        )
-                    )
-            svc.run_once()
-            for m in svc.published:
-                if isinstance(m, LivenessEvent) and all(m is not e for _, e in events):
-                    events.append((time.monotonic(), m))
+        wall = lambda rank: time.time() + skew[rank]  # noqa: E731
+        _beat_and_run(svc, p, beating, iv, seconds, wall, node=0, each=collect)
 
     run_for(1.5)
     assert events == []
@@ -483,16 +494,7 @@ def test_a_step_of_the_collector_hosts_clock_is_not_a_fail_stop(r, monkeypatch):
     real = time.time
 
     def run_for(seconds):
-        end = time.monotonic() + seconds
-        next_beat = 0.0
-        while time.monotonic() < end:
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + iv
-                for rank in range(8):
-                    p.heartbeat(
-                        Heartbeat(rank=rank, node=rank // 4, iteration=1, wall_time_s=real())
-                    )
-            svc.run_once()
+        _beat_and_run(svc, p, range(8), iv, seconds, lambda _rank: real())
 
     run_for(1.0)
     monkeypatch.setattr(cs.time, "time", lambda: real() + 5.0)  # NTP steps the clock
@@ -561,3 +563,19 @@ def test_a_node_whose_clock_is_off_does_not_stretch_the_iteration(r):
     # without the correction the span would be 3 s longer; what is left is beat delay
     assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
     assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
+
+
+def test_rows_of_a_rank_a_plan_just_put_to_work_are_not_refused(r):
+    lay = _layout()
+    lay.groups[1][1] = [6]  # rank 7 parked as standby
+    lay.standby = [7]
+    _set_layout(r, lay)
+    svc = _service(r, layout_poll_s=60.0)  # the next regular re-read is far away
+    svc.run_once()
+    back = _layout()
+    back.layout_id = 1  # a plan gives rank 7 its work back ...
+    _set_layout(r, back)
+    r.xadd(KEYS.telemetry, encode_entry(None, iteration_rows(back, 0)))  # ... rows at once
+    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.complete and rec.layout_id == 1 and r.xlen(KEYS.deadletter) == 0

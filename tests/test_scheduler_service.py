@@ -99,9 +99,7 @@ def test_manual_mode_waits_then_ack_apply_supersede(r):
     fol = PlanFollower(r, keys)
     fol.confirm_applied(fol.poll()[0], Layout.from_dict(p1.after))
     svc.run_once()
-    publish(
-        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
-    )
+    publish(r, keys.failures, _slow_20())
     svc.run_once()
     plans = latest_plans(r, keys)
     p2 = plans[max(plans)]
@@ -179,9 +177,7 @@ def test_plans_and_audit_survive_restart(r):
     publish(r, keys.actions, _act("acknowledge", p1.plan_id, "bob"))
     svc2.run_once()
     assert latest_plans(r, keys)[p1.plan_id].state == "acknowledged"
-    publish(
-        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
-    )
+    publish(r, keys.failures, _slow_20())
     svc2.run_once()
     plans = latest_plans(r, keys)
     assert max(plans) > p1.plan_id and plans[p1.plan_id].state == "superseded"
@@ -359,16 +355,33 @@ def _plans(r, keys) -> dict[int, str]:
     return {pid: p.state for pid, p in sorted(latest_plans(r, keys).items())}
 
 
-def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhile(r):
+def _acknowledged(r):
+    """Manual mode: plan 1 (rank 5 fail-stop) acknowledged by bob; -> (keys, scheduler)."""
     keys, _lay = _setup(r)
     svc = _svc(r, mode="manual")
     publish(r, keys.failures, _report())
     svc.run_once()
     publish(r, keys.actions, _act("acknowledge", 1, "bob"))
     svc.run_once()
+    return keys, svc
+
+
+def _taken_up(r):
+    """Plan 1 acknowledged and taken up by the trainer; -> (keys, scheduler, the
+    trainer's follower, the plan)."""
+    keys, svc = _acknowledged(r)
     follower = PlanFollower(r, keys)
-    (plan,) = follower.poll()  # the trainer takes it up ...
-    publish(r, keys.actions, _act("reject", 1, "carol"))  # ... and carol rejects it
+    (plan,) = follower.poll()
+    return keys, svc, follower, plan
+
+
+def _slow_20(rid="r2") -> FailureReport:
+    return _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid=rid)
+
+
+def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhile(r):
+    keys, svc, follower, plan = _taken_up(r)
+    publish(r, keys.actions, _act("reject", 1, "carol"))  # carol rejects it meanwhile
     svc.run_once()
     assert _plans(r, keys) == {1: "rejected"}
     follower.confirm_applied(plan, Layout.from_dict(plan.after))
@@ -378,9 +391,7 @@ def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhi
     assert (last.action, last.result) == ("applied", "ok")
     assert "already taken plan 1 up when it was rejected" in last.note
     # a plan nobody acknowledged cannot have been applied
-    publish(
-        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
-    )
+    publish(r, keys.failures, _slow_20())
     svc.run_once()
     publish(r, keys.actions, _act("applied", 2, "trainer"))
     svc.run_once()
@@ -388,18 +399,9 @@ def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhi
 
 
 def test_actions_are_handled_before_reports_of_the_same_step(r):
-    keys, _lay = _setup(r)
-    svc = _svc(r, mode="manual")
-    publish(r, keys.failures, _report())
-    svc.run_once()
-    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
-    svc.run_once()
-    follower = PlanFollower(r, keys)
-    (plan,) = follower.poll()
+    keys, svc, follower, plan = _taken_up(r)
     follower.confirm_applied(plan, Layout.from_dict(plan.after))  # applied first ...
-    publish(
-        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
-    )
+    publish(r, keys.failures, _slow_20())
     svc.run_once()  # ... then a report, both read in one step
     assert _plans(r, keys) == {1: "applied", 2: "proposed"}
     plan2 = latest_plans(r, keys)[2]
@@ -421,12 +423,7 @@ def test_a_recovery_withdraws_a_waiting_plan_that_drops_the_device(r):
 
 
 def test_a_resent_report_keeps_the_open_plan_and_its_acknowledgement(r):
-    keys, _lay = _setup(r)
-    svc = _svc(r, mode="manual")
-    publish(r, keys.failures, _report())
-    svc.run_once()
-    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
-    svc.run_once()
+    keys, svc = _acknowledged(r)
     publish(r, keys.failures, _report())  # the same report again (same id)
     publish(r, keys.failures, _report(rid="r1-bis"))  # another report of the same failure
     svc.run_once()
@@ -434,9 +431,7 @@ def test_a_resent_report_keeps_the_open_plan_and_its_acknowledgement(r):
     assert latest_plans(r, keys)[1].failure_ids == ["r1", "r1-bis"]
     assert svc.duplicates_total == 1
     # a newer plan answers the reports of the plan it replaces too
-    publish(
-        r, keys.failures, _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid="r2")
-    )
+    publish(r, keys.failures, _slow_20())
     svc.run_once()
     assert latest_plans(r, keys)[2].failure_ids == ["r1", "r1-bis", "r2"]
 
@@ -464,3 +459,28 @@ def test_messages_redelivered_after_a_crash_are_handled_once(r):
     assert [(a.actor, a.action, a.result) for a in _audit(r, keys)] == [("alice", "override", "ok")]
     assert _plans(r, keys) == {1: "overridden", 2: "acknowledged"}
     assert svc2.duplicates_total == 1
+
+
+def test_devices_that_come_back_one_by_one_are_given_work_together(r):
+    keys, _lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=0.0)
+    follower = PlanFollower(r, keys)
+
+    def apply_all():
+        svc.run_once()
+        svc.run_once()  # grace period over: acknowledged
+        for plan in follower.poll():
+            follower.confirm_applied(plan, Layout.from_dict(plan.after))
+        svc.run_once()
+
+    for rid, rank in (("k9", 9), ("k14", 14)):
+        publish(r, keys.failures, _report(ranks=(rank,), rid=rid))
+        apply_all()
+    assert sorted(Layout.from_json(r.get(keys.layout)).dead) == [9, 14]
+    for rid, rank in (("b9", 9), ("b14", 14)):
+        publish(
+            r, keys.failures, _report("recovery", ranks=(rank,), severity={str(rank): 1.0}, rid=rid)
+        )
+        apply_all()
+    lay = Layout.from_json(r.get(keys.layout))
+    assert lay.dead == [] and {9, 14} <= set(lay.active_ranks()), lay.summary()

@@ -306,3 +306,17 @@ def test_standby_devices_are_probed_at_their_true_speed():
     a, b = quiet.step(), loud.step()
     assert not a.probes and b.probes
     assert np.array_equal(a.chunk_rows["end_s"], b.chunk_rows["end_s"])
+
+
+def test_a_standby_device_that_dies_stops_answering_probes():
+    sc = parse_scenario("events:\n  - {at_iteration: 7, action: kill_device, rank: 5}\n")
+    sim = ClusterSim(_cfg(noise=0.0, probe_interval_iters=5), sc)
+    new = sim.layout.copy()
+    d, s, _ = new.coords()[5]
+    new.groups[d][s] = [r for r in new.groups[d][s] if r != 5][:2]  # 5 set aside as standby
+    new.standby = sorted(r for r in sim.layout.groups[d][s] if r not in new.groups[d][s])
+    new.layout_id += 1
+    sim.apply_layout(new)
+    steps = [sim.step() for _ in range(16)]
+    probed = {st.iteration: {p.rank for p in st.probes} for st in steps if st.probes}
+    assert 5 in probed[5] and all(5 not in ranks for it, ranks in probed.items() if it > 7)

@@ -616,7 +616,12 @@ class ClusterSim:
             return []
         lay = self.layout
         dead = set(lay.dead)
-        idle = [r for r in lay.standby if r not in dead and self.compute_speed[r] > 0]
+        # a standby device that has since died (the layout does not know yet) runs no probe
+        idle = [
+            r
+            for r in lay.standby
+            if r not in dead and self.alive[r] and self.compute_speed[r] > 0
+        ]
         if not idle:
             return []
         ref = self.cfg.probe_reference_s
