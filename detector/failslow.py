@@ -203,7 +203,10 @@ class FailSlowDetector:
                     ends = set(self.group_ranks.get((d, lo), [])) | set(
                         self.group_ranks.get((d, lo + 1), [])
                     )
-                    if not set(st.ranks) & ends:
+                    # the slot is the same physical link only with the same ranks at both
+                    # ends: a new group at one end is a new link, whose healthy speed says
+                    # nothing about the slow one (which stays unresolved, not recovered)
+                    if set(st.ranks) != ends:
                         st.link = st.pair = None
 
     def pause_for_failstop(self, hold_iters: int = 20) -> None:

@@ -479,3 +479,20 @@ def test_a_slow_stage_with_no_healthy_peer_still_slow_after_the_rewarm_stays_slo
     job.rank_slow[victim] = 1.0
     reps = _run(det, job, 20)
     assert [(r.kind, r.ranks) for r in reps] == [("recovery", [victim])]
+
+
+def test_a_slow_link_whose_slot_gets_new_ranks_is_not_reported_recovered():
+    job = SyntheticJob(LAY, seed=13)
+    det = Detector(DetectorConfig(), layout=LAY)
+    reps = _run(det, job, 80, {50: lambda j: j.link_slow.update({(0, 1): 10.0})})
+    assert [r.kind for r in reps] == ["fail_slow_comm"]
+    # a plan moves other devices into one end of the slot: the slow physical link
+    # (between the old ranks) carries nothing any more, the slot is fast again
+    lay2 = copy.deepcopy(LAY)
+    lay2.groups[0][1], lay2.groups[1][1] = lay2.groups[1][1], lay2.groups[0][1]
+    lay2.layout_id = 1
+    job.layout = lay2
+    job.link_slow.clear()
+    det.set_layout(lay2)
+    reps = _run(det, job, 60)
+    assert [r for r in reps if r.kind == "recovery"] == []  # nothing says the link healed
