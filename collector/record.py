@@ -24,6 +24,7 @@ from typing import IO
 
 import redis
 
+from resihp import entry
 from resihp.keys import JobKeys
 from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
 
@@ -140,16 +141,11 @@ def main(
     except redis.RedisError as e:
         print(f"collector record: cannot reach Redis: {e}", file=sys.stderr)
         return 1
-    if out_path == "-":
-        st = record(client, keys, sys.stdout, duration_s, from_start)
-    else:
-        try:
-            f = open(out_path, "w", encoding="utf-8")  # noqa: SIM115
-        except OSError as e:
-            print(f"collector record: cannot write {out_path}: {e.strerror}", file=sys.stderr)
-            return 2
-        with f:
-            st = record(client, keys, f, duration_s, from_start)
+    out = entry.open_output(out_path, "collector record")
+    if out is None:
+        return 2
+    with out as f:
+        st = record(client, keys, f, duration_s, from_start)
     print(
         f"recorded {st.entries_total} entries: {st.messages_total} messages, "
         f"{st.chunk_rows_total} chunk rows, {st.invalid_total} invalid (skipped), "

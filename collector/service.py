@@ -56,7 +56,7 @@ from resihp.schemas import (
     chunks_to_rows,
     encode_record,
 )
-from resihp.topology import Layout, LayoutError
+from resihp.topology import MAX_WORLD_SIZE, Layout, LayoutError
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +309,10 @@ class CollectorService:
         handled = 0
         beats = 0
         observe = self.liveness.observe
+        # single (unpacked) beats: their clock offsets are folded in once per batch
+        one_rank: list[int] = []
+        one_wall: list[float] = []
+        one_arrival: list[float] = []
         for entry_id, msgs in batch:
             carried = False
             arrival_s = self._arrival_s(entry_id)
@@ -318,7 +322,9 @@ class CollectorService:
                     beats += 1
                     # the coordinator maps known ranks to their layout node itself
                     observe(m.rank, m.node, arrival_s, m.seq, m.iteration, m.generation)
-                    self._track_skew(np.array([m.rank]), np.array([m.wall_time_s]), arrival_s)
+                    one_rank.append(m.rank)
+                    one_wall.append(m.wall_time_s)
+                    one_arrival.append(arrival_s)
                     continue
                 if type(m) is HeartbeatBatch:
                     hr = m.rows
@@ -366,6 +372,8 @@ class CollectorService:
                     )
             if not carried:
                 self._ack_ready.append(entry_id)
+        if one_rank:
+            self._track_skew(np.array(one_rank), np.array(one_wall), np.array(one_arrival))
         handled += beats
         self._count("heartbeats_total", beats)
         if parts:
@@ -374,12 +382,16 @@ class CollectorService:
             self._add_rows(singles, single_entry, now, checked=False)
         return handled
 
-    def _track_skew(self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s: float) -> None:
+    def _track_skew(self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s) -> None:
         """Per-rank estimate of (rank clock - Redis clock) from its beats' send times.
 
         A beat's arrival also holds its network and batching delay; the estimate follows
         the smallest recent offsets (a new low is taken at once, a higher one only a
         little), which is the clock difference plus the least delay."""
+        ok = ranks < MAX_WORLD_SIZE  # before a layout bounds ranks, a bogus one must not size it
+        if not ok.all():
+            ranks, wall_s = ranks[ok], np.asarray(wall_s)[ok]
+            arrival_s = arrival_s if np.isscalar(arrival_s) else np.asarray(arrival_s)[ok]
         n = int(ranks.max()) + 1 if len(ranks) else 0
         if n > len(self._skew_s):
             grown = np.full(n, np.nan)

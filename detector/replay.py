@@ -28,6 +28,7 @@ from typing import IO
 
 from detector.config import DetectorConfig
 from detector.engine import Detector
+from resihp import entry
 from resihp.schemas import (
     ChunkBatch,
     DeviceProbe,
@@ -205,16 +206,11 @@ def main(
         print(f"detector replay: cannot read {trace}: {e}", file=sys.stderr)
         return 2
     with src:
-        if out_path == "-":
-            reports, st = replay(src, config, sys.stdout, heartbeat_interval_s)
-        else:
-            try:
-                f = open(out_path, "w", encoding="utf-8")  # noqa: SIM115
-            except OSError as e:
-                print(f"detector replay: cannot write {out_path}: {e.strerror}", file=sys.stderr)
-                return 2
-            with f:
-                reports, st = replay(src, config, f, heartbeat_interval_s)
+        out = entry.open_output(out_path, "detector replay")
+        if out is None:
+            return 2
+        with out as f:
+            reports, st = replay(src, config, f, heartbeat_interval_s)
     for e in st.errors[:20]:
         print(f"detector replay: {e}", file=sys.stderr)
     by_kind: dict[str, int] = {}

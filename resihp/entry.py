@@ -10,6 +10,7 @@ they behave the same in every service.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -27,6 +28,18 @@ def prog(service: str) -> str:
     """The program name usage lines show: ``resihp`` when the ``resihp`` command forwarded
     the call (so ``resihp record -h`` says ``resihp record``), else ``python -m <service>``."""
     return os.environ.get("RESIHP_PROG") or f"python -m {service}"
+
+
+def open_output(path: str, who: str):
+    """The file a command writes its output to, as a context manager (``-``: stdout, left
+    open), or None after saying on stderr why ``path`` cannot be written."""
+    if path == "-":
+        return contextlib.nullcontext(sys.stdout)
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - the caller's with closes it
+    except OSError as e:
+        print(f"{who}: cannot write {path}: {e.strerror}", file=sys.stderr)
+        return None
 
 
 def add_entry_arguments(p: argparse.ArgumentParser, service: str) -> None:

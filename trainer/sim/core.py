@@ -618,9 +618,7 @@ class ClusterSim:
         dead = set(lay.dead)
         # a standby device that has since died (the layout does not know yet) runs no probe
         idle = [
-            r
-            for r in lay.standby
-            if r not in dead and self.alive[r] and self.compute_speed[r] > 0
+            r for r in lay.standby if r not in dead and self.alive[r] and self.compute_speed[r] > 0
         ]
         if not idle:
             return []
