@@ -122,11 +122,11 @@ class CollectorService:
         self.layout: Layout | None = None
         self._layout_raw: bytes | None = None
         self._layout_next = 0.0
+        #: rank -> estimated offset of its clock from Redis's (NaN: not heard yet)
+        self._skew_s = np.full(0, np.nan)
         # The collector's clock is Redis's, carried forward by the monotonic clock between
         # re-syncs: arrivals are Redis stream ids, and a step of this host's wall clock
         # (NTP) must not make every beat look late (or early).
-        #: rank -> estimated offset of its clock from Redis's (NaN: not heard yet)
-        self._skew_s = np.full(0, np.nan)
         self._redis0_s = time.time()
         self._mono0_s = time.monotonic()
         self._clock_next = 0.0
@@ -427,9 +427,7 @@ class CollectorService:
         rows = self._on_redis_clock(rows)
         view = self.assembler.view
         if view is not None and len(rows):
-            r = rows["rank"]
-            inside = r < view.world_size
-            if not inside.all() or not view.active[r[inside]].all():
+            if view.without_work(rows["rank"]).any():
                 # rows of a rank the layout we hold gives no work: a plan may have just
                 # put it back to work (the trainer writes the layout an iteration before
                 # its rows); read the layout now rather than at the next poll

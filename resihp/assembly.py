@@ -177,6 +177,15 @@ class _Open:
 class LayoutView:
     """The parts of a Layout the assembler needs, as arrays indexed by rank."""
 
+    def without_work(self, ranks: np.ndarray) -> np.ndarray:
+        """Mask of ``ranks`` this layout gives no work (beyond it, dead, standby)."""
+        if not len(ranks) or int(ranks.max()) < self.world_size:
+            return ~self.active[ranks]
+        inside = ranks < self.world_size
+        out = ~inside
+        out[inside] = ~self.active[ranks[inside]]
+        return out
+
     def __init__(self, layout: Layout, tp_dedup: bool = False):
         self.layout = layout
         self.layout_id = layout.layout_id
@@ -350,13 +359,7 @@ class IterationAssembler:
             rows = rows[~bad]
         view = self.view
         if view is not None and len(rows):
-            r = rows["rank"]
-            if int(r.max()) < view.world_size:
-                unknown = ~view.active[r]
-            else:
-                inside = r < view.world_size
-                unknown = ~inside
-                unknown[inside] = ~view.active[r[inside]]
+            unknown = view.without_work(rows["rank"])
             if unknown.any():
                 res.rejected.append(
                     (f"chunk rows: rank not in layout {view.layout_id}", rows[unknown])
