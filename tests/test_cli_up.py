@@ -467,6 +467,10 @@ def test_a_stack_killed_with_sigkill_takes_its_children_along_and_leaves_no_fals
     for p in left:  # never leave them to the next test
         os.killpg(p, signal.SIGKILL)
     assert left == [], "the stack's processes outlived it"
+    # A collector counts telemetry from up to one fail-stop deadline (2.5 s here) before
+    # it started as the job's present; a restart that fast would (rightly) judge the
+    # killed trainer's ranks. The next stack comes later than that, as a person's would.
+    time.sleep(3.0)
 
     # the next stack shows the job: several fail-stop deadlines pass, nothing is reported
     out = subprocess.run(
