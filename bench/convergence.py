@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["exclude_replica", "migrate", "shrink_tp"],
         help="the trainer's own plan on a death (no scheduler in this bench)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--backend", default="auto", help="auto, gloo or nccl")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="resihp-convergence-"))
@@ -168,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         num_layers=4,
         token_budget=256,
         pg_timeout_s=60.0,
+        device=a.device,
+        backend=a.backend,
     )
-    print(f"convergence bench: TP{a.tp}xPP{a.pp}xDP{a.dp} {a.schedule}, {a.iterations} iterations")
+    print(
+        f"convergence bench: TP{a.tp}xPP{a.pp}xDP{a.dp} {a.schedule}, {a.iterations} iterations "
+        f"on {a.device} ({a.backend})"
+    )
     ref, _ = run(TrainConfig(**base, out_dir=str(out / "fault_free")))
     if a.scenario:
         fail_kw = dict(scenario=a.scenario)

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# GPU check of the torch trainer (about 3-5 minutes on one GPU).
+# GPU check of the torch trainer: each step prints its figures and the script goes on when one
+# fails (a summary at the end names the failed and skipped steps; the exit code is non-zero if
+# any failed). Every step has its own time limit and BUDGET_S (default 480) bounds the whole run:
+# a step that would start after it is reported as skipped, never silently dropped.
 #   1. correctness on CUDA: PP2 (ZB-H1) and TP2 first-iteration loss and gradients vs the
 #      single-process CPU reference (float64). With >= 2 GPUs the ranks use NCCL, one GPU
 #      each; with one GPU they share it and communicate through gloo (host staging),
 #      because NCCL refuses two ranks on the same device.
 #   2. a 1-rank NCCL job (NCCL init, CUDA-event chunk timing, training) when only one GPU.
 #   3. bench/predictor.py on CUDA (micro-batch / iteration predictor MAPE vs noise floor).
-# Usage: bash bench/gpu_check.sh   (PYTHON=... to pick the interpreter; OUT=... for outputs)
-set -euo pipefail
+#   4. bench/convergence.py on CUDA: a fail-stop mid-run, loss curve vs the fault-free run and
+#      the trainer's in-job recovery timeline.
+#   5. bench/recovery_stack.py on CUDA: the same fail-stop through the whole stack (collector,
+#      detector, scheduler, dashboard): kill -> detected -> plan -> applied, in seconds.
+#   6. bench/predictor.py --only-overhead on CUDA: telemetry overhead on step time.
+# Usage: bash bench/gpu_check.sh   (PYTHON=... to pick the interpreter; OUT=... for outputs;
+#        STEPS="1 3" to run some steps only)
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/resihp-gpu-check}
 mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-480}
+STEPS=${STEPS:-1 2 3 4 5 6}
 DEVICE=${DEVICE:-cuda}   # DEVICE=cpu dry-runs the same steps without a GPU
 if [ "$DEVICE" = cuda ]; then
   NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
@@ -22,7 +34,21 @@ if [ "$DEVICE" = cuda ]; then
 else
   NGPU=2; BACKEND=gloo
 fi
-echo "== 1. correctness on $DEVICE (backend $BACKEND)"
+FAILED=""; SKIPPED=""
+# step N LIMIT_S DESCRIPTION -- COMMAND...: runs COMMAND under a time limit, logs to $OUT/stepN.log
+step() {
+  local n=$1 limit=$2 what=$3; shift 4
+  case " $STEPS " in *" $n "*) ;; *) return 0 ;; esac
+  if [ "$SECONDS" -ge "$BUDGET_S" ]; then
+    echo "== $n. $what: SKIPPED (budget ${BUDGET_S}s spent)"; SKIPPED="$SKIPPED $n"; return 0
+  fi
+  echo "== $n. $what (limit ${limit}s, ${SECONDS}s into the check)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/step$n.log"
+  local rc=${PIPESTATUS[0]}
+  echo "-- step $n: rc $rc in $((SECONDS - t0))s"
+  [ "$rc" -eq 0 ] || FAILED="$FAILED $n"
+}
 # spawned workers re-import the main module, so the check runs from a file
 cat > "$OUT/check_correctness.py" <<'PYEOF'
 import os, time, torch
@@ -60,14 +86,22 @@ def main():
 if __name__ == "__main__":
     main()
 PYEOF
-OUT="$OUT" BACKEND="$BACKEND" DEVICE="$DEVICE" timeout 240 $PY "$OUT/check_correctness.py"
-if [ "$NGPU" -lt 2 ]; then
-  echo "== 2. one-rank NCCL job"
-  timeout 120 $PY -m trainer torch --device cuda --backend nccl --iterations 5 --microbatches 4 \
-     --token-budget 1024 --out-dir "$OUT/nccl1"
-  cat "$OUT/nccl1/metrics.jsonl"
+step 1 240 "correctness on $DEVICE (backend $BACKEND)" -- \
+  env OUT="$OUT" BACKEND="$BACKEND" DEVICE="$DEVICE" $PY "$OUT/check_correctness.py"
+if [ "$NGPU" -lt 2 ] && [ "$DEVICE" = cuda ]; then
+  step 2 120 "one-rank NCCL job" -- bash -c "$PY -m trainer torch --device cuda --backend nccl \
+    --iterations 5 --microbatches 4 --token-budget 1024 --out-dir '$OUT/nccl1' && cat '$OUT/nccl1/metrics.jsonl'"
 fi
-echo "== 3. predictor bench on $DEVICE"
 if [ "$DEVICE" = cuda ]; then SIZE="--hidden 512 --layers 8 --budgets 1024,2048,4096"; else SIZE="--iterations 6"; fi
-timeout 240 $PY bench/predictor.py --device "$DEVICE" --backend "$BACKEND" --iterations 24 \
-   $SIZE --out "$OUT/predictor"
+step 3 200 "predictor bench on $DEVICE" -- \
+  $PY bench/predictor.py --device "$DEVICE" --backend "$BACKEND" --iterations 24 $SIZE --out "$OUT/predictor"
+step 4 200 "convergence and in-job recovery on $DEVICE" -- \
+  $PY bench/convergence.py --device "$DEVICE" --backend "$BACKEND" --iterations 20 --kill-at 8 \
+    --out "$OUT/convergence"
+step 5 200 "stack recovery on $DEVICE" -- \
+  $PY bench/recovery_stack.py --device "$DEVICE" --backend "$BACKEND" --iterations 30 --kill-at 12 \
+    --timeout-s 170 --out "$OUT/recovery"
+step 6 150 "telemetry overhead on $DEVICE" -- \
+  $PY bench/predictor.py --device "$DEVICE" --backend "$BACKEND" --only-overhead $SIZE --out "$OUT/overhead"
+echo "== summary: ${SECONDS}s; failed:${FAILED:- none}; skipped:${SKIPPED:- none}"
+[ -z "$FAILED" ]

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=15)
     ap.add_argument("--grace-period-s", type=float, default=0.5)
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--device", default="cpu", help="the trainer's device: cpu or cuda")
+    ap.add_argument("--backend", default="auto", help="the trainer's backend: auto, gloo or nccl")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     out = Path(a.out or tempfile.mkdtemp(prefix="resihp-recovery-"))
@@ -57,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         f"--trainer-arg=--tp={a.tp}", f"--trainer-arg=--pp={a.pp}", f"--trainer-arg=--dp={a.dp}",
         "--trainer-arg=--microbatches=2", f"--trainer-arg=--iterations={a.iterations}",
         f"--trainer-arg=--out-dir={run_dir}", "--trainer-arg=--plan-wait-s=20",
+        f"--trainer-arg=--device={a.device}", f"--trainer-arg=--backend={a.backend}",
     ]  # fmt: skip
     print(
-        f"recovery bench: TP{a.tp}xPP{a.pp}xDP{a.dp}, kill rank {a.kill_rank} at iteration "
+        f"recovery bench: TP{a.tp}xPP{a.pp}xDP{a.dp} on {a.device} ({a.backend}), kill rank {a.kill_rank} at iteration "
         f"{a.kill_at}; logs in {out / 'state' / 'logs'}",
         flush=True,
     )
