@@ -3,12 +3,15 @@
 # fails (a summary at the end names the failed and skipped steps; the exit code is non-zero if
 # any failed). Every step has its own time limit and BUDGET_S (default 480) bounds the whole run:
 # a step that would start after it is reported as skipped, never silently dropped.
+#   0. pytest -m gpu: the CUDA-only unit tests (chunk timing never waits for the GPU, float64).
 #   1. correctness on CUDA: PP2 (ZB-H1) and TP2 first-iteration loss and gradients vs the
 #      single-process CPU reference (float64). With >= 2 GPUs the ranks use NCCL, one GPU
 #      each; with one GPU they share it and communicate through gloo (host staging),
 #      because NCCL refuses two ranks on the same device.
 #   2. a 1-rank NCCL job (NCCL init, CUDA-event chunk timing, training) when only one GPU.
-#   3. bench/predictor.py on CUDA (micro-batch / iteration predictor MAPE vs noise floor).
+#   3. bench/predictor.py on CUDA (micro-batch / iteration predictor MAPE vs noise floor). With
+#      one GPU it runs one rank on NCCL (PP1): PP stages sharing one GPU run one after the other,
+#      which breaks the DAG's premise that stages run concurrently; with >= 2 GPUs, PP2 on NCCL.
 #   4. bench/convergence.py on CUDA: a fail-stop mid-run, loss curve vs the fault-free run and
 #      the trainer's in-job recovery timeline.
 #   5. bench/recovery_stack.py on CUDA: the same fail-stop through the whole stack (collector,
@@ -24,7 +27,7 @@ PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/resihp-gpu-check}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-480}
-STEPS=${STEPS:-1 2 3 4 5 6}
+STEPS=${STEPS:-0 1 2 3 4 5 6}
 DEVICE=${DEVICE:-cuda}   # DEVICE=cpu dry-runs the same steps without a GPU
 if [ "$DEVICE" = cuda ]; then
   NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
@@ -86,15 +89,23 @@ def main():
 if __name__ == "__main__":
     main()
 PYEOF
+if [ "$DEVICE" = cuda ]; then
+  step 0 120 "pytest -m gpu" -- $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
+fi
 step 1 240 "correctness on $DEVICE (backend $BACKEND)" -- \
   env OUT="$OUT" BACKEND="$BACKEND" DEVICE="$DEVICE" $PY "$OUT/check_correctness.py"
 if [ "$NGPU" -lt 2 ] && [ "$DEVICE" = cuda ]; then
   step 2 120 "one-rank NCCL job" -- bash -c "$PY -m trainer torch --device cuda --backend nccl \
     --iterations 5 --microbatches 4 --token-budget 1024 --out-dir '$OUT/nccl1' && cat '$OUT/nccl1/metrics.jsonl'"
 fi
-if [ "$DEVICE" = cuda ]; then SIZE="--hidden 512 --layers 8 --budgets 1024,2048,4096"; else SIZE="--iterations 6"; fi
-step 3 200 "predictor bench on $DEVICE" -- \
-  $PY bench/predictor.py --device "$DEVICE" --backend "$BACKEND" --iterations 24 $SIZE --out "$OUT/predictor"
+if [ "$DEVICE" = cuda ]; then
+  SIZE="--hidden 1024 --layers 4 --budgets 4096,8192,16384"
+  if [ "$NGPU" -ge 2 ]; then PRED="--pp 2 --backend nccl"; else PRED="--pp 1 --backend nccl"; fi
+else
+  SIZE="--iterations 6"; PRED="--pp 2 --backend gloo"
+fi
+step 3 200 "predictor bench on $DEVICE ($PRED)" -- \
+  $PY bench/predictor.py --device "$DEVICE" $PRED --iterations 24 $SIZE --out "$OUT/predictor"
 step 4 200 "convergence and in-job recovery on $DEVICE" -- \
   $PY bench/convergence.py --device "$DEVICE" --backend "$BACKEND" --iterations 20 --kill-at 8 \
     --out "$OUT/convergence"
@@ -102,6 +113,6 @@ step 5 200 "stack recovery on $DEVICE" -- \
   $PY bench/recovery_stack.py --device "$DEVICE" --backend "$BACKEND" --iterations 30 --kill-at 12 \
     --timeout-s 170 --out "$OUT/recovery"
 step 6 150 "telemetry overhead on $DEVICE" -- \
-  $PY bench/predictor.py --device "$DEVICE" --backend "$BACKEND" --only-overhead $SIZE --out "$OUT/overhead"
+  $PY bench/predictor.py --device "$DEVICE" $PRED --only-overhead $SIZE --out "$OUT/overhead"
 echo "== summary: ${SECONDS}s; failed:${FAILED:- none}; skipped:${SKIPPED:- none}"
 [ -z "$FAILED" ]

@@ -27,6 +27,14 @@ from resihp.redis_client import EmbeddedRedis, free_port
 from resihp.schemas import AdaptationPlan, FailureReport, LivenessEvent, decode_entry
 
 
+def _print_tails(paths: list[Path], lines: int = 15) -> None:
+    """The end of each log, so a failed run on a remote machine explains itself."""
+    for p in paths:
+        if p.exists():
+            tail = p.read_text(errors="replace").splitlines()[-lines:]
+            print(f"--- {p.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1)
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (run_dir / "timeline.json").exists():
             print(f"no trainer timeline; see {out / 'state' / 'logs'}")
+            _print_tails([out / "up.log", *sorted((out / "state" / "logs").glob("*.log"))])
             return 1
         tl = json.loads((run_dir / "timeline.json").read_text())
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]

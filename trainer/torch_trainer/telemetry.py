@@ -5,8 +5,12 @@ Chunk rows are written into a preallocated ``CHUNK_DTYPE`` array and handed
 over once per iteration (one ``chunk_rows`` call), so the per-chunk cost is a
 clock read and a row store.  On CPU the clock is ``time.perf_counter`` mapped
 to wall time with a per-process offset; on a GPU each chunk records two CUDA
-events and the rows are resolved after the iteration's last synchronisation,
-against an anchor event taken with a host timestamp.  ``compute_s`` is the
+events and the training thread never waits for them: ``flush`` records a
+marker event and hands the iteration to a resolver thread, which waits for the
+marker, reads the wall clock and places every chunk before it by the events'
+elapsed times (wall times late by at most the resolver's wake-up, about the
+interpreter's thread switch interval; durations are exact).  A resolver that
+falls behind drops whole iterations and counts them.  ``compute_s`` is the
 chunk's duration minus the time spent inside TP collectives (host-measured,
 so only on CPU; -1 on GPU).
 """
@@ -14,6 +18,7 @@ so only on CPU; -1 on GPU).
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 import time
 
@@ -81,6 +86,10 @@ class RankTelemetry:
         self.dp = self.stage = 0
         self._events: list = []
         self._anchor = None
+        # GPU iterations waiting for their events (bounded: telemetry never blocks training)
+        self._pending: queue.Queue = queue.Queue(maxsize=8)
+        self._resolver: threading.Thread | None = None
+        self.dropped_iterations_total = 0
         self._seq = 0
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -120,9 +129,38 @@ class RankTelemetry:
         )
 
     def stop(self) -> None:
+        self.drain()
         self._stop.set()
         if self._hb_thread:
             self._hb_thread.join(timeout=2)
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until every flushed GPU iteration is resolved and handed over."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _resolve_loop(self, device: int) -> None:
+        torch.cuda.set_device(device)
+        while True:
+            rows, events, marker = self._pending.get()
+            try:
+                marker.synchronize()
+                wall = time.time()
+                for i, ev0, ev1 in events:
+                    rows[i]["start_s"] = wall - ev0.elapsed_time(marker) / 1e3
+                    rows[i]["end_s"] = wall - ev1.elapsed_time(marker) / 1e3
+                self._hand_over(rows)
+            except Exception:  # a broken context must not kill training: count and go on
+                self.dropped_iterations_total += 1
+            finally:
+                self._pending.task_done()
+
+    def _hand_over(self, rows: np.ndarray) -> None:
+        if self.producer is not None:
+            self.producer.chunk_rows(rows)
+        if self.keep_rows:
+            self.kept.append(rows)
 
     # --------------------------------------------------------------- chunks
     @_costed
@@ -130,10 +168,6 @@ class RankTelemetry:
         self.iteration = iteration
         self.n = 0
         self._events = []
-        if self.cuda and self.enabled:
-            torch.cuda.synchronize()
-            self._anchor = (torch.cuda.Event(enable_timing=True), time.time())
-            self._anchor[0].record()
 
     @_costed
     def begin(self):
@@ -214,19 +248,29 @@ class RankTelemetry:
 
     @_costed
     def flush(self) -> np.ndarray:
-        """Hand this iteration's rows to the producer; returns them."""
+        """Hand this iteration's rows on; returns them (on a GPU, before their times are
+        resolved: the resolver thread fills ``start_s``/``end_s`` and hands them over)."""
         if not self.n:
             return self.rows[:0]
-        if self.cuda and self._events:
-            torch.cuda.synchronize()
-            anchor, anchor_wall = self._anchor
-            for i, ev0, ev1 in self._events:
-                self.rows[i]["start_s"] = anchor_wall + anchor.elapsed_time(ev0) / 1e3
-                self.rows[i]["end_s"] = anchor_wall + anchor.elapsed_time(ev1) / 1e3
         rows = self.rows[: self.n].copy()
-        if self.producer is not None:
-            self.producer.chunk_rows(rows)
-        if self.keep_rows:
-            self.kept.append(rows)
         self.n = 0
+        if self.cuda and self._events:
+            marker = torch.cuda.Event(enable_timing=True)
+            marker.record()
+            events = [(i, e0, e1) for i, e0, e1 in self._events]
+            self._events = []
+            if self._resolver is None:
+                self._resolver = threading.Thread(
+                    target=self._resolve_loop,
+                    args=(torch.cuda.current_device(),),
+                    name="telemetry-resolver",
+                    daemon=True,
+                )
+                self._resolver.start()
+            try:
+                self._pending.put_nowait((rows, events, marker))
+            except queue.Full:
+                self.dropped_iterations_total += 1
+            return rows
+        self._hand_over(rows)
         return rows

@@ -153,6 +153,7 @@ class Worker:
                 self.layout = Layout.from_dict(desc["prev_layout"])
             status = self._run_generation(gen, members, layout)
             if status == "done":
+                self.tel.drain()
                 if self.cfg.dump_telemetry and self.tel.kept:
                     np.save(
                         os.path.join(self.cfg.out_dir, f"chunks_rank{self.rank}.npy"),
