@@ -17,6 +17,8 @@
 #   5. bench/recovery_stack.py on CUDA: the same fail-stop through the whole stack (collector,
 #      detector, scheduler, dashboard): kill -> detected -> plan -> applied, in seconds.
 #   6. bench/predictor.py --only-overhead on CUDA: telemetry overhead on step time.
+#   7. bench/telemetry_calls.py on CUDA: where that overhead goes, call by call (pooled vs
+#      fresh CUDA events).
 # Usage: bash bench/gpu_check.sh   (PYTHON=... to pick the interpreter; OUT=... for outputs;
 #        STEPS="1 3" to run some steps only)
 set -uo pipefail
@@ -27,7 +29,7 @@ PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/resihp-gpu-check}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-480}
-STEPS=${STEPS:-0 1 2 3 4 5 6}
+STEPS=${STEPS:-0 1 2 3 4 5 6 7}
 DEVICE=${DEVICE:-cuda}   # DEVICE=cpu dry-runs the same steps without a GPU
 if [ "$DEVICE" = cuda ]; then
   NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
@@ -114,5 +116,6 @@ step 5 200 "stack recovery on $DEVICE" -- \
     --timeout-s 170 --out "$OUT/recovery"
 step 6 150 "telemetry overhead on $DEVICE" -- \
   $PY bench/predictor.py --device "$DEVICE" $PRED --only-overhead $SIZE --out "$OUT/overhead"
+step 7 120 "telemetry calls on $DEVICE" -- $PY bench/telemetry_calls.py --device "$DEVICE"
 echo "== summary: ${SECONDS}s; failed:${FAILED:- none}; skipped:${SKIPPED:- none}"
 [ -z "$FAILED" ]

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
         log.close()
     try:
-        if not (run_dir / "timeline.json").exists():
-            print(f"no trainer timeline; see {out / 'state' / 'logs'}")
+        if not (run_dir / "timeline.json").exists() or not metrics.exists():
+            print(f"the trainer did not train; see {out / 'state' / 'logs'}")
             _print_tails([out / "up.log", *sorted((out / "state" / "logs").glob("*.log"))])
             return 1
         tl = json.loads((run_dir / "timeline.json").read_text())

@@ -17,6 +17,7 @@ so only on CPU; -1 on GPU).
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import threading
@@ -72,7 +73,15 @@ def probe_seconds(device: torch.device, repeats: int = 5) -> float:
 
 
 class RankTelemetry:
-    def __init__(self, producer, rank: int, node: int, cuda: bool = False, keep_rows: bool = False):
+    def __init__(
+        self,
+        producer,
+        rank: int,
+        node: int,
+        cuda: bool = False,
+        keep_rows: bool = False,
+        event_pool: bool = True,
+    ):
         self.producer = producer
         self.rank, self.node = rank, node
         self.cuda = cuda
@@ -90,6 +99,10 @@ class RankTelemetry:
         self._pending: queue.Queue = queue.Queue(maxsize=8)
         self._resolver: threading.Thread | None = None
         self.dropped_iterations_total = 0
+        # resolved CUDA events come back here for reuse: creating and destroying two events
+        # per chunk costs the training thread driver calls (bench/telemetry_calls.py)
+        self.event_pool = event_pool
+        self._free_events: collections.deque = collections.deque()
         self._seq = 0
         self._stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -150,6 +163,11 @@ class RankTelemetry:
                 for i, ev0, ev1 in events:
                     rows[i]["start_s"] = wall - ev0.elapsed_time(marker) / 1e3
                     rows[i]["end_s"] = wall - ev1.elapsed_time(marker) / 1e3
+                if self.event_pool:
+                    for _i, ev0, ev1 in events:
+                        self._free_events.append(ev0)
+                        self._free_events.append(ev1)
+                    self._free_events.append(marker)
                 self._hand_over(rows)
             except Exception:  # a broken context must not kill training: count and go on
                 self.dropped_iterations_total += 1
@@ -163,6 +181,15 @@ class RankTelemetry:
             self.kept.append(rows)
 
     # --------------------------------------------------------------- chunks
+    def _event(self):
+        """A recorded CUDA timing event, reused from the pool when one is free."""
+        try:
+            ev = self._free_events.popleft()
+        except IndexError:
+            ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
     @_costed
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
@@ -174,9 +201,7 @@ class RankTelemetry:
         if not self.enabled:
             return None
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
+            return self._event()
         return time.perf_counter()
 
     @_costed
@@ -193,25 +218,20 @@ class RankTelemetry:
             return
         if self.n == len(self.rows):
             self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
-        row = self.rows[self.n]
-        row["rank"] = self.rank
-        row["iteration"] = self.iteration
-        row["dp"] = self.dp
-        row["stage"] = self.stage
-        row["src_dp"] = self.dp if src_dp < 0 else src_dp
-        row["kind"] = int(kind)
-        row["direction"] = int(direction)
-        row["microbatch"] = microbatch
+        # one tuple store per chunk: field-by-field stores into a numpy row cost ~1 us each
+        src = self.dp if src_dp < 0 else src_dp
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._events.append((self.n, token, ev))
-            row["compute_s"] = -1.0
+            self._events.append((self.n, token, self._event()))
+            start_s = end_s = 0.0  # the resolver fills them in
+            compute_s = -1.0
         else:
             t1 = time.perf_counter()
-            row["start_s"] = token + self.wall_offset_s
-            row["end_s"] = t1 + self.wall_offset_s
-            row["compute_s"] = max(0.0, t1 - token - tp_comm_s)
+            start_s, end_s = token + self.wall_offset_s, t1 + self.wall_offset_s
+            compute_s = max(0.0, t1 - token - tp_comm_s)
+        self.rows[self.n] = (
+            self.rank, self.iteration, self.dp, self.stage, src, int(kind), int(direction),
+            microbatch, start_s, end_s, compute_s,
+        )  # fmt: skip
         self.n += 1
 
     @_costed
@@ -255,8 +275,7 @@ class RankTelemetry:
         rows = self.rows[: self.n].copy()
         self.n = 0
         if self.cuda and self._events:
-            marker = torch.cuda.Event(enable_timing=True)
-            marker.record()
+            marker = self._event()
             events = [(i, e0, e1) for i, e0, e1 in self._events]
             self._events = []
             if self._resolver is None:
