@@ -121,6 +121,12 @@ class JobKeys:
         return f"{self.base}:scheduler_handled"
 
     @property
+    def scheduler_speeds(self) -> str:
+        """Hash rank -> normalized throughput p the scheduler learned from failure reports
+        (0 dead, <1 slow, a recovery's p): it outranks device_health and survives a restart."""
+        return f"{self.base}:scheduler_speeds"
+
+    @property
     def scheduler_config(self) -> str:
         """Hash of runtime-tunable scheduler settings (mode, grace period)."""
         return f"{self.base}:scheduler_config"

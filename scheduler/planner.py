@@ -37,7 +37,7 @@ from scheduler.memory import inflight_1f1b
 from scheduler.pp import PartitionError, optimal_partition, partition_moves
 from scheduler.predict import Predictor
 from scheduler.refine import refine_migrations
-from scheduler.tp import adapt_tp, clone_layout, p2p_moves
+from scheduler.tp import adapt_tp, clone_layout, p2p_moves, stage_k_min
 
 
 class PlanningError(ValueError):
@@ -124,6 +124,28 @@ def _drop_empty_stages(lay: Layout) -> tuple[Layout, list[int]]:
     return lay, gone
 
 
+def _why_no_stage(layout: Layout, p: Mapping[int, float], tp_res, predictor: Predictor) -> str:
+    """Why no pipeline stage kept a TP group: dead devices, or survivors too few for memory."""
+    short = []
+    for d, s in sorted(tp_res.emptied):
+        live = [r for r in layout.groups[d][s] if p.get(r, 1.0) > 0]
+        if live:
+            k = stage_k_min(layout, s, predictor.memory)
+            need = (
+                f"need TP >= {k} to fit in device memory"
+                if k <= layout.devices_per_node
+                else "fit in no TP group of one node"
+            )
+            short.append(
+                f"replica {d} stage {s} keeps {len(live)} live device(s) but its "
+                f"{layout.layers[s]} layers {need}"
+            )
+    if not short:
+        return "every pipeline stage lost all its devices"
+    more = f" (and {len(short) - 3} more)" if len(short) > 3 else ""
+    return "no pipeline stage can be formed: " + "; ".join(short[:3]) + more
+
+
 def plan(
     layout: Layout,
     p: Mapping[int, float],
@@ -147,7 +169,10 @@ def plan(
     tp_res = adapt_tp(layout, p, predictor.memory, keep=opt.keep, drop=opt.drop, selective=opt.tp)
     lay = tp_res.layout
     lay.migrations = []
-    lay, gone = _drop_empty_stages(lay)
+    try:
+        lay, gone = _drop_empty_stages(lay)
+    except PlanningError:
+        raise PlanningError(_why_no_stage(layout, p, tp_res, predictor)) from None
     moves = list(tp_res.moves)
     if gone:
         moves.append({"what": "drop_stage", "stages": gone})

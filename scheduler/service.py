@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import threading
 import time
 
@@ -118,8 +119,9 @@ class SchedulerService:
         self.health = bus.Health(client, self.keys, SERVICE)
         self.book = PlanBook(next_id=lambda: int(self.client.incr(self.keys.plan_seq)))
         self.book.load(self._load_plans())
-        #: rank -> p learned from reports (device_health fills in the rest)
-        self.p: dict[int, float] = {}
+        #: rank -> p learned from reports (device_health fills in the rest); kept in Redis
+        #: so that a restarted scheduler plans with what its predecessor had learned
+        self.p: dict[int, float] = self._load_speeds()
         self.refused_total = 0
         self.plans_total = 0
         self._idle = False
@@ -139,6 +141,18 @@ class SchedulerService:
                 continue
             if isinstance(p, AdaptationPlan):
                 out[p.plan_id] = p
+        return out
+
+    def _load_speeds(self) -> dict[int, float]:
+        out = {}
+        for k, v in self.client.hgetall(self.keys.scheduler_speeds).items():
+            try:
+                r, x = int(k), float(v)
+            except (TypeError, ValueError):
+                log.warning("unreadable entry %r=%r in %s", k, v, self.keys.scheduler_speeds)
+                continue
+            if r >= 0 and math.isfinite(x) and x >= 0:
+                out[r] = x
         return out
 
     @property
@@ -295,6 +309,11 @@ class SchedulerService:
                 self.p[r] = sev.get(r, 1.0)
             else:
                 self.p[r] = sev.get(r, 0.5)
+        if report.ranks:
+            # idempotent: a report re-delivered after a crash writes the same values
+            self.client.hset(
+                self.keys.scheduler_speeds, mapping={str(r): self.p[r] for r in report.ranks}
+            )
         if report.kind == "recovery":
             # every device of the layout's dead list known to be back, not only this
             # report's: two that re-joined together may be worth a group only together

@@ -213,3 +213,20 @@ def test_plan_takes_the_best_of_whole_microbatch_and_stage_level_balancing():
     assert res.predicted_after_s < 0.95 * t_whole
     assert res.after.migrations
     assert math.isclose(res.predicted_after_s, pred.iteration_s(res.after, p), rel_tol=1e-9)
+
+
+def test_refusal_names_the_memory_floor_when_survivors_cannot_hold_any_stage():
+    # TP8 x PP2 on 24 GB devices: each stage needs all 8; one death per group leaves 7
+    pred = Predictor("llama2-13b", 4096, 24.0)
+    lay = Layout.uniform(8, 2, 1, 40, 4)
+    assert not memory_violations(lay, pred)
+    p = {lay.groups[0][0][0]: 0.0, lay.groups[0][1][0]: 0.0}
+    with pytest.raises(PlanningError) as e:
+        plan(lay, p, pred)
+    msg = str(e.value)
+    assert "replica 0 stage 0 keeps 7 live device(s)" in msg and "need TP >= 8" in msg
+    assert "lost all its devices" not in msg
+    # every device of every stage dead: that is the other reason
+    dead = {r: 0.0 for r in lay.coords()}
+    with pytest.raises(PlanningError, match="every pipeline stage lost all its devices"):
+        plan(lay, dead, pred)

@@ -484,3 +484,20 @@ def test_devices_that_come_back_one_by_one_are_given_work_together(r):
         apply_all()
     lay = Layout.from_json(r.get(keys.layout))
     assert lay.dead == [] and {9, 14} <= set(lay.active_ranks()), lay.summary()
+
+
+def test_speeds_learned_from_reports_survive_a_restart(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report("fail_slow_compute", ranks=(3,), severity={"3": 0.4}))
+    svc.run_once()
+    assert svc.speeds(lay)[3] == pytest.approx(0.4)
+    del svc
+    r.hset(keys.scheduler_speeds, mapping={"x": "1", "7": "nan"})  # garbage is skipped
+    svc2 = _svc(r, mode="manual")
+    # no device_health in this test: without the saved speeds rank 3 would plan at 1.0
+    assert svc2.speeds(lay)[3] == pytest.approx(0.4)
+    assert 7 not in svc2.p
+    publish(r, keys.failures, _report("recovery", ranks=(3,), severity={"3": 1.0}, rid="r2"))
+    svc2.run_once()
+    assert _svc(r, mode="manual").speeds(lay)[3] == pytest.approx(1.0)
