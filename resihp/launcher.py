@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from resihp.bus import Health, clear_job, list_jobs, set_job_state
@@ -270,6 +270,34 @@ def resolve_job(args) -> str:
 #: stack is stopped rather than left running without it.
 STARTUP_S = 15.0
 
+#: Services `up` restarts when they exit after startup (the trainer ends when training does).
+RESTARTABLE = ("collector", "detector", "scheduler", "dashboard")
+#: A service that crashed this many times within RESTART_WINDOW_S is left down.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
+#: Backoff before restart k (0-based) within the window: 1, 2, 4, ... seconds, at most this.
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class RestartPolicy:
+    """When a crashed service comes back: exponential backoff, and a limit per window so
+    a service that cannot run (a bad config, a full disk) is not restarted forever."""
+
+    max_restarts: int = MAX_RESTARTS
+    window_s: float = RESTART_WINDOW_S
+    max_backoff_s: float = MAX_BACKOFF_S
+    crashes: dict[str, list[float]] = field(default_factory=dict)
+
+    def on_exit(self, name: str, now: float) -> float | None:
+        """Record a crash of ``name`` at ``now``; -> when to restart it, or None to give up."""
+        recent = [t for t in self.crashes.get(name, []) if now - t < self.window_s]
+        recent.append(now)
+        self.crashes[name] = recent
+        if len(recent) > self.max_restarts:
+            return None
+        return now + min(self.max_backoff_s, 2.0 ** (len(recent) - 1))
+
 
 def preflight(args) -> str | None:
     """What would make a child fail at once, checked before anything starts (-> the
@@ -422,12 +450,25 @@ def _run_stack(args, stop: threading.Event) -> int:
             )
         t0 = time.monotonic()
         reported_exit: set[str] = set()
+        restarts = RestartPolicy()
+        restart_at: dict[str, float] = {}  # service -> monotonic time of its restart
+        argv_of = dict(service_commands(args, url))
         tty = sys.stdout.isatty()
+        next_summary = 0.0
         while not stop.is_set():
-            if args.duration is not None and time.monotonic() - t0 >= args.duration:
+            now = time.monotonic()
+            if args.duration is not None and now - t0 >= args.duration:
                 break
-            starting = time.monotonic() - t0 < STARTUP_S
-            for c in children:
+            starting = now - t0 < STARTUP_S
+            for i, c in enumerate(children):
+                if c.name in restart_at and now >= restart_at[c.name]:
+                    del restart_at[c.name]
+                    children[i] = c = _spawn(c.name, argv_of[c.name], env, log_dir)
+                    reported_exit.discard(c.name)
+                    stack["children"][c.name] = c.proc.pid
+                    _write_private(stack_file, json.dumps(stack, indent=2))
+                    print(f"\nresihp: {c.name} restarted (pid {c.proc.pid})", flush=True)
+                    continue
                 rc = c.proc.poll()
                 if rc is not None and c.name not in reported_exit:
                     reported_exit.add(c.name)
@@ -439,6 +480,18 @@ def _run_stack(args, stop: threading.Event) -> int:
                     )
                     if rc:
                         failed.append(c.name)
+                    if c.name in RESTARTABLE and not starting:
+                        # a service only exits when told to: any exit now is a crash
+                        at = restarts.on_exit(c.name, now)
+                        if at is None:
+                            print(
+                                f"resihp: {c.name} exited {restarts.max_restarts + 1} times "
+                                f"in {restarts.window_s:.0f} s; leaving it down (see its log)",
+                                flush=True,
+                            )
+                        else:
+                            restart_at[c.name] = at
+                            print(f"resihp: restarting {c.name} in {at - now:.0f} s", flush=True)
             if failed and starting:
                 print(
                     f"resihp up: {', '.join(failed)} failed to start; stopping the stack",
@@ -446,7 +499,8 @@ def _run_stack(args, stop: threading.Event) -> int:
                     flush=True,
                 )
                 break
-            if not args.no_summary:
+            if not args.no_summary and now >= next_summary:
+                next_summary = now + (1.0 if tty else 5.0)
                 try:
                     st = collect_status(url, args.job_id)["jobs"][args.job_id]
                     line = summary_line(st)
@@ -455,7 +509,7 @@ def _run_stack(args, stop: threading.Event) -> int:
                 print(
                     ("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", flush=True
                 )
-            stop.wait(1.0 if tty else 5.0)
+            stop.wait(0.5)  # children are watched every half second, whatever the console
         print("\nresihp: stopping ...", flush=True)
     finally:
         if any(c.name == "trainer" for c in children):

@@ -547,3 +547,93 @@ def test_status_lists_plans_awaiting_a_decision_and_recent_failures(redis_server
     assert js["awaiting_plans"] == [] and "decide:" not in format_status(
         {"redis_url": "x", "jobs": {"job-a": js}}
     )
+
+
+def test_restart_policy_backs_off_and_gives_up_on_a_crash_loop():
+    from resihp.launcher import RestartPolicy
+
+    pol = RestartPolicy(max_restarts=3, window_s=100.0, max_backoff_s=3.0)
+    assert pol.on_exit("detector", 0.0) == 1.0
+    assert pol.on_exit("detector", 10.0) == 12.0
+    assert pol.on_exit("collector", 10.0) == 11.0  # counted per service
+    assert pol.on_exit("detector", 20.0) == 23.0  # 4 s capped at 3
+    assert pol.on_exit("detector", 30.0) is None  # a 4th crash within 100 s: left down
+    # crashes older than the window are forgotten
+    assert pol.on_exit("detector", 200.0) == 201.0
+
+
+def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(tmp_path):
+    from resihp.keys import JobKeys
+    from resihp.launcher import STARTUP_S
+    from resihp.redis_client import connect
+
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    t0 = time.time()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path),
+            "--no-summary", "--dashboard-port", str(free_port()),
+            "--trainer-arg=--speed=20", "--duration", "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    stack_file = tmp_path / "stack.json"
+    keys = JobKeys("default")
+    group = keys.group("detector")
+    client = None
+
+    def delivered() -> str:
+        for g in client.xinfo_groups(keys.iterations):
+            if g["name"] in (group, group.encode()):
+                d = g["last-delivered-id"]
+                return d.decode() if isinstance(d, bytes) else d
+        return "0-0"
+
+    def as_id(x: str) -> tuple[int, int]:
+        a, b = x.split("-")
+        return int(a), int(b)
+
+    try:
+        deadline = time.time() + 90
+        stack: dict = {}
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                stack = json.loads(stack_file.read_text())
+            except (OSError, ValueError):
+                stack = {}
+            if "trainer" in stack.get("children", {}) and time.time() - t0 > STARTUP_S + 2:
+                if client is None:
+                    client = connect(stack["redis_url"])
+                if client.xlen(keys.iterations) >= 3 and delivered() != "0-0":
+                    break
+            time.sleep(0.3)
+        old = stack["children"]["detector"]
+        os.killpg(old, signal.SIGKILL)
+        at_kill = delivered()
+        deadline = time.time() + 60
+        new = old
+        while time.time() < deadline:
+            try:
+                new = json.loads(stack_file.read_text())["children"]["detector"]
+            except (OSError, ValueError, KeyError):
+                pass
+            if new != old and _alive(new) and as_id(delivered()) > as_id(at_kill):
+                break
+            time.sleep(0.3)
+        assert new != old and _alive(new), "the detector was not restarted"
+        # the new detector reads the iteration stream on from where its group was
+        assert as_id(delivered()) > as_id(at_kill)
+    finally:
+        if client is not None:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "detector exited with code -9" in out, out
+    assert "resihp: restarting detector in 1 s" in out and "detector restarted (pid" in out, out
+    # a crash, even one recovered from, makes the run a failure for scripts and CI
+    assert proc.returncode == 1, out
