@@ -272,7 +272,7 @@ STARTUP_S = 15.0
 
 #: Services `up` restarts when they exit after startup (the trainer ends when training does).
 RESTARTABLE = ("collector", "detector", "scheduler", "dashboard")
-#: A service that crashed this many times within RESTART_WINDOW_S is left down.
+#: A service that exits more often than this within RESTART_WINDOW_S is left down.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 #: Backoff before restart k (0-based) within the window: 1, 2, 4, ... seconds, at most this.

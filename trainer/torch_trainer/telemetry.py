@@ -94,7 +94,6 @@ class RankTelemetry:
         self.generation = 0
         self.dp = self.stage = 0
         self._events: list = []
-        self._anchor = None
         # GPU iterations waiting for their events (bounded: telemetry never blocks training)
         self._pending: queue.Queue = queue.Queue(maxsize=8)
         self._resolver: threading.Thread | None = None
@@ -276,8 +275,7 @@ class RankTelemetry:
         self.n = 0
         if self.cuda and self._events:
             marker = self._event()
-            events = [(i, e0, e1) for i, e0, e1 in self._events]
-            self._events = []
+            events, self._events = self._events, []
             if self._resolver is None:
                 self._resolver = threading.Thread(
                     target=self._resolve_loop,
