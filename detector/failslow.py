@@ -106,6 +106,12 @@ class FailSlowStats:
     validation_log: list[dict] = field(default_factory=list)
 
 
+#: A re-warm group at least this much slower than its own speed before the reconfiguration
+#: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.06 (the last
+#: stage's LM head does not scale with its layers), a slow link 2.3, a GPU at 0.6x 1.6.
+PRIOR_OUTLIER_RATIO = 1.10
+
+
 class FailSlowDetector:
     """The ResiHP fail-slow detector over a stream of :class:`IterationView`."""
 
@@ -151,6 +157,12 @@ class FailSlowDetector:
         if layout is not None:
             self._layers_of[layout.layout_id] = list(layout.layers)
         self._prior: tuple[ChunkPredictor, list[int]] | None = None
+        # ranks of every (replica, stage) group of the last few layouts, and those of the
+        # layout the prior was learned on: a group with the same ranks in the same place
+        # can be judged against its own speed before a reconfiguration
+        self._groups_of: dict[int, dict[Group, list[int]]] = {}
+        self._prior_groups: dict[Group, list[int]] | None = None
+        self._warm_prior: set[Group] = set()
 
     # ---------------------------------------------------------- plumbing
     def _new_det(self, direction: int = 0) -> OnlineChangeDetector:
@@ -174,6 +186,13 @@ class FailSlowDetector:
         self.layout = layout
         if layout is not None:
             self._layers_of[layout.layout_id] = list(layout.layers)
+            self._groups_of[layout.layout_id] = {
+                (d, s): sorted(grp)
+                for d, stages in enumerate(layout.groups)
+                for s, grp in enumerate(stages)
+            }
+            for old in sorted(self._groups_of)[:-4]:  # a 16k-GPU layout is 16k ranks
+                del self._groups_of[old]
             old_size = {g: len(r) for g, r in self.group_ranks.items()}
             self.rank_group = {r: (d, s) for r, (d, s, _t) in layout.coords().items()}
             self.group_ranks = {}
@@ -294,6 +313,7 @@ class FailSlowDetector:
             prior._coef = dict(self.pred.coef)
             prior.scale = dict(self.pred.scale)
             self._prior = (prior, list(old_layers))
+            self._prior_groups = self._groups_of.get(self._layout_id)
         self._layout_id = layout_id
         keep_scale = {g: self.pred.scale[g] for g in self.slow_groups() if g in self.pred.scale}
         keep_comm = {
@@ -344,10 +364,13 @@ class FailSlowDetector:
                     per.setdefault(g, []).append(r)
             self.pred.scale = {g: float(np.median(x)) for g, x in per.items() if g not in slow}
             outliers = self._peer_outliers(slow)
+            prior_out = self._prior_outliers(views, slow, outliers)
+            outliers.update(prior_out)
             for g, ref in outliers.items():
                 self.pred.scale[g] = ref
             self.pred.scale.update(keep_scale)
         self._warm_outliers = set(outliers)
+        self._warm_prior = set(prior_out)
         # residual noise per group / link / rank, and the iteration-time series
         res: dict[Group, list[float]] = {}
         cres: dict[LinkKey, list[float]] = {}
@@ -468,10 +491,22 @@ class FailSlowDetector:
                 continue
             after = float(np.median(xs))
             cp = ChangePoint(views[0].iteration, mu0, after, len(xs), 1, v.iteration)
-            found = self._validate("compute", g, cp, x, c, rr, v, signal="warmup_peer_comparison")
+            by_prior = g in self._warm_prior
+            found = self._validate(
+                "compute",
+                g,
+                cp,
+                x,
+                c,
+                rr,
+                v,
+                signal="warmup_prior_comparison" if by_prior else "warmup_peer_comparison",
+            )
             for f in found:
                 f.evidence["change_point"]["note"] = (
-                    "slow since before the warm-up; measured against peer replicas"
+                    "slow since the reconfiguration; measured against its own speed before it"
+                    if by_prior
+                    else "slow since before the warm-up; measured against peer replicas"
                 )
             out += found
             if found:
@@ -499,6 +534,47 @@ class FailSlowDetector:
             for g in gs:
                 if ref > 0 and self.pred.scale[g] > lim * ref:
                     out[g] = ref
+        return out
+
+    def _prior_outliers(
+        self, views: list[IterationView], slow: set[Group], peers: dict[Group, float]
+    ) -> dict[Group, float]:
+        """Groups that turned slow in the reconfiguration itself (a link or GPU that failed
+        in the same iteration as a fail-stop), with no same-degree peer in their stage to
+        reveal it: the re-warm would learn their slowness as healthy.
+
+        Only a group with exactly the ranks it had, in the same place, before the layout
+        change is judged, against the previous layout's healthy fit scaled by the stage's
+        layer count (the measure of :meth:`_still_slow`); a median ratio of at least
+        ``PRIOR_OUTLIER_RATIO`` makes it an outlier, with the scale it would have at its
+        old speed.  A regrouped group has no speed of its own to compare with.
+        """
+        new_layers = self._layers_of.get(self._layout_id)
+        if self._prior is None or not self._prior_groups or not new_layers or not views:
+            return {}
+        prior, old_layers = self._prior
+        if len(old_layers) != len(new_layers):
+            return {}
+        size = {g: len(r) for g, r in self.group_ranks.items() if r}
+        out: dict[Group, float] = {}
+        preds = [prior.predict_compute(v) for v in views]
+        for g, ranks in self.group_ranks.items():
+            if not ranks or g in slow or g in peers or g not in self.pred.scale:
+                continue
+            if sorted(ranks) != self._prior_groups.get(g):
+                continue
+            same = [h for h, n in size.items() if h[1] == g[1] and n == size[g] and h not in slow]
+            if len(same) >= 2:
+                continue  # the peer comparison judges it
+            d, s = g
+            ratios = []
+            for v, pr in zip(views, preds, strict=True):
+                sel = v.compute_mask() & np.isfinite(pr) & (pr > 0) & (v.dp == d) & (v.stage == s)
+                if sel.any():
+                    r = float(np.median(v.duration_s[sel] / pr[sel]))
+                    ratios.append(r * old_layers[s] / new_layers[s])
+            if ratios and float(np.median(ratios)) >= PRIOR_OUTLIER_RATIO:
+                out[g] = self.pred.scale[g] / float(np.median(ratios))
         return out
 
     # --------------------------------------------------------- residuals

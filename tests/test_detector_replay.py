@@ -152,3 +152,67 @@ def test_replay_accepts_service_stream_traces():
     )
     reports, stats = replay(lines, CFG)
     assert _kinds(reports) == [("fail_slow_compute", [1]), ("fail_stop", [2])]
+
+
+def _replay_with_planner(events: list[str], iterations: int = 75, seed: int = 5):
+    """The simulator through the offline detector, with the planner applying a plan once the
+    job hangs on a fail-stop (what the scheduler and trainer do live)."""
+    from detector.replay import TraceReplayer
+    from scheduler.planner import plan
+    from scheduler.predict import Predictor
+    from trainer.sim.core import ClusterSim
+
+    cfg = SimConfig(
+        model="qwen2.5-7b", seq_len=8192, microbatches=4, schedule="1f1b", speed=0.0,
+        iterations=iterations, seed=seed, noise=0.03, heartbeat_interval_s=1.0,
+    )  # fmt: skip
+    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
+    rp = TraceReplayer(DetectorConfig(warmup_iters=10), layout=cfg.initial_layout())
+    pred = Predictor(cfg.model, cfg.seq_len, 80.0)
+
+    def feed(st):
+        out = []
+        for h in st.heartbeat_messages():
+            out += rp.feed(h, h.wall_time_s + 0.003)
+        if len(st.chunk_rows):
+            t_end = float(st.chunk_rows["end_s"].max()) + 0.003
+            for m in st.mb_stats_messages():
+                out += rp.feed(m, t_end)
+            out += rp.feed(ChunkBatch(st.chunk_rows), t_end)
+        return out
+
+    reports, hung, steps = [], 0, 0
+    while sim.iteration < iterations and steps < 400:
+        st = sim.step()
+        steps += 1
+        reports += feed(st)
+        if st.true_state.status == "hung":
+            hung += 1
+            if hung == 4:
+                p = {r: h["p"] for r, h in rp.detector.health.items()}
+                new = plan(sim.layout, p, pred).after
+                reports += feed(sim.apply_layout(new))
+                rp.set_layout(new)
+    return reports + rp.finish()
+
+
+def test_a_link_that_fails_with_a_fail_stop_is_found_after_the_reconfiguration():
+    """TP4xPP2xDP2: rank 9 dies, rank 4 slows down and rank 13's link slows, all at iteration
+    30. The plan shrinks (replica 0, stage 1) to TP2, so (replica 1, stage 1), which holds
+    13, has no same-degree peer left; its re-warm is judged against its own speed before
+    the plan, not learned as healthy."""
+    at = 30
+    events = [
+        f"{{at_iteration: {at}, action: slow_device, rank: 4, factor: 0.6}}",
+        f"{{at_iteration: {at}, action: kill_device, rank: 9}}",
+        f"{{at_iteration: {at}, action: slow_link, rank: 13, factor: 0.05}}",
+    ]
+    reps = _replay_with_planner(events)
+    kinds = [(r.kind, r.ranks) for r in reps]
+    assert ("fail_stop", [9]) in kinds and ("fail_slow_compute", [4]) in kinds, kinds
+    link = [r for r in reps if r.kind == "fail_slow_comm" and 13 in r.ranks]
+    assert link and at < link[0].iteration <= at + 12, kinds
+    assert link[0].evidence["signal"] == "warmup_prior_comparison"
+    # the fail-stop alone: the re-warm finds nothing slow
+    alone = _replay_with_planner([f"{{at_iteration: {at}, action: kill_device, rank: 9}}"])
+    assert [r.kind for r in alone] == ["fail_stop"], [(r.kind, r.ranks) for r in alone]
