@@ -691,6 +691,22 @@ class IterationPredictor:
         self._dag_key = None
 
 
+def _cross_replica(v: IterationView) -> np.ndarray:
+    """Mask of rows whose P2P peer runs in another replica (see :func:`comm_stats`)."""
+    out = v.src_dp != v.dp  # migrated work at its host
+    moved = (v.src_dp != v.dp) & (v.kind == int(ChunkKind.F))
+    if not moved.any():
+        return out
+    # (stage, owner replica, micro-batch) of every stage run away from its owner
+    code = lambda st, d, j: (st.astype(np.int64) * 65536 + d) * 65536 + j  # noqa: E731
+    away = np.unique(code(v.stage[moved], v.src_dp[moved].astype(np.int64), v.mb[moved]))
+    # the neighbour a P2P row talks to: the next stage for a forward send or a backward
+    # receive, the previous one for a forward receive or a backward send
+    toward_next = ((v.kind == SEND) & (v.direction > 0)) | ((v.kind == RECV) & (v.direction < 0))
+    nb = v.stage.astype(np.int64) + np.where(toward_next, 1, -1)
+    return out | np.isin(code(nb, v.src_dp.astype(np.int64), v.mb), away)
+
+
 def comm_stats(
     v: IterationView, keep: np.ndarray | None = None
 ) -> dict[tuple[int, int, int, int], float]:
@@ -699,13 +715,17 @@ def comm_stats(
     SEND and collectives: the median duration.  RECV: the 20th percentile, since
     a blocking receive also waits for its sender, and only the quicker receives
     measure the transfer itself; a slower link raises those too.  P2P rows whose
-    direction is unknown are skipped.
+    direction is unknown are skipped, and so are transfers between replicas: a migrated
+    micro-batch's P2P at its host stage, and its owner's P2P with that host.  Their far end
+    is another replica's group, so they measure another link than the key names, and one
+    slow far end would read as this replica's link slowing down.
     """
     comm = v.kind > int(ChunkKind.W)
     if keep is not None:
         comm &= keep
     p2p = (v.kind == SEND) | (v.kind == RECV)
     comm &= ~p2p | (v.direction != 0)
+    comm &= ~(p2p & _cross_replica(v))
     if not comm.any():
         return {}
     d = v.dp[comm].astype(np.int64)

@@ -219,3 +219,19 @@ def test_a_link_that_fails_with_a_fail_stop_is_found_after_the_reconfiguration()
     # the fail-stop alone: the re-warm finds nothing slow
     alone = _replay_with_planner([f"{{at_iteration: {at}, action: kill_device, rank: 9}}"])
     assert [r.kind for r in alone] == ["fail_stop"], [(r.kind, r.ranks) for r in alone]
+
+
+def test_a_slow_link_is_not_blamed_on_the_replica_that_hosts_its_migrated_work():
+    """After a replan that migrates micro-batches between replicas, rank 13's link slows:
+    the migrated micro-batches' transfers between replica 0's stage 0 and replica 1's stage 1
+    cross that link, but they are not replica 0's link 0-1 (they were read as one, and
+    replica 0's healthy ranks were reported slow)."""
+    events = [
+        "{at_iteration: 30, action: slow_device, rank: 4, factor: 0.6}",
+        "{at_iteration: 30, action: kill_device, rank: 9}",
+        "{at_iteration: 55, action: slow_link, rank: 13, factor: 0.05}",
+    ]
+    reps = _replay_with_planner(events, iterations=90)
+    comm = [(r.ranks, r.iteration) for r in reps if r.kind == "fail_slow_comm"]
+    assert comm and all(13 in ranks for ranks, _ in comm), comm
+    assert any(55 <= it <= 60 for _, it in comm), comm
