@@ -169,6 +169,18 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
     return cmds
 
 
+def _exit_line(c: Child, rc: int) -> str:
+    """How a child ended: killed by a signal, or its exit code with its last log line."""
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"signal {-rc}"
+        return f"{c.name} was killed by {sig} (log: {c.log_path})"
+    last = _last_line(c.log_path) if rc else ""
+    return f"{c.name} exited with code {rc} (log: {c.log_path})" + (f": {last}" if last else "")
+
+
 def _last_line(path: Path) -> str:
     """The last non-empty line of a child's log (its error, when it failed)."""
     try:
@@ -344,11 +356,20 @@ def preflight(args) -> str | None:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (it holds the Redis URL, password included)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an older file keeps its mode through O_TRUNC
+    """Write a file only its owner can read (it holds the Redis URL, password included).
+
+    Written beside and renamed into place: a reader (``resihp status``, a second ``resihp
+    up`` checking for a running stack) never sees it empty or half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)  # an older leftover keeps its mode through O_TRUNC
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def run_stack(args) -> int:
@@ -472,16 +493,12 @@ def _run_stack(args, stop: threading.Event) -> int:
                 rc = c.proc.poll()
                 if rc is not None and c.name not in reported_exit:
                     reported_exit.add(c.name)
-                    last = _last_line(c.log_path) if rc else ""
-                    print(
-                        f"\nresihp: {c.name} exited with code {rc} (log: {c.log_path})"
-                        + (f": {last}" if last else ""),
-                        flush=True,
-                    )
-                    if rc:
+                    print(f"\nresihp: {_exit_line(c, rc)}", flush=True)
+                    # a service only exits when told to: any exit of one is a failure,
+                    # whatever its code; the trainer exits 0 when training is done
+                    if rc or c.name in RESTARTABLE:
                         failed.append(c.name)
                     if c.name in RESTARTABLE and not starting:
-                        # a service only exits when told to: any exit now is a crash
                         at = restarts.on_exit(c.name, now)
                         if at is None:
                             print(

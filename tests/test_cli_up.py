@@ -613,7 +613,8 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
                     break
             time.sleep(0.3)
         old = stack["children"]["detector"]
-        os.killpg(old, signal.SIGKILL)
+        # a clean exit nobody asked for is a failure too (SIGTERM: the service stops as told)
+        os.killpg(old, signal.SIGTERM)
         at_kill = delivered()
         deadline = time.time() + 60
         new = old
@@ -633,7 +634,30 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
             client.close()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    assert "detector exited with code -9" in out, out
+    assert "detector exited with code 0" in out, out
     assert "resihp: restarting detector in 1 s" in out and "detector restarted (pid" in out, out
-    # a crash, even one recovered from, makes the run a failure for scripts and CI
+    # an exit nobody asked for, even one recovered from and with code 0, makes the run a
+    # failure for scripts and CI
     assert proc.returncode == 1, out
+
+
+def test_exit_lines_say_which_signal_killed_a_child_and_quote_errors_only(tmp_path):
+    from resihp.launcher import Child, _exit_line
+
+    log = tmp_path / "detector.log"
+    log.write_text("INFO started\nWARNING no operators configured\n")
+    c = Child("detector", None, log)
+    assert _exit_line(c, -9) == f"detector was killed by SIGKILL (log: {log})"
+    assert _exit_line(c, 0) == f"detector exited with code 0 (log: {log})"
+    assert _exit_line(c, 3).endswith(": WARNING no operators configured")
+
+
+def test_the_stack_file_is_replaced_whole_and_stays_private(tmp_path):
+    from resihp.launcher import _write_private
+
+    f = tmp_path / "stack.json"
+    f.write_text("old")
+    f.chmod(0o644)
+    _write_private(f, '{"a": 1}')
+    assert f.read_text() == '{"a": 1}' and f.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["stack.json"]  # no temp file left
