@@ -37,6 +37,10 @@ class EngineStats:
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
+#: The kinds a slow device can have been reported with (device_health's "kind").
+SLOW_KINDS = ("fail_slow_compute", "fail_slow_comm")
+
+
 class Detector:
     """Consumes LivenessEvents and IterationRecords, yields FailureReports."""
 
@@ -165,7 +169,7 @@ class Detector:
             if f.kind == "recovery":
                 self._set_health(r, 1.0, "healthy", t)
             else:
-                self._set_health(r, float(f.severity.get(r, 1.0)), "slow", t)
+                self._set_health(r, float(f.severity.get(r, 1.0)), "slow", t, f.kind)
         self._count(rep)
         return rep
 
@@ -174,11 +178,38 @@ class Detector:
         head = ranks[0] if ranks else -1
         return f"{self.config.mode}-{kind}-i{it}-r{head}-{next(self._seq)}"
 
-    def _set_health(self, rank: int, p: float, state: str, t: float) -> None:
+    def _set_health(self, rank: int, p: float, state: str, t: float, kind: str = "") -> None:
         old = self.health.get(rank)
         since = old["since"] if old and old["state"] == state else t
         self.health[rank] = {"p": round(p, 4), "state": state, "since": since}
+        if kind:
+            self.health[rank]["kind"] = kind
         self.health_dirty.add(rank)
+
+    def restore(self, health: dict[int, dict]) -> int:
+        """Take over the device health a previous detector process published (a restart):
+        devices it had reported slow stay slow here, so their recovery is still reported
+        (by the standby probes, or once a warm-up finds their group slow again, without a
+        second report) instead of being forgotten.  -> how many slow devices were restored.
+
+        The devices reported together (same since, p and kind) come back as one slow state,
+        not attached to a group until the detector finds it slow again."""
+        together: dict[tuple, list[int]] = {}
+        for r, h in health.items():
+            try:
+                state, p, since = h["state"], float(h["p"]), float(h["since"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if state not in ("healthy", "slow", "dead") or not 0.0 <= p <= 1.0:
+                continue
+            self.health[r] = {"p": p, "state": state, "since": since}
+            if state == "slow" and p > 0:
+                kind = h.get("kind") if h.get("kind") in SLOW_KINDS else "fail_slow_compute"
+                self.health[r]["kind"] = kind
+                together.setdefault((since, p, kind), []).append(r)
+        for (_since, p, kind), ranks in together.items():
+            self.failslow.restore_slow(kind, sorted(ranks), 1.0 / p)
+        return sum(len(r) for r in together.values())
 
     def _count(self, rep: FailureReport) -> None:
         self.stats.reports_total += 1

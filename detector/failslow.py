@@ -228,6 +228,14 @@ class FailSlowDetector:
                     if set(st.ranks) != ends:
                         st.link = st.pair = None
 
+    def restore_slow(self, kind: str, ranks: list[int], factor: float) -> None:
+        """A device a previous detector process reported slow (see ``Detector.restore``)."""
+        key = ("restored", *ranks)
+        if key not in self.slow and not any(
+            set(ranks) <= set(st.ranks) for st in self.slow.values()
+        ):
+            self.slow[key] = SlowState(kind, list(ranks), -1, max(1.0, factor))
+
     def pause_for_failstop(self, hold_iters: int = 20) -> None:
         """Fail-stop first: no fail-slow verdicts until the job is reconfigured."""
         self.paused_until_layout = True

@@ -39,6 +39,13 @@ class DetectorService:
         self.client = client
         self.keys = JobKeys(config.job_id)
         self.engine = Detector(self.config)
+        restored = self.engine.restore(self._published_health())
+        if restored:
+            log.info(
+                "detector: %d device(s) were reported slow before this process started; "
+                "their recovery will be reported",
+                restored,
+            )
         name = consumer or f"{SERVICE}-0"
         group = self.keys.group(SERVICE)
         self.live_in = bus.StreamConsumer(
@@ -53,6 +60,16 @@ class DetectorService:
         self._seeded = False
         self.reports_total = 0
         self.config_changes_total = 0
+
+    def _published_health(self) -> dict[int, dict]:
+        """``keys.device_health`` as a previous detector process left it."""
+        out = {}
+        for k, v in self.client.hgetall(self.keys.device_health).items():
+            try:
+                out[int(k)] = json.loads(v)
+            except (TypeError, ValueError):
+                log.warning("unreadable device_health entry %r: skipped", k)
+        return {r: h for r, h in out.items() if r >= 0 and isinstance(h, dict)}
 
     # ---------------------------------------------------------- settings
     def _seed_config(self) -> None:

@@ -403,6 +403,42 @@ def test_a_slow_device_set_aside_recovers_through_standby_probes():
     assert [r for r in out if r.kind.startswith("fail_slow")] == []
 
 
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_restarted_detector_still_reports_the_recovery_of_a_device_set_aside(restore):
+    """The detector process restarts while a GPU it reported slow sits in standby: the new
+    process takes the device over from the published device health and reports its recovery
+    from the standby probes (without that it forgot the device, which stayed set aside)."""
+    victim = LAY.groups[1][2][1]
+    _job, old = _reported_slow(LAY, 11, victim, at=60, factor=2.0, n=64)
+    published = {r: dict(h) for r, h in old.health.items()}
+    assert published[victim]["state"] == "slow"
+    assert published[victim]["kind"] == "fail_slow_compute"
+    aside = copy.deepcopy(LAY)
+    aside.groups[1][2] = [LAY.groups[1][2][0]]
+    aside.standby = [victim]
+    aside.layout_id = 1
+    det = Detector(DetectorConfig(), layout=aside)  # the new process
+    assert det.restore(published if restore else {}) == (1 if restore else 0)
+    job2 = SyntheticJob(aside, seed=12)
+    out = []
+    for i in range(60):
+        rec = job2.next_record()
+        rec.iteration = 64 + i
+        p = 0.5 if i < 30 else 1.0
+        rec.probes = {
+            "rank": [victim], "iteration": [rec.iteration], "probe_s": [0.05 / p],
+            "reference_s": [0.05],
+        }  # fmt: skip
+        out += det.handle(rec)
+    got = [(r.kind, r.ranks) for r in out]
+    if restore:
+        assert got == [("recovery", [victim])], got
+        assert out[0].evidence["reason"] == "standby_probe" and out[0].iteration >= 64 + 30
+        assert det.health[victim]["state"] == "healthy"
+    else:
+        assert got == [], got  # what the restart used to do: the device is never given back
+
+
 @pytest.mark.parametrize("dp", [2, 1])
 def test_slow_device_moved_into_another_group_is_judged_there(dp):
     """The scheduler set a slow GPU aside, then a later plan pulled it into another group

@@ -282,3 +282,22 @@ def test_live_service_and_replay_report_the_same(r):
     # the records (the service reads liveness first); the verdicts do not
     assert live and sorted(k[:2] for k in live) == sorted(k[:2] for k in off)
     assert [k for k in live if k[0] != "fail_stop"] == [k for k in off if k[0] != "fail_stop"]
+
+
+def test_a_new_detector_process_takes_over_the_published_device_health(r):
+    keys = JobKeys("svc")
+    r.hset(
+        keys.device_health,
+        mapping={
+            "4": json.dumps({"p": 0.37, "state": "slow", "since": 100.0, "kind": "fail_slow_comm"}),
+            "5": json.dumps({"p": 0.37, "state": "slow", "since": 100.0, "kind": "fail_slow_comm"}),
+            "6": json.dumps({"p": 0.0, "state": "dead", "since": 90.0}),
+            "7": "not json",
+            "8": json.dumps({"p": 7, "state": "slow", "since": 1.0}),  # absurd: skipped
+        },
+    )
+    svc = _svc(r)
+    slow = list(svc.engine.failslow.slow.values())
+    assert [(s.kind, s.ranks) for s in slow] == [("fail_slow_comm", [4, 5])]
+    assert slow[0].factor == pytest.approx(1 / 0.37)
+    assert svc.engine.health[6]["state"] == "dead" and 8 not in svc.engine.health
