@@ -89,6 +89,8 @@ class SlowState:
     link: LinkKey | None = None
     pair: tuple[int, int] | None = None  # (dp, lower stage) of a slow link
     healthy_streak: int = 0
+    #: the streak's residuals above the baseline (the recovered group's level)
+    streak_shifts: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -203,15 +205,22 @@ class FailSlowDetector:
             # degree that group's healthy scale and baseline still hold, so its residual
             # keeps showing the slowdown until the device recovers (this needs no peer
             # replica, unlike the warm-up's peer comparison).  Set aside (standby: the
-            # trainer's probes judge it), split over groups, or in a group whose degree
-            # changed, it is detached; the warm-up's peer comparison re-attaches it where
+            # trainer's probes judge it), split over groups, in a group whose degree
+            # changed, or with most of its ranks gone from its group, it is detached; the warm-up's peer comparison re-attaches it where
             # it can (a re-join still reports it).
             for st in self.slow.values():
                 if st.link is None and st.pair is None:
-                    homes = {self.rank_group.get(r) for r in st.ranks}
+                    # where its ranks now work; ranks set aside (standby, dead) work nowhere
+                    at = [self.rank_group.get(r) for r in st.ranks]
+                    homes = {h for h in at if h is not None}
                     g = homes.pop() if len(homes) == 1 else None
                     kept = (
                         g is not None
+                        # a group reported as a whole (a slow TP collective names every
+                        # member) keeps being followed when the plan swapped out a minority
+                        # of it: the culprit is likelier still in it, and if it left, the
+                        # group's recovery is reported, which is then true
+                        and 2 * at.count(g) >= len(st.ranks)
                         and old_size.get(g) == len(self.group_ranks[g])
                         and g in self.pred.scale
                         and g in self.mu
@@ -1124,10 +1133,18 @@ class FailSlowDetector:
                 healthy = val - base < lim
             if healthy:
                 st.healthy_streak += 1
+                st.streak_shifts.append(val - base)
             else:
                 st.healthy_streak = 0
+                st.streak_shifts.clear()
             if st.healthy_streak >= self.cfg.recovery_iters:
                 del self.slow[key]
+                if st.group is not None and st.group in self.pred.scale:
+                    # The scale it kept while slow was learned under another layout or
+                    # fit: a recovered group reading far below its baseline would pull
+                    # its peers' relative residuals up and look like them slowing down.
+                    # It is re-based on the level it now runs at.
+                    self.pred.scale[st.group] *= float(np.exp(np.median(st.streak_shifts)))
                 self.stats.recoveries_total += 1
                 det = self.gdet.get(st.group) if st.group is not None else self.cdet.get(st.link)
                 if det is not None:

@@ -235,3 +235,22 @@ def test_a_slow_link_is_not_blamed_on_the_replica_that_hosts_its_migrated_work()
     comm = [(r.ranks, r.iteration) for r in reps if r.kind == "fail_slow_comm"]
     assert comm and all(13 in ranks for ranks, _ in comm), comm
     assert any(55 <= it <= 60 for _, it in comm), comm
+
+
+def test_a_slow_group_that_lost_one_member_to_a_replan_is_still_followed():
+    """Rank 13's link slows (reported as its whole TP group [12-15]: a slow TP collective
+    names every member), then rank 9 dies and the plan swaps 15 for a spare. The group keeps
+    three of its four ranks and its degree: it is still followed, so the link's recovery is
+    reported as that group's, not read as its peer replica slowing down (it was)."""
+    events = [
+        "{at_iteration: 15, action: slow_link, rank: 13, factor: 0.05}",
+        "{at_iteration: 30, action: kill_device, rank: 9}",
+        "{at_iteration: 60, action: recover, rank: 13, what: link}",
+    ]
+    reps = _replay_with_planner(events, iterations=80)
+    got = [(r.kind, r.ranks, r.iteration) for r in reps]
+    assert got[0][:2] == ("fail_slow_comm", [12, 13, 14, 15]), got
+    assert ("fail_stop", [9]) in [(k, r) for k, r, _ in got], got
+    assert not [g for g in got if g[0].startswith("fail_slow") and g[2] > 30], got
+    rec = [g for g in got if g[0] == "recovery"]
+    assert rec and 13 in rec[0][1] and 60 <= rec[0][2] <= 68, got
