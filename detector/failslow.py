@@ -206,8 +206,9 @@ class FailSlowDetector:
             # keeps showing the slowdown until the device recovers (this needs no peer
             # replica, unlike the warm-up's peer comparison).  Set aside (standby: the
             # trainer's probes judge it), split over groups, in a group whose degree
-            # changed, or with most of its ranks gone from its group, it is detached; the warm-up's peer comparison re-attaches it where
-            # it can (a re-join still reports it).
+            # changed, or with most of its ranks gone from its group, it is detached; the
+            # warm-up's peer comparison re-attaches it where it can (a re-join still
+            # reports it).
             for st in self.slow.values():
                 if st.link is None and st.pair is None:
                     # where its ranks now work; ranks set aside (standby, dead) work nowhere

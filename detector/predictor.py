@@ -697,8 +697,11 @@ def _cross_replica(v: IterationView) -> np.ndarray:
     moved = (v.src_dp != v.dp) & (v.kind == int(ChunkKind.F))
     if not moved.any():
         return out
-    # (stage, owner replica, micro-batch) of every stage run away from its owner
-    code = lambda st, d, j: (st.astype(np.int64) * 65536 + d) * 65536 + j  # noqa: E731
+
+    def code(st, d, j):  # (stage, owner replica, micro-batch) as one integer
+        return (st.astype(np.int64) * 65536 + d) * 65536 + j
+
+    # every stage of a micro-batch run away from its owner
     away = np.unique(code(v.stage[moved], v.src_dp[moved].astype(np.int64), v.mb[moved]))
     # the neighbour a P2P row talks to: the next stage for a forward send or a backward
     # receive, the previous one for a forward receive or a backward send
