@@ -118,7 +118,7 @@ _SIGNALS = {
     "chunk_residual": "per-chunk residuals (observed vs predicted chunk cost)",
     "p2p_residual": "point-to-point transfer residuals",
     "warmup_peer_comparison": "slow since before the warm-up, against peer replicas",
-    "warmup_prior_comparison": "slow since a reconfiguration, against its own speed before it",
+    "warmup_prior_comparison": "slower than before a reconfiguration, against its own speed then",
 }
 
 

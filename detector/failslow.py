@@ -109,9 +109,12 @@ class FailSlowStats:
 
 
 #: A re-warm group at least this much slower than its own speed before the reconfiguration
-#: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.06 (the last
+#: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.07 (the last
 #: stage's LM head does not scale with its layers), a slow link 2.3, a GPU at 0.6x 1.6.
 PRIOR_OUTLIER_RATIO = 1.10
+#: The same for a group the plan shrank, its time scaled by the TP degree as well: healthy
+#: TP-4 groups shrunk to 2 read 0.93-1.01 (less time in collectives), a GPU at 0.6x 1.6.
+PRIOR_REGROUP_RATIO = 1.25
 
 
 class FailSlowDetector:
@@ -164,6 +167,7 @@ class FailSlowDetector:
         # can be judged against its own speed before a reconfiguration
         self._groups_of: dict[int, dict[Group, list[int]]] = {}
         self._prior_groups: dict[Group, list[int]] | None = None
+        self._prior_measured: dict[Group, float] = {}  # the last re-warm's ratios, for diagnosis
         self._warm_prior: set[Group] = set()
 
     # ---------------------------------------------------------- plumbing
@@ -366,12 +370,15 @@ class FailSlowDetector:
         # residuals keep showing the slowdown and their recovery can be seen
         solo = self._slow_alone(slow)
         slowed_in = self._still_slow(views, solo)
+        # likewise a stage whose every group turned slow in the reconfiguration: those
+        # groups are fitted at the speed they had before it
+        prior_alone: dict[Group, float] = {}
         for _pass in range(2):
             self.pred.fits.clear()
             self.pred._coef.clear()
-            skip = (slow - set(solo)) | set(outliers)
+            skip = (slow - set(solo)) | (set(outliers) - set(prior_alone))
             for v, slowed in zip(views, slowed_in, strict=True):
-                self.pred.observe(v, exclude=skip, slowed=slowed)
+                self.pred.observe(v, exclude=skip, slowed={**slowed, **prior_alone})
             per: dict[Group, list[float]] = {}
             for v in views:
                 pr = self.pred.predict_compute(v, with_scale=False)
@@ -381,9 +388,18 @@ class FailSlowDetector:
                 for g, r in _group_medians(v, cm, ratio).items():
                     per.setdefault(g, []).append(r)
             self.pred.scale = {g: float(np.median(x)) for g, x in per.items() if g not in slow}
-            outliers = self._peer_outliers(slow)
-            prior_out = self._prior_outliers(views, slow, outliers)
+            # own speed first: with two replicas a peer slowed too (a link failing beside a
+            # GPU) would be the peers' reference and hide the other
+            prior_ratio = self._prior_outliers(views, slow)
+            prior_out = {g: self.pred.scale[g] / q for g, q in prior_ratio.items()}
+            outliers = self._peer_outliers(slow | set(prior_out))
             outliers.update(prior_out)
+            off = slow | set(outliers)
+            prior_alone = {
+                g: q
+                for g, q in prior_ratio.items()
+                if all(h in off for h, r in self.group_ranks.items() if r and h[1] == g[1])
+            }
             for g, ref in outliers.items():
                 self.pred.scale[g] = ref
             self.pred.scale.update(keep_scale)
@@ -522,7 +538,7 @@ class FailSlowDetector:
             )
             for f in found:
                 f.evidence["change_point"]["note"] = (
-                    "slow since the reconfiguration; measured against its own speed before it"
+                    "slower than before the reconfiguration; measured against its own speed then"
                     if by_prior
                     else "slow since before the warm-up; measured against peer replicas"
                 )
@@ -554,45 +570,50 @@ class FailSlowDetector:
                     out[g] = ref
         return out
 
-    def _prior_outliers(
-        self, views: list[IterationView], slow: set[Group], peers: dict[Group, float]
-    ) -> dict[Group, float]:
+    def _prior_outliers(self, views: list[IterationView], slow: set[Group]) -> dict[Group, float]:
         """Groups that turned slow in the reconfiguration itself (a link or GPU that failed
-        in the same iteration as a fail-stop), with no same-degree peer in their stage to
-        reveal it: the re-warm would learn their slowness as healthy.
+        in the same iteration as a fail-stop), with their slow ratios: the re-warm would
+        learn their slowness as healthy, and a peer replica cannot be relied on to reveal
+        it (it may have slowed in the same iteration, and two slow replicas of a stage hide
+        each other).
 
-        Only a group with exactly the ranks it had, in the same place, before the layout
-        change is judged, against the previous layout's healthy fit scaled by the stage's
-        layer count (the measure of :meth:`_still_slow`); a median ratio of at least
-        ``PRIOR_OUTLIER_RATIO`` makes it an outlier, with the scale it would have at its
-        old speed.  A regrouped group has no speed of its own to compare with.
+        A group in the same place as before the layout change, made of ranks it had then,
+        is judged against the previous layout's healthy fit (the measure of
+        :meth:`_still_slow`), scaled by the stage's layer count and, for a group the plan
+        shrank, by the TP degree (a rank of a TP-2 group does the work of two of a TP-4
+        group, and a smaller group spends less in its collectives, so healthy groups read
+        at most that).  A median ratio of at least ``PRIOR_OUTLIER_RATIO`` (same ranks) or
+        ``PRIOR_REGROUP_RATIO`` (shrunk) makes it an outlier.  A group with a rank it did
+        not have has no speed of its own to compare with; the peer comparison judges it.
         """
+        self._prior_measured = {}
         new_layers = self._layers_of.get(self._layout_id)
         if self._prior is None or not self._prior_groups or not new_layers or not views:
             return {}
         prior, old_layers = self._prior
         if len(old_layers) != len(new_layers):
             return {}
-        size = {g: len(r) for g, r in self.group_ranks.items() if r}
         out: dict[Group, float] = {}
         preds = [prior.predict_compute(v) for v in views]
         for g, ranks in self.group_ranks.items():
-            if not ranks or g in slow or g in peers or g not in self.pred.scale:
+            if not ranks or g in slow or g not in self.pred.scale:
                 continue
-            if sorted(ranks) != self._prior_groups.get(g):
+            before = self._prior_groups.get(g)
+            if not before or not set(ranks) <= set(before):
                 continue
-            same = [h for h, n in size.items() if h[1] == g[1] and n == size[g] and h not in slow]
-            if len(same) >= 2:
-                continue  # the peer comparison judges it
             d, s = g
+            scale = old_layers[s] / new_layers[s] * len(ranks) / len(before)
             ratios = []
             for v, pr in zip(views, preds, strict=True):
                 sel = v.compute_mask() & np.isfinite(pr) & (pr > 0) & (v.dp == d) & (v.stage == s)
                 if sel.any():
-                    r = float(np.median(v.duration_s[sel] / pr[sel]))
-                    ratios.append(r * old_layers[s] / new_layers[s])
-            if ratios and float(np.median(ratios)) >= PRIOR_OUTLIER_RATIO:
-                out[g] = self.pred.scale[g] / float(np.median(ratios))
+                    ratios.append(float(np.median(v.duration_s[sel] / pr[sel])) * scale)
+            if not ratios:
+                continue
+            q = float(np.median(ratios))
+            self._prior_measured[g] = q
+            if q >= (PRIOR_OUTLIER_RATIO if len(ranks) == len(before) else PRIOR_REGROUP_RATIO):
+                out[g] = q
         return out
 
     # --------------------------------------------------------- residuals

@@ -152,7 +152,8 @@ def test_failstop_reported_before_cooccurring_failslow_and_pauses_failslow():
     assert reps and reps[0].kind == "fail_stop"
     assert not [r for r in reps if r.kind.startswith("fail_slow")]
     # after the scheduler reconfigures (new layout id) detection resumes, and the
-    # device that was already slow is measured against its peer replicas
+    # device that was already slow is measured against its own speed before the
+    # reconfiguration (its group kept its ranks)
     lay2 = copy.deepcopy(LAY)
     lay2.layout_id = 1
     job.layout = lay2
@@ -160,7 +161,7 @@ def test_failstop_reported_before_cooccurring_failslow_and_pauses_failslow():
     reps = _run(det, job, 30)
     got = [r for r in reps if r.kind == "fail_slow_compute"]
     assert [r.ranks for r in got] == [[victim]]
-    assert got[0].evidence["signal"] == "warmup_peer_comparison"
+    assert got[0].evidence["signal"] == "warmup_prior_comparison"
     assert got[0].iteration <= 44 + det.config.rewarm_iters + 1
     assert got[0].severity[str(victim)] == pytest.approx(0.5, abs=0.06)
 
@@ -358,6 +359,8 @@ def test_slowdown_at_any_point_of_the_warmup_boundary_is_caught(at):
     slow = [r for r in reps if r.kind == "fail_slow_compute"]
     assert len(slow) == 1 and slow[0].ranks == [victim], [(r.kind, r.iteration) for r in reps]
     assert slow[0].iteration <= max(at, 19) + 3
+    if at == 0:  # slow before anything was learned: only its peer replicas can tell
+        assert slow[0].evidence["signal"] == "warmup_peer_comparison"
 
 
 def test_a_slow_device_set_aside_recovers_through_standby_probes():

@@ -215,9 +215,60 @@ def test_a_link_that_fails_with_a_fail_stop_is_found_after_the_reconfiguration()
     assert link[0].evidence["signal"] == "warmup_prior_comparison"
     from dashboard.incidents import evidence_facts
 
-    assert dict(evidence_facts(link[0]))["signal"].startswith("slow since a reconfiguration")
+    assert dict(evidence_facts(link[0]))["signal"].startswith("slower than before a reconfiguration")
     # the fail-stop alone: the re-warm finds nothing slow
     alone = _replay_with_planner([f"{{at_iteration: {at}, action: kill_device, rank: 9}}"])
+    assert [r.kind for r in alone] == ["fail_stop"], [(r.kind, r.ranks) for r in alone]
+
+
+def test_two_replicas_of_a_stage_slowing_with_a_fail_stop_are_both_found():
+    """Rank 6 dies while rank 12's GPU and rank 9's link slow down, at iteration 30: after
+    the plan, both replicas of stage 1 ((0, 1) holds 9, (1, 1) holds 12) run slow and keep
+    their ranks. Compared with each other, the slower hid the other (the peer reference was
+    itself slow); each is judged against its own speed before the plan."""
+    at = 30
+    reps = _replay_with_planner(
+        [
+            f"{{at_iteration: {at}, action: slow_device, rank: 12, factor: 0.6}}",
+            f"{{at_iteration: {at}, action: kill_device, rank: 6}}",
+            f"{{at_iteration: {at}, action: slow_link, rank: 9, factor: 0.05}}",
+        ]
+    )
+    kinds = [(r.kind, r.ranks) for r in reps]
+    gpu = [r for r in reps if r.kind == "fail_slow_compute"]
+    link = [r for r in reps if r.kind == "fail_slow_comm"]
+    assert [r.ranks for r in gpu] == [[12]] and at < gpu[0].iteration <= at + 12, kinds
+    assert link and all(9 in r.ranks and 12 not in r.ranks for r in link), kinds
+    assert {r.evidence["signal"] for r in gpu + link} == {"warmup_prior_comparison"}
+
+
+def test_a_failure_in_a_group_the_plan_shrinks_is_found_after_the_reconfiguration():
+    """The plan regroups the TP-4 group that lost a rank into a TP-2 group of survivors: a
+    GPU or link of a survivor that slowed in the same iteration is judged against the
+    group's speed before the plan scaled by the TP degree (each rank does twice the work);
+    with no peer of its degree, it used to be learned as healthy. The fail-stop alone
+    still finds nothing slow in the shrunk group."""
+    at = 30
+    gpu = _replay_with_planner(
+        [
+            f"{{at_iteration: {at}, action: slow_device, rank: 8, factor: 0.6}}",
+            f"{{at_iteration: {at}, action: kill_device, rank: 11}}",
+        ]
+    )
+    kinds = [(r.kind, r.ranks, r.iteration) for r in gpu]
+    slow = [r for r in gpu if r.kind.startswith("fail_slow")]
+    assert [(r.kind, r.ranks) for r in slow] == [("fail_slow_compute", [8])], kinds
+    assert at < slow[0].iteration <= at + 12, kinds
+    link = _replay_with_planner(
+        [
+            f"{{at_iteration: {at}, action: kill_device, rank: 14}}",
+            f"{{at_iteration: {at}, action: slow_link, rank: 13, factor: 0.05}}",
+        ]
+    )
+    kinds = [(r.kind, r.ranks, r.iteration) for r in link]
+    slow = [r for r in link if r.kind.startswith("fail_slow")]
+    assert len(slow) == 1 and slow[0].kind == "fail_slow_comm" and 13 in slow[0].ranks, kinds
+    alone = _replay_with_planner([f"{{at_iteration: {at}, action: kill_device, rank: 11}}"])
     assert [r.kind for r in alone] == ["fail_stop"], [(r.kind, r.ranks) for r in alone]
 
 
