@@ -215,7 +215,9 @@ def test_a_link_that_fails_with_a_fail_stop_is_found_after_the_reconfiguration()
     assert link[0].evidence["signal"] == "warmup_prior_comparison"
     from dashboard.incidents import evidence_facts
 
-    assert dict(evidence_facts(link[0]))["signal"].startswith("slower than before a reconfiguration")
+    assert dict(evidence_facts(link[0]))["signal"].startswith(
+        "slower than before a reconfiguration"
+    )
     # the fail-stop alone: the re-warm finds nothing slow
     alone = _replay_with_planner([f"{{at_iteration: {at}, action: kill_device, rank: 9}}"])
     assert [r.kind for r in alone] == ["fail_stop"], [(r.kind, r.ranks) for r in alone]
