@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = entry.stop_on_signals()
     svc = CollectorService(cfg, client)
+    if args.heartbeat_k is not None:  # the hash is followed on every check: the flag goes there
+        try:
+            client.hset(keys.detector_config, "heartbeat_k", cfg.heartbeat_k)
+        except Exception as e:
+            logging.getLogger("collector").warning("could not store --heartbeat-k yet: %s", e)
     try:
         register_job(client, keys)
     except Exception as e:  # Redis may come up later; the service retries by itself

@@ -5,7 +5,9 @@ raises ``ValueError`` naming the field on a bad value.  The liveness rule's K
 can also be changed on a running collector through field ``heartbeat_k`` of
 the job's ``detector_config`` hash (the detector owns and seeds that hash);
 the collector re-reads it on every liveness check and keeps its own value when
-the field is absent or invalid.
+the field is absent or invalid.  ``--heartbeat-k`` given on the command line is
+written to that field at start, so the flag is not overridden by a value an
+earlier run left there.
 """
 
 from __future__ import annotations
@@ -150,7 +152,13 @@ class CollectorConfig:
         p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
         p.add_argument("--instance", default=os.environ.get("RESIHP_COLLECTOR_INSTANCE", "0"))
         p.add_argument("--heartbeat-interval-s", type=float, default=cls.heartbeat_interval_s)
-        p.add_argument("--heartbeat-k", type=int, default=cls.heartbeat_k)
+        p.add_argument(
+            "--heartbeat-k",
+            type=int,
+            default=None,
+            help=f"missed beats before fail-stop ({cls.heartbeat_k}); given, it is also "
+            "written to the job's detector_config hash, which the collector follows",
+        )
         p.add_argument("--grace-s", type=float, default=cls.grace_s)
         p.add_argument("--stale-s", type=float, default=cls.stale_s)
         p.add_argument("--max-open-iterations", type=int, default=cls.max_open_iterations)
@@ -171,7 +179,7 @@ class CollectorConfig:
             job_id=a.job_id,
             instance=a.instance,
             heartbeat_interval_s=a.heartbeat_interval_s,
-            heartbeat_k=a.heartbeat_k,
+            heartbeat_k=cls.heartbeat_k if a.heartbeat_k is None else a.heartbeat_k,
             grace_s=a.grace_s,
             stale_s=a.stale_s,
             max_open_iterations=a.max_open_iterations,

@@ -121,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"detector: {e}", file=sys.stderr)
         return 2
+    from detector.config import RUNTIME_FIELDS
     from detector.service import DetectorService
 
-    svc = DetectorService(cfg, client)
+    given = frozenset(f for f in RUNTIME_FIELDS if hasattr(args, f))  # flags are SUPPRESSed
+    svc = DetectorService(cfg, client, override=given)
     stop = entry.stop_on_signals()
     logging.getLogger(__name__).info("detector: job %s, mode %s", cfg.job_id, cfg.mode)
     svc.run(stop)

@@ -34,8 +34,17 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class DetectorService:
-    def __init__(self, config: DetectorConfig, client: redis.Redis, consumer: str | None = None):
+    def __init__(
+        self,
+        config: DetectorConfig,
+        client: redis.Redis,
+        consumer: str | None = None,
+        override: frozenset[str] = frozenset(),
+    ):
+        """``override``: runtime fields set explicitly at start (command-line flags); they
+        replace what the job's ``detector_config`` hash holds, the others only fill it."""
         self.config = config.validate()
+        self.override = frozenset(override)
         self.client = client
         self.keys = JobKeys(config.job_id)
         self.engine = Detector(self.config)
@@ -74,10 +83,20 @@ class DetectorService:
     # ---------------------------------------------------------- settings
     def _seed_config(self) -> None:
         """Write our runtime defaults where absent, so operators (and the
-        collector, for heartbeat_k) always find a value."""
+        collector, for heartbeat_k) always find a value.  A setting given explicitly
+        at start replaces the stored one: the hash outlives detector processes, and a
+        flag silently losing to an earlier run's value would surprise whoever gave it."""
+        mine = self.config.runtime_dict()
+        stored = self.client.hmget(self.keys.detector_config, list(mine))
         pipe = self.client.pipeline(transaction=False)
-        for k, v in self.config.runtime_dict().items():
-            pipe.hsetnx(self.keys.detector_config, k, v)
+        for (k, v), old in zip(mine.items(), stored, strict=True):
+            if k in self.override:
+                old = old.decode() if isinstance(old, bytes) else old
+                if old is not None and old != v:
+                    log.info("detector: %s=%s from the command line replaces %s", k, v, old)
+                pipe.hset(self.keys.detector_config, k, v)
+            else:
+                pipe.hsetnx(self.keys.detector_config, k, v)
         pipe.execute()
         self._seeded = True
 

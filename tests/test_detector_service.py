@@ -110,6 +110,12 @@ def test_runtime_config_changes_without_restart(r):
     svc2.run_once()
     assert r.hget(keys.detector_config, "cpd_penalty") == b"20"
     assert svc2.config.cpd_penalty == 20.0
+    # ... unless the restart was given the setting explicitly (a command-line flag)
+    cfg3 = DetectorConfig(job_id="cfg", block_ms=10, cpd_penalty=12.0)
+    svc3 = DetectorService(cfg3, r, override=frozenset({"cpd_penalty"}))
+    svc3.run_once()
+    assert r.hget(keys.detector_config, "cpd_penalty") == b"12.0"
+    assert svc3.config.cpd_penalty == 12.0 and svc3.config.heartbeat_k == 3  # others: stored
 
 
 def test_config_command_validates_writes_and_shows_what_the_detector_applied(
