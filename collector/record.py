@@ -6,7 +6,11 @@ other messages as their ``to_dict()``; packed chunk rows as
 line also carries ``arrival_s``, when Redis appended its entry (the time the
 collector judges liveness by); readers that do not know it ignore it.  The
 job's layout is written as a ``{"type": "layout", "layout": {...}}`` line first
-and again whenever it changes while following.  The format is described in
+and again whenever it changes while following.  Recording from the start of the
+stream, the first layout line is the one the oldest entries ran under, and each
+layout a plan brought in is written where it took effect (the trainer's
+``applied`` action, with the plan's after-layout); the layout key alone only
+tells the current one, which would label every older entry wrongly.  The format is described in
 docs/trace-format.md; the detector's replay reads it.
 
 Reading uses plain XREAD (no consumer group), so recording never takes
@@ -26,7 +30,8 @@ import redis
 
 from resihp import entry
 from resihp.keys import JobKeys
-from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
+from resihp.plans import latest_plans
+from resihp.schemas import ChunkBatch, HeartbeatBatch, OperatorAction, decode_entry
 
 
 @dataclass
@@ -63,9 +68,32 @@ class _LayoutWatch:
             layout = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return  # not a layout a reader could use; the collector dead-letters it
-        self.out.write(json.dumps({"type": "layout", "layout": layout}, separators=(",", ":")))
-        self.out.write("\n")
-        self.stats.layouts_total += 1
+        _write_layout(self.out, layout, self.stats)
+
+
+def _write_layout(out: IO[str], layout: dict, stats: RecordStats) -> None:
+    out.write(json.dumps({"type": "layout", "layout": layout}, separators=(",", ":")))
+    out.write("\n")
+    stats.layouts_total += 1
+
+
+def layout_history(client: redis.Redis, keys: JobKeys) -> list[tuple[float, dict]]:
+    """(time it took effect in seconds, layout) for the layouts plans brought in, oldest
+    first, led by the layout before the first of them at time 0; empty when no plan was
+    ever applied (or the actions stream no longer holds it)."""
+    plans = latest_plans(client, keys)
+    out: list[tuple[float, dict]] = []
+    for entry_id, fields in client.xrange(keys.actions):
+        good, _bad = decode_entry(fields)
+        for m in good:
+            if isinstance(m, OperatorAction) and m.action == "applied" and m.plan_id in plans:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                plan = plans[m.plan_id]
+                if not out and plan.before:
+                    out.append((0.0, plan.before))
+                if plan.after:
+                    out.append((_entry_time_s(eid), plan.after))
+    return out
 
 
 def record(
@@ -83,7 +111,21 @@ def record(
     """
     stats = RecordStats()
     watch = _LayoutWatch(client, keys, out, stats)
-    watch.poll(force=True)
+    history = layout_history(client, keys) if from_start else []
+    if history:
+        # the watch takes over from the current layout on; earlier ones are written
+        # in stream order as the entries reach the time each took effect
+        watch.raw = client.get(keys.layout)
+        watch.next_s = time.monotonic() + 1.0
+        try:
+            current = json.loads(watch.raw) if watch.raw else history[-1][1]
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            current = history[-1][1]
+        history.append((time.time(), current))
+        written = [history.pop(0)[1]]
+        _write_layout(out, written[0], stats)
+    else:
+        watch.poll(force=True)
     last = "0-0" if from_start else "$"
     if last == "$":
         info = client.xinfo_stream(keys.telemetry) if client.exists(keys.telemetry) else None
@@ -114,6 +156,11 @@ def record(
             last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             arrival_s = _entry_time_s(last)
             stats.entries_total += 1
+            while history and arrival_s >= history[0][0]:
+                lay = history.pop(0)[1]
+                if lay != written[-1]:
+                    written.append(lay)
+                    _write_layout(out, lay, stats)
             good, bad = decode_entry(fields)
             stats.invalid_total += len(bad)
             for m in good:

@@ -76,6 +76,9 @@ class TraceReplayer:
         self.stats = ReplayStats()
         self.now_s = float("-inf")
         self._next_check = float("-inf")
+        # expected ranks waiting for the trace's first time (a recorded trace starts with
+        # its layout: judged at t=0, every rank looked silent since the epoch)
+        self._expected: tuple[dict[int, int], set[int]] | None = None
         if layout is not None:
             self.set_layout(layout)
 
@@ -83,9 +86,10 @@ class TraceReplayer:
         self.assembler.set_layout(layout)
         self.detector.set_layout(layout)
         expected = {r: layout.node_of(r) for r in layout.active_ranks()}
-        self.liveness.set_expected(
-            expected, set(layout.dead), self.now_s if self.now_s > float("-inf") else 0.0
-        )
+        if self.now_s > float("-inf"):
+            self.liveness.set_expected(expected, set(layout.dead), self.now_s)
+        else:
+            self._expected = (expected, set(layout.dead))
 
     def feed(self, msg, arrival_s: float | None = None) -> list[FailureReport]:
         """One trace message. ``arrival_s`` (the Redis append time the recorder
@@ -122,6 +126,10 @@ class TraceReplayer:
     def _advance(self, t: float) -> None:
         if t > self.now_s:
             self.now_s = t
+        if self._expected is not None:
+            expected, dead = self._expected
+            self._expected = None
+            self.liveness.set_expected(expected, dead, self.now_s)
 
     def _step(self) -> list[FailureReport]:
         events = self.liveness.check(self.now_s)
@@ -201,7 +209,10 @@ def main(
     trace: str, out_path: str, config: DetectorConfig, heartbeat_interval_s: float = 1.0
 ) -> int:
     try:
-        src = sys.stdin if trace == "-" else open(trace, encoding="utf-8")  # noqa: SIM115
+        # undecodable bytes become malformed lines (counted, named), not a crash
+        src = (
+            sys.stdin if trace == "-" else open(trace, encoding="utf-8", errors="replace")  # noqa: SIM115
+        )
     except OSError as e:
         print(f"detector replay: cannot read {trace}: {e}", file=sys.stderr)
         return 2

@@ -305,6 +305,55 @@ def test_cli_runs_service_and_health_check(r, redis_server):
     assert bad.returncode == 2 and "heartbeat_k" in bad.stderr
 
 
+def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r, tmp_path):
+    """The layout key holds only the current layout: a trace recorded after a plan was
+    applied labelled the older entries with the new layout too (a replay then found ranks
+    "not in layout" and blamed the wrong ones). Each layout is written where its plan was
+    applied."""
+    import io
+
+    from collector.record import record
+    from resihp.plans import PlanFollower
+    from resihp.schemas import AdaptationPlan
+
+    keys = JobKeys("rechist")
+    lay = _layout()
+    after = lay.copy()
+    after.layout_id = 1
+    after.groups[1][1] = [after.groups[1][1][0]]  # replica 1, stage 1: TP 2 -> 1
+    r.set(keys.layout, json.dumps(lay.to_dict()))
+    p = TelemetryProducer(None, keys, client=r, max_batch=50).start()
+    p.heartbeat(Heartbeat(rank=0, node=0, iteration=0, wall_time_s=1.0, seq=1))
+    assert p.flush()
+    time.sleep(0.02)
+    plan = AdaptationPlan(
+        plan_id=1, state="acknowledged", created_at_s=time.time(), reason="test",
+        before=lay.to_dict(), after=after.to_dict(), predicted_before_s=1.0,
+        predicted_after_s=1.1,
+    )  # fmt: skip
+    r.hset(keys.plan_state, 1, plan.to_json())
+    PlanFollower(r, keys).confirm_applied(plan, after)
+    time.sleep(0.02)
+    p.heartbeat(Heartbeat(rank=0, node=0, iteration=1, wall_time_s=2.0, seq=2))
+    assert p.flush()
+    p.close()
+    buf = io.StringIO()
+    st = record(r, keys, buf)
+    kinds = []
+    for line in buf.getvalue().splitlines():
+        d = json.loads(line)
+        if d.get("type") == "layout":
+            kinds.append(("layout", d["layout"]["layout_id"]))
+        else:
+            kinds += [("beat", h.seq) for h in decode_json(line).iter_messages()]
+    assert kinds == [("layout", 0), ("beat", 1), ("layout", 1), ("beat", 2)], kinds
+    assert st.layouts_total == 2
+    # recording from now on: only the current layout
+    buf = io.StringIO()
+    record(r, keys, buf, duration_s=0.2, from_start=False)
+    assert json.loads(buf.getvalue().splitlines()[0])["layout"]["layout_id"] == 1
+
+
 @pytest.mark.slow
 def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     lay = _layout()

@@ -81,6 +81,36 @@ def test_replay_reports_failslow_then_failstop(trace):
     assert len([r for r in reports if r.kind.startswith("fail_slow")]) == 1
 
 
+def test_a_trace_on_the_epoch_clock_starts_with_every_rank_alive(trace):
+    """A recorded trace stamps arrivals with Redis's epoch time and starts with its layout:
+    the ranks of that layout were judged at t=0, silent for 56 years, all reported dead."""
+    lines = []
+    for text in trace.read_text().splitlines():
+        d = json.loads(text)
+        if "arrival_s" in d:
+            d["arrival_s"] += 1.7e9
+        lines.append(json.dumps(d))
+    reports, _ = replay(lines, CFG)
+    stops = [r for r in reports if r.kind == "fail_stop"]
+    assert [r.ranks for r in stops] == [[DEAD_RANK]], _kinds(reports)
+    assert ("fail_slow_compute", [SLOW_RANK]) in _kinds(reports)
+    assert not [r for r in reports if r.kind == "recovery"]
+
+
+def test_replay_of_undecodable_bytes_names_the_lines(tmp_path):
+    bad = tmp_path / "bin.jsonl"
+    bad.write_bytes(b'{"type": "heartbeat"}\n\xff\xfe garbage\n')
+    out = tmp_path / "o.jsonl"
+    p = subprocess.run(
+        [sys.executable, "-m", "detector", "replay", str(bad), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "line 2: malformed JSON" in p.stderr
+
+
 @pytest.mark.slow
 def test_replay_cli_and_baseline(trace, tmp_path):
     out = tmp_path / "reports.jsonl"
