@@ -124,6 +124,7 @@ class CollectorService:
         self._layout_next = 0.0
         #: rank -> estimated offset of its clock from Redis's (NaN: not heard yet)
         self._skew_s = np.full(0, np.nan)
+        self._skew_gen = np.full(0, -1, dtype=np.int64)  # the generation each estimate is of
         # The collector's clock is Redis's, carried forward by the monotonic clock between
         # re-syncs: arrivals are Redis stream ids, and a step of this host's wall clock
         # (NTP) must not make every beat look late (or early).
@@ -313,6 +314,7 @@ class CollectorService:
         one_rank: list[int] = []
         one_wall: list[float] = []
         one_arrival: list[float] = []
+        one_gen: list[int] = []
         for entry_id, msgs in batch:
             carried = False
             arrival_s = self._arrival_s(entry_id)
@@ -325,11 +327,12 @@ class CollectorService:
                     one_rank.append(m.rank)
                     one_wall.append(m.wall_time_s)
                     one_arrival.append(arrival_s)
+                    one_gen.append(m.generation)
                     continue
                 if type(m) is HeartbeatBatch:
                     hr = m.rows
                     beats += len(hr)
-                    self._track_skew(hr["rank"], hr["wall_time_s"], arrival_s)
+                    self._track_skew(hr["rank"], hr["wall_time_s"], arrival_s, hr["generation"])
                     for r, n, q, i, g in zip(
                         hr["rank"].tolist(),
                         hr["node"].tolist(),
@@ -373,7 +376,9 @@ class CollectorService:
             if not carried:
                 self._ack_ready.append(entry_id)
         if one_rank:
-            self._track_skew(np.array(one_rank), np.array(one_wall), np.array(one_arrival))
+            self._track_skew(
+                np.array(one_rank), np.array(one_wall), np.array(one_arrival), np.array(one_gen)
+            )
         handled += beats
         self._count("heartbeats_total", beats)
         if parts:
@@ -382,24 +387,35 @@ class CollectorService:
             self._add_rows(singles, single_entry, now, checked=False)
         return handled
 
-    def _track_skew(self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s) -> None:
+    def _track_skew(
+        self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s, generation: np.ndarray
+    ) -> None:
         """Per-rank estimate of (rank clock - Redis clock) from its beats' send times.
 
         A beat's arrival also holds its network and batching delay; the estimate follows
         the smallest recent offsets (a new low is taken at once, a higher one only a
-        little), which is the clock difference plus the least delay."""
+        little), which is the clock difference plus the least delay.  A rank that comes
+        back in a new process generation (a restart, a rebooted node) starts afresh: its
+        clock may have been set anew, and an offset kept from before, followed upward only
+        slowly, shifted its chunks by the difference (a minute made iterations 45 s long)."""
+        generation = np.asarray(generation, dtype=np.int64)
         ok = ranks < MAX_WORLD_SIZE  # before a layout bounds ranks, a bogus one must not size it
         if not ok.all():
-            ranks, wall_s = ranks[ok], np.asarray(wall_s)[ok]
+            ranks, wall_s, generation = ranks[ok], np.asarray(wall_s)[ok], generation[ok]
             arrival_s = arrival_s if np.isscalar(arrival_s) else np.asarray(arrival_s)[ok]
         n = int(ranks.max()) + 1 if len(ranks) else 0
         if n > len(self._skew_s):
             grown = np.full(n, np.nan)
             grown[: len(self._skew_s)] = self._skew_s
             self._skew_s = grown
+            gen = np.full(n, -1, dtype=np.int64)
+            gen[: len(self._skew_gen)] = self._skew_gen
+            self._skew_gen = gen
         d = np.asarray(wall_s, dtype=float) - arrival_s
         est = self._skew_s[ranks]
-        self._skew_s[ranks] = np.where(np.isnan(est) | (d < est), d, est + 0.02 * (d - est))
+        fresh = np.isnan(est) | (generation != self._skew_gen[ranks])
+        self._skew_s[ranks] = np.where(fresh | (d < est), d, est + 0.02 * (d - est))
+        self._skew_gen[ranks] = generation
 
     def _on_redis_clock(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` with the timestamps of ranks whose clock is off by more than

@@ -614,6 +614,38 @@ def test_a_node_whose_clock_is_off_does_not_stretch_the_iteration(r):
     assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
 
 
+def test_a_rank_back_in_a_new_generation_is_judged_by_its_new_clock(r):
+    """Node 1's ranks restart (generation 1) on a clock now 3 s ahead: the offset kept from
+    before, followed upward only slowly, left their rows 3 s late."""
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r)
+
+    def beats(skew_node1: float, generation: int) -> None:
+        for rank in range(8):
+            skew = skew_node1 if rank >= 4 else 0.0
+            gen = generation if rank >= 4 else 0
+            beat = Heartbeat(
+                rank=rank, node=rank // 4, iteration=0, wall_time_s=time.time() + skew,
+                generation=gen,
+            )  # fmt: skip
+            r.xadd(KEYS.telemetry, encode_entry([beat]))
+
+    beats(0.0, 0)
+    svc.run_once()
+    beats(3.0, 1)  # restarted, clock 3 s ahead
+    rows = iteration_rows(lay, 0, t0_s=time.time())
+    healthy = float(rows["end_s"].max() - rows["start_s"].min())
+    on_node1 = rows["rank"] >= 4
+    rows["start_s"][on_node1] += 3.0
+    rows["end_s"][on_node1] += 3.0
+    r.xadd(KEYS.telemetry, encode_entry(None, rows))
+    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
+    assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
+
+
 def test_rows_of_a_rank_a_plan_just_put_to_work_are_not_refused(r):
     lay = _layout()
     lay.groups[1][1] = [6]  # rank 7 parked as standby
