@@ -4,6 +4,8 @@ python -m scheduler [run] [--mode auto|manual] [--grace-period-s S] [--policy NA
 python -m scheduler --check-health
 python -m scheduler simulate --scenario FILE --policy NAME --out RESULT.json
 python -m scheduler act acknowledge|reject|override --plan-id P --actor NAME [--override JSON]
+                        [--wait-s S]   (prints the scheduler's verdict; exit 1 if refused)
+python -m scheduler act set_mode --override '{"mode": "manual"}'
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ from resihp.redis_client import connect
 from resihp.schemas import OperatorAction
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
-    p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
+def _common(p: argparse.ArgumentParser, suppress: bool = False) -> None:
+    """``suppress``: for a subcommand, so an option given before it is not reset."""
+    sup = argparse.SUPPRESS
+    p.add_argument("--redis-url", default=sup if suppress else os.environ.get("REDIS_URL"))
+    p.add_argument(
+        "--job-id", default=sup if suppress else os.environ.get("RESIHP_JOB_ID", "default")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,17 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     entry.add_entry_arguments(ap, "scheduler")
     sub = ap.add_subparsers(dest="cmd")
     run = sub.add_parser("run", help="run the scheduler service (the default)")
-    _common(run)
-    for p in (ap, run):
-        p.add_argument("--mode", choices=["auto", "manual"], default=None)
-        p.add_argument("--grace-period-s", dest="grace_period_s", type=float, default=None)
-        p.add_argument("--policy", default=None)
-        p.add_argument("--delta", type=int, default=None)
-        p.add_argument("--model", default=None)
-        p.add_argument("--seq-len", dest="seq_len", type=int, default=None)
-        p.add_argument("--device-mem-gb", dest="device_mem_gb", type=float, default=None)
-        p.add_argument("--consumer", default=None)
-        p.add_argument("--duration", type=float, default=None, help="stop after SECONDS")
+    _common(run, suppress=True)
+    for p, dflt in ((ap, None), (run, argparse.SUPPRESS)):
+        p.add_argument("--mode", choices=["auto", "manual"], default=dflt)
+        p.add_argument("--grace-period-s", dest="grace_period_s", type=float, default=dflt)
+        p.add_argument("--policy", default=dflt)
+        p.add_argument("--delta", type=int, default=dflt)
+        p.add_argument("--model", default=dflt)
+        p.add_argument("--seq-len", dest="seq_len", type=int, default=dflt)
+        p.add_argument("--device-mem-gb", dest="device_mem_gb", type=float, default=dflt)
+        p.add_argument("--consumer", default=dflt)
+        p.add_argument("--duration", type=float, default=dflt, help="stop after SECONDS")
     sim = sub.add_parser(
         "simulate", help="run one policy over a failure scenario (analytical timeline)"
     )
@@ -80,7 +86,34 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--actor", default=os.environ.get("USER", "cli"))
     act.add_argument("--override", default="{}", help='JSON, e.g. {"layers": [5, 2, 5]}')
     act.add_argument("--comment", default="")
+    act.add_argument(
+        "--wait-s",
+        dest="wait_s",
+        type=float,
+        default=10.0,
+        help="wait this long for the scheduler's verdict (0: send and return)",
+    )
     return ap
+
+
+def _verdict(client, keys: JobKeys, action_id: str, wait_s: float):
+    """The scheduler's audit record of ``action_id``, or None after ``wait_s``."""
+    from scheduler.lifecycle import AuditRecord
+
+    last = "0-0"
+    deadline = time.monotonic() + wait_s
+    while True:
+        for entry_id, fields in client.xrange(keys.audit, min=f"({last}"):
+            last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            try:
+                rec = AuditRecord.from_fields(fields)
+            except (KeyError, ValueError):
+                continue
+            if rec.action_id == action_id:
+                return rec
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.plan_id is None and args.action != "set_mode":
             print(f"{args.action} needs --plan-id", file=sys.stderr)
+            return 2
+        if args.action == "override":
+            from scheduler.lifecycle import OverrideError, validate_override_shape
+
+            try:  # the scheduler would drop a payload of the wrong shape unheard
+                validate_override_shape(override)
+            except OverrideError as e:
+                print(f"--override: {e}", file=sys.stderr)
+                return 2
+        elif not isinstance(override, dict):
+            print("--override must be a JSON object", file=sys.stderr)
             return 2
         try:
             client = connect(args.redis_url)
@@ -129,10 +173,31 @@ def main(argv: list[str] | None = None) -> int:
         except redis.RedisError as e:
             print(f"act: {e}", file=sys.stderr)
             return 1
-        print(
-            f"sent {args.action} for plan {args.plan_id} as {args.actor} (action "
-            f"{action.action_id}); the scheduler's verdict goes to the audit log"
-        )
+        what = "set_mode" if args.action == "set_mode" else f"{args.action} plan {args.plan_id}"
+        print(f"sent {what} as {args.actor} (action {action.action_id})")
+        if args.wait_s <= 0:
+            print("the scheduler's verdict goes to the audit log")
+            return 0
+        try:
+            rec = _verdict(client, JobKeys(args.job_id), action.action_id, args.wait_s)
+        except redis.RedisError as e:
+            print(f"act: {e}", file=sys.stderr)
+            return 1
+        if rec is None:
+            print(
+                f"no verdict from the scheduler within {args.wait_s:g} s (is it running?); "
+                "it is queued and will be judged when the scheduler reads it",
+                file=sys.stderr,
+            )
+            return 3
+        if rec.result != "ok":
+            print(f"refused: {rec.note}", file=sys.stderr)
+            return 1
+        done = f"accepted{': ' + rec.note if rec.note else ''}"
+        if rec.new_plan_id:
+            new = latest_plans(client, JobKeys(args.job_id)).get(rec.new_plan_id)
+            done += f"; new plan {rec.new_plan_id}" + (f" ({new.state})" if new else "")
+        print(done)
         return 0
     from scheduler.config import SchedulerConfig
     from scheduler.service import SchedulerService

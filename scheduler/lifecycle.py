@@ -39,7 +39,9 @@ TRANSITIONS: dict[str, set[str]] = {
     "proposed": {"acknowledged", "overridden", "rejected", "superseded"},
     "acknowledged": {"applied", "overridden", "rejected", "superseded"},
     "overridden": {"applied"},
-    "rejected": {"applied"},
+    # an operator who rejected a plan may still put their own in its place (the way on
+    # for a job that waits on a fail-stop whose plan was rejected)
+    "rejected": {"applied", "overridden"},
     "applied": {"superseded"},
     "superseded": {"applied"},
     "refused": set(),

@@ -265,28 +265,49 @@ def test_cli_act_and_check_health(r, redis_server):
     (p1,) = latest_plans(r, keys).values()
     hc = subprocess.run(base + url + ["--check-health"], capture_output=True, timeout=60)
     assert hc.returncode == 0
-    act = subprocess.run(
-        base
-        + [
-            "act",
-            "override",
-            "--plan-id",
-            str(p1.plan_id),
-            "--actor",
-            "cli-op",
-            "--override",
-            '{"layers": [10, 10, 10, 10]}',
-            *url,
-        ],
+
+    def act(*args: str) -> tuple[int, str, str]:
+        """`act` waits for the scheduler's verdict: step the scheduler while it waits."""
+        proc = subprocess.Popen(
+            [*base, "act", *args, "--actor", "cli-op", *url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            svc.run_once()
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=10)
+        return proc.returncode, out, err
+
+    rc, out, err = act("override", "--plan-id", str(p1.plan_id), "--override", '{"layers": [10, 10, 10, 10]}')  # fmt: skip
+    assert rc == 0, err
+    plans = latest_plans(r, keys)
+    assert plans[p1.plan_id].state == "overridden"
+    assert Layout.from_dict(plans[max(plans)].after).layers == [10, 10, 10, 10]
+    assert f"accepted; new plan {max(plans)} (acknowledged)" in out
+    # the verdict of a refused action is printed, and the exit code says so
+    rc, out, err = act("acknowledge", "--plan-id", str(p1.plan_id))
+    assert rc == 1 and f"refused: plan {p1.plan_id} is overridden; cannot acknowledge" in err
+    rc, out, err = act("override", "--plan-id", str(max(plans)), "--override", '{"layers": [1, 2]}')  # fmt: skip
+    assert rc == 1 and "refused: " in err and "layers" in err, err
+    # a payload of the wrong shape never leaves the shell (the scheduler drops it unheard)
+    shape = subprocess.run(
+        [*base, "act", "override", "--plan-id", "1", "--override", "[1, 2]", *url],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert act.returncode == 0, act.stderr
-    svc.run_once()
-    plans = latest_plans(r, keys)
-    assert plans[p1.plan_id].state == "overridden"
-    assert Layout.from_dict(plans[max(plans)].after).layers == [10, 10, 10, 10]
+    assert shape.returncode == 2 and "override must be a non-empty object" in shape.stderr
+    # with nobody to judge it: sent, and said so
+    quiet = subprocess.run(
+        [*base, "act", "reject", "--plan-id", "1", "--wait-s", "0.3", *url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert quiet.returncode == 3 and "no verdict from the scheduler within 0.3 s" in quiet.stderr
     bad = subprocess.run(
         base + ["act", "override", "--plan-id", "1", "--override", "{nope", *url],
         capture_output=True,
@@ -314,6 +335,39 @@ def test_recovered_device_rejoins_through_a_plan(r):
     after = Layout.from_dict(p2.after)
     assert 5 not in after.dead and sorted(after.groups[1][0]) == [4, 5, 6, 7]
     assert p2.predicted_after_s < p2.predicted_before_s
+
+
+def test_options_before_the_run_subcommand_are_kept():
+    from scheduler.__main__ import build_parser
+
+    a = build_parser().parse_args(["--job-id", "j1", "--mode", "manual", "--delta", "2", "run"])
+    assert (a.job_id, a.mode, a.delta) == ("j1", "manual", 2)  # were reset by `run`'s defaults
+    b = build_parser().parse_args(["run", "--job-id", "j2", "--grace-period-s", "3"])
+    assert (b.job_id, b.grace_period_s, b.mode) == ("j2", 3.0, None)
+
+
+def test_a_rejected_plan_can_still_be_overridden(r):
+    """A fail-stop plan rejected leaves the job waiting; the operator's own plan in its place
+    is the way on (it was refused: "plan 1 is rejected; cannot override")."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    (plan,) = latest_plans(r, keys).values()
+    publish(r, keys.actions, _act("reject", plan.plan_id))
+    svc.run_once()
+    assert latest_plans(r, keys)[plan.plan_id].state == "rejected"
+    publish(r, keys.actions, _act("override", plan.plan_id, override={"migration": False}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[plan.plan_id].state == "overridden"
+    new = plans[max(plans)]
+    assert new.parent_plan_id == plan.plan_id and new.state == "acknowledged"
+    assert [a.result for a in _audit(r, keys)] == ["ok", "ok"]
+    # acknowledging it is still refused: the rejection stands until replaced
+    publish(r, keys.actions, _act("acknowledge", plan.plan_id))
+    svc.run_once()
+    assert _audit(r, keys)[-1].result == "refused"
 
 
 def test_auto_mode_does_not_acknowledge_plans_of_a_job_that_is_not_running(r):
