@@ -660,3 +660,28 @@ def test_rows_of_a_rank_a_plan_just_put_to_work_are_not_refused(r):
     assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
     (rec,) = _stream(r, KEYS.iterations, IterationRecord)
     assert rec.complete and rec.layout_id == 1 and r.xlen(KEYS.deadletter) == 0
+
+
+def test_the_iterations_budget_counts_a_records_packed_chunks():
+    """A record's chunk columns travel packed beside its JSON; the stream's length bound
+    from ``iterations_budget_mb`` must count them (it counted the JSON only)."""
+    from collector.service import encode_fast, record_maxlen
+    from resihp import schemas as S
+
+    n = 200_000  # chunk rows of a big iteration
+    rec = IterationRecord(
+        iteration=3, iteration_time_s=10.0, start_s=0.0, end_s=10.0, samples=64, tokens=1,
+        num_ranks_reporting=1,
+        chunks={
+            "dp": [0] * n, "stage": [0] * n, "src_dp": [-1] * n, "microbatch": [0] * n,
+            "kind": [0] * n, "direction": [0] * n, "start_s": [0.5] * n,
+            "duration_s": [0.1] * n,
+        },
+    )  # fmt: skip
+    fields = encode_fast(rec)
+    packed = len(fields[S.ENTRY_RECORD_CHUNKS])
+    assert packed == n * S.RECORD_CHUNK_DTYPE.itemsize > 10 * len(fields[S.ENTRY_MESSAGES])
+    total = sum(len(v) for v in fields.values())
+    assert record_maxlen(fields, 2000, 100.0) == int(100e6 // total)  # ~18 records, not ~2000
+    assert record_maxlen(fields, 2000, 1.0) == 16  # the floor
+    assert record_maxlen(fields, 100, 1e6) == 100  # the configured length still bounds it
