@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "status":
         from resihp.keys import validate_job_id
         from resihp.redis_client import redact
-        from resihp.status import collect_status, format_status, resolve_url
+        from resihp.status import UnknownJob, collect_status, format_status, resolve_url
 
         try:
             url = resolve_url(args.redis_url, args.state_dir)
@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             st = collect_status(url, args.job_id)
+        except UnknownJob as e:
+            print(f"resihp status: {e}", file=sys.stderr)
+            return 1
         except Exception as e:  # noqa: BLE001 - report any connection problem plainly
             print(f"resihp status: cannot read {redact(url)}: {e}", file=sys.stderr)
             return 1

@@ -13,7 +13,14 @@ from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
 from resihp.plans import latest_plans, read_layout
 from resihp.redis_client import connect, redact
-from resihp.schemas import FailureReport, IterationRecord, SchemaError, decode_entry
+from resihp.schemas import (
+    AdaptationPlan,
+    FailureReport,
+    IterationRecord,
+    SchemaError,
+    decode_entry,
+)
+from resihp.topology import Layout
 
 STACK_FILE = "stack.json"
 
@@ -58,19 +65,55 @@ def resolve_url(url: str | None, state_dir: str = ".resihp") -> str:
 
 
 def last_iteration(client, keys: JobKeys) -> IterationRecord | None:
-    for _, fields in client.xrevrange(keys.iterations, count=1):
+    return last_iteration_entry(client, keys)[0]
+
+
+def last_iteration_entry(client, keys: JobKeys) -> tuple[IterationRecord | None, float | None]:
+    """The newest iteration record and when it was published, in seconds on Redis's clock
+    (its stream entry id): the records' own times come from the ranks' clocks, which a
+    time-scaled simulator runs ahead of the wall."""
+    for entry_id, fields in client.xrevrange(keys.iterations, count=1):
         try:
             good, _ = decode_entry(fields)
         except SchemaError:
-            return None
+            return None, None
         for m in good:
             if isinstance(m, IterationRecord):
-                return m
-    return None
+                return m, _entry_time_s(entry_id)
+    return None, None
 
 
-#: Plans in these states still wait for the scheduler's grace period or an operator.
-AWAITING = ("proposed", "acknowledged", "overridden")
+def _entry_time_s(entry_id: bytes | str) -> float | None:
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    try:
+        return int(eid.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return None
+
+
+def _redis_now_s(client) -> float:
+    """Redis's clock, the one stream entry ids are written on: an age computed against it
+    does not depend on how far this host's clock is off."""
+    sec, usec = client.time()
+    return sec + usec / 1e6
+
+
+#: Plans that still wait for something: the grace period or an operator (proposed), the
+#: trainer (acknowledged). ``overridden`` is final: the override lives on as a new plan.
+AWAITING = ("proposed", "acknowledged")
+#: Plans decided against; the newest ones tell why a failure has not been answered.
+TURNED_DOWN = ("rejected", "refused")
+#: A running job whose newest iteration is older than this many of its own iteration times
+#: (and than STALL_MIN_S) is shown as not progressing, whatever its trainer says: a trainer
+#: that went away or cannot tell (the torch trainer reports no state) looks the same.
+STALL_ITERATIONS = 10
+STALL_MIN_S = 30.0
+#: How far back the audit log is searched for who rejected a plan (its entries are small).
+SCAN_ENTRIES = 1000
+
+
+class UnknownJob(LookupError):
+    """``--job-id`` names a job this Redis holds nothing of (most likely a typo)."""
 
 
 def recent_failures(client, keys: JobKeys, count: int = 5) -> list[FailureReport]:
@@ -86,14 +129,189 @@ def recent_failures(client, keys: JobKeys, count: int = 5) -> list[FailureReport
     return out[:count]
 
 
+def _str_fields(fields: dict) -> dict[str, str]:
+    return {
+        (k.decode(errors="replace") if isinstance(k, bytes) else str(k)): (
+            v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+        )
+        for k, v in fields.items()
+    }
+
+
+def _device_health(client, keys: JobKeys) -> tuple[int, dict[int, float | None]]:
+    """How many devices the detector holds failed, and rank -> since for the dead ones."""
+    open_failures = 0
+    dead: dict[int, float | None] = {}
+    for rank, raw in client.hgetall(keys.device_health).items():
+        try:
+            h = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(h, dict) or h.get("state") in (None, "healthy"):
+            continue
+        open_failures += 1
+        if h.get("state") == "dead":
+            try:
+                since = h.get("since")
+                dead[int(rank)] = float(since) if isinstance(since, int | float) else None
+            except ValueError:
+                pass
+    return open_failures, dead
+
+
+def _plan_dict(p: AdaptationPlan) -> dict[str, Any]:
+    return {
+        "plan_id": p.plan_id,
+        "state": p.state,
+        "reason": p.reason,
+        "created_at_s": p.created_at_s,
+        "apply_after_s": p.apply_after_s,
+        "mode": p.mode,
+        "predicted_before_s": p.predicted_before_s,
+        "predicted_after_s": p.predicted_after_s,
+    }
+
+
+def _rejections(client, keys: JobKeys, plan_ids: set[int]) -> dict[int, dict[str, str]]:
+    """plan_id -> who rejected it and their comment, from the audit log: a rejection
+    changes a plan's state but leaves no note on it."""
+    out: dict[int, dict[str, str]] = {}
+    if not plan_ids:
+        return out
+    for _, raw in client.xrevrange(keys.audit, count=SCAN_ENTRIES):
+        f = _str_fields(raw)
+        if f.get("action") != "reject" or f.get("result") != "ok":
+            continue
+        try:
+            pid = int(f.get("plan_id", ""))
+        except ValueError:
+            continue
+        if pid in plan_ids and pid not in out:
+            out[pid] = {"actor": f.get("actor", ""), "comment": f.get("comment", "")}
+            if len(out) == len(plan_ids):
+                break
+    return out
+
+
+def turned_down_plans(
+    client, keys: JobKeys, plans: dict[int, AdaptationPlan], count: int = 3
+) -> list[dict[str, Any]]:
+    """The newest rejected / refused plans since the last applied one, newest first, with
+    who turned each down and why. One older than the applied plan explains nothing now."""
+    applied = max((p.plan_id for p in plans.values() if p.state == "applied"), default=0)
+    newest = sorted(
+        (p for p in plans.values() if p.state in TURNED_DOWN and p.plan_id > applied),
+        key=lambda p: p.plan_id,
+        reverse=True,
+    )[:count]
+    rejected = _rejections(client, keys, {p.plan_id for p in newest if p.state == "rejected"})
+    out = []
+    for p in newest:
+        rej = rejected.get(p.plan_id, {})
+        out.append(
+            {
+                **_plan_dict(p),
+                "by": rej.get("actor") or None,
+                # a refused plan carries its reason; a rejection only the operator's comment
+                "why": (rej.get("comment") if p.state == "rejected" else p.note) or None,
+                "at_s": p.updated_at_s or p.created_at_s,
+                "parent_plan_id": p.parent_plan_id,
+            }
+        )
+    return out
+
+
+def refused_reports(
+    client, keys: JobKeys, since_s: float, count: int = 3, scan: int = 50
+) -> list[dict[str, Any]]:
+    """The scheduler's newest refusals of failure reports (dead letters ``refused: ...``)
+    written after ``since_s``, newest first: a report refused gets no plan at all.
+    Only the newest ``scan`` dead letters are read: each may carry 20 kB of raw entry,
+    and the console line asks every second."""
+    out: list[dict[str, Any]] = []
+    for _, raw in client.xrevrange(keys.deadletter, count=scan):
+        f = _str_fields(raw)
+        reason = f.get("reason", "")
+        if not reason.startswith("refused:"):
+            continue
+        try:
+            at_s: float | None = float(f.get("at_s", ""))
+        except ValueError:
+            at_s = None
+        if at_s is not None and at_s < since_s:
+            break
+        try:
+            report = json.loads(f.get("raw", ""))
+        except ValueError:
+            report = None
+        report = report if isinstance(report, dict) else {}
+        out.append(
+            {
+                "report_id": report.get("report_id"),
+                "kind": report.get("kind"),
+                "reason": reason[len("refused:") :].strip(),
+                "at_s": at_s,
+            }
+        )
+        if len(out) >= count:
+            break
+    return out
+
+
+def _progress(
+    job_state: dict | None,
+    trainer: dict | None,
+    it: IterationRecord | None,
+    published_at_s: float | None,
+    now_s: float,
+    dead: dict[int, float | None],
+    layout: Layout | None,
+) -> dict[str, Any]:
+    """Whether the job moves: ``hung`` (the trainer says so), ``stalled`` (no new iteration
+    for long, whoever is to blame), ``running``, ``finished``, or None (nothing to go by)."""
+    active = set(layout.active_ranks()) if layout is not None else None
+    # a dead device the layout no longer gives work (excluded, standby) stops nothing
+    dead_working = sorted(r for r in dead if active is None or r in active)
+    age_s = max(0.0, now_s - published_at_s) if published_at_s is not None else None
+    trainer_state = trainer.get("state") if isinstance(trainer, dict) else None
+    since_s = None
+    if (job_state or {}).get("state") == "finished":
+        state = "finished"
+    elif trainer_state == "hung":
+        state = "hung"
+        # it stopped no later than its last iteration record and no later than the first
+        # of its devices died (the collector may publish the abandoned iteration afterwards)
+        times = [published_at_s] + [dead[r] for r in dead_working]
+        since_s = min((t for t in times if t is not None), default=None)
+    elif (
+        it is not None
+        and age_s is not None
+        and age_s > max(STALL_MIN_S, STALL_ITERATIONS * it.iteration_time_s)
+    ):
+        state = "stalled"
+        since_s = published_at_s
+    elif trainer is not None or it is not None:
+        state = "running"
+    else:
+        state = None
+    return {
+        "state": state,
+        "since_s": since_s,
+        "trainer_state": trainer_state,
+        "dead_ranks": dead_working,
+        "last_iteration_age_s": age_s,
+    }
+
+
 def job_status(client, job_id: str) -> dict[str, Any]:
     keys = JobKeys(job_id)
+    now_s = _redis_now_s(client)
     counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
     plans = latest_plans(client, keys)
     by_state: dict[str, int] = {}
     for p in plans.values():
         by_state[p.state] = by_state.get(p.state, 0) + 1
-    it = last_iteration(client, keys)
+    it, published_at_s = last_iteration_entry(client, keys)
     try:
         layout = read_layout(client, keys)
     except Exception as e:  # noqa: BLE001 - a bad layout is reported, not fatal
@@ -101,22 +319,21 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         layout_error = str(e)
     else:
         layout_error = None
-    open_failures = 0
-    for raw in client.hvals(keys.device_health):
-        try:
-            if json.loads(raw).get("state") not in (None, "healthy"):
-                open_failures += 1
-        except ValueError:
-            pass
+    open_failures, dead = _device_health(client, keys)
     try:
         state = json.loads(client.get(keys.job_state) or b"null")
     except ValueError:
         state = None
+    state = state if isinstance(state, dict) else None
+    services = Health.all(client, keys)
+    progress = _progress(state, services.get("trainer:0"), it, published_at_s, now_s, dead, layout)
+    applied = [p for p in plans.values() if p.state == "applied"]
+    last_applied_s = max((p.updated_at_s for p in applied), default=0.0)
     return {
         "job_id": job_id,
         # what the trainer last said: running, or finished on purpose (None: never said)
-        "job_state": state if isinstance(state, dict) else None,
-        "services": Health.all(client, keys),
+        "job_state": state,
+        "services": services,
         "layout": layout.to_dict() if layout else None,
         "layout_summary": layout.summary() if layout else layout_error,
         "last_iteration": None
@@ -126,7 +343,11 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             "iteration_time_s": it.iteration_time_s,
             "samples_per_s": it.samples_per_s,
             "complete": it.complete,
+            # when the collector published it, on Redis's clock, and how long ago that is
+            "published_at_s": published_at_s,
+            "age_s": progress["last_iteration_age_s"],
         },
+        "progress": progress,
         "counts": {
             "heartbeats_total": counters.get("heartbeats_total", 0),
             "iterations_total": client.xlen(keys.iterations),
@@ -137,19 +358,15 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         "plans_by_state": by_state,
         # what an operator may have to act on, oldest first
         "awaiting_plans": [
-            {
-                "plan_id": p.plan_id,
-                "state": p.state,
-                "reason": p.reason,
-                "created_at_s": p.created_at_s,
-                "apply_after_s": p.apply_after_s,
-                "mode": p.mode,
-                "predicted_before_s": p.predicted_before_s,
-                "predicted_after_s": p.predicted_after_s,
-            }
+            _plan_dict(p)
             for p in sorted(plans.values(), key=lambda p: p.plan_id)
             if p.state in AWAITING
         ],
+        # why a failure has not been answered: plans turned down, reports refused
+        "turned_down_plans": turned_down_plans(client, keys, plans),
+        "refused_reports": refused_reports(client, keys, last_applied_s)
+        if progress["state"] in ("hung", "stalled")
+        else [],
         "recent_failures": [
             {
                 "report_id": f.report_id,
@@ -166,24 +383,128 @@ def job_status(client, job_id: str) -> dict[str, Any]:
     }
 
 
+def _job_known(client, keys: JobKeys, jobs: list[str]) -> bool:
+    """Registered, or with anything under its name (services up before the trainer
+    registered it)."""
+    if keys.job_id in jobs:
+        return True
+    return next(iter(client.scan_iter(match=f"{keys.base}:*", count=1000)), None) is not None
+
+
 def collect_status(url: str, job_id: str | None = None) -> dict[str, Any]:
+    """Raises UnknownJob when ``job_id`` names a job this Redis holds nothing of."""
     client = connect(url)
     try:
-        jobs = [job_id] if job_id else list_jobs(client)
+        known = list_jobs(client)
+        if job_id and not _job_known(client, JobKeys(job_id), known):
+            names = ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")
+            raise UnknownJob(f"job {job_id!r} is not in this Redis (known jobs: {names or 'none'})")
+        jobs = [job_id] if job_id else known
         return {"redis_url": redact(url), "jobs": {j: job_status(client, j) for j in jobs}}
     finally:
         client.close()
 
 
+# ---------------------------------------------------------------- text
+
+
+def _ago(s: float) -> str:
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _clock(t: float) -> str:
+    today = time.localtime()[:3] == time.localtime(t)[:3]
+    return time.strftime("%H:%M:%S" if today else "%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _predicted(s: float) -> str:
+    # -1 is the scheduler's "the current layout holds a dead device" (docs/scheduler.md)
+    return "cannot run" if s < 0 else f"{s:.3f} s"
+
+
+def _dead_text(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8]) + (", ..." if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown} dead"
+
+
+def _waiting(js: dict[str, Any]) -> str:
+    """What a stopped job waits for, and the last answer it got if it got one."""
+    awaiting = js.get("awaiting_plans") or []
+    if awaiting:
+        p = awaiting[-1]
+        if p["state"] == "acknowledged":
+            line = f"waiting for the trainer to apply plan {p['plan_id']}"
+            refused = (js.get("counters") or {}).get("trainer_plans_refused_total", 0)
+            if refused:
+                line += f" (it has refused {refused} plan(s): see its log)"
+            return line
+        return f"waiting for a decision on plan {p['plan_id']}"
+    line = "waiting for a plan"
+    if "scheduler:0" not in (js.get("services") or {}):
+        line += " but no scheduler is running"
+    turned = js.get("turned_down_plans") or []
+    refusals = js.get("refused_reports") or []
+    if turned:
+        line += f"; plan {turned[0]['plan_id']} was {turned[0]['state']}"
+    elif refusals:
+        line += f"; the scheduler refused report {refusals[0]['report_id']}"
+    return line
+
+
+def _stall_headline(js: dict[str, Any]) -> str | None:
+    """A hung or stalled job, said first: a trainer that stopped keeps its health key and
+    its last iteration, which read as a healthy job."""
+    pr = js.get("progress") or {}
+    if pr.get("state") not in ("hung", "stalled"):
+        return None
+    dead = pr.get("dead_ranks") or []
+    why = [_dead_text(dead)] if dead else []
+    if pr["state"] == "hung":
+        head = "trainer HUNG" + (f" since {_clock(pr['since_s'])}" if pr.get("since_s") else "")
+    else:
+        head = f"NOT PROGRESSING: no new iteration for {_ago(pr['last_iteration_age_s'])}"
+        if "trainer:0" not in (js.get("services") or {}):
+            why.append("trainer not reporting")
+    if why:
+        head += f" ({'; '.join(why)})"
+    if pr["state"] == "hung" or dead:
+        head += ", " + _waiting(js)
+    return head
+
+
+def _pending(st: dict[str, Any]) -> int:
+    if "awaiting_plans" in st:
+        return len(st["awaiting_plans"])
+    return sum(st["plans_by_state"].get(s, 0) for s in AWAITING)
+
+
 def summary_line(st: dict[str, Any]) -> str:
     it = st.get("last_iteration") or {}
+    age = it.get("age_s")
+    tail = (
+        f" | open failures {st['open_failures']}"
+        f" | pending plans {_pending(st)}"
+        f" | services up {sum(1 for s in st['services'].values() if s.get('status') == 'ok')}"
+    )
+    head = _stall_headline(st)
+    if head:
+        # the last rate and iteration time are stale: left out rather than shown as current
+        last = f"last iter {it['iteration']}" if it else "no iteration yet"
+        if age is not None:
+            last += f", {_ago(age)} ago"
+        return f"[{st['job_id']}] {head} | {last}{tail}"
     return (
         f"[{st['job_id']}] iter {it.get('iteration', '-')}"
-        f" | {it.get('samples_per_s', 0.0):6.2f} samples/s"
-        f" | iter {it.get('iteration_time_s', 0.0):6.3f}s"
-        f" | open failures {st['open_failures']}"
-        f" | pending plans {st['plans_by_state'].get('proposed', 0)}"
-        f" | services up {sum(1 for s in st['services'].values() if s.get('status') == 'ok')}"
+        + (f" ({_ago(age)} ago)" if age is not None else "")
+        + f" | {it.get('samples_per_s', 0.0):6.2f} samples/s"
+        f" | iter {it.get('iteration_time_s', 0.0):6.3f}s" + tail
     )
 
 
@@ -193,12 +514,32 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("no jobs have reported yet")
     for js in st["jobs"].values():
         lines.append(summary_line(js))
+        stalled = _stall_headline(js) is not None
+        it = js.get("last_iteration")
+        if stalled and it:
+            lines.append(
+                f"  last iteration: {it['iteration']}"
+                + ("" if it.get("complete", True) else " (incomplete)")
+                + (f", published {_ago(it['age_s'])} ago" if it.get("age_s") is not None else "")
+                + f" ({it['iteration_time_s']:.3f} s, {it['samples_per_s']:.2f} samples/s)"
+            )
         lines.append(f"  layout: {js['layout_summary']}")
         lines.append(f"  job: {_job_line(js)}")
         for name, h in sorted(js["services"].items()):
-            lines.append(f"  service {name}: {h.get('status')} (pid {h.get('pid')})")
+            state = h.get("state")
+            shown = f", state {state}" if state and state != h.get("status") else ""
+            lines.append(f"  service {name}: {h.get('status')}{shown} (pid {h.get('pid')})")
         for p in js.get("awaiting_plans", []):
             lines.append("  " + _plan_line(js["job_id"], p))
+        for p in js.get("turned_down_plans", []):
+            lines.append("  " + _turned_down_line(p))
+        if stalled:
+            for rf in js.get("refused_reports", []):
+                at = f" at {_clock(rf['at_s'])}" if rf.get("at_s") else ""
+                lines.append(
+                    f"  scheduler refused report {rf['report_id']} ({rf['kind']}){at}: "
+                    f"{rf['reason']}"
+                )
         for f in js.get("recent_failures", []):
             ranks = f["ranks"][:8] + (["..."] if len(f["ranks"]) > 8 else [])
             lines.append(
@@ -210,12 +551,16 @@ def format_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _plan_prediction(p: dict[str, Any]) -> str:
+    return (
+        f"(predicted iteration {_predicted(p['predicted_before_s'])} -> "
+        f"{_predicted(p['predicted_after_s'])})"
+    )
+
+
 def _plan_line(job_id: str, p: dict[str, Any]) -> str:
     """One plan that waits, what it predicts, and the command that decides it."""
-    line = (
-        f"plan {p['plan_id']} {p['state']}: {p['reason']} (predicted iteration "
-        f"{p['predicted_before_s']:.3f} s -> {p['predicted_after_s']:.3f} s)"
-    )
+    line = f"plan {p['plan_id']} {p['state']}: {p['reason']} {_plan_prediction(p)}"
     if p["state"] == "proposed":
         if p["mode"] == "auto" and p["apply_after_s"]:
             wait_s = p["apply_after_s"] - time.time()
@@ -225,7 +570,22 @@ def _plan_line(job_id: str, p: dict[str, Any]) -> str:
         line += (
             f"; decide: resihp act acknowledge|reject --plan-id {p['plan_id']} --job-id {job_id}"
         )
+    elif p["state"] == "acknowledged":
+        line += "; waiting for the trainer to apply it"
     return line
+
+
+def _turned_down_line(p: dict[str, Any]) -> str:
+    """A plan decided against: who, when and why, so that an unanswered failure explains
+    itself."""
+    line = f"plan {p['plan_id']} {p['state']}"
+    if p.get("by"):
+        line += f" by {p['by']}"
+    if p.get("at_s"):
+        line += f" at {_clock(p['at_s'])}"
+    if p.get("why"):
+        line += f" ({p['why']})"
+    return line + f": {p['reason']} {_plan_prediction(p)}"
 
 
 def _job_line(js: dict[str, Any]) -> str:
