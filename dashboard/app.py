@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import signal
 import threading
 import time
 from urllib.parse import parse_qs, quote
@@ -272,6 +273,16 @@ def serve(config: DashboardConfig) -> None:
                 ident="resihp-dashboard",
             )
             log.info("dashboard serving on http://%s:%d (waitress)", config.host, config.port)
+            if threading.current_thread() is threading.main_thread():
+                # a clean stop on SIGTERM (compose, `resihp up`): waitress ends its loop and
+                # its request threads on SystemExit and returns, so the process exits 0
+                signal.signal(signal.SIGTERM, _exit_on_signal)
             srv.run()
+            srv.close()
     finally:
         stop.set()
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    log.info("dashboard: signal %d, stopping", signum)
+    raise SystemExit(0)

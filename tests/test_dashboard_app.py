@@ -355,7 +355,7 @@ def test_served_by_waitress_and_stops_on_sigterm(redis_server, r):
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=20)[0]
-    assert proc.returncode is not None, out
+    assert proc.returncode == 0, out  # SIGTERM stops it cleanly (it died of the signal)
     assert "development server" not in out
 
 
