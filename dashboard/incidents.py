@@ -7,9 +7,10 @@ iteration summaries (as read by ``dashboard.data``) and builds an
     failure -> detected -> plan proposed -> acknowledged/overridden -> applied
     -> throughput recovered
 
-(durations between phases), the evidence, the plans, the actions and the
-throughput before / during / after.  Exports: JSON, Markdown, and a
-self-contained HTML page (plotly.js inlined, opens offline).
+(durations between phases), the evidence, the plans, the operator actions with
+the scheduler's verdict on each (joined from the audit log) and the throughput
+before / during / after.  Exports: JSON, Markdown, and a self-contained HTML
+page (plotly.js inlined, opens offline).
 
 Choices where the issue is silent: the incident id is the FailureReport's
 ``report_id``; onset is the evidence's change point (else ``onset_s`` /
@@ -19,9 +20,24 @@ was applied) from which the median of three consecutive iterations reaches
 ``recovery_fraction`` of the pre-onset median (or of the rate the applied plan
 predicted, when that is lower: a slow device worked around, not repaired), or a
 ``recovery`` report on the
-same ranks, whichever comes first.  Iterations are placed on the wall clock by
-their publish time (stream entry id), because failures, plans and actions are
-stamped with wall time while records carry the trainer's clock.
+same ranks (never the incident's own report), whichever comes first.  The
+timeline lists reached phases in the order they happened: a device can recover
+before the plan for it is applied, and showing such a phase in its usual slot
+would give it a negative duration; its detail names the phases it came before.
+Iterations are placed on the wall clock by their publish time (stream entry id),
+because failures, plans and actions are stamped with wall time while records
+carry the trainer's clock.
+
+Throughput: "before" and "after" are medians of per-iteration samples/s (up to
+50 iterations before the onset / after recovery, or after the plan's
+application when throughput never came back).  "During" is progress, not a
+median: samples completed between the onset and recovery (else the plan's
+application, else the newest data or the export time), each iteration counted
+pro rata to its part of that window, divided by the window's wall time.  A job
+that hung makes no progress, and a median of the iterations it did finish would
+hide the hang.  The wall time is scaled by the trainer-clock seconds per wall
+second seen before the onset, so a paced simulator (``--speed``) is compared on
+its own clock.
 """
 
 from __future__ import annotations
@@ -64,6 +80,10 @@ class Incident:
     iterations: list[dict[str, Any]] = field(default_factory=list)
     throughput: dict[str, float | None] = field(default_factory=dict)
     status: str = "open"
+    #: the scheduler's verdict on each of ``actions`` (same order), from the audit log
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+    #: what each throughput figure was computed from (windows, counts, clock ratio)
+    throughput_basis: dict[str, Any] = field(default_factory=dict)
 
     def phase_rows(self) -> list[dict[str, Any]]:
         """Phases with durations since the previous reached phase and since the failure."""
@@ -88,7 +108,27 @@ class Incident:
             rows.append(row)
         return rows
 
+    def action_rows(self) -> list[dict[str, Any]]:
+        """Operator actions, each with the scheduler's verdict on it."""
+        rows = []
+        for i, a in enumerate(self.actions):
+            v = self.verdicts[i] if i < len(self.verdicts) else _verdict(None, audit_read=False)
+            rows.append(
+                {
+                    "at": _iso(a.at_s),
+                    "action": a.action,
+                    "plan_id": a.plan_id,
+                    "actor": a.actor,
+                    "override": json.dumps(a.override, sort_keys=True) if a.override else "",
+                    "comment": a.comment,
+                    "verdict": verdict_text(v),
+                    "result": v["result"],
+                }
+            )
+        return rows
+
     def to_dict(self) -> dict[str, Any]:
+        verdicts = self.verdicts or [_verdict(None, audit_read=False)] * len(self.actions)
         return {
             "incident_id": self.incident_id,
             "job_id": self.job_id,
@@ -97,8 +137,11 @@ class Incident:
             "failure": self.failure.to_dict(),
             "evidence": self.failure.evidence,
             "plans": [p.to_dict() for p in self.plans],
-            "actions": [a.to_dict() for a in self.actions],
+            "actions": [
+                {**a.to_dict(), "verdict": v} for a, v in zip(self.actions, verdicts, strict=False)
+            ],
             "throughput_samples_per_s": self.throughput,
+            "throughput_basis": self.throughput_basis,
             "iterations": self.iterations,
         }
 
@@ -111,6 +154,79 @@ def _iso(t: float | None) -> str:
 
 def _fmt_s(v: float | None) -> str:
     return "" if v is None else f"{v:.3f} s"
+
+
+def _fmt_predicted(v: float) -> str:
+    # The planner writes -1 for a layout that cannot run (it holds a dead device).
+    return "cannot run" if v < 0 else f"{v:.3f} s"
+
+
+def _as_int(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_float(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _verdict(rec: dict[str, Any] | None, audit_read: bool) -> dict[str, Any]:
+    """The scheduler's verdict from one audit record (``AuditRecord.to_fields``)."""
+    if rec is None:
+        return {
+            "result": "none" if audit_read else "unknown",
+            "note": (
+                "no audit record (not handled yet, or older than the audit log read)"
+                if audit_read
+                else "audit log not read"
+            ),
+            "new_plan_id": None,
+        }
+    raw = str(rec.get("result") or "")
+    return {
+        "result": {"ok": "accepted", "refused": "refused"}.get(raw, raw or "unknown"),
+        "note": str(rec.get("note") or ""),
+        "new_plan_id": _as_int(rec.get("new_plan_id")) or None,
+    }
+
+
+def verdict_text(v: dict[str, Any]) -> str:
+    if v["result"] not in ("accepted", "refused"):
+        return f"no verdict: {v['note']}" if v["note"] else v["result"]
+    text = v["result"] + (f": {v['note']}" if v["note"] else "")
+    return text + (f" (plan {v['new_plan_id']})" if v.get("new_plan_id") else "")
+
+
+def _join_audit(
+    acts: list[OperatorAction], audit: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """Each action's verdict: its audit record by action id, or, for records written
+    without one, by (action, plan, actor, time)."""
+    if audit is None:
+        return [_verdict(None, audit_read=False) for _ in acts]
+    by_id: dict[str, dict[str, Any]] = {}
+    by_key: dict[tuple, dict[str, Any]] = {}
+    for rec in audit:
+        if aid := str(rec.get("action_id") or ""):
+            by_id.setdefault(aid, rec)
+        else:
+            key = (
+                str(rec.get("action")),
+                _as_int(rec.get("plan_id")),
+                str(rec.get("actor")),
+                _as_float(rec.get("at_s")),
+            )
+            by_key.setdefault(key, rec)
+    out = []
+    for a in acts:
+        rec = by_id.get(a.action_id) or by_key.get((a.action, a.plan_id, a.actor, a.at_s))
+        out.append(_verdict(rec, audit_read=True))
+    return out
 
 
 _SIGNALS = {
@@ -270,7 +386,14 @@ def build_incident(
     actions: list[OperatorAction],
     iteration_rows: list[dict[str, Any]],
     recovery_fraction: float = 0.9,
+    *,
+    audit: list[dict[str, Any]] | None = None,
+    now_s: float | None = None,
 ) -> Incident:
+    """One incident.  ``audit`` is the job's audit log (``DashboardData.audit``): without it
+    every action's verdict is unknown, and an action refused by the scheduler could count as
+    a phase.  ``now_s`` (export time) ends the "during" window of an open incident; without
+    it the window ends at the newest data."""
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
@@ -291,12 +414,15 @@ def build_incident(
         key=lambda p: p.updated_at_s or p.created_at_s,
     )
     acts = sorted((a for a in actions if a.plan_id in plan_ids), key=lambda a: a.at_s)
+    verdicts = _join_audit(acts, audit)
+    # A refused action changed nothing, so it cannot mark a phase.
+    valid = [a for a, v in zip(acts, verdicts, strict=True) if v["result"] != "refused"]
 
     def first_snap(states: tuple[str, ...]) -> AdaptationPlan | None:
         return next((p for p in snaps if p.state in states), None)
 
     def first_act(kinds: tuple[str, ...]) -> OperatorAction | None:
-        return next((a for a in acts if a.action in kinds), None)
+        return next((a for a in valid if a.action in kinds), None)
 
     proposed = first_snap(("proposed",))
     if proposed is None and snaps:
@@ -312,7 +438,7 @@ def build_incident(
         who = next(
             (
                 a.actor
-                for a in reversed(acts)
+                for a in reversed(valid)
                 if a.plan_id == decided_snap.plan_id
                 and a.action == verb[decided_snap.state]
                 and a.at_s <= decided_t + 1e-3
@@ -355,7 +481,13 @@ def build_incident(
         # reaching what the applied plan promised (its predicted speed-up over the degraded
         # rate) also counts as recovered.
         degraded = rate[(wend > onset) & (wend <= start)][-20:]
-        if applied_snap is not None and degraded.size and applied_snap.predicted_after_s > 0:
+        # predicted_before_s = -1: the old layout could not run, so no promise to scale by
+        if (
+            applied_snap is not None
+            and degraded.size
+            and applied_snap.predicted_before_s > 0
+            and applied_snap.predicted_after_s > 0
+        ):
             promised = (
                 float(np.median(degraded))
                 * applied_snap.predicted_before_s
@@ -380,6 +512,7 @@ def build_incident(
             x
             for x in failures
             if x.kind == "recovery"
+            and x.report_id != f.report_id
             and x.detected_at_s >= f.detected_at_s
             and set(x.ranks) & set(f.ranks)
         ),
@@ -400,16 +533,43 @@ def build_incident(
         Phase("applied", applied_t, applied_detail),
         Phase("throughput recovered", recovered_t, recovered_detail),
     ]
+    phases = _chronological(phases)
     end = recovered_t
     # "After" starts at recovery, or at the plan's application when throughput never came
     # all the way back (a partial mitigation still has an after).
-    cut = recovered_t if recovered_t is not None else applied_t
-    during = rate[(wend > onset) & ((wend <= cut) if cut is not None else True)]
+    cut, cut_what = (
+        (recovered_t, "throughput recovered")
+        if recovered_t is not None
+        else (applied_t, "the plan's application")
+    )
+    if cut is not None:
+        to_s, to_what = cut, cut_what
+    else:
+        newest = [f.detected_at_s, *([float(wend.max())] if n else [])]
+        newest += [p.updated_at_s or p.created_at_s for p in snaps] + [a.at_s for a in acts]
+        to_s, to_what = max(newest), "the newest data (still open)"
+        if now_s is not None and now_s >= to_s:
+            to_s, to_what = now_s, "the export time (still open)"
     after = rate[wend > cut][:50] if cut is not None else rate[:0]
+    done, clock = _progress(
+        rows, wstart, wend, onset, to_s, before_idx=np.flatnonzero(wend <= onset)[-50:]
+    )
+    wall = to_s - onset
     throughput = {
         "before": baseline,
-        "during": float(np.median(during)) if during.size else None,
+        "during": done / (wall * clock) if wall > 0 else None,
         "after": float(np.median(after)) if after.size else None,
+    }
+    basis = {
+        "before_iterations": int(before.size),
+        "during_from_s": onset,
+        "during_to_s": to_s,
+        "during_ends_at": to_what,
+        "during_samples": done,
+        "during_wall_s": wall,
+        "trainer_s_per_wall_s": clock,
+        "after_iterations": int(after.size),
+        "after_from": cut_what if cut is not None else None,
     }
     past = np.flatnonzero(wend > onset)
     idx_lo = int(past[0]) if past.size else n
@@ -449,7 +609,59 @@ def build_incident(
         ],
         throughput=throughput,
         status=status,
+        verdicts=verdicts,
+        throughput_basis=basis,
     )
+
+
+def _chronological(phases: list[Phase]) -> list[Phase]:
+    """Reached phases in time order, each in one of the reached slots (unreached phases keep
+    their place); a phase that moved ahead says which phases it came before."""
+    slots = [i for i, p in enumerate(phases) if p.at_s is not None]
+    placed = sorted((phases[i] for i in slots), key=lambda p: p.at_s)  # stable: ties keep order
+    out = list(phases)
+    for i, p in zip(slots, placed, strict=True):
+        out[i] = p
+    for k, p in enumerate(phases):
+        if p.at_s is None:
+            continue
+        passed = [q.name for q in phases[:k] if q.at_s is not None and q.at_s > p.at_s]
+        if passed:
+            note = f"came before {', '.join(passed)}"
+            p.detail = f"{p.detail} ({note})" if p.detail else note
+    return out
+
+
+def _samples(r: dict[str, Any]) -> float:
+    n = _num(r.get("samples"))
+    return n if n is not None else r["samples_per_s"] * r["iteration_time_s"]
+
+
+def _progress(
+    rows: list[dict[str, Any]],
+    wstart: np.ndarray,
+    wend: np.ndarray,
+    t0: float,
+    t1: float,
+    before_idx: np.ndarray,
+) -> tuple[float, float]:
+    """Samples completed on the wall between ``t0`` and ``t1`` (an iteration counts pro
+    rata to its part of the window), and trainer seconds per wall second before ``t0``."""
+    if not rows:
+        return 0.0, 1.0
+    span = wend - wstart
+    overlap = np.clip(np.minimum(wend, t1) - np.maximum(wstart, t0), 0.0, None)
+    inside = ((wend > t0) & (wend <= t1)).astype(float)  # zero-length spans: by their end
+    share = np.where(span > 0, overlap / np.where(span > 0, span, 1.0), inside)
+    # only rows in the window are read (pages build up to 100 incidents a refresh)
+    hit = np.flatnonzero(share > 0)
+    samples = np.fromiter((_samples(rows[i]) for i in hit), float, hit.size)
+    # A median of per-iteration ratios: the first row's wall span is only a guess (its
+    # trainer duration) and an earlier hang stretches one span; neither should move it.
+    trainer = np.fromiter((rows[i]["iteration_time_s"] for i in before_idx), float)
+    ok = (span[before_idx] > 0) & (trainer > 0)
+    clock = float(np.median(trainer[ok] / span[before_idx][ok])) if ok.any() else 1.0
+    return float(samples @ share[hit]), clock
 
 
 # ---------------------------------------------------------------- exports
@@ -468,6 +680,42 @@ def to_json(inc: Incident) -> str:
 
 def _latest_plan(inc: Incident) -> AdaptationPlan | None:
     return inc.plans[-1] if inc.plans else None
+
+
+def _predicted(plan: AdaptationPlan) -> str:
+    return (
+        f"Predicted iteration time {_fmt_predicted(plan.predicted_before_s)} -> "
+        f"{_fmt_predicted(plan.predicted_after_s)}."
+    )
+
+
+def throughput_notes(inc: Incident) -> list[str]:
+    """How each throughput figure was obtained, in words (the figures use different rules)."""
+    b = inc.throughput_basis
+    if not b:
+        return []
+    clock = b["trainer_s_per_wall_s"]
+    scaled = (
+        f", at {clock:.2f} trainer seconds per wall second as before the onset"
+        if abs(clock - 1.0) > 0.05
+        else ""
+    )
+    after = (
+        f"median of {b['after_iterations']} iterations after {b['after_from']}"
+        if b["after_from"]
+        else "none yet (neither recovered nor a plan applied)"
+    )
+    return [
+        f"before: median of the {b['before_iterations']} iterations before the onset",
+        f"during: {b['during_samples']:.1f} samples completed from the onset to "
+        f"{b['during_ends_at']} ({_iso(b['during_to_s'])}) over {b['during_wall_s']:.3f} s "
+        f"of wall time{scaled}; time without progress (a hang) counts",
+        f"after: {after}",
+    ]
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")
 
 
 def to_markdown(inc: Incident) -> str:
@@ -491,7 +739,7 @@ def to_markdown(inc: Incident) -> str:
     tp = inc.throughput
     out += [
         "",
-        "## Throughput (median samples/s)",
+        "## Throughput (samples/s)",
         "",
         "| before | during | after |",
         "|---|---|---|",
@@ -500,6 +748,8 @@ def to_markdown(inc: Incident) -> str:
             "-" if tp.get(k) is None else f"{tp[k]:.3f}" for k in ("before", "during", "after")
         )
         + " |",
+        "",
+        *[f"- {line}" for line in throughput_notes(inc)],
         "",
         "## Evidence",
         "",
@@ -518,8 +768,7 @@ def to_markdown(inc: Incident) -> str:
         out += [
             f"Plan {plan.plan_id} ({plan.policy}, {plan.mode}): state **{plan.state}**. {plan.reason}",
             "",
-            f"Predicted iteration time {plan.predicted_before_s:.3f} s -> {plan.predicted_after_s:.3f} s."
-            + (f" Note: {plan.note}" if plan.note else ""),
+            _predicted(plan) + (f" Note: {plan.note}" if plan.note else ""),
             "",
             "| what | before | after |",
             "|---|---|---|",
@@ -538,24 +787,24 @@ def to_markdown(inc: Incident) -> str:
         out.append("None.")
     else:
         out += [
-            "| at (UTC) | action | plan | actor | override / comment |",
-            "|---|---|---|---|---|",
+            "| " + " | ".join(_ACTION_HEADERS) + " |",
+            "|" + "---|" * len(_ACTION_HEADERS),
         ]
-        for a in inc.actions:
-            extra = json.dumps(a.override) if a.override else a.comment
-            out.append(
-                f"| {_iso(a.at_s)} | {a.action} | {a.plan_id} | {a.actor} | {extra.replace('|', '/')} |"
-            )
+        for a in inc.action_rows():
+            out.append("| " + " | ".join(_md(a[k]) for k in _ACTION_KEYS) + " |")
     out.append("")
     return "\n".join(out)
 
+
+_ACTION_KEYS = ("at", "action", "plan_id", "actor", "override", "comment", "verdict")
+_ACTION_HEADERS = ("at (UTC)", "action", "plan", "actor", "override", "comment", "verdict")
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
 table{border-collapse:collapse;margin:0.5em 0 1.5em}
 td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;font-size:14px}
 th{background:#f3f3f3} .changed{background:#fff3cd} pre{background:#f7f7f7;padding:1em;overflow:auto}
-.status{font-weight:bold}
+.status{font-weight:bold} .refused{background:#f8d7da}
 """
 
 
@@ -592,7 +841,7 @@ def to_html(inc: Incident) -> str:
                 for r in inc.phase_rows()
             ],
         ),
-        "<h2>Throughput (median samples/s)</h2>",
+        "<h2>Throughput (samples/s)</h2>",
         _table(
             ["before", "during", "after"],
             [
@@ -602,6 +851,7 @@ def to_html(inc: Incident) -> str:
                 ]
             ],
         ),
+        "<ul>" + "".join(f"<li>{esc(x)}</li>" for x in throughput_notes(inc)) + "</ul>",
         incident_figure(inc).to_html(include_plotlyjs=True, full_html=False),
         "<h2>Evidence</h2>",
         _table(["fact", "value"], [[label, text] for label, text in evidence_facts(f)]),
@@ -615,8 +865,7 @@ def to_html(inc: Incident) -> str:
         diff = figures.plan_diff_rows(plan.before, plan.after)
         parts += [
             f"<p>Plan {plan.plan_id} ({esc(plan.policy)}, {esc(plan.mode)}): state <b>{esc(plan.state)}</b>. "
-            f"{esc(plan.reason)}<br>Predicted iteration time {plan.predicted_before_s:.3f} s &rarr; "
-            f"{plan.predicted_after_s:.3f} s. {esc(plan.note)}</p>",
+            f"{esc(plan.reason)}<br>{esc(_predicted(plan))} {esc(plan.note)}</p>",
             _table(
                 ["what", "before", "after"],
                 [[r["what"], r["before"], r["after"]] for r in diff],
@@ -631,20 +880,12 @@ def to_html(inc: Incident) -> str:
             ),
         ]
     parts.append("<h2>Operator actions</h2>")
-    if inc.actions:
+    if rows := inc.action_rows():
         parts.append(
             _table(
-                ["at (UTC)", "action", "plan", "actor", "override / comment"],
-                [
-                    [
-                        _iso(a.at_s),
-                        a.action,
-                        a.plan_id,
-                        a.actor,
-                        json.dumps(a.override) if a.override else a.comment,
-                    ]
-                    for a in inc.actions
-                ],
+                list(_ACTION_HEADERS),
+                [[a[k] for k in _ACTION_KEYS] for a in rows],
+                ["refused" if a["result"] == "refused" else "" for a in rows],
             )
         )
     else:

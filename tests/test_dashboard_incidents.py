@@ -163,7 +163,303 @@ def test_recovered_means_reaching_what_the_applied_plan_promised():
     partial = incidents.build_incident("j", "x", [f], hist, [], rows)
     assert partial.status == "open"
     # Not recovered, but the plan was applied: "after" is the rate since then.
-    assert partial.throughput == {"before": 100.0, "during": 60.0, "after": 80.0}
+    assert partial.throughput == pytest.approx({"before": 100.0, "during": 60.0, "after": 80.0})
+
+
+def _rows(rates, t0=1000.0, first=0, wall_per_trainer_s=1.0, samples=10.0):
+    """Iteration rows of ``samples`` each at the given samples/s (trainer clock), published
+    back to back; ``wall_per_trainer_s`` < 1 is a paced simulator running faster than real
+    time.  Returns the rows and iteration -> wall end."""
+    rows, t = [], t0
+    for i, rate in enumerate(rates, start=first):
+        dur = samples / rate
+        rows.append(
+            {
+                "iteration": i,
+                "iteration_time_s": dur,
+                "start_s": t,
+                "end_s": t + dur,
+                "samples": samples,
+                "samples_per_s": rate,
+                "published_s": t + dur * wall_per_trainer_s,
+            }
+        )
+        t += dur * wall_per_trainer_s
+    return rows, {r["iteration"]: r["published_s"] for r in rows}
+
+
+def _plan(plan_id, state, created, updated, failure_ids, before_s=1.0, after_s=0.75):
+    from resihp.schemas import AdaptationPlan
+
+    lay = {"layers": [4, 4], "groups": [[[0], [1]]]}
+    return AdaptationPlan(
+        plan_id=plan_id,
+        state=state,
+        created_at_s=created,
+        updated_at_s=updated,
+        reason="r",
+        before=lay,
+        after=lay,
+        predicted_before_s=before_s,
+        predicted_after_s=after_s,
+        failure_ids=failure_ids,
+    )
+
+
+def test_timeline_never_goes_back_in_time():
+    from resihp.schemas import FailureReport
+
+    rows, at = _rows([100.0] * 30 + [60.0] * 10 + [100.0] * 15)
+    slow = FailureReport(
+        report_id="x",
+        kind="fail_slow_compute",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=at[32],
+        iteration=32,
+        evidence={"change_point": 30},
+    )
+    back = FailureReport(
+        report_id="rec-1",
+        kind="recovery",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=at[36],
+        iteration=36,
+        evidence={"reason": "healthy_speed"},
+    )
+    # The device came back by itself before the plan for it was applied.
+    hist = [
+        _plan(1, "proposed", at[33], at[33], ["x"]),
+        _plan(1, "acknowledged", at[33], at[35], ["x"]),
+        _plan(1, "applied", at[33], at[39], ["x"]),
+    ]
+    tl = incidents.build_incident("j", "x", [slow, back], hist, [], rows).phase_rows()
+    assert [p["phase"] for p in tl] == [
+        "failure",
+        "detected",
+        "plan proposed",
+        "acknowledged",
+        "throughput recovered",
+        "applied",
+    ]
+    assert all(p["since_previous_s"] >= 0 for p in tl[1:])
+    assert tl[4]["at_s"] == at[36]
+    assert tl[4]["detail"] == "recovery report rec-1 (came before applied)"
+
+    # A recovery report exported as an incident (the scheduler may plan to take the device
+    # back) is not its own recovery: throughput after that plan is.
+    hist = [
+        _plan(2, "proposed", at[37], at[37], ["rec-1"]),
+        _plan(2, "acknowledged", at[37], at[38], ["rec-1"]),
+        _plan(2, "applied", at[37], at[41], ["rec-1"]),
+    ]
+    inc = incidents.build_incident("j", "rec-1", [slow, back], hist, [], rows)
+    tl = inc.phase_rows()
+    assert [p["phase"] for p in tl][-2:] == ["applied", "throughput recovered"]
+    assert all(p["at_s"] is not None and p["since_previous_s"] >= 0 for p in tl[1:])
+    assert tl[-1]["at_s"] == at[42] and tl[-1]["detail"].startswith("iteration 42: ")
+    assert "-" not in "".join(_cells(incidents.to_markdown(inc), "applied")[2:4])
+
+
+def _cells(md, first):
+    """The cells of the Markdown table row whose first cell is ``first``."""
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in\n{md}")
+
+
+def _action_cells(md, actor):
+    for line in md.split("## Operator actions", 1)[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) > 3 and cells[3] == actor:
+            return cells
+    raise AssertionError(f"no action by {actor!r} in\n{md}")
+
+
+def test_during_is_progress_so_a_hung_job_shows_none():
+    from resihp.schemas import FailureReport
+
+    rows, at = _rows([100.0] * 30)
+    hung_at = at[29]  # iteration 30 never finishes
+    dead = FailureReport(
+        report_id="fs-1",
+        kind="fail_stop",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=hung_at + 5.0,
+        iteration=30,
+        evidence={"scope": "node", "state": "dead", "last_seen_s": hung_at + 0.05},
+    )
+    inc = incidents.build_incident("j", "fs-1", [dead], [], [], rows)
+    assert inc.status == "open"
+    assert inc.throughput["before"] == pytest.approx(100.0) and inc.throughput["during"] == 0.0
+    assert inc.throughput_basis["during_ends_at"] == "the newest data (still open)"
+    exported = incidents.build_incident("j", "fs-1", [dead], [], [], rows, now_s=hung_at + 65)
+    assert exported.throughput_basis["during_wall_s"] == pytest.approx(64.95)
+    assert exported.throughput["during"] == 0.0
+
+    # Restarted a minute later at the old speed: the minute without progress is in "during"
+    # (a median of the iterations that did finish said 100, as fast as before).
+    more, _ = _rows([100.0] * 20, t0=hung_at + 60.0, first=30)
+    inc = incidents.build_incident("j", "fs-1", [dead], [], [], rows + more)
+    assert inc.status == "recovered"
+    tp = inc.throughput
+    assert tp["during"] == pytest.approx((10 * 60.05 / 60.1 + 10) / 60.15, rel=1e-3)
+    assert tp["after"] == pytest.approx(100.0)
+    md = incidents.to_markdown(inc)
+    assert "| 100.000 | 0.332 | 100.000 |" in md
+    assert "- during: 20.0 samples completed from the onset to throughput recovered (" in md
+    assert "time without progress (a hang) counts" in md
+
+    # A paced simulator (10x real time): "during" is on the trainer's clock like "before".
+    rows, at = _rows([100.0] * 30 + [50.0] * 20, wall_per_trainer_s=0.1)
+    slow = FailureReport(
+        report_id="x",
+        kind="fail_slow_compute",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=at[32],
+        iteration=32,
+        evidence={"change_point": 30},
+    )
+    inc = incidents.build_incident("j", "x", [slow], [], [], rows)
+    assert inc.throughput["during"] == pytest.approx(50.0)
+    assert inc.throughput_basis["trainer_s_per_wall_s"] == pytest.approx(10.0)
+
+
+def test_a_plan_from_a_layout_that_could_not_run_promises_nothing():
+    from resihp.schemas import FailureReport
+
+    rows, at = _rows([100.0] * 30 + [30.0] * 20)
+    dead = FailureReport(
+        report_id="fs-1",
+        kind="fail_stop",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=at[31],
+        iteration=31,
+        evidence={"change_point": 30},
+    )
+    hist = [
+        _plan(1, "proposed", at[32], at[32], ["fs-1"], before_s=-1.0),
+        _plan(1, "acknowledged", at[32], at[33], ["fs-1"], before_s=-1.0),
+        _plan(1, "applied", at[32], at[34], ["fs-1"], before_s=-1.0),
+    ]
+    inc = incidents.build_incident("j", "fs-1", [dead], hist, [], rows)
+    # -1 x the degraded rate was a negative target: "recovered" at 30% of the old speed
+    assert inc.status == "open" and inc.phases[-1].at_s is None
+
+
+@pytest.mark.redis
+def test_operator_actions_carry_the_schedulers_verdict(r):
+    import time
+
+    from resihp.bus import publish
+    from resihp.keys import JobKeys
+    from resihp.plans import write_layout
+    from resihp.schemas import FailureReport, OperatorAction
+    from resihp.topology import Layout
+    from scheduler.config import SchedulerConfig
+    from scheduler.service import SchedulerService
+
+    keys = JobKeys("job-v")
+    write_layout(r, keys, Layout.uniform(tp=4, pp=4, dp=2, num_layers=40, num_microbatches=8))
+    cfg = SchedulerConfig(job_id="job-v", model="llama2-13b", block_ms=10, mode="manual")
+    svc = SchedulerService(cfg, r)
+    dead = FailureReport(
+        report_id="fs-1",
+        kind="fail_stop",
+        ranks=[5],
+        nodes=[0],
+        detected_at_s=time.time(),
+        iteration=10,
+    )
+    publish(r, keys.failures, dead)
+    svc.run_once()
+    d = DashboardData(r)
+
+    def incident(audit=True):
+        return incidents.build_incident(
+            "job-v",
+            "fs-1",
+            d.failures("job-v"),
+            d.plan_history("job-v"),
+            d.actions("job-v"),
+            [],
+            audit=d.audit("job-v") if audit else None,
+        )
+
+    # The scheduler's plan for a dead rank: the current layout cannot run (-1).
+    inc = incident()
+    assert inc.plans[-1].predicted_before_s == -1.0
+    md, page = incidents.to_markdown(inc), incidents.to_html(inc)
+    assert "Predicted iteration time cannot run -> " in md and "-1.000" not in md
+    assert "Predicted iteration time cannot run -&gt; " in page and "-1.000" not in page
+    assert json.loads(incidents.to_json(inc))["plans"][0]["predicted_before_s"] == -1.0
+
+    for action, actor, override, comment in [
+        ("applied", "trainer", {}, ""),  # refused: never acknowledged
+        ("override", "carol", {"migration": "yes"}, "keep it local"),  # refused: bad field
+        ("reject", "alice", {}, "wait for the spare"),
+        ("acknowledge", "bob", {}, "go"),  # refused: already rejected
+    ]:
+        publish(
+            r,
+            keys.actions,
+            OperatorAction(
+                action=action,
+                plan_id=1,
+                actor=actor,
+                at_s=time.time(),
+                override=override,
+                comment=comment,
+            ),
+        )
+        svc.run_once()
+    inc = incident()
+    assert [(a.actor, v["result"]) for a, v in zip(inc.actions, inc.verdicts, strict=True)] == [
+        ("trainer", "refused"),
+        ("carol", "refused"),
+        ("alice", "accepted"),
+        ("bob", "refused"),
+    ]
+    # A refused action marks no phase: the trainer's "applied" did not happen.
+    ph = {p.name: p for p in inc.phases}
+    assert ph["applied"].at_s is None and ph["rejected"].detail == "plan 1 by alice"
+    assert inc.status == "rejected"
+
+    md = incidents.to_markdown(inc)
+    assert _action_cells(md, "bob")[1:] == [
+        "acknowledge",
+        "1",
+        "bob",
+        "",
+        "go",
+        "refused: plan 1 is rejected; cannot acknowledge",
+    ]
+    carol = _action_cells(md, "carol")
+    assert carol[4:6] == ['{"migration": "yes"}', "keep it local"]
+    assert carol[6] == "refused: override.migration must be true or false (plan 2)"
+    assert _action_cells(md, "alice")[5:] == ["wait for the spare", "accepted"]
+    page = incidents.to_html(inc)
+    assert (
+        "<td>bob</td><td></td><td>go</td>"
+        "<td>refused: plan 1 is rejected; cannot acknowledge</td>" in page
+    )
+    assert page.count('<tr class="refused">') == 3
+    js = json.loads(incidents.to_json(inc))["actions"]
+    assert js[3]["comment"] == "go" and js[3]["verdict"] == {
+        "result": "refused",
+        "note": "plan 1 is rejected; cannot acknowledge",
+        "new_plan_id": None,
+    }
+    # Without the audit log nothing claims a verdict.
+    assert _action_cells(incidents.to_markdown(incident(audit=False)), "bob")[6] == (
+        "no verdict: audit log not read"
+    )
 
 
 def _detector_reports(mode, n, at):

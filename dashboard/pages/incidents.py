@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from urllib.parse import parse_qs
 
 import redis
@@ -78,6 +79,8 @@ def _load(ctx: AppContext, job: str, incident_id: str) -> inc_mod.Incident:
         d.plan_history(job),
         d.actions(job),
         [r.to_dict() for r in d.iterations(job)],
+        audit=d.audit(job),
+        now_s=time.time(),
     )
 
 
@@ -100,11 +103,14 @@ def register(app, ctx: AppContext) -> None:
             return banner("no job selected", "info"), [], [], None
         d = ctx.data
         fails = d.failures(job)
-        hist, acts = d.plan_history(job), d.actions(job)
+        hist, acts, audit = d.plan_history(job), d.actions(job), d.audit(job)
         rows = inc_mod.wall_rows([r.to_dict() for r in d.iterations(job)])
         data = []
+        now = time.time()
         for f in inc_mod.list_incidents(fails)[::-1][:100]:
-            inc = inc_mod.build_incident(job, f.report_id, fails, hist, acts, rows)
+            inc = inc_mod.build_incident(
+                job, f.report_id, fails, hist, acts, rows, audit=audit, now_s=now
+            )
             ph = {p.name: p.at_s for p in inc.phases}
             onset = inc.phases[0].at_s
             rec = ph.get("throughput recovered")
@@ -205,7 +211,7 @@ def register(app, ctx: AppContext) -> None:
                     id="in-phases",
                 ),
                 html.Div(
-                    "throughput (median samples/s): "
+                    "throughput (samples/s; before, after: medians; during: progress over the window): "
                     + " · ".join(
                         f"{k} {'-' if tp.get(k) is None else f'{tp[k]:.2f}'}"
                         for k in ("before", "during", "after")

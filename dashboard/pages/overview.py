@@ -82,12 +82,16 @@ def summarize(ctx: AppContext, job: str) -> dict:
     plans = d.plans(job)
     hist = d.plan_history(job)
     acts = d.actions(job)
+    audit = d.audit(job)
+    now = time.time()
     open_inc = []
     wrows = incidents.wall_rows(rows)
     # An old incident can still be open behind many newer ones that closed: look back
     # over the last OPEN_LOOKBACK reports, show the newest OPEN_SHOWN that are open.
     for f in reversed(incidents.list_incidents(fails)[-OPEN_LOOKBACK:]):
-        inc = incidents.build_incident(job, f.report_id, fails, hist, acts, wrows)
+        inc = incidents.build_incident(
+            job, f.report_id, fails, hist, acts, wrows, audit=audit, now_s=now
+        )
         if inc.status == "open":
             open_inc.append(inc)
             if len(open_inc) == OPEN_SHOWN:
