@@ -19,7 +19,7 @@ Printed per setting:
 * false alarms per job: validations started while no fault was active; the
   overhead per false alarm (ours: CPU time of the validation; Greyhound: the
   training pause of its profiling + micro-benchmark validation, modeled as
-  calibration.md describes);
+  the project's calibration notes describe);
 * detection accuracy: healthy jobs with no fail-slow report, faulty jobs with a
   report naming the slowed device after the injection and no wrong report;
 * detection delay: slow iterations seen up to and including the report.

@@ -115,7 +115,7 @@ class DetectorConfig:
     #: * The collector's K: consecutive missed heartbeats that make a rank dead.
     heartbeat_k: int = 2
 
-    # --- Greyhound-style baseline (calibration.md) ----------------------------------
+    # --- Greyhound-style baseline (calibration notes) -------------------------------
     #: A change point counts only if the mean before/after differs by this much.
     gh_mean_shift: float = 0.10
     #: ... and it is this many iterations after the previous one.

@@ -1,4 +1,4 @@
-"""Greyhound-style baseline (ATC'25), as calibration.md describes the public system.
+"""Greyhound-style baseline (ATC'25), as the project's calibration notes describe the public system.
 
 * Signal: the raw iteration-time series, no workload model.
 * Change points (here: the same online CUSUM + ruptures machinery, on log
