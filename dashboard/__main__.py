@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import redis
@@ -66,9 +67,12 @@ def report_main(argv: list[str]) -> int:
     args = _report_parser().parse_args(argv)
     from dashboard import incidents
     from dashboard.data import DashboardData
+    from resihp.keys import validate_job_id
     from resihp.redis_client import connect
 
     try:
+        if args.job_id:  # empty ($RESIHP_JOB_ID=""): the first job in Redis
+            validate_job_id(args.job_id)
         client = connect(args.redis_url)
     except ValueError as e:
         print(f"report export: {e}", file=sys.stderr)
@@ -86,6 +90,8 @@ def report_main(argv: list[str]) -> int:
             data.plan_history(job),
             data.actions(job),
             [r.to_dict() for r in data.iterations(job)],
+            audit=data.audit(job),
+            now_s=time.time(),
         )
     except incidents.IncidentNotFound as e:
         print(f"report export: {e.args[0]}", file=sys.stderr)

@@ -11,13 +11,15 @@ key carries its runtime settings), so a change can be seen taking effect.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import redis
 
 from detector.config import RUNTIME_FIELDS, DetectorConfig
-from resihp.bus import Health
+from resihp.bus import Health, list_jobs
 from resihp.keys import JobKeys
+from resihp.topology import Layout, LayoutError
 
 
 def parse_assignments(items: list[str]) -> dict[str, str]:
@@ -32,6 +34,8 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
             raise ValueError(
                 f"{name}: not a runtime-tunable field (allowed: {', '.join(RUNTIME_FIELDS)})"
             )
+        if name in out:
+            raise ValueError(f"{name}: given twice; give each field once")
         out[name] = value.strip()
     return out
 
@@ -59,10 +63,40 @@ def _decode(raw: dict) -> dict[str, str]:
     }
 
 
+def _known_job(client: redis.Redis, job_id: str) -> JobKeys:
+    """The keys of ``job_id``; ValueError naming the known jobs when it is neither
+    registered in this Redis nor has a ``detector_config`` hash already."""
+    keys = JobKeys(job_id)
+    jobs = list_jobs(client)
+    if job_id in jobs or client.exists(keys.detector_config):
+        return keys
+    known = ", ".join(jobs) if jobs else "none"
+    raise ValueError(f"unknown job {job_id!r} in this Redis (known jobs: {known}); pass --job-id")
+
+
+def _check_ranks(client: redis.Redis, keys: JobKeys, values: dict[str, str]) -> None:
+    """Refuse ``disabled_ranks`` outside the job's layout, when its layout key exists."""
+    if "disabled_ranks" not in values:
+        return
+    raw = client.get(keys.layout)
+    if not raw:
+        return
+    try:
+        world = Layout.from_json(raw).world_size
+    except LayoutError:
+        return  # an unreadable layout is not the operator's mistake; the service copes
+    outside = [r for r in json.loads(values["disabled_ranks"]) if r >= world]
+    if outside:
+        raise ValueError(
+            f"disabled_ranks: rank(s) {', '.join(map(str, outside))} outside the job's "
+            f"{world} ranks (0-{world - 1})"
+        )
+
+
 def read(client: redis.Redis, job_id: str) -> list[dict[str, Any]]:
     """One row per runtime field: the hash value, the default, and what the running
     detector says it applied (None when no detector reports)."""
-    keys = JobKeys(job_id)
+    keys = _known_job(client, job_id)
     stored = _decode(client.hgetall(keys.detector_config))
     health = Health.get(client, keys, "detector") or {}
     applied = health.get("config") if isinstance(health.get("config"), dict) else {}
@@ -80,9 +114,11 @@ def read(client: redis.Redis, job_id: str) -> list[dict[str, Any]]:
 
 def write(client: redis.Redis, job_id: str, assignments: list[str]) -> dict[str, tuple]:
     """Validate and write; returns field -> (previous stored value, new value)."""
-    keys = JobKeys(job_id)
+    changes = parse_assignments(assignments)
+    keys = _known_job(client, job_id)
     stored = _decode(client.hgetall(keys.detector_config))
-    values = validate(stored, parse_assignments(assignments))
+    values = validate(stored, changes)
+    _check_ranks(client, keys, values)
     client.hset(keys.detector_config, mapping=values)
     return {k: (stored.get(k), v) for k, v in values.items()}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -311,10 +312,25 @@ class RestartPolicy:
         return now + min(self.max_backoff_s, 2.0 ** (len(recent) - 1))
 
 
+def check_up_numbers(args) -> str | None:
+    """A ``--duration`` that is not a positive number of seconds, or a ``--grace-period-s``
+    the scheduler would refuse (scheduler/config.py: a finite number >= 0) -> the reason."""
+    duration = getattr(args, "duration", None)
+    if duration is not None and not (0 < duration < math.inf):
+        return f"--duration must be a finite number of seconds > 0, got {duration:g}"
+    grace = getattr(args, "grace_period_s", None)
+    if grace is not None and not (0 <= grace < math.inf):
+        return f"--grace-period-s must be a finite number >= 0, got {grace:g}"
+    return None
+
+
 def preflight(args) -> str | None:
     """What would make a child fail at once, checked before anything starts (-> the
     reason, or None): a bad job id, a state dir that cannot be made, a scenario or model
     the trainer would refuse, a dashboard port another program holds."""
+    problem = check_up_numbers(args)
+    if problem:
+        return problem
     try:
         resolve_job(args)
     except ValueError as e:

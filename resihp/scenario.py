@@ -165,9 +165,22 @@ def _line_map(
     return root.start_mark.line + 1, ev_lines, key_lines, dup
 
 
-def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
-    """Parse scenario text (YAML, or JSON when it looks like JSON)."""
+def _empty(source: str) -> ScenarioError:
+    return ScenarioError(
+        f"{source}:1: empty scenario file (no events; write 'events: []' for a run "
+        "without failures)"
+    )
+
+
+def parse_scenario(text: str, source: str = "<scenario>", allow_empty: bool = True) -> Scenario:
+    """Parse scenario text (YAML, or JSON when it looks like JSON).
+
+    Text with no content (blank, or YAML comments only) is a scenario without events
+    unless ``allow_empty`` is False (a scenario *file*: see :func:`load_scenario`). A
+    mapping must have ``events``; ``events: []`` says on purpose that there are none."""
     stripped = text.lstrip()
+    if not stripped and not allow_empty:
+        raise _empty(source)  # before JSON, which would call it invalid
     is_json = source.endswith(".json") or stripped.startswith(("{", "["))
     if is_json:
         try:
@@ -193,6 +206,8 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
     if dup is not None:
         raise ScenarioError(f"{source}:{dup[0]}: duplicate key {dup[1]!r}")
     if data is None:
+        if not allow_empty:
+            raise _empty(source)
         return Scenario(source=source)
     name, seed = "", None
     if isinstance(data, dict):
@@ -206,7 +221,12 @@ def parse_scenario(text: str, source: str = "<scenario>") -> Scenario:
         seed = data.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ScenarioError(f"{source}:{top_line}: seed must be an integer, got {seed!r}")
-        items = data.get("events", [])
+        if "events" not in data:
+            raise ScenarioError(
+                f"{source}:{top_line}: no events: the scenario has no 'events' list "
+                "(write 'events: []' for a run without failures)"
+            )
+        items = data["events"]
     elif isinstance(data, list):
         items = data
     else:
@@ -232,7 +252,7 @@ def load_scenario(path: str | Path) -> Scenario:
     except UnicodeDecodeError as e:
         line = p.read_bytes()[: e.start].count(b"\n") + 1
         raise ScenarioError(f"{p}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return parse_scenario(text, str(p))
+    return parse_scenario(text, str(p), allow_empty=False)
 
 
 def _parse_event(item: Any, source: str, line: int, keys: dict[str, int]) -> ScenarioEvent:
@@ -537,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
                 sc.check(a.world, a.devices_per_node)
             for ev in sc.events:
                 print(f"{ev.where()}: {ev.describe()}")
+            if not sc.events:
+                print(f"{a.file}: 0 events (a run without failures)")
             return 0
         if a.cmd == "failstop":
             sc = failstop_scenario(

@@ -209,7 +209,12 @@ def plan(
             raise OverrideError(f"layers {L}: stage(s) {bad} exceed device memory (caps {caps})")
         cands.append(L)
     else:
-        if all(lay.layers[s] <= caps[s] for s in range(S)) and not gone:
+        # the caps assume any replica may come to run every micro-batch (and host one
+        # more): a partition the job already runs in memory stays a candidate all the same
+        # (a healthy or lightly hit job was refused any plan), the DP step keeps memory
+        if not gone and (
+            all(lay.layers[s] <= caps[s] for s in range(S)) or not memory_violations(lay, predictor)
+        ):
             cands.append(list(lay.layers))
         if opt.pp or gone:
             wmax = np.where(live, w, 0).max(axis=0)

@@ -23,9 +23,9 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from resihp import entry
 from resihp.pipeline.models import get_preset, table3_layout
 from resihp.scenario import (
     SEVERITY_DROP,
@@ -286,13 +286,21 @@ def main_simulate(args) -> int:
         calibrate(pred, layout, args.fault_free_samples_per_s)
     last = max((e.at_s or 0.0 for e in events), default=0.0)
     duration = args.duration_s or last + 3600.0
-    res = run_timeline(policy, layout, events, pred, duration, pre.name)
-    out = res.to_dict()
-    out["scenario"] = name or args.scenario
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    # a result that cannot be written is said before simulating, not after
+    sink = entry.open_output(args.out, "simulate")
+    if sink is None:
+        return 2
+    with sink as f:
+        res = run_timeline(policy, layout, events, pred, duration, pre.name)
+        out = res.to_dict()
+        out["scenario"] = name or args.scenario
+        f.write(json.dumps(out, indent=1) + ("\n" if args.out == "-" else ""))
     if not args.quiet:
         status = (
             f"ABORTED at {res.abort_at_s:.0f}s ({res.abort_reason})" if res.aborted else "completed"
         )
-        print(f"{args.policy}: {res.samples_per_s:.3f} samples/s over {duration:.0f}s, {status}")
+        print(
+            f"{args.policy}: {res.samples_per_s:.3f} samples/s over {duration:.0f}s, {status}",
+            file=sys.stderr if args.out == "-" else sys.stdout,
+        )
     return 0

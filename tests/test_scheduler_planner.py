@@ -59,6 +59,25 @@ def scenarios(draw):
     return lay, p, opts, mem
 
 
+def _capacity_without_migration(lay: Layout, p: dict[int, float], pred) -> int:
+    """Layers the job holds keeping every replica, each group shrunk to the largest power of
+    two of its live devices, at 1F1B's in-flight micro-batches (0 when a group is gone)."""
+    from scheduler.memory import inflight_1f1b
+
+    total = 0
+    for s in range(lay.pp):
+        cap = None
+        for d in range(lay.dp):
+            live = sum(1 for r in lay.groups[d][s] if p.get(r, 1.0) > 0)
+            if not live:
+                return 0
+            k = 1 << (live.bit_length() - 1)
+            c = pred.memory.layer_cap(k, inflight_1f1b(s, lay.pp, lay.microbatches[d]))
+            cap = c if cap is None else min(cap, c)
+        total += cap
+    return total
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_invariants(sc):
@@ -67,8 +86,12 @@ def test_plan_invariants(sc):
     assume(not memory_violations(lay, pred))  # the job must have started in memory
     try:
         res = plan(lay, p, pred, opts)
-    except PlanningError:
-        # aborting is allowed only when some stage really cannot be served
+    except PlanningError as e:
+        # refusing is allowed only when no plan exists: with every group keeping a live
+        # device, regrouping to powers of two and repartitioning layers (no migration)
+        # would serve unless those groups cannot hold the layers
+        if opts.tp and opts.pp and _capacity_without_migration(lay, p, pred) >= lay.num_layers:
+            raise AssertionError(f"refused a plannable layout: {e}") from e
         return
     after = res.after
     after.validate()

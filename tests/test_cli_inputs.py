@@ -1,0 +1,198 @@
+"""Command-line input checks: a bad argument is one clear line (exit 2), no traceback, and
+nothing is started or written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from resihp.keys import JOBS_SET, JobKeys
+from resihp.topology import Layout
+
+LAY16 = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8)
+
+
+# --------------------------------------------------------------- resihp config set
+
+
+def _config(redis_server, job: str, *rest: str) -> int:
+    from detector.__main__ import main
+
+    return main(["config", "--redis-url", redis_server.url, "--job-id", job, *rest])
+
+
+def test_config_refuses_an_unknown_job_and_names_the_known_ones(r, redis_server, capsys):
+    r.sadd(JOBS_SET, "job-a", "job-b")
+    assert _config(redis_server, "probe22", "set", "threshold=1.5") == 2
+    err = capsys.readouterr().err
+    assert "unknown job 'probe22'" in err and "job-a, job-b" in err, err
+    assert not r.exists(JobKeys("probe22").detector_config)
+    assert _config(redis_server, "probe22", "show") == 2
+    assert "unknown job 'probe22'" in capsys.readouterr().err
+    # a registered job, or one whose detector already seeded its hash, is known
+    assert _config(redis_server, "job-a", "set", "threshold=1.5") == 0
+    assert r.hget(JobKeys("job-a").detector_config, "threshold") == b"1.5"
+    r.hset(JobKeys("seeded").detector_config, "threshold", "1.25")
+    assert _config(redis_server, "seeded", "set", "threshold=1.3") == 0
+    assert _config(redis_server, "seeded", "show") == 0
+    capsys.readouterr()
+
+
+def test_config_refuses_an_unknown_job_in_an_empty_redis(r, redis_server, capsys):
+    assert _config(redis_server, "probe22", "set", "threshold=1.5") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("detector config: unknown job 'probe22'") and "known jobs: none" in err
+    assert "Traceback" not in err and r.keys("*") == []
+
+
+def test_config_refuses_disabled_ranks_outside_the_layout(r, redis_server, capsys):
+    keys = JobKeys("j16")
+    r.sadd(JOBS_SET, "j16")
+    r.set(keys.layout, json.dumps(LAY16.to_dict()))
+    assert _config(redis_server, "j16", "set", "threshold=1.4", "disabled_ranks=[3, 99]") == 2
+    err = capsys.readouterr().err
+    assert "disabled_ranks: rank(s) 99 outside the job's 16 ranks (0-15)" in err, err
+    assert not r.exists(keys.detector_config)  # all or nothing
+    assert _config(redis_server, "j16", "set", "disabled_ranks=15,3") == 0
+    assert r.hget(keys.detector_config, "disabled_ranks") == b"[3, 15]"
+    # without a layout key there is nothing to check against
+    r.sadd(JOBS_SET, "nolayout")
+    assert _config(redis_server, "nolayout", "set", "disabled_ranks=[99]") == 0
+    capsys.readouterr()
+
+
+def test_config_refuses_a_field_given_twice(r, redis_server, capsys):
+    r.sadd(JOBS_SET, "twice")
+    assert _config(redis_server, "twice", "set", "threshold=1.3", "threshold=1.4") == 2
+    err = capsys.readouterr().err
+    assert "threshold: given twice" in err, err
+    assert not r.exists(JobKeys("twice").detector_config)
+
+
+# --------------------------------------------------------------- resihp report export
+
+
+def test_report_export_refuses_a_bad_job_id(r, redis_server, tmp_path, capsys):
+    from dashboard.__main__ import main
+
+    r.sadd(JOBS_SET, "job-a")
+    out = tmp_path / "x.md"
+    argv = ["report", "export", "--incident", "X", "--format", "md", "--out", str(out)]
+    rc = main([*argv, "--redis-url", redis_server.url, "--job-id", "bad id!"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("report export: invalid job id 'bad id!'"), err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+# --------------------------------------------------------------- resihp simulate
+
+
+def test_simulate_refuses_an_unwritable_out_before_simulating(tmp_path, capsys):
+    from scheduler.__main__ import main
+
+    sc = tmp_path / "sc.yaml"
+    sc.write_text("events:\n  - {at_s: 600, action: kill_device, rank: 5}\n")
+    base = ["simulate", "--scenario", str(sc), "--policy", "resihp", "--model", "llama2-7b"]
+    base += ["--duration-s", "1200"]
+    missing = tmp_path / "nonexistent" / "x.json"
+    assert main([*base, "--out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"simulate: cannot write {missing}: "), err
+    assert len(err.strip().splitlines()) == 1 and not missing.parent.exists()
+    assert main([*base, "--out", str(tmp_path)]) == 2  # a directory
+    assert "simulate: cannot write" in capsys.readouterr().err
+    ok = tmp_path / "r.json"
+    assert main([*base, "--out", str(ok), "--quiet"]) == 0
+    assert json.loads(ok.read_text())["policy"] == "resihp"
+
+
+# --------------------------------------------------------------- resihp up
+
+
+def _up_args(tmp_path, *argv: str):
+    from resihp.cli import _build_parser
+
+    st = tmp_path / "st"
+    return _build_parser().parse_args(["up", "--state-dir", str(st), *argv]), st
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--duration", "-5"], "--duration must be a finite number of seconds > 0, got -5"),
+        (["--duration", "0"], "--duration must be a finite number of seconds > 0, got 0"),
+        (["--duration", "nan"], "--duration must be a finite number of seconds > 0, got nan"),
+        (["--grace-period-s", "-3"], "--grace-period-s must be a finite number >= 0, got -3"),
+        (["--grace-period-s", "inf"], "--grace-period-s must be a finite number >= 0, got inf"),
+    ],
+)
+def test_up_refuses_bad_duration_and_grace_period_before_starting(tmp_path, argv, why):
+    from resihp.launcher import preflight
+
+    args, st = _up_args(tmp_path, "--dashboard-port", "0", *argv)
+    assert preflight(args) == why
+    assert not st.exists()  # nothing made, nothing started
+
+
+def test_up_accepts_a_positive_duration_and_a_zero_grace_period(tmp_path):
+    from resihp.launcher import check_up_numbers
+
+    args, _ = _up_args(tmp_path, "--duration", "2.5", "--grace-period-s", "0")
+    assert check_up_numbers(args) is None
+
+
+# --------------------------------------------------------------- scenario files
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# nothing yet\n", "~\n"])
+def test_an_empty_scenario_file_is_an_error(tmp_path, text, capsys):
+    from resihp.scenario import ScenarioError, load_scenario, main
+
+    f = tmp_path / "e.yaml"
+    f.write_text(text)
+    with pytest.raises(ScenarioError, match=rf"^{f}:1: empty scenario file"):
+        load_scenario(f)
+    assert main(["check", str(f)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"scenario: {f}:1: empty scenario file")
+
+
+def test_an_empty_json_scenario_file_is_empty_not_invalid(tmp_path):
+    from resihp.scenario import ScenarioError, load_scenario
+
+    f = tmp_path / "e.json"
+    f.write_text("")
+    with pytest.raises(ScenarioError, match=rf"^{f}:1: empty scenario file"):
+        load_scenario(f)
+
+
+def test_a_scenario_mapping_without_events_is_an_error(tmp_path):
+    from resihp.scenario import ScenarioError, load_scenario
+
+    f = tmp_path / "n.yaml"
+    f.write_text("# header\nname: forgot them\n")
+    with pytest.raises(ScenarioError, match=rf"^{f}:2: no events"):
+        load_scenario(f)
+
+
+def test_an_explicitly_empty_event_list_is_allowed_and_check_says_so(tmp_path, capsys):
+    from resihp.scenario import load_scenario, main
+
+    for name, text in (("y.yaml", "name: calm\nevents: []\n"), ("j.json", '{"events": []}')):
+        f = tmp_path / name
+        f.write_text(text)
+        assert load_scenario(f).events == []
+        assert main(["check", str(f)]) == 0
+        assert capsys.readouterr().out == f"{f}: 0 events (a run without failures)\n"
+
+
+def test_up_refuses_an_empty_scenario_file(tmp_path):
+    from resihp.launcher import preflight
+
+    f = tmp_path / "e.yaml"
+    f.write_text("")
+    args, _ = _up_args(tmp_path, "--dashboard-port", "0", "--scenario", str(f))
+    assert preflight(args) == f"scenario: {f}:1: " + (
+        "empty scenario file (no events; write 'events: []' for a run without failures)"
+    )
