@@ -30,6 +30,21 @@ def _incident(r, recover: bool):
 
 
 @pytest.mark.redis
+def _slow_at_32(at: dict[int, float]):
+    """Rank 3 reported slow at iteration 32, its change point at 30."""
+    from resihp.schemas import FailureReport
+
+    return FailureReport(
+        report_id="x",
+        kind="fail_slow_compute",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=at[32],
+        iteration=32,
+        evidence={"change_point": 30},
+    )
+
+
 def test_phases_in_order_with_durations(r):
     sc, inc = _incident(r, recover=True)
     rows = inc.phase_rows()
@@ -109,7 +124,7 @@ def test_report_export_cli(r, redis_server, tmp_path):
 
 
 def test_recovered_means_reaching_what_the_applied_plan_promised():
-    from resihp.schemas import AdaptationPlan, FailureReport
+    from resihp.schemas import AdaptationPlan
 
     rows, t = [], 1000.0
     for i in range(50):
@@ -127,15 +142,7 @@ def test_recovered_means_reaching_what_the_applied_plan_promised():
         )
         t += dur
     at = {r["iteration"]: r["published_s"] for r in rows}
-    f = FailureReport(
-        report_id="x",
-        kind="fail_slow_compute",
-        ranks=[3],
-        nodes=[0],
-        detected_at_s=at[32],
-        iteration=32,
-        evidence={"change_point": 30},
-    )
+    f = _slow_at_32(at)
     lay = {"layers": [4, 4], "groups": [[[0], [1]]]}
 
     def snap(state, when, after_s=0.75):
@@ -210,15 +217,7 @@ def test_timeline_never_goes_back_in_time():
     from resihp.schemas import FailureReport
 
     rows, at = _rows([100.0] * 30 + [60.0] * 10 + [100.0] * 15)
-    slow = FailureReport(
-        report_id="x",
-        kind="fail_slow_compute",
-        ranks=[3],
-        nodes=[0],
-        detected_at_s=at[32],
-        iteration=32,
-        evidence={"change_point": 30},
-    )
+    slow = _slow_at_32(at)
     back = FailureReport(
         report_id="rec-1",
         kind="recovery",
@@ -316,15 +315,7 @@ def test_during_is_progress_so_a_hung_job_shows_none():
 
     # A paced simulator (10x real time): "during" is on the trainer's clock like "before".
     rows, at = _rows([100.0] * 30 + [50.0] * 20, wall_per_trainer_s=0.1)
-    slow = FailureReport(
-        report_id="x",
-        kind="fail_slow_compute",
-        ranks=[3],
-        nodes=[0],
-        detected_at_s=at[32],
-        iteration=32,
-        evidence={"change_point": 30},
-    )
+    slow = _slow_at_32(at)
     inc = incidents.build_incident("j", "x", [slow], [], [], rows)
     assert inc.throughput["during"] == pytest.approx(50.0)
     assert inc.throughput_basis["trainer_s_per_wall_s"] == pytest.approx(10.0)
