@@ -5,9 +5,18 @@ Wiring only; the decisions live in :mod:`resihp.liveness` and
 :mod:`resihp.assembly`.
 
 * Arrival time of a heartbeat = the time Redis appended its entry (the entry
-  id), mapped onto the collector's clock with a periodically measured offset.
-  A collector that falls behind in reading therefore does not mistake its own
-  backlog for silent ranks, and the ranks' clocks never matter.
+  id), i.e. Redis's clock.  The collector keeps its own "now" on that same
+  clock: it reads Redis ``TIME`` every 10 s and carries it forward with the
+  monotonic clock in between, so a step of this host's wall clock (NTP) does
+  not make beats look late or early.  A collector that falls behind in reading
+  therefore does not mistake its own backlog for silent ranks, and the ranks'
+  clocks never matter to liveness.
+* Chunk rows carry the ranks' own timestamps, so they are put on Redis's clock
+  too: each heartbeat's send time (``wall_time_s``) against its arrival gives a
+  per-rank offset estimate (``_track_skew``: it follows the smallest recent
+  offsets, and restarts when a rank comes back in a new process generation),
+  and rows of a rank whose estimate exceeds ``clock_skew_correct_s`` are
+  shifted by it before assembly (``_on_redis_clock``).
 * Telemetry entries are acknowledged only once every iteration they carry rows
   for has been published, so a collector that dies loses nothing: a restarted
   one (same instance name) re-reads its pending entries first, another one

@@ -5,7 +5,8 @@ trace replays is exactly what the service would have reported.  Within one
 batch, liveness events are handled before iteration records so that when a
 fail-stop and a fail-slow co-occur the fail-stop is reported first (§8.4);
 after a fail-stop, fail-slow verdicts wait until the job is reconfigured (a
-new ``layout_id``) or a hold of ``failstop_hold_iters`` iterations passes.
+new ``layout_id``) or a hold of :data:`FAILSTOP_HOLD_ITERS` (20) iterations
+passes (a module constant, not a setting).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Detector:
         if layout is not None:
             self.failslow.set_layout(layout)
         self.stats = EngineStats()
-        self.health: dict[int, dict] = {}  # rank -> {"p", "state", "since"}
+        self.health: dict[int, dict] = {}  # rank -> {"p", "state", "since"[, "kind"]}
         self.health_dirty: set[int] = set()
         self._seq = itertools.count(1)
         self.last_iteration = -1

@@ -4,7 +4,7 @@ A trace (docs/trace-format.md) is JSON lines, one wire message per line, as
 ``python -m collector record`` writes them: layout lines, heartbeats,
 micro-batch stats and packed chunk batches (``ChunkBatch.to_dict``), each
 with its ``arrival_s``.  Replay rebuilds what the live collector would have
-published — IterationRecords from the collector's pure assembler,
+published — IterationRecords from the shared assembler the collector uses,
 LivenessEvents from its two-level heartbeat coordinator — on the trace's own
 clock (``arrival_s``; for traces without it, heartbeat ``wall_time_s`` and
 chunk end times), and feeds
@@ -14,8 +14,10 @@ service streams) go to the detector directly; a ``{"type": "layout",
 "layout": {...}}`` line sets the layout.  A bad line is reported with its
 line number and skipped; it never stops the replay.
 
-The collector modules used here are pure (no Redis); importing them keeps one
-definition of assembly and liveness instead of a second copy in the detector.
+Assembly and liveness come from the shared core (:mod:`resihp.assembly`,
+:mod:`resihp.liveness`), the same pure modules (no Redis) the live collector
+runs, so there is one definition of each and the detector never imports the
+collector service.
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ entries go to the dead-letter stream, unacknowledged ones are re-delivered
 after a restart), hands each batch to the pure :class:`detector.engine.Detector`
 (liveness first, so a fail-stop is reported before a co-occurring fail-slow),
 publishes reports to ``keys.failures`` and keeps ``keys.device_health``
-(rank -> JSON {"p", "state", "since"}) current.  Every loop it re-reads the
-runtime subset of its settings from ``keys.detector_config`` and the layout
-from ``keys.layout``, so thresholds, the CPD penalty, heartbeat K and the
-per-rank off switch change without a restart.
+(rank -> JSON {"p", "state", "since"}, plus "kind" - the fail-slow kind - on a
+slow device) current.  Every loop it re-reads the runtime subset of its
+settings from ``keys.detector_config`` and the layout from ``keys.layout``, so
+thresholds, the CPD penalty, heartbeat K and the per-rank off switch change
+without a restart.
 """
 
 from __future__ import annotations

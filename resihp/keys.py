@@ -90,7 +90,8 @@ class JobKeys:
     # --- plain keys ---
     @property
     def layout(self) -> str:
-        """Current topology layout (JSON), written by the trainer / scheduler."""
+        """Current topology layout (JSON), written by the trainer (``plans.write_layout``: at
+        start and after applying a plan); the scheduler only reads it."""
         return f"{self.base}:layout"
 
     @property
@@ -133,7 +134,9 @@ class JobKeys:
 
     @property
     def device_health(self) -> str:
-        """Hash rank -> JSON {p, state, since} maintained by the detector."""
+        """Hash rank -> JSON {p, state, since[, kind]} maintained by the detector; ``kind``
+        (fail_slow_compute | fail_slow_comm) is present on slow devices and is read back
+        by a restarted detector."""
         return f"{self.base}:device_health"
 
     @property

@@ -493,8 +493,11 @@ class AdaptationPlan(Message):
     """A scheduler plan and its lifecycle state.
 
     ``before``/``after`` are Layout dicts (resihp.topology.Layout.to_dict).
-    ``moves`` lists what changes: {"what": "layers"|"optimizer_state"|"microbatch"
-    |"tp_regroup"|"exclude"|"standby", ...}.
+    ``moves`` lists what changes, in order: {"what": "exclude"|"standby"|"tp_regroup"
+    |"drop_stage"|"p2p_map"|"layers"|"optimizer_state"|"microbatches"|"microbatch", ...}
+    (fields per kind in docs/scheduler.md, "Plans").  A plan may also carry
+    {"what": "reconfig", "pause_s": X}, which no scheduler policy emits: the cluster
+    simulator takes it as that plan's own rebuild pause (docs/scenario.md).
     """
 
     TYPE: ClassVar[str] = "plan"

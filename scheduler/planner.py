@@ -1,4 +1,4 @@
-"""Progressive adaptation TP -> PP -> DP (§6): builds the content of an AdaptationPlan.
+"""Progressive adaptation TP -> PP -> DP (§6) plus local searches: builds a plan's content.
 
 :func:`plan` takes the current layout and device speeds ``p`` (rank ->
 normalized throughput, 0 = fail-stop) and returns a :class:`PlanResult`:
@@ -13,6 +13,19 @@ normalized throughput, 0 = fail-stop) and returns a :class:`PlanResult`:
    partition.
 3. DP (§6.3): Algorithm 1 (``scheduler.dp``) for each PP candidate, with
    evictions only and with balancing at ``delta``.
+4. Layer local search (when layers may move): the best two structures get a
+   hill climb over one-layer moves (:func:`_climb`), then Algorithm 1 runs
+   again at the improved partition.
+5. Migration refinement (small jobs only, at most ``WIDE_SEARCH_TRIPLES``
+   (replica, stage, micro-batch) triples, DP on):
+   :func:`scheduler.refine.refine_migrations`, an engine-scored descent over
+   single migration / ownership moves from the chosen layout and a few other
+   structures (``REFINE_STARTS`` starts sharing ``REFINE_EVALS`` evaluations).
+6. Joint probes (small jobs, when layers may move): partitions one layer away
+   from the refined layout's, with nearby owner counts, rebuilt by Algorithm 1;
+   the ``PROBE_STARTS`` fastest get a short descent (``PROBE_EVALS``) and the
+   best continues on what is left of ``PROBE_BUDGET``.  Steps 5 and 6 replace
+   the layout only when faster.
 
 Every candidate is evaluated by the shared pipeline engine
 (``scheduler.predict``); the fastest wins.  When the current layout can still

@@ -6,7 +6,7 @@
   (OperatorAction) through :class:`resihp.bus.StreamConsumer` (consumer group
   ``resihp-scheduler``; malformed entries are dead-lettered by the consumer);
 * reads the running layout from ``keys.layout`` and device speeds from
-  ``keys.device_health`` (rank -> {p, state, since});
+  ``keys.device_health`` (rank -> {p, state, since}, plus kind on a slow device);
 * refuses a report it cannot act on - unknown rank, contradictory content, a
   device already excluded - by writing it to the dead-letter stream with the
   reason *and* counting it in ``scheduler_reports_refused_total``;

@@ -1,7 +1,9 @@
-"""Entry point: ``python -m trainer sim ...`` (cluster simulator) or ``python -m trainer torch ...``.
+"""Entry point: ``python -m trainer sim ...`` (cluster simulator), ``python -m trainer torch ...``
+(the PyTorch trainer) or ``python -m trainer scenario {check,failstop,failslow} ...`` (check or
+generate failure-scenario files, :func:`resihp.scenario.main`; docs/scenario.md).
 
 ``python -m trainer --check-health [--redis-url URL] [--job-id ID]`` exits 0 when the
-job's trainer (either back end) has a fresh ``ok`` health key, 1 otherwise.
+job's trainer (sim or torch) has a fresh ``ok`` health key, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import os
 import sys
 
 USAGE = (
-    "usage: python -m trainer {sim,torch} [options]   (--help after the back end for its options)"
+    "usage: python -m trainer {sim,torch,scenario} [options]"
+    "   (--help after the back end for its options)"
 )
 
 

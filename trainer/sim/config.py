@@ -196,7 +196,12 @@ class SimConfig:
         for name in ("tp", "pp", "dp"):
             p.add_argument(f"--{name}", type=int, default=0, help="0 = the model's Table 3 setting")
         p.add_argument("--microbatches", type=int, default=d.microbatches)
-        p.add_argument("--seq-len", type=int, default=d.seq_len, help="token budget N (4096-32768)")
+        p.add_argument(
+            "--seq-len",
+            type=int,
+            default=d.seq_len,
+            help="token budget N, 1024-131072 (the paper uses 4096-32768)",
+        )
         p.add_argument("--schedule", default=d.schedule, help="gpipe, 1f1b or zbh1")
         p.add_argument("--devices-per-node", type=int, default=d.devices_per_node)
         p.add_argument("--spare-devices", type=int, default=0)
