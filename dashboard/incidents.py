@@ -235,6 +235,7 @@ _SIGNALS = {
     "p2p_residual": "point-to-point transfer residuals",
     "warmup_peer_comparison": "slow since before the warm-up, against peer replicas",
     "warmup_prior_comparison": "slower than before a reconfiguration, against its own speed then",
+    "severity_change": "a device already reported slow moved to another level",
 }
 
 

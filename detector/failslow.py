@@ -112,6 +112,9 @@ class FailSlowStats:
 #: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.07 (the last
 #: stage's LM head does not scale with its layers), a slow link 2.3, a GPU at 0.6x 1.6.
 PRIOR_OUTLIER_RATIO = 1.10
+#: A known-slow group or link whose level moves by at least this factor (either way) is
+#: reported again with its new severity (if the move costs or gains enough throughput).
+SEVERITY_STEP = 0.25
 #: The same for a group the plan shrank, its time scaled by the TP degree as well: healthy
 #: TP-4 groups shrunk to 2 read 0.93-1.01 (less time in collectives), a GPU at 0.6x 1.6.
 PRIOR_REGROUP_RATIO = 1.25
@@ -137,6 +140,7 @@ class FailSlowDetector:
         self._warm_outliers: set[Group] = set()
         self._warm_findings: list[Finding] = []
         self.ready = False
+        self._warm_until = -1  # last iteration of the latest (re-)warm-up
         self.mu: dict[Group, float] = {}
         self.sigma: dict[Group, float] = {}
         self.comm_mu: dict[LinkKey, float] = {}
@@ -469,6 +473,7 @@ class FailSlowDetector:
         self.idet.set_baseline(self.iter_mu, max(self.iter_sigma, 0.02))
         self.idet.prime(it_at, it_log)
         self.ready = True
+        self._warm_until = views[-1].iteration if views else -1
         self._warm_findings = self._validate_warm_outliers(views, res)
 
     def _still_slow(
@@ -920,7 +925,8 @@ class FailSlowDetector:
             if already:
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
-                return []
+                st = next((q for q in self.slow.values() if q.group == g), None)
+                return self._severity_change(st, g, factor, cp, rr, v) if st else []
             loss, h_s, s_s = self._throughput_loss(self._post(cp, v), joint or {g: factor})
             ranks, severity, rank_ratios = self._localize(g, factor, rr)
             ranks = [r for r in ranks if r not in cfg.disabled_ranks]
@@ -980,7 +986,8 @@ class FailSlowDetector:
             if ("l", d, lo) in self.slow:
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
-                return []
+                st = self.slow[("l", d, lo)]
+                return self._severity_change(st, ("link", d, lo), factor, cp, rr, v)
             loss, h_s, s_s = self._throughput_loss(
                 self._post(cp, v), joint or {("link", d, lo): factor}
             )
@@ -1029,6 +1036,71 @@ class FailSlowDetector:
                 }
             )
         return out
+
+    def _severity_change(
+        self, st: SlowState, what, factor: float, cp: ChangePoint, rr, v: IterationView
+    ) -> list[Finding]:
+        """A known-slow group or link that moved to another level (``factor``, against its
+        healthy baseline): reported again with the new severity when the move costs or
+        gains at least ``min_throughput_loss``, so the scheduler's p_i follows it (a link
+        failing beside a GPU already set slow, or a GPU half-recovering, went unreported).
+
+        A group whose chunks slowed further while its slow rank's own compute did not is
+        reported as communication (its TP collectives), as in :meth:`_validate`."""
+        if not self.cfg.failslow_enabled or factor <= 1.0 or st.factor <= 0:
+            return []
+        if cp.iteration <= max(self._warm_until, st.since_iteration):
+            # a level measured across a reconfiguration or a re-warm compares two fits,
+            # not two speeds of the device
+            return []
+        step = factor / st.factor
+        if abs(np.log(step)) < np.log1p(SEVERITY_STEP):
+            return []
+        post = self._post(cp, v)
+        old_loss, _, _ = self._throughput_loss(post, {what: st.factor})
+        loss, h_s, s_s = self._throughput_loss(post, {what: factor})
+        change = abs(1.0 - (1.0 - loss) / (1.0 - old_loss)) if old_loss < 1.0 else 0.0
+        if change < self.cfg.min_throughput_loss:
+            self.stats.below_cost_total += 1
+            return []
+        kind = st.kind
+        ranks = [r for r in st.ranks if r not in self.cfg.disabled_ranks]
+        sev = {r: round(float(min(1.0, 1.0 / factor)), 4) for r in ranks}
+        ev = self._evidence(v, cp, "severity_change", loss, h_s, s_s, None, None)
+        ev.update({"previous_factor": round(st.factor, 4), "factor": round(factor, 4)})
+        if st.group is not None:
+            g = st.group
+            _, own_sev, rank_ratios = self._localize(g, factor, rr)
+            own = max((rank_ratios.get(r, 0.0) for r in st.ranks), default=0.0)
+            if step > 1.0 and own and own / st.factor < 1.0 + 0.25 * (step - 1.0):
+                # slower chunks, the slow rank's own compute unchanged: its TP collectives
+                kind = "fail_slow_comm"
+                ranks = [r for r in self.group_ranks.get(g, []) if r not in self.cfg.disabled_ranks]
+                sev = {r: round(float(min(1.0, 1.0 / step)), 4) for r in ranks}
+                ev["tp_collectives"] = True
+            elif st.kind == "fail_slow_compute":
+                sev = {r: own_sev.get(r, sev[r]) for r in ranks}
+            ev.update(
+                {
+                    "group": {"dp": g[0], "stage": g[1]},
+                    "chunk_ratio": round(factor, 4),
+                    "rank_ratios": {str(r): round(q, 4) for r, q in rank_ratios.items()},
+                }
+            )
+        else:
+            ev["link"] = {"dp": what[1], "stages": [what[2], what[2] + 1]}
+            ev["p2p_ratio"] = round(factor, 4)
+        if not ranks:
+            return []
+        st.factor = factor
+        self.stats.reports_total += 1
+        links = [] if st.pair is None else self._link_pairs(*st.pair)
+        return [Finding(kind, v.iteration, sorted(ranks), sev, links, ev)]
+
+    def _link_pairs(self, d: int, lo: int) -> list[list[int]]:
+        a = self.group_ranks.get((d, lo), [])
+        b = self.group_ranks.get((d, lo + 1), [])
+        return [[x, y] for x, y in zip(a, b, strict=False)]
 
     def _merge_comm(self, found: list[Finding]) -> list[Finding]:
         """One report per slow port: links that end at a group whose TP collectives

@@ -304,6 +304,50 @@ def test_a_failure_in_a_group_the_plan_shrinks_is_found_after_the_reconfiguratio
     assert [r.kind for r in alone] == ["fail_stop"], [(r.kind, r.ranks) for r in alone]
 
 
+def test_a_known_slow_device_that_moves_to_another_level_is_reported_again():
+    """Rank 5 slows to 0.4x, then partly recovers to 0.8x (and, in the other run, the
+    other way round): the scheduler's p_i must follow, so the new level is reported with
+    its severity (a known-slow device's change points were absorbed silently)."""
+    for first, then in ((0.4, 0.8), (0.8, 0.4)):
+        reps = _replay_with_planner(
+            [
+                f"{{at_iteration: 20, action: slow_device, rank: 5, factor: {first}}}",
+                f"{{at_iteration: 45, action: slow_device, rank: 5, factor: {then}}}",
+            ]
+        )
+        got = [(r.kind, r.ranks, r.iteration) for r in reps]
+        assert [g[:2] for g in got] == [("fail_slow_compute", [5])] * 2, got
+        a, b = reps
+        assert a.severity["5"] == pytest.approx(first, abs=0.06)
+        assert b.severity["5"] == pytest.approx(then, abs=0.06) and 45 < b.iteration <= 50
+        assert b.evidence["signal"] == "severity_change"
+        assert b.evidence["previous_factor"] == pytest.approx(1 / first, rel=0.15)
+    # a steady slowdown is reported once
+    steady = _replay_with_planner(["{at_iteration: 20, action: slow_device, rank: 5, factor: 0.6}"])
+    assert [r.kind for r in steady] == ["fail_slow_compute"], [
+        (r.kind, r.iteration) for r in steady
+    ]
+
+
+def test_a_link_failing_beside_a_gpu_already_slow_is_reported():
+    """Rank 2's GPU is slow (reported), then rank 1's link in the same TP group fails: the
+    group's chunks slow further while rank 2's own compute does not, which is its TP
+    collectives, reported as communication (it was absorbed as the known slowdown)."""
+    reps = _replay_with_planner(
+        [
+            "{at_iteration: 30, action: slow_device, rank: 2, factor: 0.6}",
+            "{at_iteration: 30, action: kill_device, rank: 4}",
+            "{at_iteration: 55, action: slow_link, rank: 1, factor: 0.05}",
+        ],
+        iterations=90,
+    )
+    got = [(r.kind, r.ranks, r.iteration) for r in reps]
+    assert ("fail_slow_compute", [2]) in [g[:2] for g in got], got
+    comm = [r for r in reps if r.kind == "fail_slow_comm"]
+    assert comm and 1 in comm[0].ranks and 55 <= comm[0].iteration <= 60, got
+    assert comm[0].evidence["signal"] == "severity_change" and comm[0].evidence["tp_collectives"]
+
+
 def test_a_slow_link_is_not_blamed_on_the_replica_that_hosts_its_migrated_work():
     """After a replan that migrates micro-batches between replicas, rank 13's link slows:
     the migrated micro-batches' transfers between replica 0's stage 0 and replica 1's stage 1
