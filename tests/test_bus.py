@@ -83,17 +83,22 @@ def test_consumer_resumes_from_its_group_after_redis_restart():
 def test_xautoclaim_takes_over_entries_of_a_dead_consumer(r):
     for i in range(12):
         bus.publish(r, KEYS.telemetry, _hb(i))
-    dead = _consumer(r, "dead", claim_idle_ms=100)
+    dead = _consumer(r, "dead", claim_idle_ms=1000)
+    delivered_at = time.monotonic()
     taken = [m.seq for _, msgs in dead.read(count=12, block_ms=10) for m in msgs]
     assert sorted(taken) == list(range(12))  # ...and it dies without acking
-    alive = _consumer(r, "alive", claim_idle_ms=100)
-    assert alive.read(count=12, block_ms=10) == []  # not idle long enough yet
-    time.sleep(0.25)
-    alive._claim_next = 0.0
+    alive = _consumer(r, "alive", claim_idle_ms=1000)
+    assert alive.read(count=12, block_ms=10) == []  # not idle long enough yet (1 s)
     got = []
-    for eid, msgs in alive.read(count=20, block_ms=10):
-        got.extend(m.seq for m in msgs)
-        alive.ack([eid])
+    deadline = time.monotonic() + 15.0
+    while len(got) < 12 and time.monotonic() < deadline:
+        alive._claim_next = 0.0  # look again now, not after half the idle time
+        for eid, msgs in alive.read(count=20, block_ms=10):
+            # never taken over before the entries were idle for claim_idle_ms
+            assert time.monotonic() - delivered_at >= 0.9
+            got.extend(m.seq for m in msgs)
+            alive.ack([eid])
+        time.sleep(0.05)
     assert sorted(got) == list(range(12))
     assert alive.stats.reclaimed_total == 12
     info = r.xpending(KEYS.telemetry, "g")
@@ -189,7 +194,10 @@ def test_health_key_expires(r):
     h.beat()
     assert bus.Health.check(r, KEYS, "collector")
     assert "collector:0" in bus.Health.all(r, KEYS)
-    time.sleep(0.45)
+    assert 0 < r.pttl(KEYS.health("collector", "0")) <= 300  # the key carries ttl_s
+    deadline = time.monotonic() + 10.0
+    while bus.Health.check(r, KEYS, "collector") and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not bus.Health.check(r, KEYS, "collector")
     h.beat(status="degraded")
     assert not bus.Health.check(r, KEYS, "collector")

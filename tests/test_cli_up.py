@@ -13,7 +13,8 @@ import pytest
 
 from resihp.redis_client import free_port
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+# Marked per test: the tests that run a whole stack (embedded redis-server, services,
+# trainer) are redis and slow; the launcher's unit tests stay in a -m "not slow" pass.
 
 
 def _alive(pid: int) -> bool:
@@ -36,6 +37,8 @@ def fake_launcher():
     p.wait()
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     port = free_port()
     env = dict(os.environ)
@@ -195,6 +198,8 @@ def test_up_refuses_what_would_fail_before_starting_anything(tmp_path):
     assert out.returncode == 2 and "cannot use state dir" in out.stderr, out.stderr
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_up_stops_and_fails_when_a_child_cannot_start(tmp_path):
     out = _up(tmp_path, "--dashboard-port", str(free_port()), "--trainer-arg=--no-such-flag")
     assert out.returncode == 1, out.stdout + out.stderr
@@ -261,6 +266,7 @@ def test_a_failed_child_is_reported_with_its_last_log_line(tmp_path):
     assert _last_line(tmp_path / "missing.log") == ""
 
 
+@pytest.mark.redis
 def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(r):
     from resihp import bus
     from resihp.keys import JobKeys
@@ -376,6 +382,7 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys, fake_
     assert running_stack(str(state)) is None
 
 
+@pytest.mark.redis
 def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path, fake_launcher):
     from resihp.launcher import stop_stale_stack
     from resihp.redis_client import EmbeddedRedis
@@ -421,6 +428,8 @@ def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path,
         srv.stop()
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_a_stack_killed_with_sigkill_takes_its_children_along_and_leaves_no_false_failure(
     tmp_path,
 ):
@@ -562,6 +571,8 @@ def test_restart_policy_backs_off_and_gives_up_on_a_crash_loop():
     assert pol.on_exit("detector", 200.0) == 201.0
 
 
+@pytest.mark.redis
+@pytest.mark.slow
 def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(tmp_path):
     from resihp.keys import JobKeys
     from resihp.launcher import STARTUP_S
@@ -658,6 +669,10 @@ def test_the_stack_file_is_replaced_whole_and_stays_private(tmp_path):
     f = tmp_path / "stack.json"
     f.write_text("old")
     f.chmod(0o644)
+    before = f.stat().st_ino
     _write_private(f, '{"a": 1}')
+    # replaced by a rename (a new inode), never rewritten in place where a reader could
+    # see it half written
+    assert f.stat().st_ino != before
     assert f.read_text() == '{"a": 1}' and f.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["stack.json"]  # no temp file left

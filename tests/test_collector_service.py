@@ -30,8 +30,6 @@ from resihp.schemas import (
 )
 from resihp.topology import Layout
 
-pytestmark = pytest.mark.redis
-
 JOB = "svc"
 KEYS = JobKeys(JOB)
 
@@ -100,6 +98,7 @@ def _mbs(it, dp, mb):
     )
 
 
+@pytest.mark.redis
 def test_records_published_and_entries_acked_only_after(r):
     lay = _layout()
     _set_layout(r, lay)
@@ -148,6 +147,7 @@ def test_records_published_and_entries_acked_only_after(r):
     p.close()
 
 
+@pytest.mark.redis
 @pytest.mark.slow
 def test_liveness_rank_node_rejoin_with_skewed_clocks(r):
     iv = 0.25
@@ -196,6 +196,7 @@ def test_liveness_rank_node_rejoin_with_skewed_clocks(r):
     p.close()
 
 
+@pytest.mark.redis
 def test_layout_change_is_reread_and_unknown_ranks_refused(r):
     lay = _layout()
     _set_layout(r, lay)
@@ -230,6 +231,7 @@ def test_layout_change_is_reread_and_unknown_ranks_refused(r):
     p.close()
 
 
+@pytest.mark.redis
 def test_standby_probes_ride_the_next_record_and_bad_ones_are_dead_lettered(r):
     lay = _layout()
     lay.groups[1][1] = [6]  # rank 7 set aside as standby
@@ -272,6 +274,7 @@ def _cli(*args, timeout=60, **kw):
     )
 
 
+@pytest.mark.redis
 @pytest.mark.slow
 def test_cli_runs_service_and_health_check(r, redis_server):
     url = redis_server.url
@@ -305,6 +308,7 @@ def test_cli_runs_service_and_health_check(r, redis_server):
     assert bad.returncode == 2 and "heartbeat_k" in bad.stderr
 
 
+@pytest.mark.redis
 def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r, tmp_path):
     """The layout key holds only the current layout: a trace recorded after a plan was
     applied labelled the older entries with the new layout too (a replay then found ranks
@@ -354,6 +358,7 @@ def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r,
     assert json.loads(buf.getvalue().splitlines()[0])["layout"]["layout_id"] == 1
 
 
+@pytest.mark.redis
 @pytest.mark.slow
 def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     lay = _layout()
@@ -414,6 +419,7 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     p.close()
 
 
+@pytest.mark.redis
 def test_reading_backlog_is_not_mistaken_for_silence(r):
     """Beats that sit unread in the stream while the collector catches up do not count
     as missed: liveness is judged at the read frontier while behind."""
@@ -446,6 +452,7 @@ def test_reading_backlog_is_not_mistaken_for_silence(r):
     ]
 
 
+@pytest.mark.redis
 def test_invalid_layout_is_dead_lettered_and_the_old_one_kept(r):
     lay = _layout()
     _set_layout(r, lay)
@@ -499,6 +506,7 @@ def test_finished_job_is_not_reported_dead_and_a_relaunch_is_watched_again(r):
     assert r.xlen(KEYS.liveness) >= 1
 
 
+@pytest.mark.redis
 def test_a_job_silent_since_before_the_collector_started_is_not_declared_dead(r):
     """A collector started on a job whose stack was killed (no 'finished' mark) does not
     report every node dead; it starts judging, with fresh deadlines, once the job is heard."""
@@ -532,6 +540,7 @@ def test_a_job_silent_since_before_the_collector_started_is_not_declared_dead(r)
     assert events[0].detected_at_s - t_back >= 0.25 - 0.05
 
 
+@pytest.mark.redis
 def test_a_step_of_the_collector_hosts_clock_is_not_a_fail_stop(r, monkeypatch):
     import collector.service as cs
 
@@ -554,6 +563,7 @@ def test_a_step_of_the_collector_hosts_clock_is_not_a_fail_stop(r, monkeypatch):
     assert [m for m in svc.published if isinstance(m, LivenessEvent)] == []
 
 
+@pytest.mark.redis
 def test_an_entry_whose_rows_were_all_refused_is_acked(r):
     lay = _layout()
     lay.groups[1][1] = [6]  # rank 7 excluded as dead: rows from it are refused
@@ -568,6 +578,7 @@ def test_an_entry_whose_rows_were_all_refused_is_acked(r):
     assert svc._pending == {} and r.xlen(KEYS.deadletter) == 1
 
 
+@pytest.mark.redis
 def test_late_rows_after_an_unrelated_layout_change_do_not_republish_an_iteration(r):
     lay = _layout()
     _set_layout(r, lay)
@@ -591,6 +602,7 @@ def test_late_rows_after_an_unrelated_layout_change_do_not_republish_an_iteratio
     assert svc.stats["chunk_rows_late_total"] == int(held.sum())
 
 
+@pytest.mark.redis
 def test_a_node_whose_clock_is_off_does_not_stretch_the_iteration(r):
     lay = _layout()  # ranks 4-7 on node 1
     _set_layout(r, lay)
@@ -614,6 +626,7 @@ def test_a_node_whose_clock_is_off_does_not_stretch_the_iteration(r):
     assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
 
 
+@pytest.mark.redis
 def test_a_rank_back_in_a_new_generation_is_judged_by_its_new_clock(r):
     """Node 1's ranks restart (generation 1) on a clock now 3 s ahead: the offset kept from
     before, followed upward only slowly, left their rows 3 s late."""
@@ -646,6 +659,7 @@ def test_a_rank_back_in_a_new_generation_is_judged_by_its_new_clock(r):
     assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
 
 
+@pytest.mark.redis
 def test_rows_of_a_rank_a_plan_just_put_to_work_are_not_refused(r):
     lay = _layout()
     lay.groups[1][1] = [6]  # rank 7 parked as standby

@@ -17,8 +17,6 @@ from dashboard.pages.plans import _audit_cell, build_override, submit_action
 from resihp import bus
 from resihp.keys import JobKeys
 
-pytestmark = pytest.mark.redis
-
 
 @pytest.fixture
 def app(r, redis_server):
@@ -56,6 +54,7 @@ def _action_request(button: str, layers="9,5,9,9"):
     }
 
 
+@pytest.mark.redis
 def test_metrics_exposition(app, r):
     r.hset(JobKeys("job-a").counters, mapping={"detector_fail_stop_total": 4, "odd name_total": 2})
     body = app.server.test_client().get("/metrics")
@@ -78,6 +77,7 @@ def test_metrics_exposition(app, r):
     assert 'resihp_node_heartbeat_age_seconds{job="job-a",node="1"}' in text
 
 
+@pytest.mark.redis
 def test_alert_rules_use_only_metrics_the_dashboard_exposes(app, r):
     """deploy/prometheus/resihp-alerts.yml must not silently watch a renamed metric."""
     import re
@@ -103,6 +103,7 @@ def test_alert_rules_use_only_metrics_the_dashboard_exposes(app, r):
             assert re.search(rf"\b{label}=", text), (x["alert"], label)
 
 
+@pytest.mark.redis
 def test_metrics_of_several_jobs_are_grouped_per_family(app, r):
     publish_job(r, "job-b", iterations=5, slow_from=3)
     text = app.server.test_client().get("/metrics").get_data(as_text=True)
@@ -115,6 +116,7 @@ def test_metrics_of_several_jobs_are_grouped_per_family(app, r):
     assert len(types) == len(set(types)) and set(types) == set(names)
 
 
+@pytest.mark.redis
 def test_login_logout_and_redirect_safety(app):
     c = app.server.test_client()
     bad = c.post("/auth/login", data={"username": "alice", "password": "nope", "next": "/plans"})
@@ -129,6 +131,7 @@ def test_login_logout_and_redirect_safety(app):
     assert c.get("/auth/whoami").json == {"operator": None}
 
 
+@pytest.mark.redis
 def test_action_callback_refuses_anonymous_and_publishes_for_operator(app, r):
     keys = JobKeys("job-a")
     c = app.server.test_client()
@@ -152,6 +155,7 @@ def test_action_callback_refuses_anonymous_and_publishes_for_operator(app, r):
     assert "nothing was sent" in res.get_data(as_text=True) and r.xlen(keys.actions) == 2
 
 
+@pytest.mark.redis
 def test_submit_action_and_override_builder(app, r):
     ctx = app.resihp_ctx
     ok, msg, aid = submit_action(ctx, "job-a", None, "reject", 1)
@@ -204,6 +208,7 @@ def _overview(app):
     return res.json["response"]
 
 
+@pytest.mark.redis
 def test_overview_callback_returns_live_cards(app):
     out = _overview(app)
     text = json.dumps(out["ov-cards"])
@@ -215,6 +220,7 @@ def test_overview_callback_returns_live_cards(app):
     assert heat["type"] == "heatmap" and heat["z"][1][0] == 0.5  # stage 1 of dp0 holds rank 5
 
 
+@pytest.mark.redis
 def test_check_health_cli(redis_server, r):
     publish_job(r, "job-h", iterations=3, slow_from=2)
     cmd = [
@@ -248,6 +254,7 @@ def test_check_health_cli(redis_server, r):
     assert bad.returncode == 2 and "port" in bad.stderr
 
 
+@pytest.mark.redis
 def test_overview_shows_liveness_events(app, r):
     from resihp import bus
     from resihp.schemas import LivenessEvent
@@ -281,6 +288,7 @@ def test_redis_outage_shows_a_banner_not_an_error():
     assert "resihp_dashboard_redis_up 0" in metrics
 
 
+@pytest.mark.redis
 def test_job_selector_lists_jobs_and_honours_job_in_url(app, r):
     publish_job(r, "job-b", iterations=3, slow_from=2)
 
@@ -320,6 +328,7 @@ def test_job_selector_lists_jobs_and_honours_job_in_url(app, r):
     assert "/plans?job=job-b" in json.dumps(form, default=lambda o: o.to_plotly_json())
 
 
+@pytest.mark.redis
 def test_served_by_waitress_and_stops_on_sigterm(redis_server, r):
     import signal
     import time
@@ -367,6 +376,7 @@ def test_server_settings_are_validated(kw, field):
         DashboardConfig(**kw)
 
 
+@pytest.mark.redis
 def test_overview_says_when_the_job_finished_or_went_silent_before_the_collector(app, r):
     from resihp.bus import Health, set_job_state
 

@@ -19,8 +19,6 @@ from resihp.keys import JobKeys
 from resihp.schemas import FailureReport, LivenessEvent
 from resihp.topology import Layout
 
-pytestmark = pytest.mark.redis
-
 
 def _app(r, redis_server, job="job-a"):
     cfg = DashboardConfig(redis_url=redis_server.url, job_id=job, secret_key="k")
@@ -40,6 +38,7 @@ def _cards(out) -> dict[str, tuple[str, str, str]]:
     return cards
 
 
+@pytest.mark.redis
 def test_overview_finds_an_old_open_incident_behind_many_closed_ones(r, redis_server):
     sc = publish_job(r, "job-a", iterations=60, slow_from=40)
     t = sc["failure"].detected_at_s
@@ -60,6 +59,7 @@ def test_overview_finds_an_old_open_incident_behind_many_closed_ones(r, redis_se
     assert "fr-slow-1" in text and '"s-29"' not in text
 
 
+@pytest.mark.redis
 def test_dead_devices_from_the_detector_count_as_dead_not_slow(r, redis_server):
     sc = publish_job(r, "job-a", iterations=20, slow_from=12)
     r.hset(sc["keys"].device_health, "3", json.dumps({"p": 0.0, "state": "dead"}))
@@ -72,6 +72,7 @@ def test_dead_devices_from_the_detector_count_as_dead_not_slow(r, redis_server):
     assert dead_and_slow(lay, health) == (set(), [2])
 
 
+@pytest.mark.redis
 def test_a_rank_that_died_again_after_rejoining_is_dead(r, redis_server):
     def ev(state, t):
         return LivenessEvent(
@@ -86,6 +87,7 @@ def test_a_rank_that_died_again_after_rejoining_is_dead(r, redis_server):
     assert _cards(_overview(_app(r, redis_server)))["liveness"][2] == "card bad"
 
 
+@pytest.mark.redis
 def test_skew_says_when_a_node_does_not_exist(r, redis_server):
     publish_big_job(r, "big")
     app = _app(r, redis_server, job="big")
@@ -129,6 +131,7 @@ def _restart_from(r, sc, first: int, last: int, start_s: float) -> None:
         t += publish_iteration(r, sc["keys"], sc["layout"], i, t, {5: 0.5}, None) + 0.002
 
 
+@pytest.mark.redis
 def test_a_trainer_restarted_from_a_checkpoint_does_not_rewrite_history(r, redis_server):
     import time
 
@@ -166,6 +169,7 @@ def test_a_trainer_restarted_from_a_checkpoint_does_not_rewrite_history(r, redis
     assert "run restarted at 35" in [a.text for a in fig.layout.annotations]
 
 
+@pytest.mark.redis
 def test_a_fresh_run_under_the_same_job_id_replaces_the_cached_history(r, redis_server):
     from dashboard.data import DashboardData
 
@@ -181,6 +185,7 @@ def test_a_fresh_run_under_the_same_job_id_replaces_the_cached_history(r, redis_
     assert len(d.failures("job-a")) == 1
 
 
+@pytest.mark.redis
 def test_past_iterations_are_not_healed_by_a_later_slowdown(r, redis_server):
     from dashboard.figures import normalize_chunks
     from dashboard.pages.timeline import load

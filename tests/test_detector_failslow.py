@@ -169,11 +169,23 @@ def test_failstop_reported_before_cooccurring_failslow_and_pauses_failslow():
 def test_runtime_switches_in_the_engine():
     victim = LAY.groups[0][2][0]
     at = {50: lambda j: j.rank_slow.update({victim: 1.8})}
+    # control: with nothing switched off the victim is reported
+    det = Detector(DetectorConfig(), layout=LAY)
+    got = [r for r in _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) if _slow()(r)]
+    assert [r.ranks for r in got] == [[victim]]
     det = Detector(DetectorConfig(), layout=LAY)
     det.set_config(det.config.replace(disabled_ranks=frozenset({victim})))
     assert [
         r for r in _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) if r.kind != "recovery"
     ] == []
+    # switching one rank off silences only that rank: an enabled rank slowed in the same
+    # run is still reported
+    other = LAY.groups[1][1][1]
+    both = {50: lambda j: j.rank_slow.update({victim: 1.8, other: 1.8})}
+    det = Detector(DetectorConfig(), layout=LAY)
+    det.set_config(det.config.replace(disabled_ranks=frozenset({victim})))
+    got = [r for r in _run(det, SyntheticJob(LAY, seed=17), 70, both) if _slow()(r)]
+    assert [r.ranks for r in got] == [[other]]
     det = Detector(DetectorConfig(), layout=LAY)
     det.set_config(det.config.replace(failslow_enabled=False))
     assert _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) == []

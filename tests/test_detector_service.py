@@ -173,6 +173,14 @@ def test_disabled_rank_switch_applies_live(r):
     while svc.run_once():
         pass
     assert _failures(r, keys) == []
+    # only the switched-off rank is silenced: an enabled rank that slows is still reported
+    other = LAY.groups[1][1][0]
+    job.rank_slow[other] = 2.0
+    for _ in range(10):
+        bus.publish(r, keys.iterations, job.next_record())
+    while svc.run_once():
+        pass
+    assert [(x.kind, x.ranks) for x in _failures(r, keys)] == [("fail_slow_compute", [other])]
 
 
 def test_bad_entries_go_to_dead_letter(r):
@@ -250,7 +258,9 @@ def test_run_loop_stops_and_beats_health(r):
     stop = threading.Event()
     t = threading.Thread(target=svc.run, args=(stop,), daemon=True)
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10.0
+    while not bus.Health.check(r, keys, "detector") and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert bus.Health.check(r, keys, "detector")
     stop.set()
     t.join(5)

@@ -5,8 +5,6 @@ import redis
 
 from resihp.redis_client import EmbeddedRedis, connect
 
-pytestmark = pytest.mark.redis
-
 
 @pytest.fixture(scope="module")
 def secured():
@@ -15,22 +13,26 @@ def secured():
     srv.cleanup()
 
 
+@pytest.mark.redis
 def test_password_in_url_authenticates(secured):
     assert secured.url.startswith("redis://:s3cret@")
     assert connect(secured.url).ping()
 
 
+@pytest.mark.redis
 def test_missing_password_is_refused_by_the_server(secured, monkeypatch):
     monkeypatch.delenv("REDIS_PASSWORD", raising=False)
     with pytest.raises(redis.AuthenticationError):
         connect(f"redis://127.0.0.1:{secured.port}/0").ping()
 
 
+@pytest.mark.redis
 def test_redis_password_env_fills_in_a_url_without_credentials(secured, monkeypatch):
     monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
     assert connect(f"redis://127.0.0.1:{secured.port}/0").ping()
 
 
+@pytest.mark.redis
 def test_redis_url_env_is_the_default(secured, monkeypatch):
     monkeypatch.setenv("REDIS_URL", secured.url)
     assert connect().ping()

@@ -15,8 +15,6 @@ from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import AuditRecord
 from scheduler.service import SchedulerService
 
-pytestmark = pytest.mark.redis
-
 JOB = "svc"
 
 
@@ -58,6 +56,7 @@ def _deadletters(r, keys) -> list[str]:
     return [f[b"reason"].decode() for _, f in r.xrange(keys.deadletter)]
 
 
+@pytest.mark.redis
 def test_fail_stop_report_yields_persisted_plan_auto_acknowledged(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="auto", grace_period_s=0.0)
@@ -85,6 +84,7 @@ def test_fail_stop_report_yields_persisted_plan_auto_acknowledged(r):
     assert latest_plans(r, keys)[plan.plan_id].state == "applied"
 
 
+@pytest.mark.redis
 def test_manual_mode_waits_then_ack_apply_supersede(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="manual", grace_period_s=0.0)
@@ -116,6 +116,7 @@ def test_manual_mode_waits_then_ack_apply_supersede(r):
     assert ("trainer", "applied", "ok") in [(a.actor, a.action, a.result) for a in acts]
 
 
+@pytest.mark.redis
 def test_override_feasible_and_infeasible(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="manual")
@@ -150,6 +151,7 @@ def test_override_feasible_and_infeasible(r):
     assert res == [("carol", "ok"), ("carol", "refused"), ("dave", "refused"), ("erin", "refused")]
 
 
+@pytest.mark.redis
 def test_override_memory_infeasible_is_refused(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="manual")
@@ -165,6 +167,7 @@ def test_override_memory_infeasible_is_refused(r):
     assert plans[p1.plan_id].state == "proposed"
 
 
+@pytest.mark.redis
 def test_plans_and_audit_survive_restart(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="manual")
@@ -183,6 +186,7 @@ def test_plans_and_audit_survive_restart(r):
     assert max(plans) > p1.plan_id and plans[p1.plan_id].state == "superseded"
 
 
+@pytest.mark.redis
 def test_bad_reports_are_refused_with_reason(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="auto", grace_period_s=0.0)
@@ -218,6 +222,7 @@ def test_bad_reports_are_refused_with_reason(r):
     assert int(r.hget(keys.counters, "scheduler_reports_refused_total")) == 5
 
 
+@pytest.mark.redis
 def test_set_mode_action_and_runtime_config(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="manual")
@@ -241,6 +246,7 @@ def test_config_rejects_bad_values():
         SchedulerConfig(grace_period_s=-1)
 
 
+@pytest.mark.redis
 def test_cost_model_inferred_from_layout_when_not_configured(r):
     keys, lay = _setup(r)
     svc = SchedulerService(SchedulerConfig(job_id=JOB, block_ms=10, grace_period_s=0.0), r)
@@ -250,6 +256,7 @@ def test_cost_model_inferred_from_layout_when_not_configured(r):
     assert len(latest_plans(r, keys)) == 1
 
 
+@pytest.mark.redis
 def test_cli_act_and_check_health(r, redis_server):
     import subprocess
     import sys
@@ -317,6 +324,7 @@ def test_cli_act_and_check_health(r, redis_server):
     assert bad.returncode == 2 and "not JSON" in bad.stderr
 
 
+@pytest.mark.redis
 def test_recovered_device_rejoins_through_a_plan(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="auto", grace_period_s=0.0)
@@ -346,6 +354,7 @@ def test_options_before_the_run_subcommand_are_kept():
     assert (b.job_id, b.grace_period_s, b.mode) == ("j2", 3.0, None)
 
 
+@pytest.mark.redis
 def test_a_rejected_plan_can_still_be_overridden(r):
     """A fail-stop plan rejected leaves the job waiting; the operator's own plan in its place
     is the way on (it was refused: "plan 1 is rejected; cannot override")."""
@@ -370,6 +379,7 @@ def test_a_rejected_plan_can_still_be_overridden(r):
     assert _audit(r, keys)[-1].result == "refused"
 
 
+@pytest.mark.redis
 def test_auto_mode_does_not_acknowledge_plans_of_a_job_that_is_not_running(r):
     from resihp.bus import Health, set_job_state
 
@@ -433,6 +443,7 @@ def _slow_20(rid="r2") -> FailureReport:
     return _report("fail_slow_compute", ranks=(20,), severity={"20": 0.3}, rid=rid)
 
 
+@pytest.mark.redis
 def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhile(r):
     keys, svc, follower, plan = _taken_up(r)
     publish(r, keys.actions, _act("reject", 1, "carol"))  # carol rejects it meanwhile
@@ -452,6 +463,7 @@ def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhi
     assert _audit(r, keys)[-1].note == "plan 2 was never acknowledged"
 
 
+@pytest.mark.redis
 def test_actions_are_handled_before_reports_of_the_same_step(r):
     keys, svc, follower, plan = _taken_up(r)
     follower.confirm_applied(plan, Layout.from_dict(plan.after))  # applied first ...
@@ -462,6 +474,7 @@ def test_actions_are_handled_before_reports_of_the_same_step(r):
     assert Layout.from_dict(plan2.before).dead == [5]  # planned on the applied layout
 
 
+@pytest.mark.redis
 def test_a_recovery_withdraws_a_waiting_plan_that_drops_the_device(r):
     keys, _lay = _setup(r)
     svc = _svc(r, mode="auto", grace_period_s=0.3)
@@ -476,6 +489,7 @@ def test_a_recovery_withdraws_a_waiting_plan_that_drops_the_device(r):
     assert not [a for a in _audit(r, keys) if a.action == "acknowledge"]
 
 
+@pytest.mark.redis
 def test_a_resent_report_keeps_the_open_plan_and_its_acknowledgement(r):
     keys, svc = _acknowledged(r)
     publish(r, keys.failures, _report())  # the same report again (same id)
@@ -490,6 +504,7 @@ def test_a_resent_report_keeps_the_open_plan_and_its_acknowledgement(r):
     assert latest_plans(r, keys)[2].failure_ids == ["r1", "r1-bis", "r2"]
 
 
+@pytest.mark.redis
 def test_messages_redelivered_after_a_crash_are_handled_once(r):
     keys, _lay = _setup(r)
     svc = _svc(r, mode="manual")
@@ -515,6 +530,7 @@ def test_messages_redelivered_after_a_crash_are_handled_once(r):
     assert svc2.duplicates_total == 1
 
 
+@pytest.mark.redis
 def test_devices_that_come_back_one_by_one_are_given_work_together(r):
     keys, _lay = _setup(r)
     svc = _svc(r, mode="auto", grace_period_s=0.0)
@@ -540,6 +556,7 @@ def test_devices_that_come_back_one_by_one_are_given_work_together(r):
     assert lay.dead == [] and {9, 14} <= set(lay.active_ranks()), lay.summary()
 
 
+@pytest.mark.redis
 def test_speeds_learned_from_reports_survive_a_restart(r):
     keys, lay = _setup(r)
     svc = _svc(r, mode="manual")

@@ -319,4 +319,8 @@ def test_a_standby_device_that_dies_stops_answering_probes():
     sim.apply_layout(new)
     steps = [sim.step() for _ in range(16)]
     probed = {st.iteration: {p.rank for p in st.probes} for st in steps if st.probes}
+    # probing goes on after the death (every 5 iterations), only without the dead device
+    assert sorted(probed) == [0, 5, 10, 15]
+    others = set(new.standby) - {5}
+    assert others and all(others <= probed[it] for it in (10, 15))
     assert 5 in probed[5] and all(5 not in ranks for it, ranks in probed.items() if it > 7)

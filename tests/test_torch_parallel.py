@@ -23,6 +23,7 @@ def test_matches_single_process_reference(tmp_path, kw):
     check_against_reference(loss, dumps, ref_loss, ref_grads, kw.get("pp", 1))
 
 
+@pytest.mark.slow  # an 8-rank TP2 x PP2 x DP2 job: ~30 s on 2 cores
 def test_global_grad_clipping_over_tp_pp_dp_follows_the_reference(tmp_path):
     # The clipped norm must count TP shards once each, TP-replicated parameters once
     # per group and every stage once, whatever the replicas: the loss curve of a

@@ -11,6 +11,7 @@ from torch_harness import check_loss_curve, run_recovery_job
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.slow
 def test_kill_drops_replica_then_rejoin_restores_it(tmp_path):
     # PP2 x DP2; rank 1 is replica 1's stage 0. Replica 0 takes all micro-batches;
     # when rank 1 re-joins (a fresh process), replica 1 is rebuilt by copying
@@ -40,6 +41,7 @@ def test_kill_drops_replica_then_rejoin_restores_it(tmp_path):
     assert layouts[-1].startswith("DP2xPP2") and "dead=0" in layouts[-1]
 
 
+@pytest.mark.slow
 def test_kill_tp_rank_reshards_from_persistent_state(tmp_path):
     # TP2 x PP2, single replica: rank 1 (stage 0, TP index 1) dies. Stage 0 shrinks
     # to TP1 on rank 0, whose missing shard half comes from the last checkpoint;
@@ -55,6 +57,7 @@ def test_kill_tp_rank_reshards_from_persistent_state(tmp_path):
 
 
 @pytest.mark.redis
+@pytest.mark.slow
 def test_sigterm_stops_the_workers_and_is_not_a_finished_job(tmp_path, redis_server, r):
     """`resihp up` stopping (or the stack that started it dying) sends the torch launcher
     SIGTERM: it stops its workers and exits 143 without marking the job finished (an

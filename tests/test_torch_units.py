@@ -47,9 +47,13 @@ def test_packing_fills_budget_with_real_document_segments():
 def test_packing_is_deterministic_and_indexable_out_of_order():
     a = PackedCorpus(EMAIL, token_budget=128, seed=1)
     b = PackedCorpus(EMAIL, token_budget=128, seed=1)
-    late = b.microbatch(7)
-    assert (a.microbatch(7).tokens == late.tokens).all()
-    assert a.microbatch(7).doc_lens == late.doc_lens
+    in_order = [a.microbatch(g) for g in range(8)]  # a: read 0..7 in order
+    late = b.microbatch(7)  # b: fresh, micro-batch 7 read first
+    assert (in_order[7].tokens == late.tokens).all()
+    assert (in_order[7].targets == late.targets).all()
+    assert in_order[7].doc_lens == late.doc_lens
+    early = b.microbatch(2)  # and going back after a later one
+    assert (in_order[2].tokens == early.tokens).all() and in_order[2].doc_lens == early.doc_lens
     other = PackedCorpus(EMAIL, token_budget=128, seed=2)
     assert not (other.microbatch(0).tokens == a.microbatch(0).tokens).all()
 
