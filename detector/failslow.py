@@ -991,9 +991,7 @@ class FailSlowDetector:
             loss, h_s, s_s = self._throughput_loss(
                 self._post(cp, v), joint or {("link", d, lo): factor}
             )
-            a_ranks = self.group_ranks.get(ends[0], [])
-            b_ranks = self.group_ranks.get(ends[1], [])
-            links = [[a, b] for a, b in zip(a_ranks, b_ranks, strict=False)]
+            links = self._link_pairs(d, lo)
             ranks = sorted({r for pair in links for r in pair} - set(cfg.disabled_ranks))
             if comp_ok and loss >= cfg.min_throughput_loss and factor > 1.0 and ranks:
                 ev = self._evidence(v, cp, "p2p_residual", loss, h_s, s_s, observed_s, predicted_s)
@@ -1098,6 +1096,7 @@ class FailSlowDetector:
         return [Finding(kind, v.iteration, sorted(ranks), sev, links, ev)]
 
     def _link_pairs(self, d: int, lo: int) -> list[list[int]]:
+        """Rank pairs of the link between stages ``lo`` and ``lo + 1`` of replica ``d``."""
         a = self.group_ranks.get((d, lo), [])
         b = self.group_ranks.get((d, lo + 1), [])
         return [[x, y] for x, y in zip(a, b, strict=False)]
