@@ -186,44 +186,16 @@ def test_replay_accepts_service_stream_traces():
 
 def _replay_with_planner(events: list[str], iterations: int = 75, seed: int = 5):
     """The simulator through the offline detector, with the planner applying a plan once the
-    job hangs on a fail-stop (what the scheduler and trainer do live)."""
-    from detector.replay import TraceReplayer
-    from scheduler.planner import plan
-    from scheduler.predict import Predictor
-    from trainer.sim.core import ClusterSim
+    job hangs on a fail-stop (what the scheduler and trainer do live): the harness of
+    bench/compound.py, on qwen2.5-7b (TP4 PP2 DP2)."""
+    import importlib.util
+    from pathlib import Path
 
-    cfg = SimConfig(
-        model="qwen2.5-7b", seq_len=8192, microbatches=4, schedule="1f1b", speed=0.0,
-        iterations=iterations, seed=seed, noise=0.03, heartbeat_interval_s=1.0,
-    )  # fmt: skip
-    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
-    rp = TraceReplayer(DetectorConfig(warmup_iters=10), layout=cfg.initial_layout())
-    pred = Predictor(cfg.model, cfg.seq_len, 80.0)
-
-    def feed(st):
-        out = []
-        for h in st.heartbeat_messages():
-            out += rp.feed(h, h.wall_time_s + 0.003)
-        if len(st.chunk_rows):
-            t_end = float(st.chunk_rows["end_s"].max()) + 0.003
-            for m in st.mb_stats_messages():
-                out += rp.feed(m, t_end)
-            out += rp.feed(ChunkBatch(st.chunk_rows), t_end)
-        return out
-
-    reports, hung, steps = [], 0, 0
-    while sim.iteration < iterations and steps < 400:
-        st = sim.step()
-        steps += 1
-        reports += feed(st)
-        if st.true_state.status == "hung":
-            hung += 1
-            if hung == 4:
-                p = {r: h["p"] for r, h in rp.detector.health.items()}
-                new = plan(sim.layout, p, pred).after
-                reports += feed(sim.apply_layout(new))
-                rp.set_layout(new)
-    return reports + rp.finish()
+    path = Path(__file__).resolve().parents[1] / "bench" / "compound.py"
+    spec = importlib.util.spec_from_file_location("bench_compound", path)
+    compound = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compound)
+    return compound.run("qwen2.5-7b", events, iterations, seed)[0]
 
 
 def test_a_link_that_fails_with_a_fail_stop_is_found_after_the_reconfiguration():
