@@ -8,9 +8,10 @@ collector judges liveness by); readers that do not know it ignore it.  The
 job's layout is written as a ``{"type": "layout", "layout": {...}}`` line first
 and again whenever it changes while following.  Recording from the start of the
 stream, the first layout line is the one the oldest entries ran under, and each
-layout a plan brought in is written where it took effect (the trainer's
-``applied`` action, with the plan's after-layout); the layout key alone only
-tells the current one, which would label every older entry wrongly.  The format is described in
+later layout is written where it took effect (from ``keys.layouts``, the history
+``plans.write_layout`` keeps: a plan the trainer applied or a layout it chose
+itself); the layout key alone only tells the current one, which would label every
+older entry wrongly.  The format is described in
 docs/trace-format.md; the detector's replay reads it.
 
 Reading uses plain XREAD (no consumer group), so recording never takes
@@ -30,8 +31,7 @@ import redis
 
 from resihp import entry
 from resihp.keys import JobKeys
-from resihp.plans import latest_plans
-from resihp.schemas import ChunkBatch, HeartbeatBatch, OperatorAction, decode_entry
+from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
 
 
 @dataclass
@@ -78,21 +78,20 @@ def _write_layout(out: IO[str], layout: dict, stats: RecordStats) -> None:
 
 
 def layout_history(client: redis.Redis, keys: JobKeys) -> list[tuple[float, dict]]:
-    """(time it took effect in seconds, layout) for the layouts plans brought in, oldest
-    first, led by the layout before the first of them at time 0; empty when no plan was
-    ever applied (or the actions stream no longer holds it)."""
-    plans = latest_plans(client, keys)
+    """(time it was written in seconds, layout) for every layout the trainer wrote, oldest
+    first (``keys.layouts``); empty for a job whose trainer predates that stream."""
     out: list[tuple[float, dict]] = []
-    for entry_id, fields in client.xrange(keys.actions):
-        good, _bad = decode_entry(fields)
-        for m in good:
-            if isinstance(m, OperatorAction) and m.action == "applied" and m.plan_id in plans:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                plan = plans[m.plan_id]
-                if not out and plan.before:
-                    out.append((0.0, plan.before))
-                if plan.after:
-                    out.append((_entry_time_s(eid), plan.after))
+    for entry_id, fields in client.xrange(keys.layouts):
+        raw = fields.get(b"layout", fields.get("layout"))
+        try:
+            layout = json.loads(raw)
+        except (TypeError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        if not out or out[-1][1] != layout:
+            out.append((_entry_time_s(eid), layout))
+    if out:
+        out[0] = (0.0, out[0][1])  # the first one also labels anything older
     return out
 
 

@@ -87,6 +87,12 @@ class JobKeys:
         """Append-only audit log of operator actions (who, when, what)."""
         return f"{self.base}:audit"
 
+    @property
+    def layouts(self) -> str:
+        """Every layout the trainer wrote to ``layout``, in order (field ``layout``, JSON):
+        which layout was in force when, for traces recorded after the fact."""
+        return f"{self.base}:layouts"
+
     # --- plain keys ---
     @property
     def layout(self) -> str:

@@ -30,8 +30,13 @@ def read_layout(client: redis.Redis, keys: JobKeys) -> Layout | None:
 
 
 def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
+    """The current layout, and its entry in the layout history (``keys.layouts``)."""
     layout.validate()
-    client.set(keys.layout, json.dumps(layout.to_dict(), separators=(",", ":")))
+    raw = json.dumps(layout.to_dict(), separators=(",", ":"))
+    pipe = client.pipeline(transaction=True)
+    pipe.set(keys.layout, raw)
+    pipe.xadd(keys.layouts, {"layout": raw}, maxlen=10_000, approximate=True)
+    pipe.execute()
 
 
 def latest_plans(client: redis.Redis, keys: JobKeys) -> dict[int, AdaptationPlan]:

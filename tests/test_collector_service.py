@@ -312,12 +312,13 @@ def test_cli_runs_service_and_health_check(r, redis_server):
 def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r, tmp_path):
     """The layout key holds only the current layout: a trace recorded after a plan was
     applied labelled the older entries with the new layout too (a replay then found ranks
-    "not in layout" and blamed the wrong ones). Each layout is written where its plan was
-    applied."""
+    "not in layout" and blamed the wrong ones). Each layout is written where it took
+    effect: a plan's, and one the trainer chose itself (no plan: a torch trainer's own
+    recovery, which a history rebuilt from applied plans missed)."""
     import io
 
     from collector.record import record
-    from resihp.plans import PlanFollower
+    from resihp.plans import PlanFollower, write_layout
     from resihp.schemas import AdaptationPlan
 
     keys = JobKeys("rechist")
@@ -325,7 +326,10 @@ def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r,
     after = lay.copy()
     after.layout_id = 1
     after.groups[1][1] = [after.groups[1][1][0]]  # replica 1, stage 1: TP 2 -> 1
-    r.set(keys.layout, json.dumps(lay.to_dict()))
+    own = after.copy()
+    own.layout_id = 2
+    own.groups[0][1] = [own.groups[0][1][0]]  # the trainer's own: replica 0 too
+    write_layout(r, keys, lay)
     p = TelemetryProducer(None, keys, client=r, max_batch=50).start()
     p.heartbeat(Heartbeat(rank=0, node=0, iteration=0, wall_time_s=1.0, seq=1))
     assert p.flush()
@@ -340,6 +344,11 @@ def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r,
     time.sleep(0.02)
     p.heartbeat(Heartbeat(rank=0, node=0, iteration=1, wall_time_s=2.0, seq=2))
     assert p.flush()
+    time.sleep(0.02)
+    write_layout(r, keys, own)
+    time.sleep(0.02)
+    p.heartbeat(Heartbeat(rank=0, node=0, iteration=2, wall_time_s=3.0, seq=3))
+    assert p.flush()
     p.close()
     buf = io.StringIO()
     st = record(r, keys, buf)
@@ -350,12 +359,13 @@ def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r,
             kinds.append(("layout", d["layout"]["layout_id"]))
         else:
             kinds += [("beat", h.seq) for h in decode_json(line).iter_messages()]
-    assert kinds == [("layout", 0), ("beat", 1), ("layout", 1), ("beat", 2)], kinds
-    assert st.layouts_total == 2
+    want = [("layout", 0), ("beat", 1), ("layout", 1), ("beat", 2), ("layout", 2), ("beat", 3)]
+    assert kinds == want, kinds
+    assert st.layouts_total == 3
     # recording from now on: only the current layout
     buf = io.StringIO()
     record(r, keys, buf, duration_s=0.2, from_start=False)
-    assert json.loads(buf.getvalue().splitlines()[0])["layout"]["layout_id"] == 1
+    assert json.loads(buf.getvalue().splitlines()[0])["layout"]["layout_id"] == 2
 
 
 @pytest.mark.redis

@@ -147,3 +147,81 @@ def _spawned_workers(parent: int) -> list[int]:
         if ppid == parent and b"spawn_main" in argv:
             out.append(int(d.name))
     return out
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_trainer_waiting_on_a_dead_rank_says_so_and_every_layout_gets_its_own_id(
+    tmp_path, redis_server, r
+):
+    """Rank 1 dies; no plan comes within plan_wait_s, so the trainer applies its own (the
+    health key says "hung" meanwhile; it used to fall silent and expire). Its layout is
+    published as the new generation starts, not after its first iteration (whose telemetry
+    the collector dead-lettered under the old layout). A plan the scheduler made for the
+    launch layout then arrives with the same layout id as the trainer's: it is applied under
+    a new id (two different layouts shared id 1, so the detector never re-warmed)."""
+    import json
+    import threading
+    import time
+
+    from torch_harness import RECOVERY
+
+    from resihp.keys import JobKeys
+    from resihp.plans import read_layout
+    from resihp.schemas import AdaptationPlan
+    from trainer.torch_trainer.config import TrainConfig
+    from trainer.torch_trainer.launcher import launch
+
+    keys = JobKeys("moved-on")
+    cfg = TrainConfig(
+        **{**RECOVERY, "iterations": 14, "num_layers": 4},
+        pp=2, dp=2, microbatches=2, kill_rank=1, kill_at_iteration=2, schedule="1f1b",
+        slow_rank=0, slow_factor=3.0, plan_wait_s=2.0, redis_url=redis_server.url,
+        job_id=keys.job_id, out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
+    )  # fmt: skip
+    result: list[int] = []
+    th = threading.Thread(target=lambda: result.append(launch(cfg)), daemon=True)
+    th.start()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def rows() -> list[dict]:
+        text = metrics.read_text() if metrics.exists() else ""
+        return [json.loads(x) for x in text.splitlines()]
+
+    states, gen1_rows_at_publish = set(), None
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        raw = r.get(keys.health("trainer", "0"))
+        if raw:
+            h = json.loads(raw)
+            states.add((h.get("state"), tuple(h.get("dead_ranks", []))))
+        lay = read_layout(r, keys)
+        if lay is not None and lay.layout_id == 1:
+            gen1_rows_at_publish = sum(1 for x in rows() if x["generation"] == 1)
+            break
+        time.sleep(0.05)
+    assert ("hung", (1,)) in states, states
+    assert gen1_rows_at_publish == 0  # published before the new generation's first iteration
+    own = read_layout(r, keys)
+    assert 1 in own.dead
+    stale_after = own.copy()
+    stale_after.layers = [1, 3]  # a plan made for the launch layout: id launch + 1 == 1
+    plan = AdaptationPlan(
+        plan_id=9, state="acknowledged", created_at_s=time.time(), reason="test: late plan",
+        before=cfg_launch_layout(cfg).to_dict(), after=stale_after.to_dict(),
+        predicted_before_s=-1.0, predicted_after_s=1.0,
+    )  # fmt: skip
+    r.hset(keys.plan_state, plan.plan_id, plan.to_json())
+    th.join(timeout=150)
+    assert result == [0]
+    final = read_layout(r, keys)
+    assert final.layers == [1, 3] and final.layout_id == 2
+    ids = [x["layout_id"] for x in rows()]
+    assert ids == sorted(ids) and ids[0] == 0 and ids[-1] == 2
+    check_loss_curve(cfg, rows())
+
+
+def cfg_launch_layout(cfg):
+    from trainer.torch_trainer.launcher import initial_layout
+
+    return initial_layout(cfg)

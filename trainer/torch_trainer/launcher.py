@@ -193,6 +193,8 @@ class JobLauncher:
         self.client = None
         self.pending_confirm: list[tuple[int, object, Layout]] = []
         self.events: list[dict] = []
+        self.max_layout_id = self.layout.layout_id
+        self.state, self.state_since_s = "starting", time.time()
 
     def _event(self, what: str, **kw) -> None:
         self.events.append({"what": what, "t": time.time(), "generation": self.gen, **kw})
@@ -244,15 +246,61 @@ class JobLauncher:
         return lay
 
     def _new_generation(
-        self, layout: Layout, reason: str, plan=None, boundary: bool = False
+        self,
+        layout: Layout,
+        reason: str,
+        plan=None,
+        boundary: bool = False,
+        publish_now: bool = True,
     ) -> None:
+        """Switch the workers to ``layout``.  ``publish_now``: write it to Redis at once (the
+        members all run already), so the collector judges the first iteration's telemetry
+        under it (written only after that iteration, it was dead-lettered as coming from
+        ranks and replicas the old layout did not have); a generation with restarted ranks
+        is published once it ran an iteration, as their heartbeats only start then."""
+        if layout.layout_id <= self.max_layout_id:
+            # every layout the job runs gets its own id: a plan made for an older layout
+            # (the trainer moved on alone meanwhile) carries an id already used, and
+            # whoever keys on the id (the detector's re-warm) took the switch for none
+            layout = layout.copy()
+            layout.layout_id = self.max_layout_id + 1
+        self.max_layout_id = layout.layout_id
         self.gen += 1
         members = sorted(r for r, p in self.procs.items() if p.is_alive() and r not in self.dead)
         self._write_gen(members, layout, reason, boundary)
         self.layout = layout
         if plan is not None:
             self.follower.applied.add(plan.plan_id)
+        if publish_now and self.client is not None and self.layout_published:
+            from resihp.plans import write_layout
+
+            try:
+                write_layout(self.client, self.keys, layout)
+            except redis.RedisError as e:  # confirmed (and written) after its first iteration
+                print(
+                    f"[launcher] could not publish layout {layout.layout_id} yet: {e}", flush=True
+                )
         self.pending_confirm.append((self.gen, plan, layout))
+
+    def _beat(self, state: str, **extra) -> None:
+        """The trainer's health key, with whether the job runs or waits on a dead rank."""
+        if state != self.state:
+            self.state, self.state_since_s = state, time.time()
+        if self.client is None:
+            return
+        try:
+            self.health.beat(
+                "ok",
+                state=state,
+                state_since_s=self.state_since_s,
+                generation=self.gen,
+                layout_id=self.layout.layout_id,
+                dead_ranks=sorted(self.dead),
+                backend="torch",
+                **extra,
+            )
+        except redis.RedisError:
+            pass  # Redis down: the job trains on; the key expires and says so
 
     def _on_death(self, ranks: set[int]) -> None:
         self.dead |= ranks
@@ -261,7 +309,16 @@ class JobLauncher:
         plan = None
         if self.follower is not None:
             deadline = time.time() + self.cfg.plan_wait_s
+            print(
+                f"[launcher] ranks {sorted(ranks)} died: waiting up to {self.cfg.plan_wait_s:g} s "
+                "for an acknowledged plan",
+                flush=True,
+            )
+            next_beat = 0.0
             while time.time() < deadline and chosen is None:
+                if time.time() >= next_beat:  # hung, not gone: the key must not expire
+                    self._beat("hung")
+                    next_beat = time.time() + 1.0
                 for p in self.follower.poll():
                     lay = self._plan_layout(p)
                     if lay is not None and ranks <= set(lay.dead):
@@ -269,6 +326,13 @@ class JobLauncher:
                 time.sleep(0.1)
         if chosen is None:
             chosen = local_plan(self.layout, self.dead, self.cfg.recovery_policy)
+            if self.follower is not None:
+                print(
+                    f"[launcher] no acknowledged plan for ranks {sorted(ranks)} within "
+                    f"{self.cfg.plan_wait_s:g} s: applying the trainer's own plan "
+                    f"({self.cfg.recovery_policy}): {chosen.summary()}",
+                    flush=True,
+                )
         self._event("plan_chosen", plan_id=plan.plan_id if plan else 0, layout=chosen.summary())
         self._new_generation(chosen, f"fail-stop of ranks {sorted(ranks)}", plan)
 
@@ -322,7 +386,9 @@ class JobLauncher:
             self._spawn(r, self.gen + 1)
         alive = {r for r, p in self.procs.items() if r not in self.dead}
         lay = restore_plan(self.layout, self.launch_layout, alive)
-        self._new_generation(lay, f"ranks {sorted(ranks)} re-joined", boundary=True)
+        self._new_generation(
+            lay, f"ranks {sorted(ranks)} re-joined", boundary=True, publish_now=False
+        )
 
     def _confirm(self) -> None:
         still = []
@@ -420,8 +486,7 @@ class JobLauncher:
                 self._confirm()
                 self._publish_initial_layout()
                 self._check_rejoin()
-                if self.client is not None:
-                    self.health.beat("ok", generation=self.gen, backend="torch")
+                self._beat("running")
                 if self.follower is not None and time.time() - last_poll > 0.2:
                     last_poll = time.time()
                     for plan in self.follower.poll():
