@@ -130,6 +130,33 @@ def _stop_children(children: list[Child], grace_s: float = 8.0) -> None:
 #: ``resihp up --trainer torch`` defaults (each overridable with ``--trainer-arg``).
 TORCH_DEFAULTS = (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", "1000000"))
 
+#: The scheduler's grace period when ``--grace-period-s`` is not given (scheduler/config.py).
+SCHEDULER_GRACE_S = 10.0
+#: Auto mode: how much longer than the grace period the torch trainer waits for the
+#: scheduler's plan after a rank dies (the collector's fail-stop deadline, the detector's
+#: report, planning, the acknowledgement and the trainer's poll all come first).
+PLAN_WAIT_MARGIN_S = 15.0
+#: Manual mode: an operator decides, which takes minutes; the trainer's own local plan
+#: stays the safety net when nobody answers in this time.
+MANUAL_PLAN_WAIT_S = 600.0
+
+
+def torch_plan_wait_s(args) -> float:
+    """``--plan-wait-s`` of a torch trainer under this stack: long enough that the
+    scheduler's plan (auto: after its grace period) or the operator's decision (manual)
+    arrives before the trainer falls back to its own local plan."""
+    if args.mode == "manual":
+        return MANUAL_PLAN_WAIT_S
+    grace = args.grace_period_s
+    if grace is None:
+        try:
+            from scheduler.config import SchedulerConfig
+
+            grace = SchedulerConfig.grace_period_s
+        except ImportError:  # no scheduler package: nothing to wait for but the default
+            grace = SCHEDULER_GRACE_S
+    return float(grace) + PLAN_WAIT_MARGIN_S
+
 
 def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
     """Each child's ``python -m`` arguments.  The Redis URL reaches the children through
@@ -163,8 +190,12 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
             for flag, value in TORCH_DEFAULTS:
                 if flag not in given:
                     argv += [flag, value]
-            if "--out-dir" not in given:  # checkpoints live with the stack's other state
-                argv += ["--out-dir", str(Path(args.state_dir) / "torch")]
+            if "--out-dir" not in given:
+                # with the stack's other state, one folder per job: the trainer clears its
+                # checkpoints at start, and another job's loss curve and timeline stay
+                argv += ["--out-dir", str(Path(args.state_dir) / "torch" / resolve_job(args))]
+            if "--plan-wait-s" not in given:
+                argv += ["--plan-wait-s", f"{torch_plan_wait_s(args):g}"]
         argv += list(args.trainer_arg)
         cmds.append(("trainer", argv))
     return cmds
@@ -390,15 +421,23 @@ def _write_private(path: Path, text: str) -> None:
 
 def run_stack(args) -> int:
     stop = threading.Event()
+    caught: list[int] = []  # the signals that stopped the stack
 
     def _on_signal(signum, frame):  # noqa: ARG001
+        caught.append(signum)
         stop.set()
 
     # first thing: a Ctrl-C while Redis starts must stop the stack, not leave a traceback
     old_int = signal.signal(signal.SIGINT, _on_signal)
     old_term = signal.signal(signal.SIGTERM, _on_signal)
     try:
-        return _run_stack(args, stop)
+        rc = _run_stack(args, stop)
+        # a stack stopped by a signal says so, as a shell does: 128 + its number (130 for
+        # Ctrl-C, 143 for SIGTERM), after the clean stop; a failed service still says 1,
+        # a refused start 2
+        if caught and rc == 0:
+            return 128 + caught[0]
+        return rc
     finally:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
@@ -472,8 +511,8 @@ def _run_stack(args, stop: threading.Event) -> int:
     children: list[Child] = []
     failed: list[str] = []  # children that exited with an error
     try:
-        if stop.is_set():  # Ctrl-C while Redis started
-            return 130
+        if stop.is_set():  # Ctrl-C while Redis started: run_stack says which signal
+            return 0
         for name, argv in service_commands(args, url):
             children.append(_spawn(name, argv, env, log_dir))
             stack["children"][name] = children[-1].proc.pid

@@ -68,19 +68,33 @@ def last_iteration(client, keys: JobKeys) -> IterationRecord | None:
     return last_iteration_entry(client, keys)[0]
 
 
+#: How many of the newest iteration entries ``last_iteration_entry`` looks at: the collector
+#: may publish an abandoned (incomplete) iteration after later ones.
+LAST_ITERATION_SCAN = 16
+
+
 def last_iteration_entry(client, keys: JobKeys) -> tuple[IterationRecord | None, float | None]:
-    """The newest iteration record and when it was published, in seconds on Redis's clock
+    """The last iteration record and when it was published, in seconds on Redis's clock
     (its stream entry id): the records' own times come from the ranks' clocks, which a
-    time-scaled simulator runs ahead of the wall."""
-    for entry_id, fields in client.xrevrange(keys.iterations, count=1):
+    time-scaled simulator runs ahead of the wall.
+
+    The highest iteration among the newest ``LAST_ITERATION_SCAN`` entries, a complete
+    record before an incomplete one of the same iteration, then the newest: a late
+    incomplete record of an abandoned iteration must not take the job backwards."""
+    best: tuple[tuple[int, bool, int], IterationRecord, float | None] | None = None
+    entries = client.xrevrange(keys.iterations, count=LAST_ITERATION_SCAN)
+    for age, (entry_id, fields) in enumerate(entries):
         try:
             good, _ = decode_entry(fields)
         except SchemaError:
-            return None, None
+            continue  # a stray entry must not hide the records around it
         for m in good:
-            if isinstance(m, IterationRecord):
-                return m, _entry_time_s(entry_id)
-    return None, None
+            if not isinstance(m, IterationRecord):
+                continue
+            rank = (m.iteration, bool(m.complete), -age)
+            if best is None or rank > best[0]:
+                best = (rank, m, _entry_time_s(entry_id))
+    return (best[1], best[2]) if best is not None else (None, None)
 
 
 def _entry_time_s(entry_id: bytes | str) -> float | None:
@@ -272,6 +286,8 @@ def _progress(
     active = set(layout.active_ranks()) if layout is not None else None
     # a dead device the layout no longer gives work (excluded, standby) stops nothing
     dead_working = sorted(r for r in dead if active is None or r in active)
+    # every rank known dead: the detector's and those the layout already set aside
+    dead_all = sorted(set(dead) | set(layout.dead if layout is not None else ()))
     age_s = max(0.0, now_s - published_at_s) if published_at_s is not None else None
     trainer_state = trainer.get("state") if isinstance(trainer, dict) else None
     since_s = None
@@ -298,7 +314,9 @@ def _progress(
         "state": state,
         "since_s": since_s,
         "trainer_state": trainer_state,
-        "dead_ranks": dead_working,
+        "dead_ranks": dead_all,
+        # the dead ranks the layout still gives work: these stop the job
+        "dead_working_ranks": dead_working,
         "last_iteration_age_s": age_s,
     }
 
@@ -464,7 +482,7 @@ def _stall_headline(js: dict[str, Any]) -> str | None:
     pr = js.get("progress") or {}
     if pr.get("state") not in ("hung", "stalled"):
         return None
-    dead = pr.get("dead_ranks") or []
+    dead = pr.get("dead_working_ranks", pr.get("dead_ranks")) or []
     why = [_dead_text(dead)] if dead else []
     if pr["state"] == "hung":
         head = "trainer HUNG" + (f" since {_clock(pr['since_s'])}" if pr.get("since_s") else "")
@@ -529,8 +547,9 @@ def format_status(st: dict[str, Any]) -> str:
             state = h.get("state")
             shown = f", state {state}" if state and state != h.get("status") else ""
             lines.append(f"  service {name}: {h.get('status')}{shown} (pid {h.get('pid')})")
+        finished = (js.get("job_state") or {}).get("state") == "finished"
         for p in js.get("awaiting_plans", []):
-            lines.append("  " + _plan_line(js["job_id"], p))
+            lines.append("  " + _plan_line(js["job_id"], p, finished))
         for p in js.get("turned_down_plans", []):
             lines.append("  " + _turned_down_line(p))
         if stalled:
@@ -558,9 +577,16 @@ def _plan_prediction(p: dict[str, Any]) -> str:
     )
 
 
-def _plan_line(job_id: str, p: dict[str, Any]) -> str:
-    """One plan that waits, what it predicts, and the command that decides it."""
+def _plan_line(job_id: str, p: dict[str, Any], finished: bool = False) -> str:
+    """One plan that waits, what it predicts, and the command that decides it; of a job
+    whose trainer said it finished, that nothing will come of it."""
     line = f"plan {p['plan_id']} {p['state']}: {p['reason']} {_plan_prediction(p)}"
+    if finished:
+        if p["state"] == "proposed":
+            line += "; left undecided (the job finished)"
+        elif p["state"] == "acknowledged":
+            line += "; never applied (the job finished)"
+        return line
     if p["state"] == "proposed":
         if p["mode"] == "auto" and p["apply_after_s"]:
             wait_s = p["apply_after_s"] - time.time()

@@ -251,7 +251,7 @@ def test_torch_trainer_defaults_to_the_small_real_job_unless_told_otherwise():
     assert a[:2] == ["trainer", "torch"]
     for flag, value in (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", "1000000")):
         assert a[a.index(flag) + 1] == value
-    assert a[a.index("--out-dir") + 1] == str(Path(_up_args().state_dir) / "torch")
+    assert a[a.index("--out-dir") + 1] == str(Path(_up_args().state_dir) / "torch" / "default")
     b = trainer_argv("--trainer-arg=--tp=1", "--trainer-arg=--iterations=30")
     assert "--tp" not in b and "--iterations" not in b
     assert b[-2:] == ["--tp=1", "--iterations=30"] and b[b.index("--dp") + 1] == "2"

@@ -49,7 +49,11 @@ class TrainConfig:
     telemetry: bool = True
     heartbeat_interval_s: float = 0.5
     follow_plans: bool = True
-    plan_wait_s: float = 5.0  # after a death: wait this long for a scheduler plan
+    # after a death: wait this long for a scheduler plan before applying the local one.
+    # Longer than the scheduler's default auto grace period (10 s) plus detection and
+    # planning, so its plan arrives in time; `resihp up` passes its own from --mode and
+    # --grace-period-s (manual mode: minutes, an operator decides)
+    plan_wait_s: float = 30.0
     kill_rank: int = -1
     kill_at_iteration: int = -1
     # local plan on a death (no scheduler plan): exclude_replica | migrate | shrink_tp
@@ -106,6 +110,8 @@ class TrainConfig:
             raise ValueError(f"slow_factor must be >= 1, got {self.slow_factor}")
         if self.pg_timeout_s <= 0:
             raise ValueError("pg_timeout_s must be > 0")
+        if not 0 <= self.plan_wait_s < float("inf"):
+            raise ValueError(f"plan_wait_s must be a finite number >= 0, got {self.plan_wait_s}")
         if self.probe_interval_iters < 0:
             raise ValueError(f"probe_interval_iters must be >= 0, got {self.probe_interval_iters}")
         if self.kill_rank >= self.world_size:
@@ -154,7 +160,8 @@ HELP = {
     "pg_timeout_s": "timeout of every process group, subgroups included",
     "out_dir": "metrics.jsonl, timeline.json and checkpoints go here",
     "follow_plans": "apply acknowledged scheduler plans (needs --redis-url)",
-    "plan_wait_s": "after a rank dies, wait this long for the scheduler's plan",
+    "plan_wait_s": "after a rank dies, wait this long for the scheduler's plan before "
+    "applying the local one (default 30 s: past the scheduler's 10 s grace period)",
     "kill_rank": "failure injection: SIGKILL this rank ...",
     "kill_at_iteration": "... at the start of this iteration",
     "recovery_policy": "own plan on a death: exclude_replica | migrate | shrink_tp",
