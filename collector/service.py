@@ -565,6 +565,12 @@ class CollectorService:
             return
         self._silence_said = True
         last = self.client.xrevrange(self.keys.telemetry, count=1)
+        if not last:  # a trainer still starting (the torch one takes seconds): not news
+            log.info(
+                "collector: no telemetry from job %s yet; liveness is judged once it reports",
+                self.keys.job_id,
+            )
+            return
         since = (
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._arrival_s(last[0][0])))
             if last

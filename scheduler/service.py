@@ -366,11 +366,11 @@ class SchedulerService:
         self.plans_total += 1
         new = ch.plans[-1]
         log.info(
-            "proposed plan %d (%s): %s, predicted %.3f s -> %.3f s",
+            "proposed plan %d (%s): %s, predicted %s -> %.3f s",
             new.plan_id,
             self.config.mode,
             reason,
-            new.predicted_before_s,
+            "cannot run" if new.predicted_before_s < 0 else f"{new.predicted_before_s:.3f} s",
             new.predicted_after_s,
         )
         bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
