@@ -27,7 +27,14 @@ from resihp.bus import Health, clear_job, list_jobs, set_job_state
 from resihp.keys import JobKeys, validate_job_id
 from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
 from resihp.redis_client import EmbeddedRedis, connect, redact
-from resihp.status import STACK_FILE, collect_status, job_status, running_stack, summary_line
+from resihp.status import (
+    STACK_FILE,
+    UnknownJob,
+    collect_status,
+    job_status,
+    running_stack,
+    summary_line,
+)
 
 SERVICES = ("collector", "detector", "scheduler", "dashboard")
 DEMO_SCENARIO = Path(__file__).resolve().parent / "data" / "demo.yaml"
@@ -576,6 +583,8 @@ def _run_stack(args, stop: threading.Event) -> int:
                 try:
                     st = collect_status(url, args.job_id)["jobs"][args.job_id]
                     line = summary_line(st)
+                except UnknownJob:  # the trainer has not registered the job yet
+                    line = f"[{args.job_id}] waiting for the job to report"
                 except Exception as e:  # noqa: BLE001 - the console line must never kill the stack
                     line = f"[{args.job_id}] waiting for data ({type(e).__name__})"
                 print(
