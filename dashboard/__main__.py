@@ -92,6 +92,7 @@ def report_main(argv: list[str]) -> int:
             [r.to_dict() for r in data.iterations(job)],
             audit=data.audit(job),
             now_s=time.time(),
+            layouts=data.layouts(job),
         )
     except incidents.IncidentNotFound as e:
         print(f"report export: {e.args[0]}", file=sys.stderr)

@@ -154,6 +154,7 @@ class _JobCache:
     actions: _StreamTail = field(default_factory=_StreamTail)
     audit: _StreamTail = field(default_factory=_StreamTail)
     liveness: _StreamTail = field(default_factory=_StreamTail)
+    layouts: _StreamTail = field(default_factory=_StreamTail)
     iteration_ids: dict[int, str] = field(default_factory=dict)
     records: dict[tuple[str, int | None], dict | None] = field(default_factory=dict)
     hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
@@ -445,6 +446,33 @@ class DashboardData:
         return _s(eid)
 
     # ------------------------------------------------------------ layout / devices
+    def layouts(self, job_id: str) -> list[dict[str, Any]]:
+        """Every layout the trainer ran (``keys.layouts``, newest 2000), oldest first, as small
+        summaries: ``at_s`` (when it was written: the entry id), ``layout_id``, ``key`` (a
+        fingerprint of its placement, ``incidents.layout_key``) and ``entry_id``.  The trainer
+        writes both the plans it applies and the layouts it chooses on its own (a fail-stop
+        recovered without a plan); incidents tell the two apart.  An entry that does not
+        parse is skipped; the layout itself is not kept (a 16k-GPU one weighs megabytes)."""
+        from dashboard.incidents import layout_key
+
+        keys = JobKeys(job_id)
+        c = self._cache(job_id)
+
+        def parse(eid: str, fields: dict) -> list[dict]:
+            raw = fields.get(b"layout", fields.get("layout"))
+            try:
+                d = json.loads(raw) if raw is not None else None
+                lid = int(d["layout_id"]) if isinstance(d, dict) else None
+            except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+                return []
+            if lid is None:
+                return []
+            ms, seq = _id_tuple(eid)
+            return [{"at_s": ms / 1000.0, "layout_id": lid, "key": layout_key(d), "entry_id": eid}]
+
+        with c.lock:
+            return self._tail(keys.layouts, c.layouts, 2000, parse)
+
     def layout(self, job_id: str) -> Layout | None:
         """The current layout; parsed and validated once per distinct value (16k-GPU layouts
         take tens of ms to check)."""

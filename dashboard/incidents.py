@@ -24,6 +24,10 @@ same ranks (never the incident's own report), whichever comes first.  The
 timeline lists reached phases in the order they happened: a device can recover
 before the plan for it is applied, and showing such a phase in its usual slot
 would give it a negative duration; its detail names the phases it came before.
+A layout the trainer chose on its own before any plan was applied (the torch trainer
+recovers a fail-stop alone when no acknowledged plan comes in time) is the phase
+"reconfigured by the trainer (no plan)", and recovery is then looked for after it: after the
+earliest reconfiguration, the plan's or the trainer's (given the job's layout history).
 Iterations are placed on the wall clock by their publish time (stream entry id),
 because failures, plans and actions are stamped with wall time while records
 carry the trainer's clock.
@@ -42,6 +46,7 @@ its own clock.
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 from dataclasses import dataclass, field
@@ -54,6 +59,8 @@ from dashboard import figures
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction
 
 PHASES = ("failure", "detected", "plan proposed", "acknowledged", "applied", "throughput recovered")
+#: The phase of a layout the trainer chose on its own (no plan), shown only when it happened.
+TRAINER_PHASE = "reconfigured by the trainer (no plan)"
 #: Iterations on each side of the incident kept in the report.
 CONTEXT_ITERATIONS = 60
 
@@ -379,6 +386,81 @@ def _onset_s(f: FailureReport, rows: list[dict[str, Any]]) -> float:
     return f.detected_at_s
 
 
+def layout_key(d: Any) -> str:
+    """A fingerprint of a layout's placement, not of its id: the trainer renumbers a plan's
+    layout whose id it already used, and its own layouts take the same next id as a plan's."""
+    if not isinstance(d, dict):
+        return ""
+    body = [d.get(k) for k in ("groups", "layers", "microbatches", "standby", "dead")]
+    raw = json.dumps(body, separators=(",", ":"), default=str)
+    return hashlib.sha1(raw.encode(), usedforsecurity=False).hexdigest()
+
+
+def _layout_entries(layouts: list[Any]) -> list[tuple[float, int, str]]:
+    """(written at, layout_id, fingerprint) of each layout entry, oldest first.  Takes
+    ``DashboardData.layouts`` summaries (``at_s``, ``layout_id``, ``key``), or (time_s, layout
+    dict) pairs; entries without a time or an id are skipped."""
+    out = []
+    for item in layouts:
+        if isinstance(item, dict):
+            t, lay = item.get("at_s"), item.get("layout")
+            lid = item.get("layout_id", lay.get("layout_id") if isinstance(lay, dict) else None)
+            key = item.get("key") or layout_key(lay)
+        else:
+            try:
+                t, lay = item
+            except (TypeError, ValueError):
+                continue
+            if hasattr(lay, "to_dict"):
+                lay = lay.to_dict()
+            lid = lay.get("layout_id") if isinstance(lay, dict) else None
+            key = layout_key(lay)
+        t, lid = _as_float(t), _as_int(lid)
+        if t is not None and lid is not None:
+            out.append((t, lid, key))
+    out.sort(key=lambda e: e[0])  # stable: entries written in the same ms keep their order
+    return out
+
+
+def _trainer_reconfiguration(
+    entries: list[tuple[float, int, str]],
+    onset: float,
+    snaps: list[AdaptationPlan],
+    ack_t: float | None,
+    applied_t: float | None,
+) -> tuple[float, int] | None:
+    """The first layout change after ``onset`` that is not a plan's application (and comes
+    before the plan's ``applied``, when there is one): (written at, layout_id).
+
+    A change is a plan's application when it comes after the plan was acknowledged (a trainer
+    applies only acknowledged plans) and either places ranks as one of the incident's plans'
+    ``after`` does, or is the layout in force when the plan's ``applied`` was published (the
+    trainer writes the layout, then publishes ``applied``)."""
+    applied_lid = None
+    if applied_t is not None:
+        applied_lid = next((lid for t, lid, _k in reversed(entries) if t <= applied_t), None)
+    plan_keys: set[str] | None = None
+    prev = None
+    for t, lid, key in entries:
+        if t <= onset:
+            prev = lid
+            continue
+        if applied_t is not None and t >= applied_t:
+            break
+        if lid == prev:
+            continue
+        prev = lid
+        if ack_t is not None and t >= ack_t:
+            if lid == applied_lid:
+                continue
+            if plan_keys is None:  # 16k-GPU layouts: fingerprint plans only when needed
+                plan_keys = {layout_key(p.after) for p in snaps if p.after}
+            if key and key in plan_keys:
+                continue
+        return t, lid
+    return None
+
+
 def build_incident(
     job_id: str,
     incident_id: str,
@@ -390,11 +472,16 @@ def build_incident(
     *,
     audit: list[dict[str, Any]] | None = None,
     now_s: float | None = None,
+    layouts: list[Any] | None = None,
 ) -> Incident:
     """One incident.  ``audit`` is the job's audit log (``DashboardData.audit``): without it
     every action's verdict is unknown, and an action refused by the scheduler could count as
     a phase.  ``now_s`` (export time) ends the "during" window of an open incident; without
-    it the window ends at the newest data."""
+    it the window ends at the newest data.  ``layouts`` is the job's layout history
+    (``DashboardData.layouts``, or (time_s, layout dict) pairs): a layout the trainer chose
+    on its own before any plan was applied (a fail-stop recovered without a plan) becomes the
+    phase :data:`TRAINER_PHASE`, and recovery is judged from it; without it only a plan's
+    application counts as a reconfiguration."""
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
@@ -468,6 +555,27 @@ def build_incident(
             f"plan {applied_act.plan_id} by {applied_act.actor}",
         )
 
+    trainer = None
+    if layouts:
+        ack_times = [p.acknowledged_at_s for p in snaps if p.acknowledged_at_s > 0]
+        ack_times += [
+            p.updated_at_s or p.created_at_s
+            for p in snaps
+            if p.state in ("acknowledged", "overridden")
+        ]
+        if decided_t is not None and decided_name != "rejected":
+            ack_times.append(decided_t)
+        ack_t = min(ack_times) if ack_times else (float("-inf") if applied_t is not None else None)
+        trainer = _trainer_reconfiguration(_layout_entries(layouts), onset, snaps, ack_t, applied_t)
+    trainer_t = trainer[0] if trainer is not None else None
+    # The job runs again from the earliest reconfiguration: the plan's, or the trainer's own.
+    if trainer_t is not None:
+        reconf_t, reconf_what = trainer_t, "the trainer's own reconfiguration"
+    elif applied_t is not None:
+        reconf_t, reconf_what = applied_t, "the plan's application"
+    else:
+        reconf_t, reconf_what = None, ""
+
     n = len(rows)
     rate = np.fromiter((r["samples_per_s"] for r in rows), float, n)
     wend = np.fromiter((r["wall_end_s"] for r in rows), float, n)
@@ -475,7 +583,7 @@ def build_incident(
     before = rate[wend <= onset][-50:]
     baseline = float(np.median(before)) if before.size else None
     recovered_t, recovered_detail = None, ""
-    start = applied_t if applied_t is not None else f.detected_at_s
+    start = reconf_t if reconf_t is not None else f.detected_at_s
     if baseline:
         target, what = recovery_fraction * baseline, "pre-failure throughput"
         # A plan that works around a device still slow cannot restore the healthy rate;
@@ -508,6 +616,8 @@ def build_incident(
                 recovered_detail = (
                     f"iteration {rows[i]['iteration']}: >= {recovery_fraction:.0%} of {what}"
                 )
+                if trainer_t is not None:
+                    recovered_detail += f", counted from {reconf_what} (layout {trainer[1]})"
     rec = next(
         (
             x
@@ -531,17 +641,23 @@ def build_incident(
             f"plan {proposed.plan_id}: {proposed.reason}" if proposed else "",
         ),
         Phase(decided_name, decided_t, decided_detail),
+        *(
+            [Phase(TRAINER_PHASE, trainer_t, f"layout {trainer[1]}, chosen without a plan")]
+            if trainer is not None
+            else []
+        ),
         Phase("applied", applied_t, applied_detail),
         Phase("throughput recovered", recovered_t, recovered_detail),
     ]
     phases = _chronological(phases)
     end = recovered_t
-    # "After" starts at recovery, or at the plan's application when throughput never came
-    # all the way back (a partial mitigation still has an after).
+    # "After" starts at recovery, or at the reconfiguration (the plan's application, or the
+    # trainer's own) when throughput never came all the way back (a partial mitigation still
+    # has an after).
     cut, cut_what = (
         (recovered_t, "throughput recovered")
         if recovered_t is not None
-        else (applied_t, "the plan's application")
+        else (reconf_t, reconf_what)
     )
     if cut is not None:
         to_s, to_what = cut, cut_what
@@ -571,6 +687,9 @@ def build_incident(
         "trainer_s_per_wall_s": clock,
         "after_iterations": int(after.size),
         "after_from": cut_what if cut is not None else None,
+        # what "throughput recovered" was looked for after
+        "recovery_from": reconf_what or "detection",
+        "recovery_from_s": start,
     }
     past = np.flatnonzero(wend > onset)
     idx_lo = int(past[0]) if past.size else n

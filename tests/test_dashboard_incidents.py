@@ -528,3 +528,110 @@ def test_evidence_facts_of_a_fail_stop_and_of_unknown_evidence():
         evidence={"new_key": [1, 2]},
     )
     assert incidents.evidence_facts(odd) == []
+
+
+@pytest.mark.redis
+def test_a_fail_stop_the_trainer_recovered_alone_counts_from_its_own_layout(r):
+    """The torch trainer applies a layout of its own when no acknowledged plan comes in time:
+    the job runs again seconds after the kill, long before the operator's plan is applied."""
+    import time
+
+    from resihp.keys import JobKeys
+    from resihp.schemas import AdaptationPlan, FailureReport
+    from resihp.topology import Layout
+
+    rows, at = _rows([100.0] * 30, t0=time.time() - 1000.0, samples=100.0)  # 1 s each
+    hung = at[29]  # rank 3 killed during iteration 30
+    more, _ = _rows([100.0] * 70, t0=hung + 6.0, first=30, samples=100.0)
+    dead = FailureReport(
+        report_id="fs-1",
+        kind="fail_stop",
+        ranks=[3],
+        nodes=[0],
+        detected_at_s=hung + 5.0,
+        iteration=30,
+        evidence={"scope": "node", "state": "dead", "last_seen_s": hung + 0.05},
+    )
+    full = Layout.uniform(tp=1, pp=2, dp=4, num_layers=8, num_microbatches=4)
+    own = full.copy()  # the trainer's: replica 3 (holding rank 3) dropped
+    own.groups, own.microbatches, own.dead, own.standby = full.groups[:3], [4] * 3, [3], [7]
+    own.layout_id = 1
+    planned = own.copy()  # the plan's: the same replicas, stages split otherwise
+    planned.layers = [3, 5]
+    hist = [
+        AdaptationPlan(
+            plan_id=1,
+            state=state,
+            created_at_s=hung + 5.5,
+            updated_at_s=upd,
+            reason="fail-stop of rank 3",
+            before=full.to_dict(),
+            after=planned.to_dict(),  # layout_id 1, as the trainer's own
+            predicted_before_s=-1.0,
+            predicted_after_s=1.2,
+            failure_ids=["fs-1"],
+            acknowledged_at_s=0.0 if state == "proposed" else hung + 60.0,
+        )
+        for state, upd in (
+            ("proposed", hung + 5.5),
+            ("acknowledged", hung + 60.0),
+            ("applied", hung + 61.2),
+        )
+    ]
+    applied_lay = planned.copy()
+    applied_lay.layout_id = 2  # renumbered: the trainer ran layout 1 already
+    stream = JobKeys("job-f").layouts
+    for t, lay in (
+        (at[0] - 1.0, full),
+        (hung + 6.0, own),
+        (hung + 60.5, applied_lay),  # written at the switch, then with its "applied"
+        (hung + 61.0, applied_lay),
+    ):
+        r.xadd(stream, {"layout": json.dumps(lay.to_dict())}, id=f"{int(t * 1000)}-0")
+    lays = DashboardData(r).layouts("job-f")
+    assert [x["layout_id"] for x in lays] == [0, 1, 2, 2]
+    assert lays[1]["at_s"] == pytest.approx(hung + 6.0, abs=2e-3)
+
+    def build(layouts):
+        return incidents.build_incident(
+            "job-f", "fs-1", [dead], hist, [], rows + more, layouts=layouts
+        )
+
+    inc = build(lays)
+    ph = {p.name: p for p in inc.phases}
+    assert ph[incidents.TRAINER_PHASE].at_s == pytest.approx(hung + 6.0, abs=2e-3)
+    assert ph[incidents.TRAINER_PHASE].detail.startswith("layout 1, chosen without a plan")
+    assert ph["applied"].at_s == pytest.approx(hung + 61.2)
+    rec = next(x for x in inc.phase_rows() if x["phase"] == "throughput recovered")
+    assert rec["since_failure_s"] == pytest.approx(7.95, abs=2e-3)  # iteration 31, not 86
+    assert "counted from the trainer's own reconfiguration (layout 1)" in rec["detail"]
+    assert inc.status == "recovered"
+    assert inc.throughput_basis["recovery_from"] == "the trainer's own reconfiguration"
+    assert [p["phase"] for p in inc.phase_rows()] == [
+        "failure",
+        "detected",
+        "plan proposed",
+        incidents.TRAINER_PHASE,
+        "throughput recovered",
+        "acknowledged",
+        "applied",
+    ]
+    assert all(p["since_previous_s"] >= 0 for p in inc.phase_rows()[1:])
+    assert f"| {incidents.TRAINER_PHASE} |" in incidents.to_markdown(inc)
+    # The same as pairs of (time, layout dict).
+    pairs = [
+        (x["at_s"], lay) for x, lay in zip(lays, (full, own, applied_lay, applied_lay), strict=True)
+    ]
+    assert [p.at_s for p in build([(t, lay.to_dict()) for t, lay in pairs]).phases] == [
+        p.at_s for p in inc.phases
+    ]
+
+    # Without the layout history, or with only the plan's own layout in it: recovery is
+    # counted from the plan's application, as before.
+    for layouts in (None, [lays[0], *lays[2:]]):
+        old = build(layouts)
+        assert incidents.TRAINER_PHASE not in [p.name for p in old.phases]
+        rec = next(x for x in old.phase_rows() if x["phase"] == "throughput recovered")
+        assert rec["since_failure_s"] == pytest.approx(62.95, abs=2e-3)
+        assert "counted from" not in rec["detail"]
+        assert old.throughput_basis["recovery_from"] == "the plan's application"

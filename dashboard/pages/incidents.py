@@ -81,6 +81,7 @@ def _load(ctx: AppContext, job: str, incident_id: str) -> inc_mod.Incident:
         [r.to_dict() for r in d.iterations(job)],
         audit=d.audit(job),
         now_s=time.time(),
+        layouts=d.layouts(job),
     )
 
 
@@ -104,12 +105,13 @@ def register(app, ctx: AppContext) -> None:
         d = ctx.data
         fails = d.failures(job)
         hist, acts, audit = d.plan_history(job), d.actions(job), d.audit(job)
+        lays = d.layouts(job)
         rows = inc_mod.wall_rows([r.to_dict() for r in d.iterations(job)])
         data = []
         now = time.time()
         for f in inc_mod.list_incidents(fails)[::-1][:100]:
             inc = inc_mod.build_incident(
-                job, f.report_id, fails, hist, acts, rows, audit=audit, now_s=now
+                job, f.report_id, fails, hist, acts, rows, audit=audit, now_s=now, layouts=lays
             )
             ph = {p.name: p.at_s for p in inc.phases}
             onset = inc.phases[0].at_s

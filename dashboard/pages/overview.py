@@ -83,6 +83,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
     hist = d.plan_history(job)
     acts = d.actions(job)
     audit = d.audit(job)
+    lays = d.layouts(job)
     now = time.time()
     open_inc = []
     wrows = incidents.wall_rows(rows)
@@ -90,7 +91,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
     # over the last OPEN_LOOKBACK reports, show the newest OPEN_SHOWN that are open.
     for f in reversed(incidents.list_incidents(fails)[-OPEN_LOOKBACK:]):
         inc = incidents.build_incident(
-            job, f.report_id, fails, hist, acts, wrows, audit=audit, now_s=now
+            job, f.report_id, fails, hist, acts, wrows, audit=audit, now_s=now, layouts=lays
         )
         if inc.status == "open":
             open_inc.append(inc)
