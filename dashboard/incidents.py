@@ -209,6 +209,26 @@ def verdict_text(v: dict[str, Any]) -> str:
     return text + (f" (plan {v['new_plan_id']})" if v.get("new_plan_id") else "")
 
 
+def _scheduler_acts(audit: list[dict[str, Any]] | None, plan_ids: set[int]) -> list:
+    """The scheduler's own acknowledgements (auto mode, grace period over): they are in the
+    audit log only, not on the actions stream, and were missing from the actions table."""
+    out = []
+    for rec in audit or []:
+        pid, at = _as_int(rec.get("plan_id")), _as_float(rec.get("at_s"))
+        if rec.get("actor") == "auto" and pid in plan_ids and at is not None:
+            out.append(
+                OperatorAction(
+                    action=str(rec.get("action") or "acknowledge"),
+                    plan_id=pid,
+                    actor="auto",
+                    at_s=at,
+                    comment=str(rec.get("note") or ""),
+                    action_id="",
+                )
+            )
+    return out
+
+
 def _join_audit(
     acts: list[OperatorAction], audit: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
@@ -501,7 +521,8 @@ def build_incident(
         (p for p in plan_history if p.plan_id in plan_ids),
         key=lambda p: p.updated_at_s or p.created_at_s,
     )
-    acts = sorted((a for a in actions if a.plan_id in plan_ids), key=lambda a: a.at_s)
+    acts = [a for a in actions if a.plan_id in plan_ids] + _scheduler_acts(audit, plan_ids)
+    acts.sort(key=lambda a: a.at_s)
     verdicts = _join_audit(acts, audit)
     # A refused action changed nothing, so it cannot mark a phase.
     valid = [a for a, v in zip(acts, verdicts, strict=True) if v["result"] != "refused"]
@@ -798,8 +819,17 @@ def to_json(inc: Incident) -> str:
     return json.dumps(inc.to_dict(), indent=2, default=str, allow_nan=False)
 
 
-def _latest_plan(inc: Incident) -> AdaptationPlan | None:
-    return inc.plans[-1] if inc.plans else None
+def _answering_plan(inc: Incident) -> tuple[AdaptationPlan | None, str]:
+    """The plan that answered the incident, and its state in words: the first one applied
+    (a later plan lists this failure too when it replaces the plans before it, and the one
+    applied is later superseded: neither is what answered it), else the newest snapshot."""
+    applied = next((p for p in inc.plans if p.state == "applied"), None)
+    if applied is None:
+        last = inc.plans[-1] if inc.plans else None
+        return last, (last.state if last else "")
+    later = [p for p in inc.plans if p.plan_id == applied.plan_id and p.state == "superseded"]
+    note = f"applied, later {later[-1].note or 'superseded'}" if later else "applied"
+    return applied, note
 
 
 def _predicted(plan: AdaptationPlan) -> str:
@@ -880,13 +910,13 @@ def to_markdown(inc: Incident) -> str:
         "```",
         "",
     ]
-    plan = _latest_plan(inc)
+    plan, state = _answering_plan(inc)
     out += ["## Plan", ""]
     if plan is None:
         out.append("No plan was proposed.")
     else:
         out += [
-            f"Plan {plan.plan_id} ({plan.policy}, {plan.mode}): state **{plan.state}**. {plan.reason}",
+            f"Plan {plan.plan_id} ({plan.policy}, {plan.mode}): state **{state}**. {plan.reason}",
             "",
             _predicted(plan) + (f" Note: {plan.note}" if plan.note else ""),
             "",
@@ -978,13 +1008,13 @@ def to_html(inc: Incident) -> str:
         f"<pre>{esc(json.dumps({'severity': f.severity, 'links': f.links, **f.evidence}, indent=2, default=str))}</pre>",
         "<h2>Plan</h2>",
     ]
-    plan = _latest_plan(inc)
+    plan, state = _answering_plan(inc)
     if plan is None:
         parts.append("<p>No plan was proposed.</p>")
     else:
         diff = figures.plan_diff_rows(plan.before, plan.after)
         parts += [
-            f"<p>Plan {plan.plan_id} ({esc(plan.policy)}, {esc(plan.mode)}): state <b>{esc(plan.state)}</b>. "
+            f"<p>Plan {plan.plan_id} ({esc(plan.policy)}, {esc(plan.mode)}): state <b>{esc(state)}</b>. "
             f"{esc(plan.reason)}<br>{esc(_predicted(plan))} {esc(plan.note)}</p>",
             _table(
                 ["what", "before", "after"],

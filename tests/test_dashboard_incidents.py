@@ -635,3 +635,59 @@ def test_a_fail_stop_the_trainer_recovered_alone_counts_from_its_own_layout(r):
         assert rec["since_failure_s"] == pytest.approx(62.95, abs=2e-3)
         assert "counted from" not in rec["detail"]
         assert old.throughput_basis["recovery_from"] == "the plan's application"
+
+
+def test_the_plan_shown_is_the_one_that_answered_the_incident():
+    """Plan 1 answered failure x and was applied; plan 2, for another failure y, lists x too
+    (a newer plan carries the reports of those it replaces) and superseded plan 1. The
+    report showed plan 2, and plan 1 as "superseded" although it had been applied."""
+    rows, at = _rows([100.0] * 30 + [60.0] * 10 + [100.0] * 15)
+    f = _slow_at_32(at)
+    p1 = [
+        _plan(1, "proposed", at[33], at[33], ["x"]),
+        _plan(1, "acknowledged", at[33], at[35], ["x"]),
+        _plan(1, "applied", at[33], at[38], ["x"]),
+    ]
+    p2 = [
+        _plan(2, "proposed", at[45], at[45], ["y", "x"]),
+        _plan(2, "acknowledged", at[45], at[46], ["y", "x"]),
+        _plan(2, "applied", at[45], at[48], ["y", "x"]),
+    ]
+    gone = _plan(1, "superseded", at[33], at[48], ["x"])
+    gone.note = "superseded by applied plan 2"
+    inc = incidents.build_incident("j", "x", [f], [*p1, *p2, gone], [], rows)
+    md = incidents.export(inc, "md")
+    plan_line = next(line for line in md.splitlines() if line.startswith("Plan "))
+    assert plan_line.startswith("Plan 1 ") and (
+        "state **applied, later superseded by applied plan 2**" in plan_line
+    ), plan_line
+    html = incidents.export(inc, "html")
+    assert "Plan 1 (" in html and "applied, later superseded by applied plan 2" in html
+    # no plan applied yet: the newest snapshot, as it stands
+    open_inc = incidents.build_incident("j", "x", [f], p1[:2], [], rows)
+    line = next(x for x in incidents.export(open_inc, "md").splitlines() if x.startswith("Plan "))
+    assert line.startswith("Plan 1 ") and "state **acknowledged**" in line
+
+
+def test_the_schedulers_own_acknowledgement_is_an_action_of_the_incident():
+    """In auto mode the scheduler acknowledges a plan itself when its grace period is over:
+    that is in the audit log only (no operator action on the stream), and the report's
+    actions table left it out."""
+    rows, at = _rows([100.0] * 30 + [60.0] * 10 + [100.0] * 15)
+    f = _slow_at_32(at)
+    hist = [
+        _plan(1, "proposed", at[33], at[33], ["x"]),
+        _plan(1, "acknowledged", at[33], at[35], ["x"]),
+    ]
+    audit = [
+        {"actor": "auto", "action": "acknowledge", "plan_id": "1", "at_s": str(at[35]),
+         "result": "ok", "note": "grace period elapsed"},
+        {"actor": "auto", "action": "acknowledge", "plan_id": "7", "at_s": str(at[36]),
+         "result": "ok", "note": "another incident's plan"},
+    ]  # fmt: skip
+    inc = incidents.build_incident("j", "x", [f], hist, [], rows, audit=audit)
+    md = incidents.export(inc, "md")
+    cells = _action_cells(md, "auto")
+    assert "acknowledge" in cells and "grace period elapsed" in cells, cells
+    assert "another incident" not in md
+    assert [a["actor"] for a in inc.to_dict()["actions"]] == ["auto"]
