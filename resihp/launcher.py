@@ -137,7 +137,8 @@ def _stop_children(children: list[Child], grace_s: float = 8.0) -> None:
 #: ``resihp up --trainer torch`` defaults (each overridable with ``--trainer-arg``).
 TORCH_DEFAULTS = (("--tp", "2"), ("--pp", "2"), ("--dp", "2"), ("--iterations", "1000000"))
 
-#: The scheduler's grace period when ``--grace-period-s`` is not given (scheduler/config.py).
+#: The scheduler's grace period when ``--grace-period-s`` is not given (the default of
+#: scheduler/config.py, which the core does not import; a test holds the two equal).
 SCHEDULER_GRACE_S = 10.0
 #: Auto mode: how much longer than the grace period the torch trainer waits for the
 #: scheduler's plan after a rank dies (the collector's fail-stop deadline, the detector's
@@ -154,14 +155,7 @@ def torch_plan_wait_s(args) -> float:
     arrives before the trainer falls back to its own local plan."""
     if args.mode == "manual":
         return MANUAL_PLAN_WAIT_S
-    grace = args.grace_period_s
-    if grace is None:
-        try:
-            from scheduler.config import SchedulerConfig
-
-            grace = SchedulerConfig.grace_period_s
-        except ImportError:  # no scheduler package: nothing to wait for but the default
-            grace = SCHEDULER_GRACE_S
+    grace = SCHEDULER_GRACE_S if args.grace_period_s is None else args.grace_period_s
     return float(grace) + PLAN_WAIT_MARGIN_S
 
 

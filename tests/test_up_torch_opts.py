@@ -52,8 +52,11 @@ def test_each_torch_job_writes_its_artefacts_to_its_own_folder(tmp_path):
 
 
 def test_the_torch_trainer_waits_for_the_plan_the_stack_s_mode_will_give():
+    from resihp.launcher import SCHEDULER_GRACE_S
+    from scheduler.config import SchedulerConfig
     from trainer.torch_trainer.config import TrainConfig, config_from_args
 
+    assert SchedulerConfig().grace_period_s == SCHEDULER_GRACE_S  # the core's copy holds
     auto = _trainer_argv()
     # past the scheduler's default 10 s grace period, with room for detection and planning
     assert float(_value(auto, "--plan-wait-s")) == pytest.approx(25.0)
