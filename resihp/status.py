@@ -82,7 +82,17 @@ def last_iteration_entry(client, keys: JobKeys) -> tuple[IterationRecord | None,
     record before an incomplete one of the same iteration, then the newest: a late
     incomplete record of an abandoned iteration must not take the job backwards."""
     best: tuple[tuple[int, bool, int], IterationRecord, float | None] | None = None
-    entries = client.xrevrange(keys.iterations, count=LAST_ITERATION_SCAN)
+    # a 16k-GPU record is megabytes and the console asks every second: the newest entry
+    # alone settles it when it is a complete record, the usual case
+    entries = client.xrevrange(keys.iterations, count=1)
+    if entries:
+        try:
+            good, _ = decode_entry(entries[0][1])
+        except SchemaError:
+            good = []
+        newest = next((m for m in good if isinstance(m, IterationRecord)), None)
+        if newest is None or not newest.complete:
+            entries = client.xrevrange(keys.iterations, count=LAST_ITERATION_SCAN)
     for age, (entry_id, fields) in enumerate(entries):
         try:
             good, _ = decode_entry(fields)
