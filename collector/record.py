@@ -31,6 +31,7 @@ import redis
 
 from resihp import entry
 from resihp.keys import JobKeys
+from resihp.plans import layout_history
 from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
 
 
@@ -75,24 +76,6 @@ def _write_layout(out: IO[str], layout: dict, stats: RecordStats) -> None:
     out.write(json.dumps({"type": "layout", "layout": layout}, separators=(",", ":")))
     out.write("\n")
     stats.layouts_total += 1
-
-
-def layout_history(client: redis.Redis, keys: JobKeys) -> list[tuple[float, dict]]:
-    """(time it was written in seconds, layout) for every layout the trainer wrote, oldest
-    first (``keys.layouts``); empty for a job whose trainer predates that stream."""
-    out: list[tuple[float, dict]] = []
-    for entry_id, fields in client.xrange(keys.layouts):
-        raw = fields.get(b"layout", fields.get("layout"))
-        try:
-            layout = json.loads(raw)
-        except (TypeError, json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        if not out or out[-1][1] != layout:
-            out.append((_entry_time_s(eid), layout))
-    if out:
-        out[0] = (0.0, out[0][1])  # the first one also labels anything older
-    return out
 
 
 def record(

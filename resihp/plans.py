@@ -39,6 +39,24 @@ def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
     pipe.execute()
 
 
+def layout_history(client: redis.Redis, keys: JobKeys) -> list[tuple[float, dict]]:
+    """(time it was written in seconds, layout) for every layout the trainer wrote, oldest
+    first (``keys.layouts``); empty for a job whose trainer predates that stream."""
+    out: list[tuple[float, dict]] = []
+    for entry_id, fields in client.xrange(keys.layouts):
+        raw = fields.get(b"layout", fields.get("layout"))
+        try:
+            layout = json.loads(raw)
+        except (TypeError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        if not out or out[-1][1] != layout:
+            out.append((int(eid.split("-", 1)[0]) / 1000.0, layout))
+    if out:
+        out[0] = (0.0, out[0][1])  # the first one also labels anything older
+    return out
+
+
 def latest_plans(client: redis.Redis, keys: JobKeys) -> dict[int, AdaptationPlan]:
     """plan_id -> latest snapshot, from the scheduler's persistent hash."""
     out: dict[int, AdaptationPlan] = {}
