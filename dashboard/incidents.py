@@ -539,24 +539,39 @@ def build_incident(
     # The scheduler's snapshot is the truth (it validates actions); an action alone counts
     # only when no snapshot exists, and an override never does (it may have been refused).
     verb = {"acknowledged": "acknowledge", "overridden": "override", "rejected": "reject"}
-    decided_snap = first_snap(("acknowledged", "overridden", "rejected"))
+
+    def actor_of(snap: AdaptationPlan) -> str | None:
+        t = snap.updated_at_s or snap.created_at_s
+        return next(
+            (
+                a.actor
+                for a in reversed(valid)
+                if a.plan_id == snap.plan_id and a.action == verb[snap.state] and a.at_s <= t + 1e-3
+            ),
+            None,
+        )
+
+    # A rejection the operator later turned into an override (or a later plan for the same
+    # failure that was acknowledged) is not the incident's decision: the first decision that
+    # let a plan go ahead is, and the rejection before it stays in the phase's detail.
+    rejected_snap = first_snap(("rejected",))
+    decided_snap = first_snap(("acknowledged", "overridden")) or rejected_snap
     decided_t, decided_name, decided_detail = None, "acknowledged", ""
     if decided_snap is not None:
         decided_t = decided_snap.updated_at_s or decided_snap.created_at_s
         decided_name = decided_snap.state
-        who = next(
-            (
-                a.actor
-                for a in reversed(valid)
-                if a.plan_id == decided_snap.plan_id
-                and a.action == verb[decided_snap.state]
-                and a.at_s <= decided_t + 1e-3
-            ),
-            None,
-        )
+        who = actor_of(decided_snap)
         decided_detail = f"plan {decided_snap.plan_id}" + (f" by {who}" if who else "")
+        if rejected_snap is not None and decided_snap is not rejected_snap:
+            rt = rejected_snap.updated_at_s or rejected_snap.created_at_s
+            rwho = actor_of(rejected_snap)
+            decided_detail += (
+                f" (after plan {rejected_snap.plan_id} was rejected"
+                + (f" by {rwho}" if rwho else "")
+                + f", {max(0.0, decided_t - rt):.1f} s earlier)"
+            )
     else:
-        decided_act = first_act(("acknowledge", "reject"))
+        decided_act = first_act(("acknowledge",)) or first_act(("reject",))
         if decided_act is not None:
             decided_t = decided_act.at_s
             decided_name = "rejected" if decided_act.action == "reject" else "acknowledged"

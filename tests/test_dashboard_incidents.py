@@ -691,3 +691,48 @@ def test_the_schedulers_own_acknowledgement_is_an_action_of_the_incident():
     assert "acknowledge" in cells and "grace period elapsed" in cells, cells
     assert "another incident" not in md
     assert [a["actor"] for a in inc.to_dict()["actions"]] == ["auto"]
+
+
+def test_a_rejection_turned_into_an_override_is_not_the_incidents_decision():
+    """The operator rejected plan 1, then overrode it; the override (plan 2) was applied and
+    throughput recovered. The report said "rejected": it took the first decision it found
+    and let a rejection outrank an applied plan."""
+    rows, at = _rows([100.0] * 30 + [60.0] * 10 + [100.0] * 15)
+    f = _slow_at_32(at)
+    child = [
+        _plan(2, "acknowledged", at[36], at[36], ["x"]),
+        _plan(2, "applied", at[36], at[38], ["x"]),
+    ]
+    for p in child:
+        p.parent_plan_id = 1
+    hist = [
+        _plan(1, "proposed", at[33], at[33], ["x"]),
+        _plan(1, "rejected", at[33], at[34], ["x"]),
+        _plan(1, "overridden", at[33], at[36], ["x"]),
+        *child,
+    ]
+    from resihp.schemas import OperatorAction
+
+    acts = [
+        OperatorAction(action="reject", plan_id=1, actor="alice", at_s=at[34] - 0.01),
+        OperatorAction(action="override", plan_id=1, actor="bob", at_s=at[36] - 0.01,
+                       override={"migration": False}),
+    ]  # fmt: skip
+    audit = [
+        {"actor": a.actor, "action": a.action, "plan_id": "1", "at_s": str(a.at_s),
+         "result": "ok", "note": "", "action_id": a.action_id}
+        for a in acts
+    ]  # fmt: skip
+    inc = incidents.build_incident("j", "x", [f], hist, acts, rows, audit=audit)
+    assert inc.status == "recovered"
+    tl = inc.phase_rows()
+    names = [p["phase"] for p in tl]
+    assert "rejected" not in names and "overridden" in names, names
+    over = tl[names.index("overridden")]
+    assert over["at_s"] == at[36]
+    assert over["detail"].startswith("plan 1 by bob") and "rejected by alice" in over["detail"]
+    assert names[-2:] == ["applied", "throughput recovered"]
+    # without the override the rejection still stands
+    only = incidents.build_incident("j", "x", [f], hist[:2], acts[:1], rows, audit=audit[:1])
+    assert only.status == "rejected"
+    assert "rejected" in [p["phase"] for p in only.phase_rows()]
