@@ -24,7 +24,7 @@ from resihp.bus import publish
 from resihp.keys import JobKeys
 from resihp.plans import latest_plans
 from resihp.redis_client import connect
-from resihp.schemas import OperatorAction
+from resihp.schemas import OperatorAction, SchemaError
 
 
 def _common(p: argparse.ArgumentParser, suppress: bool = False) -> None:
@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(act)
     act.add_argument("action", choices=["acknowledge", "reject", "override", "set_mode"])
     act.add_argument("--plan-id", type=int, default=None, help="required except for set_mode")
-    act.add_argument("--actor", default=os.environ.get("USER", "cli"))
+    act.add_argument(
+        "--actor",
+        default=os.environ.get("USER") or "cli",
+        help="who acts, for the audit log (default: $USER, or 'cli' when it is unset or empty)",
+    )
     act.add_argument("--override", default="{}", help='JSON, e.g. {"layers": [5, 2, 5]}')
     act.add_argument("--comment", default="")
     act.add_argument(
@@ -145,6 +149,25 @@ def main(argv: list[str] | None = None) -> int:
         elif not isinstance(override, dict):
             print("--override must be a JSON object", file=sys.stderr)
             return 2
+        elif args.action == "set_mode" and not override:
+            print(
+                'set_mode needs --override with what to change, e.g. \'{"mode": "manual"}\'',
+                file=sys.stderr,
+            )
+            return 2
+        action = OperatorAction(
+            action=args.action,
+            plan_id=args.plan_id or 0,
+            actor=args.actor.strip(),
+            at_s=time.time(),
+            override=override,
+            comment=args.comment,
+        )
+        try:  # the scheduler dead-letters an invalid action unheard: refuse it here
+            action.check()
+        except SchemaError as e:
+            print(f"act: {e}", file=sys.stderr)
+            return 2
         try:
             client = connect(args.redis_url)
             if args.action != "set_mode":
@@ -160,21 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, redis.RedisError) as e:
             print(f"act: {e}", file=sys.stderr)
             return 2 if isinstance(e, ValueError) else 1
-        action = OperatorAction(
-            action=args.action,
-            plan_id=args.plan_id or 0,
-            actor=args.actor,
-            at_s=time.time(),
-            override=override,
-            comment=args.comment,
-        )
         try:
             publish(client, JobKeys(args.job_id).actions, action)
         except redis.RedisError as e:
             print(f"act: {e}", file=sys.stderr)
             return 1
         what = "set_mode" if args.action == "set_mode" else f"{args.action} plan {args.plan_id}"
-        print(f"sent {what} as {args.actor} (action {action.action_id})")
+        print(f"sent {what} as {action.actor} (action {action.action_id})")
         if args.wait_s <= 0:
             print("the scheduler's verdict goes to the audit log")
             return 0

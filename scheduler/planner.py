@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,20 +137,33 @@ def _drop_empty_stages(lay: Layout) -> tuple[Layout, list[int]]:
     return lay, gone
 
 
-def _why_no_stage(layout: Layout, p: Mapping[int, float], tp_res, predictor: Predictor) -> str:
-    """Why no pipeline stage kept a TP group: dead devices, or survivors too few for memory."""
-    short = []
+def _why_no_stage(
+    layout: Layout,
+    p: Mapping[int, float],
+    tp_res,
+    predictor: Predictor,
+    drop: Iterable[int] = (),
+) -> str:
+    """Why no pipeline stage kept a TP group: dead devices, devices an override drops, or
+    survivors too few for memory."""
+    short, dropped = [], set(drop)
     for d, s in sorted(tp_res.emptied):
-        live = [r for r in layout.groups[d][s] if p.get(r, 1.0) > 0]
-        if live:
+        alive = [r for r in layout.groups[d][s] if p.get(r, 1.0) > 0]
+        live = [r for r in alive if r not in dropped]
+        if len(live) < len(alive) and not live:
+            short.append(f"replica {d} stage {s}: the override drops all its live devices")
+        elif live:
             k = stage_k_min(layout, s, predictor.memory)
             need = (
                 f"need TP >= {k} to fit in device memory"
                 if k <= layout.devices_per_node
                 else "fit in no TP group of one node"
             )
+            dropping = (
+                f" (the override drops {len(alive) - len(live)})" if dropped & set(alive) else ""
+            )
             short.append(
-                f"replica {d} stage {s} keeps {len(live)} live device(s) but its "
+                f"replica {d} stage {s} keeps {len(live)} live device(s){dropping} but its "
                 f"{layout.layers[s]} layers {need}"
             )
     if not short:
@@ -185,7 +198,7 @@ def plan(
     try:
         lay, gone = _drop_empty_stages(lay)
     except PlanningError:
-        raise PlanningError(_why_no_stage(layout, p, tp_res, predictor)) from None
+        raise PlanningError(_why_no_stage(layout, p, tp_res, predictor, opt.drop)) from None
     moves = list(tp_res.moves)
     if gone:
         moves.append({"what": "drop_stage", "stages": gone})

@@ -196,3 +196,32 @@ def test_up_refuses_an_empty_scenario_file(tmp_path):
     assert preflight(args) == f"scenario: {f}:1: " + (
         "empty scenario file (no events; write 'events: []' for a run without failures)"
     )
+
+
+# --------------------------------------------------------------- resihp act
+
+
+@pytest.mark.redis
+def test_act_refuses_an_empty_actor_and_an_empty_set_mode_before_sending(
+    redis_server, monkeypatch, capsys
+):
+    """With USER set but empty (containers, cron) the action went out with no actor; the
+    scheduler dead-lettered it at once while the CLI waited for a verdict and said it was
+    queued. set_mode with nothing to set went out as a no-op reported as accepted."""
+    from resihp.redis_client import connect
+    from scheduler.__main__ import main
+
+    url = ["--redis-url", redis_server.url, "--job-id", "actors"]
+    r = connect(redis_server.url)
+    actions = JobKeys("actors").actions
+    for argv in (["--actor", "  "], ["--actor", ""]):
+        assert main(["act", "set_mode", "--override", '{"mode": "manual"}', *argv, *url]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == "act: OperatorAction.actor must name who acted", err
+    assert main(["act", "set_mode", *url, "--actor", "alice"]) == 2
+    assert "set_mode needs --override" in capsys.readouterr().err
+    assert r.xlen(actions) == 0  # nothing sent
+    monkeypatch.setenv("USER", "")
+    rc = main(["act", "set_mode", "--override", '{"mode": "manual"}', "--wait-s", "0", *url])
+    assert rc == 0 and "as cli (action " in capsys.readouterr().out
+    assert r.xlen(actions) == 1

@@ -253,3 +253,22 @@ def test_refusal_names_the_memory_floor_when_survivors_cannot_hold_any_stage():
     dead = {r: 0.0 for r in lay.coords()}
     with pytest.raises(PlanningError, match="every pipeline stage lost all its devices"):
         plan(lay, dead, pred)
+
+
+def test_refusal_counts_the_devices_an_override_drops():
+    """An override dropping every live device of a stage was refused with "keeps 4 live
+    device(s) but ... need TP >= 2": the dropped devices were counted as kept."""
+    pred = Predictor("llama2-7b", 4096)
+    lay = Layout.uniform(4, 2, 1, 32, 8)
+    every = sorted(lay.coords())
+    with pytest.raises(PlanningError) as e:
+        plan(lay, {}, pred, PlanOptions(drop=tuple(every)))
+    msg = str(e.value)
+    assert "stage 0: the override drops all its live devices" in msg, msg
+    assert "keeps 4" not in msg
+    # dropping part of a TP-8 stage that needs all 8: the count says what the override took
+    pred13 = Predictor("llama2-13b", 4096, 24.0)
+    big = Layout.uniform(8, 2, 1, 40, 4)
+    with pytest.raises(PlanningError) as e:
+        plan(big, {}, pred13, PlanOptions(drop=(big.groups[0][0][0], big.groups[0][1][0])))
+    assert "stage 0 keeps 7 live device(s) (the override drops 1)" in str(e.value)
