@@ -13,8 +13,9 @@ Wiring only; the decisions live in :mod:`resihp.liveness` and
   clocks never matter to liveness.
 * Chunk rows carry the ranks' own timestamps, so they are put on Redis's clock
   too: each heartbeat's send time (``wall_time_s``) against its arrival gives a
-  per-rank offset estimate (``_track_skew``: it follows the smallest recent
-  offsets, and restarts when a rank comes back in a new process generation),
+  per-rank offset estimate (``_track_skew``: the smallest offset of its last
+  few beats, restarted when a rank comes back in a new process generation or
+  after a silence as long as the fail-stop deadline),
   and rows of a rank whose estimate exceeds ``clock_skew_correct_s`` are
   shifted by it before assembly (``_on_redis_clock``).
 * Telemetry entries are acknowledged only once every iteration they carry rows
@@ -70,6 +71,9 @@ from resihp.topology import MAX_WORLD_SIZE, Layout, LayoutError
 log = logging.getLogger(__name__)
 
 SERVICE = "collector"
+#: Batches of beats per rank whose smallest clock offset is the rank's estimate: enough to
+#: ride out a few delayed beats, few enough to follow a clock running at another rate.
+SKEW_WINDOW = 8
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -143,6 +147,10 @@ class CollectorService:
         #: rank -> estimated offset of its clock from Redis's (NaN: not heard yet)
         self._skew_s = np.full(0, np.nan)
         self._skew_gen = np.full(0, -1, dtype=np.int64)  # the generation each estimate is of
+        self._skew_seen_s = np.full(0, -np.inf)  # arrival of the rank's latest beat
+        #: rank -> its last SKEW_WINDOW per-batch offsets (ring, next slot in _skew_pos)
+        self._skew_win = np.full((0, SKEW_WINDOW), np.nan)
+        self._skew_pos = np.zeros(0, dtype=np.int64)
         # The collector's clock is Redis's, carried forward by the monotonic clock between
         # re-syncs: arrivals are Redis stream ids, and a step of this host's wall clock
         # (NTP) must not make every beat look late (or early).
@@ -410,30 +418,56 @@ class CollectorService:
     ) -> None:
         """Per-rank estimate of (rank clock - Redis clock) from its beats' send times.
 
-        A beat's arrival also holds its network and batching delay; the estimate follows
-        the smallest recent offsets (a new low is taken at once, a higher one only a
-        little), which is the clock difference plus the least delay.  A rank that comes
-        back in a new process generation (a restart, a rebooted node) starts afresh: its
-        clock may have been set anew, and an offset kept from before, followed upward only
-        slowly, shifted its chunks by the difference (a minute made iterations 45 s long)."""
+        A beat's arrival also holds its network and batching delay; the estimate is the
+        smallest offset of the rank's last ``SKEW_WINDOW`` batches of beats, which is the
+        clock difference plus the least delay, and follows a clock that steps or runs at
+        another rate within a few beats (it used to follow a higher offset 2 % per beat:
+        under a time-scaled simulator, whose clock runs ``speed`` times faster than Redis's,
+        every estimate trailed by tens of seconds, and a rank whose estimate started
+        afresh was tens of seconds off its peers).  A rank that comes back in a new process
+        generation (a restart, a rebooted node), or after a silence as long as the
+        fail-stop deadline (a node that re-joins, a paused host), starts afresh: its clock
+        may have been set anew, or ran on, while its old offsets stood still."""
         generation = np.asarray(generation, dtype=np.int64)
         ok = ranks < MAX_WORLD_SIZE  # before a layout bounds ranks, a bogus one must not size it
         if not ok.all():
             ranks, wall_s, generation = ranks[ok], np.asarray(wall_s)[ok], generation[ok]
             arrival_s = arrival_s if np.isscalar(arrival_s) else np.asarray(arrival_s)[ok]
-        n = int(ranks.max()) + 1 if len(ranks) else 0
+        if not len(ranks):
+            return
+        n = int(ranks.max()) + 1
         if n > len(self._skew_s):
-            grown = np.full(n, np.nan)
-            grown[: len(self._skew_s)] = self._skew_s
-            self._skew_s = grown
-            gen = np.full(n, -1, dtype=np.int64)
-            gen[: len(self._skew_gen)] = self._skew_gen
-            self._skew_gen = gen
+            old = len(self._skew_s)
+            self._skew_s = np.concatenate([self._skew_s, np.full(n - old, np.nan)])
+            self._skew_gen = np.concatenate([self._skew_gen, np.full(n - old, -1, np.int64)])
+            self._skew_seen_s = np.concatenate([self._skew_seen_s, np.full(n - old, -np.inf)])
+            self._skew_pos = np.concatenate([self._skew_pos, np.zeros(n - old, np.int64)])
+            self._skew_win = np.concatenate(
+                [self._skew_win, np.full((n - old, SKEW_WINDOW), np.nan)]
+            )
         d = np.asarray(wall_s, dtype=float) - arrival_s
-        est = self._skew_s[ranks]
-        fresh = np.isnan(est) | (generation != self._skew_gen[ranks])
-        self._skew_s[ranks] = np.where(fresh | (d < est), d, est + 0.02 * (d - est))
-        self._skew_gen[ranks] = generation
+        arrival = np.broadcast_to(np.asarray(arrival_s, dtype=float), d.shape)
+        u, inv = np.unique(ranks, return_inverse=True)
+        d_u = np.full(len(u), np.inf)
+        np.minimum.at(d_u, inv, d)
+        gen_u = np.full(len(u), -1, np.int64)
+        np.maximum.at(gen_u, inv, generation)
+        arr_u = np.full(len(u), -np.inf)
+        np.maximum.at(arr_u, inv, arrival)
+        fresh = (
+            np.isnan(self._skew_s[u])
+            | (gen_u != self._skew_gen[u])
+            | (arr_u - self._skew_seen_s[u] > self._deadline_s())
+        )
+        if fresh.any():
+            self._skew_win[u[fresh]] = np.nan
+            self._skew_pos[u[fresh]] = 0
+        pos = self._skew_pos[u]
+        self._skew_win[u, pos] = d_u
+        self._skew_pos[u] = (pos + 1) % SKEW_WINDOW
+        self._skew_s[u] = np.nanmin(self._skew_win[u], axis=1)
+        self._skew_gen[u] = gen_u
+        self._skew_seen_s[u] = np.maximum(self._skew_seen_s[u], arr_u)
 
     def _on_redis_clock(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` with the timestamps of ranks whose clock is off by more than

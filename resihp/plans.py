@@ -57,6 +57,20 @@ def layout_history(client: redis.Redis, keys: JobKeys) -> list[tuple[float, dict
     return out
 
 
+def first_layout(client: redis.Redis, keys: JobKeys) -> dict | None:
+    """The first layout the trainer wrote for this run (before any failure), or None when
+    the history is empty or its first entry is unreadable."""
+    entries = client.xrange(keys.layouts, count=1)
+    if not entries:
+        return None
+    raw = entries[0][1].get(b"layout", entries[0][1].get("layout"))
+    try:
+        layout = json.loads(raw)
+    except (TypeError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return layout if isinstance(layout, dict) else None
+
+
 def latest_plans(client: redis.Redis, keys: JobKeys) -> dict[int, AdaptationPlan]:
     """plan_id -> latest snapshot, from the scheduler's persistent hash."""
     out: dict[int, AdaptationPlan] = {}

@@ -273,6 +273,12 @@ class Layout:
             raise LayoutError(f"layout is not a JSON object but {type(d).__name__}")
         return cls.from_dict(d)
 
+    def out_of_service(self) -> list[int]:
+        """Ranks alive but neither in a group nor on standby: an operator's override dropped
+        them; they stay out (no work, no reuse as a spare) until an override keeps them."""
+        busy = set(self.coords()) | set(self.standby) | set(self.dead)
+        return [r for r in range(self.world_size) if r not in busy]
+
     def copy(self) -> Layout:
         return Layout.from_dict(self.to_dict())
 
@@ -281,4 +287,5 @@ class Layout:
         return (
             f"DP{self.dp}xPP{self.pp} TP{'/'.join(map(str, tps))} layers={self.layers} "
             f"mb={self.microbatches} dead={len(self.dead)} standby={len(self.standby)}"
+            + (f" out_of_service={len(out)}" if (out := self.out_of_service()) else "")
         )

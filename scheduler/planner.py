@@ -177,9 +177,122 @@ def plan(
     p: Mapping[int, float],
     predictor: Predictor,
     options: PlanOptions | None = None,
+    *,
+    home: Layout | None = None,
 ) -> PlanResult:
-    """Best layout for speeds ``p`` (see module doc). Raises PlanningError / OverrideError."""
+    """Best layout for speeds ``p`` (see module doc). Raises PlanningError / OverrideError.
+
+    ``home`` is the job's layout before any failure. Steps 1-6 keep the current number of
+    replicas and stages and regroup devices only inside a node, so devices of a node that
+    has re-joined after its stages were dropped would stay idle for the rest of the job:
+    when ``home`` would put alive idle devices back to work, planning from ``home`` (with
+    today's dead devices and speeds) is a second candidate, taken if it is at least
+    ``RESTORE_MIN_GAIN`` faster. Operator overrides (layers, keep, drop) are plans for the
+    current structure and never restore."""
     opt = options or PlanOptions()
+    start = None
+    if home is not None and opt.layers is None and not opt.keep and not opt.drop:
+        start = _home_start(layout, home, speeds_with_dead(layout, p))
+    try:
+        res = _plan(layout, p, predictor, opt)
+    except PlanningError:
+        if start is None:
+            raise
+        res = None
+    if start is None:
+        return res
+    try:
+        alt = _plan(start, speeds_with_dead(layout, p), predictor, opt)
+    except PlanningError:
+        if res is None:
+            raise
+        return res
+    if res is not None and not alt.predicted_after_s < (1 - RESTORE_MIN_GAIN) * (
+        res.predicted_after_s
+    ):
+        return res
+    after = alt.after
+    after.layout_id = layout.layout_id + 1
+    already_out = set(layout.dead)
+    back = sorted(set(after.coords()) - set(layout.coords()))
+    moves: list[dict] = [
+        {
+            "what": "restore",
+            "from": f"DP{layout.dp}xPP{layout.pp}",
+            "to": f"DP{after.dp}xPP{after.pp}",
+            "ranks_back": back,
+        }
+    ]
+    moves += [
+        m
+        for m in alt.moves
+        if m.get("what") not in ("layers", "optimizer_state", "microbatches", "drop_stage")
+        and not (m.get("what") == "exclude" and m.get("rank") in already_out)
+    ]
+    moves += partition_moves(layout.layers, after.layers, predictor.memory.layer_state_bytes)
+    if after.dp == layout.dp:
+        moves += [
+            {"what": "microbatches", "dp": d, "from": a, "to": b}
+            for d, (a, b) in enumerate(zip(layout.microbatches, after.microbatches, strict=True))
+            if a != b
+        ]
+    else:
+        moves.append(
+            {
+                "what": "microbatches",
+                "from_counts": list(layout.microbatches),
+                "to_counts": list(after.microbatches),
+            }
+        )
+    before_s = (
+        res.predicted_before_s
+        if res is not None
+        else (
+            predictor.iteration_s(layout, speeds_with_dead(layout, p))
+            if layout_runnable(layout, speeds_with_dead(layout, p))
+            else -1.0
+        )
+    )
+    note = f"restores {len(back)} idle device(s) to the job's pre-failure structure"
+    return PlanResult(after, before_s, alt.predicted_after_s, moves, note=note)
+
+
+#: A plan from the job's pre-failure structure must beat the best plan that keeps the
+#: current structure by this fraction: it moves many layers and rebuilds every group.
+RESTORE_MIN_GAIN = 0.02
+
+
+def _home_start(layout: Layout, home: Layout, p: Mapping[int, float]) -> Layout | None:
+    """``home`` with today's dead and standby devices, when it would put alive devices that
+    sit idle today back to work; None otherwise (same structure, nothing idle, a different
+    job shape, or a device the operator took out of service that ``home`` would use)."""
+    if home.world_size != layout.world_size or home.num_layers != layout.num_layers:
+        return None
+    now = set(layout.coords())
+    home_active = set(home.coords())
+    dead = {r for r in range(layout.world_size) if p.get(r, 1.0) <= 0} | set(layout.dead)
+    standby = set(layout.standby)
+    if home_active - now - standby - dead:
+        return None  # an override dropped it: it stays out until an operator keeps it
+    if not (home_active - now - dead):
+        return None
+    start = home.copy()
+    start.layout_id = layout.layout_id
+    # the planner's input convention: a dead device still in a group has p = 0 (as after a
+    # fresh fail-stop); ``dead`` lists only those out of every group
+    start.dead = sorted(dead - home_active)
+    start.standby = sorted((set(home.standby) | standby) - home_active - dead)
+    start.migrations = []
+    try:
+        start.validate()
+    except LayoutError:
+        return None
+    return start
+
+
+def _plan(
+    layout: Layout, p: Mapping[int, float], predictor: Predictor, opt: PlanOptions
+) -> PlanResult:
     p = speeds_with_dead(layout, p)
     for r in list(opt.keep) + list(opt.drop):
         if not 0 <= r < layout.world_size:
@@ -187,8 +300,12 @@ def plan(
     for r in opt.keep:
         if p.get(r, 1.0) <= 0:
             raise OverrideError(f"cannot keep rank {r}: it is dead")
-        if r not in layout.coords() and r not in layout.standby:
-            raise OverrideError(f"cannot keep rank {r}: it is neither active nor standby")
+    back = [r for r in opt.keep if r in layout.out_of_service()]
+    if back:
+        # devices an earlier override dropped: keeping them brings them back through the
+        # node-local standby pool, like any spare device
+        layout = layout.copy()
+        layout.standby = sorted({*layout.standby, *back})
     runnable = layout_runnable(layout, p)
     before_s = predictor.iteration_s(layout, p) if runnable else math.inf
 

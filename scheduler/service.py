@@ -31,6 +31,7 @@ import redis
 from resihp import bus
 from resihp.keys import JobKeys
 from resihp.pipeline.models import MODEL_PRESETS
+from resihp.plans import first_layout
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction, SchemaError, decode_json
 from resihp.topology import Layout, LayoutError
 from scheduler.config import SchedulerConfig
@@ -129,6 +130,7 @@ class SchedulerService:
         #: id of the report/action being handled, until persist() records it handled
         self._handling: str | None = None
         self.duplicates_total = 0
+        self._home: Layout | None = None
 
     # ------------------------------------------------------------ state io
     def _load_plans(self) -> dict[int, AdaptationPlan]:
@@ -172,6 +174,17 @@ class SchedulerService:
         if not raw:
             return None
         return Layout.from_json(raw)
+
+    def home_layout(self) -> Layout | None:
+        """The run's first layout (``keys.layouts``): the structure a plan may restore
+        once devices of dropped stages are back. Read until found, then kept."""
+        if self._home is None:
+            raw = first_layout(self.client, self.keys)
+            try:
+                self._home = Layout.from_dict(raw) if raw is not None else None
+            except LayoutError as e:
+                log.warning("the job's first layout is unreadable, no restore plans: %s", e)
+        return self._home
 
     def speeds(self, layout: Layout) -> dict[int, float]:
         p: dict[int, float] = {}
@@ -234,7 +247,9 @@ class SchedulerService:
     ) -> PlanDraft | None:
         """A plan for ``layout`` under speeds ``p``; None when nothing would improve."""
         if self.config.policy.startswith("resihp"):
-            res = plan(layout, p, self.predictor, options or self._options())
+            res = plan(
+                layout, p, self.predictor, options or self._options(), home=self.home_layout()
+            )
             if not res.changed:
                 return None
             return res.draft(layout, reason)

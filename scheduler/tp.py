@@ -215,21 +215,34 @@ def adapt_tp(
                         "stage": s,
                     }
                 )
-        for r in live:
-            if r not in new:
-                np_.append(r)
-                why = "dropped" if r in drop_s else f"p={p.get(r, 1.0):.2f}"
+        for r in grp:
+            if r in drop_s and r not in dead:
+                # out of service, not a spare: no plan reuses it until an override keeps it
                 res.moves.append(
                     {
-                        "what": "standby",
-                        "action": "park",
+                        "what": "out_of_service",
                         "rank": r,
                         "node": node,
                         "dp": d,
                         "stage": s,
-                        "reason": why,
+                        "reason": "dropped by an override",
                     }
                 )
+        for r in live:
+            if r in new:
+                continue
+            np_.append(r)
+            res.moves.append(
+                {
+                    "what": "standby",
+                    "action": "park",
+                    "rank": r,
+                    "node": node,
+                    "dp": d,
+                    "stage": s,
+                    "reason": f"p={p.get(r, 1.0):.2f}",
+                }
+            )
         res.moves.append(
             {
                 "what": "tp_regroup",
@@ -246,6 +259,15 @@ def adapt_tp(
             for lst in pool.values():
                 if r in lst:
                     lst.remove(r)
+        if r in layout.standby and r not in dead:
+            res.moves.append(
+                {
+                    "what": "out_of_service",
+                    "rank": r,
+                    "node": lay.node_of(r),
+                    "reason": "dropped by an override (was standby)",
+                }
+            )
     lay.dead = sorted(dead)
     lay.standby = sorted(r for lst in pool.values() for r in lst if r not in dead)
     return res

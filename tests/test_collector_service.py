@@ -670,6 +670,42 @@ def test_a_rank_back_in_a_new_generation_is_judged_by_its_new_clock(r):
 
 
 @pytest.mark.redis
+def test_a_rank_back_after_a_long_silence_is_judged_by_its_clock_now(r):
+    """Node 1 falls silent past the fail-stop deadline and re-joins in the same process
+    generation (the simulator's rejoin, a host that was paused) with its clock 3 s further
+    ahead: the offset kept from before its silence, followed upward 2 % per beat, made its
+    iterations 3 s longer for a hundred iterations."""
+    lay = _layout()
+    _set_layout(r, lay)
+    svc = _service(r, heartbeat_interval_s=0.1, heartbeat_k=2)
+
+    def beats(skew_node1: float, ranks=range(8)) -> None:
+        for rank in ranks:
+            skew = skew_node1 if rank >= 4 else 0.0
+            beat = Heartbeat(rank=rank, node=rank // 4, iteration=0, wall_time_s=time.time() + skew)
+            r.xadd(KEYS.telemetry, encode_entry([beat]))
+
+    beats(0.0)
+    svc.run_once()
+    end = time.monotonic() + svc._deadline_s() + 0.3
+    while time.monotonic() < end:  # node 0 keeps beating, node 1 is silent
+        beats(0.0, ranks=range(4))
+        svc.run_once()
+        time.sleep(0.05)
+    beats(3.0)  # back, same generation, clock 3 s ahead
+    rows = iteration_rows(lay, 0, t0_s=time.time())
+    healthy = float(rows["end_s"].max() - rows["start_s"].min())
+    on_node1 = rows["rank"] >= 4
+    rows["start_s"][on_node1] += 3.0
+    rows["end_s"][on_node1] += 3.0
+    r.xadd(KEYS.telemetry, encode_entry(None, rows))
+    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
+    assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
+
+
+@pytest.mark.redis
 def test_rows_of_a_rank_a_plan_just_put_to_work_are_not_refused(r):
     lay = _layout()
     lay.groups[1][1] = [6]  # rank 7 parked as standby

@@ -272,3 +272,28 @@ def test_refusal_counts_the_devices_an_override_drops():
     with pytest.raises(PlanningError) as e:
         plan(big, {}, pred13, PlanOptions(drop=(big.groups[0][0][0], big.groups[0][1][0])))
     assert "stage 0 keeps 7 live device(s) (the override drops 1)" in str(e.value)
+
+
+def test_a_device_an_override_dropped_stays_out_until_an_override_keeps_it():
+    """drop_ranks left the device in no group, not standby, not dead, with a "standby park"
+    move; a later keep_ranks was refused ("neither active nor standby"): it could never
+    come back."""
+    pred = Predictor("llama2-7b", 4096)
+    lay = Layout.uniform(4, 2, 2, 32, 8)
+    dropped = plan(lay, {}, pred, PlanOptions(drop=(7,)))
+    out = dropped.after
+    assert out.out_of_service() == [7] and 7 not in out.standby
+    assert "out_of_service=1" in out.summary()
+    moves = [m for m in dropped.moves if m.get("rank") == 7]
+    assert [m["what"] for m in moves] == ["out_of_service"], moves
+    # no automatic plan brings it back, not even with a spare-hungry failure elsewhere
+    again = plan(out, {12: 0.0}, pred)
+    assert 7 not in again.after.coords() and 7 not in again.after.standby
+    # keeping it does
+    kept = plan(out, {}, pred, PlanOptions(keep=(7,)))
+    assert 7 in kept.after.coords() and kept.after.out_of_service() == []
+    assert kept.predicted_after_s < kept.predicted_before_s
+    # a dropped spare is out of service too, with its own move
+    spare = plan(out, {}, pred, PlanOptions(drop=tuple(out.standby)))
+    gone = [m for m in spare.moves if m["what"] == "out_of_service"]
+    assert [m["rank"] for m in gone] == out.standby and spare.after.standby == []

@@ -572,3 +572,44 @@ def test_speeds_learned_from_reports_survive_a_restart(r):
     publish(r, keys.failures, _report("recovery", ranks=(3,), severity={"3": 1.0}, rid="r2"))
     svc2.run_once()
     assert _svc(r, mode="manual").speeds(lay)[3] == pytest.approx(1.0)
+
+
+@pytest.mark.redis
+def test_a_node_that_rejoins_after_its_stages_were_dropped_gets_them_back(r):
+    """Node 1 held stage 1 of both replicas; its death left DP2 x PP1 on node 0. When it
+    came back the scheduler made no plan (it only regroups inside nodes and keeps the
+    stage count), so half the job's GPUs stayed idle for the rest of the run."""
+    keys = JobKeys(JOB)
+    home = Layout.uniform(tp=4, pp=2, dp=2, num_layers=32, num_microbatches=8)
+    write_layout(r, keys, home)
+    svc = SchedulerService(
+        SchedulerConfig(
+            job_id=JOB, model="llama2-7b", block_ms=10, mode="auto", grace_period_s=0.0
+        ),
+        r,
+    )
+    follower = PlanFollower(r, keys)
+
+    def apply_all():
+        svc.run_once()
+        svc.run_once()  # grace period over: acknowledged
+        for plan in follower.poll():
+            follower.confirm_applied(plan, Layout.from_dict(plan.after))
+        svc.run_once()
+
+    node1 = tuple(range(8, 16))
+    publish(r, keys.failures, _report(ranks=node1, nodes=[1], rid="node-down"))
+    apply_all()
+    shrunk = Layout.from_json(r.get(keys.layout))
+    assert (shrunk.dp, shrunk.pp) == (2, 1) and sorted(shrunk.dead) == list(node1)
+    sev = {str(k): 1.0 for k in node1}
+    publish(r, keys.failures, _report("recovery", ranks=node1, severity=sev, rid="node-up"))
+    apply_all()
+    plans = latest_plans(r, keys)
+    back = plans[max(plans)]
+    assert back.failure_ids == ["node-up"] and back.state == "applied"
+    restore = [m for m in back.moves if m["what"] == "restore"]
+    assert restore and restore[0]["ranks_back"] == list(node1), back.moves
+    assert back.predicted_after_s < 0.7 * back.predicted_before_s
+    lay = Layout.from_json(r.get(keys.layout))
+    assert (lay.dp, lay.pp) == (2, 2) and lay.dead == [] and len(lay.active_ranks()) == 16
