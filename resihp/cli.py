@@ -165,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             st = collect_status(url, args.job_id)
+            # the `resihp act` commands status suggests must reach the same Redis from
+            # wherever they are pasted: name what this command found it through
+            if args.redis_url:
+                st["act_args"] = "--redis-url URL"
+            elif not os.environ.get("REDIS_URL"):
+                st["act_args"] = f"--state-dir {os.path.abspath(args.state_dir)}"
         except UnknownJob as e:
             print(f"resihp status: {e}", file=sys.stderr)
             return 1

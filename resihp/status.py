@@ -162,25 +162,47 @@ def _str_fields(fields: dict) -> dict[str, str]:
     }
 
 
-def _device_health(client, keys: JobKeys) -> tuple[int, dict[int, float | None]]:
-    """How many devices the detector holds failed, and rank -> since for the dead ones."""
-    open_failures = 0
+def _device_health(client, keys: JobKeys) -> tuple[set[int], dict[int, float | None]]:
+    """The ranks the detector holds failed (dead or slow), and rank -> since for the dead."""
+    failed: set[int] = set()
     dead: dict[int, float | None] = {}
     for rank, raw in client.hgetall(keys.device_health).items():
         try:
             h = json.loads(raw)
+            r = int(rank)
         except ValueError:
             continue
         if not isinstance(h, dict) or h.get("state") in (None, "healthy"):
             continue
-        open_failures += 1
+        failed.add(r)
         if h.get("state") == "dead":
-            try:
-                since = h.get("since")
-                dead[int(rank)] = float(since) if isinstance(since, int | float) else None
-            except ValueError:
-                pass
-    return open_failures, dead
+            since = h.get("since")
+            dead[r] = float(since) if isinstance(since, int | float) else None
+    return failed, dead
+
+
+#: How many of the newest failure reports are matched against the failed devices.
+OPEN_SCAN = 1000
+
+
+def open_failures(client, keys: JobKeys, failed: set[int]) -> list[FailureReport]:
+    """Failure reports still open, newest first: each failed device is charged to the
+    newest report naming it (a fail-slow rank that later died is one open failure, the
+    fail-stop), and a report none of whose devices is still failed is closed."""
+    if not failed:
+        return []
+    out, claimed = [], set()
+    for f in recent_failures(client, keys, count=OPEN_SCAN):
+        if f.kind == "recovery":
+            continue
+        named = set(f.ranks) | {r for link in f.links for r in link}
+        mine = (named & failed) - claimed
+        if mine:
+            out.append(f)
+            claimed |= mine
+        if claimed >= failed:
+            break
+    return out
 
 
 def _plan_dict(p: AdaptationPlan) -> dict[str, Any]:
@@ -347,7 +369,8 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         layout_error = str(e)
     else:
         layout_error = None
-    open_failures, dead = _device_health(client, keys)
+    failed, dead = _device_health(client, keys)
+    still_open = open_failures(client, keys, failed)
     try:
         state = json.loads(client.get(keys.job_state) or b"null")
     except ValueError:
@@ -406,7 +429,10 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             }
             for f in recent_failures(client, keys)
         ],
-        "open_failures": open_failures,
+        # failure reports whose devices the detector still holds failed, and those devices
+        "open_failures": len(still_open),
+        "open_failure_ids": [f.report_id for f in still_open],
+        "failed_devices": len(failed),
         "counters": counters,
     }
 
@@ -475,10 +501,14 @@ def _waiting(js: dict[str, Any]) -> str:
             return line
         return f"waiting for a decision on plan {p['plan_id']}"
     line = "waiting for a plan"
-    if "scheduler:0" not in (js.get("services") or {}):
-        line += " but no scheduler is running"
     turned = js.get("turned_down_plans") or []
     refusals = js.get("refused_reports") or []
+    # each link of the chain that answers a failure (liveness, report, plan); once a report
+    # reached the scheduler only the scheduler is still needed
+    chain = ("scheduler",) if turned or refusals else ("collector", "detector", "scheduler")
+    missing = [name for name in chain if f"{name}:0" not in (js.get("services") or {})]
+    if missing:
+        line += f" but no {' and no '.join(missing)} {'is' if len(missing) == 1 else 'are'} running"
     if turned:
         line += f"; plan {turned[0]['plan_id']} was {turned[0]['state']}"
     elif refusals:
@@ -516,9 +546,12 @@ def _pending(st: dict[str, Any]) -> int:
 def summary_line(st: dict[str, Any]) -> str:
     it = st.get("last_iteration") or {}
     age = it.get("age_s")
+    n_open = st["open_failures"]
+    n_dev = st.get("failed_devices", n_open)
     tail = (
-        f" | open failures {st['open_failures']}"
-        f" | pending plans {_pending(st)}"
+        f" | open failures {n_open}"
+        + (f" ({n_dev} devices)" if n_dev != n_open else "")
+        + f" | pending plans {_pending(st)}"
         f" | services up {sum(1 for s in st['services'].values() if s.get('status') == 'ok')}"
     )
     head = _stall_headline(st)
@@ -559,7 +592,7 @@ def format_status(st: dict[str, Any]) -> str:
             lines.append(f"  service {name}: {h.get('status')}{shown} (pid {h.get('pid')})")
         finished = (js.get("job_state") or {}).get("state") == "finished"
         for p in js.get("awaiting_plans", []):
-            lines.append("  " + _plan_line(js["job_id"], p, finished))
+            lines.append("  " + _plan_line(js["job_id"], p, finished, st.get("act_args", "")))
         for p in js.get("turned_down_plans", []):
             lines.append("  " + _turned_down_line(p))
         if stalled:
@@ -587,9 +620,10 @@ def _plan_prediction(p: dict[str, Any]) -> str:
     )
 
 
-def _plan_line(job_id: str, p: dict[str, Any], finished: bool = False) -> str:
-    """One plan that waits, what it predicts, and the command that decides it; of a job
-    whose trainer said it finished, that nothing will come of it."""
+def _plan_line(job_id: str, p: dict[str, Any], finished: bool = False, act_args: str = "") -> str:
+    """One plan that waits, what it predicts, and the command that decides it (with
+    ``act_args``, how it reaches this Redis); of a job whose trainer said it finished, that
+    nothing will come of it."""
     line = f"plan {p['plan_id']} {p['state']}: {p['reason']} {_plan_prediction(p)}"
     if finished:
         if p["state"] == "proposed":
@@ -605,6 +639,7 @@ def _plan_line(job_id: str, p: dict[str, Any], finished: bool = False) -> str:
             )
         line += (
             f"; decide: resihp act acknowledge|reject --plan-id {p['plan_id']} --job-id {job_id}"
+            + (f" {act_args}" if act_args else "")
         )
     elif p["state"] == "acknowledged":
         line += "; waiting for the trainer to apply it"

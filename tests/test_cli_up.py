@@ -676,3 +676,34 @@ def test_the_stack_file_is_replaced_whole_and_stays_private(tmp_path):
     assert f.stat().st_ino != before
     assert f.read_text() == '{"a": 1}' and f.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["stack.json"]  # no temp file left
+
+
+@pytest.mark.redis
+def test_the_decide_command_status_prints_reaches_the_same_redis(
+    redis_server, r, tmp_path, monkeypatch, capsys
+):
+    """status found the Redis through the stack's state dir, but the `resihp act` command
+    it printed did not name it: pasted anywhere else it failed with "no Redis URL"."""
+    import json as _json
+
+    from dashboard_scenario import publish_job
+
+    from resihp import cli, status
+
+    publish_job(r, "job-d", iterations=20, slow_from=12)
+    state = tmp_path / "st"
+    state.mkdir()
+    (state / status.STACK_FILE).write_text(
+        _json.dumps({"pid": 1, "redis_url": redis_server.url, "job_id": "job-d"})
+    )
+    monkeypatch.setattr(status, "launcher_alive", lambda pid: True)  # "resihp up" runs
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert cli.main(["status", "--state-dir", str(state), "--job-id", "job-d"]) == 0
+    out = capsys.readouterr().out
+    want = f"--plan-id 1 --job-id job-d --state-dir {state.resolve()}"
+    assert want in out, out
+    assert cli.main(["status", "--redis-url", redis_server.url, "--job-id", "job-d"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "--job-id job-d --redis-url URL" in out and redis_server.url not in out.split("decide")[1]
+    )

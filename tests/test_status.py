@@ -149,6 +149,8 @@ def test_a_hung_job_whose_report_the_scheduler_refused_shows_the_refusal(redis_s
     publish(r, keys.failures, _fail_stop(DEAD, "fs-early"))
     svc.run_once()
     tr = _hung_trainer(r, job)
+    for name in ("collector", "detector"):
+        Health(r, keys, name).beat()
     try:
         now = time.time()
         _iteration(r, keys, 1, now - 5.0)
@@ -167,6 +169,12 @@ def test_a_hung_job_whose_report_the_scheduler_refused_shows_the_refusal(redis_s
     r.delete(keys.health("scheduler", "0"))
     js = collect_status(redis_server.url, job)["jobs"][job]
     assert "waiting for a plan but no scheduler is running;" in summary_line(js)
+    # a failure no report answered: the detector missing is the first reason
+    r.delete(keys.deadletter)
+    r.delete(keys.health("detector", "0"))
+    js = collect_status(redis_server.url, job)["jobs"][job]
+    line = summary_line(js)
+    assert "waiting for a plan but no detector and no scheduler are running |" in line, line
 
 
 def test_an_overridden_plan_no_longer_waits_its_override_does(redis_server, r):
@@ -279,3 +287,47 @@ def test_an_unknown_job_is_an_error_naming_the_known_ones(redis_server, r):
     assert out.returncode != 0 and out.stdout == ""
     assert "known jobs: alpha, beta" in out.stderr and "Traceback" not in out.stderr
     assert "cannot read" not in out.stderr  # not a connection problem
+
+
+def test_open_failures_are_reports_not_devices(redis_server, r):
+    """The console said "open failures 12" for 3 reports: it counted failed devices. A
+    report is open while a device it names is still failed, each device charged to the
+    newest report naming it; a recovered one closes."""
+    keys = JobKeys("openf")
+    register_job(r, keys)
+    now = time.time()
+    node = FailureReport(
+        report_id="node-1", kind="fail_stop", ranks=list(range(8, 16)), nodes=[1],
+        detected_at_s=now, iteration=5, severity={str(k): 0.0 for k in range(8, 16)},
+    )  # fmt: skip
+    slow = FailureReport(
+        report_id="slow-9", kind="fail_slow_compute", ranks=[9], nodes=[1],
+        detected_at_s=now - 5, iteration=3, severity={"9": 0.5},
+    )  # fmt: skip
+    gone = FailureReport(
+        report_id="slow-2", kind="fail_slow_compute", ranks=[2], nodes=[0],
+        detected_at_s=now - 9, iteration=2, severity={"2": 0.5},
+    )  # fmt: skip
+    back = FailureReport(
+        report_id="back-2", kind="recovery", ranks=[2], nodes=[0],
+        detected_at_s=now - 1, iteration=4, severity={"2": 1.0},
+    )  # fmt: skip
+    for f in (gone, slow, back, node):
+        publish(r, keys.failures, f)
+    for rank in range(8, 16):
+        _dead_device(r, keys, rank, now)
+    r.hset(keys.device_health, "2", json.dumps({"p": 1.0, "state": "healthy"}))
+    js = collect_status(redis_server.url, "openf")["jobs"]["openf"]
+    assert (js["open_failures"], js["failed_devices"]) == (1, 8)
+    assert js["open_failure_ids"] == ["node-1"]
+    assert "open failures 1 (8 devices)" in summary_line(js)
+    # a slow link on ranks of another node opens a second one
+    link = FailureReport(
+        report_id="link", kind="fail_slow_comm", ranks=[0, 1], nodes=[0], links=[[0, 1]],
+        detected_at_s=now, iteration=6, severity={"0": 0.6, "1": 0.6},
+    )  # fmt: skip
+    publish(r, keys.failures, link)
+    for rank in (0, 1):
+        r.hset(keys.device_health, str(rank), json.dumps({"p": 0.6, "state": "slow"}))
+    js = collect_status(redis_server.url, "openf")["jobs"]["openf"]
+    assert js["open_failure_ids"] == ["link", "node-1"] and js["failed_devices"] == 10
