@@ -155,12 +155,16 @@ def predicted_series(
     rows: list[dict[str, Any]],
     failures: list[FailureReport] = (),
     healthy_predicted_s: float | None = None,
+    healthy_layout_id: int | None = None,
 ) -> list[float | None]:
     """Predicted healthy iteration time per row.
 
-    Priority: the record's own ``predicted_iteration_time_s``; else the latest
-    failure evidence (``PREDICTED_KEYS``) reported at or before that iteration; else
-    the DAG prediction for the current layout (``healthy_predicted_s``).
+    Priority: the record's own ``predicted_iteration_time_s``; else the latest failure
+    evidence (``PREDICTED_KEYS``) reported at or before that iteration, on rows of the
+    layout it was reported under; else the DAG prediction for the current layout
+    (``healthy_predicted_s``) on rows of that layout (``healthy_layout_id``; None: any
+    row); else None. Evidence used to stand for every later row, however many plans had
+    changed the layout since: the gauge and the chart showed a past layout's prediction.
     """
     evid = sorted(
         (f.iteration, v)
@@ -168,13 +172,21 @@ def predicted_series(
         if (v := evidence_number(f.evidence, *PREDICTED_KEYS)) is not None
     )
     out: list[float | None] = []
-    j, current = 0, healthy_predicted_s
+    j, current, current_layout = 0, None, None
     for r in rows:
+        lid = r.get("layout_id")
         while j < len(evid) and evid[j][0] <= r["iteration"]:
-            current = evid[j][1]
+            current, current_layout = evid[j][1], lid
             j += 1
         own = r.get("predicted_iteration_time_s")
-        out.append(own if own else current)
+        if own:
+            out.append(own)
+        elif current is not None and lid == current_layout:
+            out.append(current)
+        elif healthy_layout_id is None or lid == healthy_layout_id:
+            out.append(healthy_predicted_s)
+        else:
+            out.append(None)
     return out
 
 
@@ -206,6 +218,7 @@ def iteration_time_figure(
     rows: list[dict[str, Any]],
     failures: list[FailureReport] = (),
     healthy_predicted_s: float | None = None,
+    healthy_layout_id: int | None = None,
 ) -> go.Figure:
     """Observed vs predicted iteration time, change points and failures marked."""
     if not rows:
@@ -225,7 +238,7 @@ def iteration_time_figure(
             marker={"size": 4},
         )
     )
-    pred = predicted_series(rows, failures, healthy_predicted_s)
+    pred = predicted_series(rows, failures, healthy_predicted_s, healthy_layout_id)
     if any(p is not None for p in pred):
         fig.add_trace(
             go.Scatter(

@@ -93,7 +93,10 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
             healthy = healthy_iteration_time_s(
                 layout, data.iteration_record(job), data.device_health(job)
             )
-            pred = figures.predicted_series(rows[-1:], failures, healthy)[0]
+            # the evidence belongs to the layout it was reported under: read its iteration's row
+            pred = figures.predicted_series(
+                rows, failures, healthy, layout.layout_id if layout is not None else None
+            )[-1]
             if pred is not None:
                 w.family(
                     "resihp_predicted_iteration_time_seconds",

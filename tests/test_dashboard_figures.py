@@ -291,3 +291,15 @@ def test_timeline_names_what_p2p_chunks_carry():
     assert names == ["F", "RECV act", "RECV grad", "RECV"]  # legend order follows the kinds
     grad = next(t for t in fig.data if t.name == "RECV grad")
     assert list(grad.base) == [500.0] and "RECV grad mb" in grad.hovertemplate
+
+
+def test_predicted_series_keeps_evidence_to_the_layout_it_was_reported_under():
+    """The newest failure's evidence stood for every later row: after two plans changed the
+    layout the gauge still showed the first failure's predicted time (3.12 s at 2.47 s)."""
+    rows = [{"iteration": i, "iteration_time_s": 1.0, "layout_id": i // 4} for i in range(12)]
+    fails = [_failure("a", "fail_slow_compute", [1], 0.0, it=2, predicted_healthy_s=0.9)]
+    pred = figures.predicted_series(rows, fails, 0.5, healthy_layout_id=2)
+    # layout 0 before the report: no prediction of that layout; layout 1: none either
+    assert pred == [None, None, 0.9, 0.9] + [None] * 4 + [0.5] * 4
+    # without the current layout's id the DAG prediction stands for any uncovered row
+    assert figures.predicted_series(rows, fails, 0.5) == [0.5, 0.5, 0.9, 0.9] + [0.5] * 8

@@ -240,7 +240,9 @@ def register(app, ctx: AppContext) -> None:
             lay, ctx.data.iteration_record(job) if rows else None, s["device_health"]
         )
         thr = figures.throughput_figure(rows, s["failures"][-100:], title="Throughput (samples/s)")
-        itf = figures.iteration_time_figure(rows, s["failures"][-200:], healthy)
+        itf = figures.iteration_time_figure(
+            rows, s["failures"][-200:], healthy, lay.layout_id if lay is not None else None
+        )
         inc = s["open_incidents"]
         if inc:
             table = dash_table.DataTable(
