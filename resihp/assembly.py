@@ -28,7 +28,15 @@ An iteration is published
 * ``complete=False`` once every expected rank has moved on to a later
   iteration and ``grace_s`` has passed without it completing, or when no row
   of it arrived for ``stale_s`` (a dead rank stalls its peers), or when more
-  than ``max_open`` iterations are open.
+  than ``max_open`` iterations with chunk rows are open.
+
+An iteration known only from its micro-batch stats does not count against
+``max_open``: after an outage the producer's backlog packs a whole round's stats
+into its first entries and spreads the rows over the following ones, so stats
+run many iterations ahead of their rows, and closing those iterations would
+throw away rows that are on their way.  Such iterations are bounded apart
+(``max_stats_only``, the furthest ahead given up first) and still expire after
+``stale_s``.
 
 Rows of an iteration that was already published are dropped and counted,
 except for the re-run of an iteration a fail-stop abandoned: when the layout
@@ -238,6 +246,11 @@ class LayoutView:
 #: Standby-device probes kept for the next record (a few per idle device).
 MAX_PENDING_PROBES = 4096
 
+#: Iterations held with micro-batch stats but no chunk row yet.  A producer round
+#: (max_batch x entries_per_round events) of a small job spans hundreds of
+#: iterations, and all of its stats may come before most of its rows.
+MAX_STATS_ONLY = 1024
+
 
 class IterationAssembler:
     """Builds IterationRecords from chunk rows and MicroBatchStats (see module doc)."""
@@ -249,10 +262,16 @@ class IterationAssembler:
         max_open: int = 8,
         tp_dedup: bool = False,
         stall_s: float = 2.0,
+        max_stats_only: int = MAX_STATS_ONLY,
     ):
         self.grace_s = float(grace_s)
         self.stale_s = float(stale_s)
         self.max_open = int(max_open)
+        if int(max_stats_only) < 1:
+            raise ValueError(f"max_stats_only must be >= 1, got {max_stats_only!r}")
+        self.max_stats_only = int(max_stats_only)
+        #: micro-batch stats given up on because ``max_stats_only`` iterations held stats only
+        self.mbstats_dropped_total = 0
         self.tp_dedup = bool(tp_dedup)
         self.stall_s = float(stall_s)
         self.view: LayoutView | None = None
@@ -462,6 +481,16 @@ class IterationAssembler:
             return False
         op = self.open.get(s.iteration)
         if op is None:
+            waiting = [it for it, o in self.open.items() if not o.parts]
+            if len(waiting) >= self.max_stats_only:
+                # A bogus iteration number must not grow memory.  The furthest ahead
+                # goes: the nearest are the ones whose rows come next.  It is not
+                # marked done, so its rows still make a record (without these stats).
+                far = max(waiting)
+                if s.iteration > far:
+                    self.mbstats_dropped_total += 1
+                    return False
+                self.mbstats_dropped_total += len(self.open.pop(far).mbstats)
             op = self.open[s.iteration] = _Open(s.iteration, now_s, now_s)
         op.mbstats[(s.dp, s.microbatch)] = s
         return True
@@ -499,8 +528,11 @@ class IterationAssembler:
                 op.moved_on_s = min(op.moved_on_s, now_s)
             if now_s - op.moved_on_s >= self.grace_s or now_s - op.last_s >= self.stale_s:
                 out.append(self._finalize(it, complete=False))
-        while len(self.open) > self.max_open:
-            out.append(self._finalize(min(self.open), complete=False))
+        # Only iterations with rows count: one with stats alone may still be waiting
+        # for a backlog's rows (module doc), and is bounded by ``max_stats_only``.
+        with_rows = [it for it in sorted(self.open) if self.open[it].parts]
+        for it in with_rows[: max(0, len(with_rows) - self.max_open)]:
+            out.append(self._finalize(it, complete=False))
         return [r for r in out if r is not None]
 
     def flush(self) -> list[IterationRecord]:

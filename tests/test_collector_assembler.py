@@ -158,6 +158,58 @@ def test_too_many_open_iterations_force_out_the_oldest():
     assert sorted(a.open) == [2, 3]
 
 
+def test_backlog_whose_stats_run_ahead_of_its_rows_is_published_whole():
+    # After a Redis outage the producer's round puts the stats of every buffered
+    # iteration (38-59) in its first entry, with the rows of 38 to part of 49; the
+    # rows of the rest of 49 to 59 come in the next entry, a few ms later.
+    lay = _layout()
+    a = _asm(lay, max_open=8)  # the collector's default
+    its = range(38, 60)
+    rows = np.concatenate([iteration_rows(lay, it, t0_s=float(it)) for it in its])
+    cut = int(np.flatnonzero(rows["iteration"] == 49)[10])
+    for it in its:
+        for dp in range(lay.dp):
+            for mb in range(4):
+                assert a.add_mb_stats(_mbs(it, dp, mb), 100.0)
+    res = a.add_rows(rows[:cut], 100.0)
+    out = a.poll(100.0)
+    res2 = a.add_rows(rows[cut:], 100.002)
+    out += a.poll(100.002)
+    assert res.late_total == res2.late_total == 0
+    assert res.accepted_total + res2.accepted_total == len(rows)
+    assert [(r.iteration, r.complete) for r in out] == [(it, True) for it in its]
+    assert all(r.tokens == 8 * 1024 for r in out)
+    assert a.open == {}
+
+
+def test_stats_alone_are_held_up_to_a_hard_cap_furthest_ahead_given_up_first():
+    lay = _layout()
+    a = _asm(lay, max_open=2, max_stats_only=4, stale_s=1e9, grace_s=1e9)
+    bogus = 2**40
+    for k in range(100):  # a flood of absurd iteration numbers
+        a.add_mb_stats(_mbs(bogus + k, 0, 0), 0.0)
+    assert len(a.open) == 4
+    # real iterations come before the bogus ones and push them out
+    for it in range(6):
+        assert a.add_mb_stats(_mbs(it, 0, 0), 1.0) == (it < 4)
+    assert sorted(a.open) == [0, 1, 2, 3]
+    assert a.mbstats_dropped_total == 96 + 4 + 2
+    # given up on, not published: their rows still make a (stats-less) record
+    a.add_rows(iteration_rows(lay, 5), 2.0)
+    a.add_rows(iteration_rows(lay, 0), 2.0)
+    out = a.poll(2.0)
+    assert [(r.iteration, r.complete, r.tokens) for r in out] == [(0, True, 1024), (5, True, 0)]
+    # iterations with rows still obey max_open; those with stats alone do not count
+    for it in (1, 2, 3):
+        r = iteration_rows(lay, it)
+        a.add_rows(r[r["rank"] != 0], 3.0)
+    out = a.poll(3.0)
+    assert [(r.iteration, r.complete) for r in out] == [(1, False)]
+    assert sorted(a.open) == [2, 3]
+    with pytest.raises(ValueError):
+        IterationAssembler(max_stats_only=0)
+
+
 def test_bad_rows_are_rejected_with_reasons():
     lay = _layout()
     a = _asm(lay)
