@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from resihp.bus import Health, clear_job, list_jobs, set_job_state
 from resihp.keys import JobKeys, validate_job_id
 from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
@@ -278,8 +280,9 @@ def prepare_job(client, job_id: str, fresh: bool, new_run: bool = True) -> str |
     return f"resihp: {what}; no trainer started: showing it"
 
 
-def _with_redis(url: str, fn, what: str) -> None:
-    """``fn(client)`` on a short-lived connection; a failure is said, never raised (shutdown)."""
+def _with_redis(url: str, fn, what: str) -> bool:
+    """``fn(client)`` on a short-lived connection; a failure is said, never raised
+    (shutdown). True when it ran."""
     try:
         client = connect(url)
         try:
@@ -288,6 +291,20 @@ def _with_redis(url: str, fn, what: str) -> None:
             client.close()
     except Exception as e:  # noqa: BLE001 - stopping must go on whatever Redis does
         print(f"resihp: could not {what}: {e}", flush=True)
+        return False
+    return True
+
+
+def other_jobs_served(client, job_id: str) -> list[str]:
+    """Jobs other than ``job_id`` with a service alive on this Redis: a second job run
+    beside this stack on its embedded Redis loses it when this stack stops."""
+    out = []
+    for job in list_jobs(client):
+        if job != job_id and any(
+            h.get("status") == "ok" for h in Health.all(client, JobKeys(job)).values()
+        ):
+            out.append(job)
+    return out
 
 
 def mark_stopped(client, job_id: str) -> None:
@@ -500,6 +517,20 @@ def _run_stack(args, stop: threading.Event) -> int:
             client.close()
     except Exception as e:  # noqa: BLE001 - a job or a Redis we cannot use stops here, with the reason
         if embedded is not None:
+            others: list[str] = []
+            _with_redis(
+                url,
+                lambda cl: others.extend(other_jobs_served(cl, args.job_id)),
+                "check for other jobs on the embedded Redis",
+            )
+            if others:
+                print(
+                    f"resihp: job(s) {', '.join(others)} still have services on this stack's "
+                    "embedded Redis and lose it now (a job that outlives this stack needs "
+                    "its own Redis: --redis-url)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             embedded.stop()
         stack_file.unlink(missing_ok=True)
         why = str(e) if isinstance(e, JobInUse) else f"cannot use Redis at {redact(url)}: {e}"
@@ -511,6 +542,7 @@ def _run_stack(args, stop: threading.Event) -> int:
     env = dict(os.environ, REDIS_URL=url, RESIHP_JOB_ID=args.job_id, PYTHONUNBUFFERED="1")
     children: list[Child] = []
     failed: list[str] = []  # children that exited with an error
+    redis_lost = False  # the job's Redis gone by the end (said, and the run fails)
     try:
         if stop.is_set():  # Ctrl-C while Redis started: run_stack says which signal
             return 0
@@ -579,6 +611,8 @@ def _run_stack(args, stop: threading.Event) -> int:
                     line = summary_line(st)
                 except UnknownJob:  # the trainer has not registered the job yet
                     line = f"[{args.job_id}] waiting for the job to report"
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    line = f"[{args.job_id}] Redis unreachable ({redact(url)}): {e}"
                 except Exception as e:  # noqa: BLE001 - the console line must never kill the stack
                     line = f"[{args.job_id}] waiting for data ({type(e).__name__})"
                 print(
@@ -588,7 +622,12 @@ def _run_stack(args, stop: threading.Event) -> int:
         print("\nresihp: stopping ...", flush=True)
     finally:
         if any(c.name == "trainer" for c in children):
-            _with_redis(url, lambda cl: mark_stopped(cl, args.job_id), "mark the job stopped")
+            if not _with_redis(
+                url, lambda cl: mark_stopped(cl, args.job_id), "mark the job stopped"
+            ):
+                # the job's Redis went away under it (another stack's embedded Redis
+                # stopped, a server down): the run did not end cleanly
+                redis_lost = True
         _stop_children(children)
         # the stopped services' health keys would live on for their TTL and make a
         # `resihp up --fresh` right after this one refuse the job as still running
@@ -601,8 +640,24 @@ def _run_stack(args, stop: threading.Event) -> int:
                 "clear the stopped services' health keys",
             )
         if embedded is not None:
+            others: list[str] = []
+            _with_redis(
+                url,
+                lambda cl: others.extend(other_jobs_served(cl, args.job_id)),
+                "check for other jobs on the embedded Redis",
+            )
+            if others:
+                print(
+                    f"resihp: job(s) {', '.join(others)} still have services on this stack's "
+                    "embedded Redis and lose it now (a job that outlives this stack needs "
+                    "its own Redis: --redis-url)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             embedded.stop()
         stack_file.unlink(missing_ok=True)
     print("resihp: stopped", flush=True)
+    if redis_lost:
+        print(f"resihp: the job's Redis ({redact(url)}) was unreachable at the end", flush=True)
     # a child that died with an error makes the whole run a failure for scripts and CI
-    return 1 if failed else 0
+    return 1 if failed or redis_lost else 0

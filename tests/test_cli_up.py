@@ -707,3 +707,37 @@ def test_the_decide_command_status_prints_reaches_the_same_redis(
     assert (
         "--job-id job-d --redis-url URL" in out and redis_server.url not in out.split("decide")[1]
     )
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_job_run_on_another_stacks_redis_hears_when_it_goes(tmp_path):
+    """Job b ran on stack a's embedded Redis; when a stopped, it shut that Redis without a
+    word, and b trained 25 s into nothing and still exited 0."""
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    up = [sys.executable, "-m", "resihp.cli", "up"]
+    a = subprocess.Popen(
+        [*up, "--state-dir", str(tmp_path / "a"), "--job-id", "a", "--trainer", "none",
+         "--dashboard-port", str(free_port()), "--duration", "12", "--no-summary"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        stack = tmp_path / "a" / "stack.json"
+        deadline = time.monotonic() + 60
+        while not stack.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        url = json.loads(stack.read_text())["redis_url"]
+        b = subprocess.run(
+            [*up, "--state-dir", str(tmp_path / "b"), "--job-id", "b", "--redis-url", url,
+             "--dashboard-port", str(free_port()), "--trainer-arg=--speed=10",
+             "--duration", "25", "--no-summary"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        out_a, _ = a.communicate(timeout=60)
+    finally:
+        a.kill()
+    assert a.returncode == 0, out_a
+    assert "job(s) b still have services on this stack's embedded Redis" in out_a, out_a
+    assert b.returncode == 1, b.stdout + b.stderr
+    assert "was unreachable at the end" in b.stdout, b.stdout
