@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             client = connect(config.redis_url)
             jobs = [config.job_id] if config.job_id else list_jobs(client)
-            ok = bool(jobs) and all(Health.check(client, JobKeys(j), "dashboard") for j in jobs)
+            ok = bool(jobs) and all(
+                Health.check(client, JobKeys(j), "dashboard", str(config.port)) for j in jobs
+            )
         except (ValueError, redis.RedisError) as e:
             print(f"dashboard: {e}", file=sys.stderr)
             return 1

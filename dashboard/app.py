@@ -233,7 +233,10 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
 
 
 def start_health_thread(config: DashboardConfig, stop: threading.Event) -> threading.Thread:
-    """Refresh the dashboard's health key for each job it serves (``--check-health`` reads it)."""
+    """Refresh the dashboard's health key for each job it serves (``--check-health`` reads it).
+
+    The instance is the port: one Redis may have several dashboards, each serving every
+    job, and one shared key showed whichever wrote last (another stack's pid)."""
 
     def loop():
         client = connect(config.redis_url)
@@ -243,7 +246,7 @@ def start_health_thread(config: DashboardConfig, stop: threading.Event) -> threa
                 jobs = set(bus.list_jobs(client)) | ({config.job_id} if config.job_id else set())
                 for j in jobs:
                     h = beats.get(j) or beats.setdefault(
-                        j, bus.Health(client, JobKeys(j), "dashboard")
+                        j, bus.Health(client, JobKeys(j), "dashboard", str(config.port))
                     )
                     h.beat(port=config.port)
             except redis.RedisError:

@@ -300,8 +300,10 @@ def other_jobs_served(client, job_id: str) -> list[str]:
     beside this stack on its embedded Redis loses it when this stack stops."""
     out = []
     for job in list_jobs(client):
+        # a dashboard serves every job in its Redis and only reads: it holds none of them
         if job != job_id and any(
-            h.get("status") == "ok" for h in Health.all(client, JobKeys(job)).values()
+            h.get("status") == "ok" and not name.startswith("dashboard:")
+            for name, h in Health.all(client, JobKeys(job)).items()
         ):
             out.append(job)
     return out
@@ -636,7 +638,12 @@ def _run_stack(args, stop: threading.Event) -> int:
             keys = JobKeys(args.job_id)
             _with_redis(
                 url,
-                lambda cl: cl.delete(*(keys.health(n, "0") for n in names)),
+                lambda cl: cl.delete(
+                    *(
+                        keys.health(n, str(args.dashboard_port) if n == "dashboard" else "0")
+                        for n in names
+                    )
+                ),
                 "clear the stopped services' health keys",
             )
         if embedded is not None:

@@ -238,10 +238,15 @@ def test_check_health_cli(redis_server, r):
     t = start_health_thread(DashboardConfig(redis_url=redis_server.url, job_id="job-h"), stop)
     try:
         for _ in range(50):
-            if r.exists(JobKeys("job-h").health("dashboard")):
+            if r.exists(JobKeys("job-h").health("dashboard", "8050")):
                 break
             stop.wait(0.1)
         assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+        # another dashboard (another port) on the same Redis is not vouched for by this one
+        other = subprocess.run([*cmd, "--port", "8051"], capture_output=True, timeout=60)
+        assert other.returncode == 1
+        h = json.loads(r.get(JobKeys("job-h").health("dashboard", "8050")))
+        assert h["port"] == 8050 and not r.exists(JobKeys("job-h").health("dashboard", "0"))
     finally:
         stop.set()
         t.join(5)
