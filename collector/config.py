@@ -16,9 +16,37 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
+
+#: The largest K the collector follows.  The detector validates field ``heartbeat_k``
+#: of the detector_config hash and refuses more (detector/config.py keeps the same
+#: bound: services do not import each other, and tests/test_detector_units.py holds
+#: the two rules equal).  The collector is the service that acts on K, so a value the
+#: detector refuses must not reach it: K=5000 at a 1 s interval reports a dead rank
+#: after 83 minutes, while ``config show`` says the old K is in force.
+MAX_HEARTBEAT_K = 1000
+
+# ASCII digits only: int() also takes "+5", "1_000" and non-ASCII digits ("٣")
+_K_RE = re.compile(r"[0-9]+")
+
+
+def parse_heartbeat_k(raw: str | bytes) -> int:
+    """K from the detector_config hash's string; ValueError for anything the detector
+    refuses (not ASCII digits, below 1 or above :data:`MAX_HEARTBEAT_K`)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    text = text.strip()
+    neg = text.startswith("-")
+    if not _K_RE.fullmatch(text[neg:]):
+        raise ValueError(f"not an integer: {text!r}")
+    # past the bound by its length alone (and int() refuses more than 4300 digits)
+    k = int(text) if not neg and len(text.lstrip("0")) <= len(str(MAX_HEARTBEAT_K)) else None
+    if k is None or not 1 <= k <= MAX_HEARTBEAT_K:
+        got = text if len(text) <= 12 else text[:12] + "..."
+        raise ValueError(f"must be an integer in [1, {MAX_HEARTBEAT_K}] (got {got})")
+    return k
 
 
 @dataclass
@@ -132,6 +160,11 @@ class CollectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name}: must be an integer >= {lo}, got {v!r}")
+        if self.heartbeat_k > MAX_HEARTBEAT_K:
+            # written to the detector_config hash at start, where the detector refuses it
+            raise ValueError(
+                f"heartbeat_k: must be an integer <= {MAX_HEARTBEAT_K}, got {self.heartbeat_k!r}"
+            )
         if not isinstance(self.jitter_beats, int | float) or not 0 <= self.jitter_beats < 1:
             raise ValueError(f"jitter_beats: must be in [0, 1), got {self.jitter_beats!r}")
         if self.check_interval_s is not None and not (

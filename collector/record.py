@@ -30,6 +30,7 @@ from typing import IO
 import redis
 
 from resihp import entry
+from resihp.bus import list_jobs
 from resihp.keys import JobKeys
 from resihp.plans import layout_history
 from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
@@ -162,14 +163,36 @@ def record(
             return stats
 
 
+def unknown_job(client: redis.Redis, keys: JobKeys) -> str | None:
+    """Why ``keys.job_id`` names no job in this Redis (naming the known ones), or None.
+
+    The rule of ``resihp status`` and ``resihp config``: a job is known when it is
+    registered or anything is stored under its name (a collector or trainer that ran
+    before registering it).  A mistyped job id otherwise records an empty trace and
+    exits 0, which reads as "the job sent nothing"."""
+    jobs = list_jobs(client)
+    if keys.job_id in jobs:
+        return None
+    if next(iter(client.scan_iter(match=f"{keys.base}:*", count=1000)), None) is not None:
+        return None
+    names = ", ".join(jobs[:20]) + (", ..." if len(jobs) > 20 else "")
+    return (
+        f"unknown job {keys.job_id!r} in this Redis (known jobs: {names or 'none'}); pass --job-id"
+    )
+
+
 def main(
     client: redis.Redis, keys: JobKeys, out_path: str, duration_s: float | None, from_start: bool
 ) -> int:
     try:
         client.ping()  # before the output is opened: an unreachable Redis must not empty it
+        why = unknown_job(client, keys)
     except redis.RedisError as e:
         print(f"collector record: cannot reach Redis: {e}", file=sys.stderr)
         return 1
+    if why is not None:
+        print(f"collector record: {why}", file=sys.stderr)
+        return 2
     out = entry.open_output(out_path, "collector record")
     if out is None:
         return 2

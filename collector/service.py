@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from collector.config import CollectorConfig
+from collector.config import CollectorConfig, parse_heartbeat_k
 from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
@@ -254,9 +254,9 @@ class CollectorService:
         if raw is None:
             return
         try:
-            k = int(raw)
-            if k < 1:
-                raise ValueError
+            # the detector's rule and bound: a K it refuses must not be the one liveness
+            # runs on (K=5000 reports a dead rank after 83 minutes)
+            k = parse_heartbeat_k(raw)
         except ValueError:
             return
         if k != self.liveness.k:
@@ -646,6 +646,8 @@ class CollectorService:
             "open_iterations": len(self.assembler.open),
             "pending_entries": len(self._pending),
             "layout_id": self.layout.layout_id if self.layout is not None else None,
+            # the K liveness runs on (`config show` prints it as heartbeat_k's applied value)
+            "heartbeat_k": self.liveness.k,
             # age of the newest telemetry entry read: grows when the collector falls
             # behind, or when the job stops sending
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)

@@ -83,9 +83,10 @@ def _config(args: argparse.Namespace) -> int:
     try:
         client = connect(args.redis_url)
         if args.action == "set":
-            for name, (old, new) in tune.write(client, args.job_id, args.assignments).items():
+            written = tune.write(client, args.job_id, args.assignments)
+            for name, (old, new) in written.items():
                 print(f"{name}: {old if old is not None else '-'} -> {new}")
-            print("the running detector applies it within one loop (see `config show`)")
+            print(tune.who_applies(client, args.job_id, list(written)))
         else:
             print(tune.format_rows(tune.read(client, args.job_id)))
     except ValueError as e:

@@ -24,10 +24,32 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("resihp", "greyhound")
+
+#: The largest ``heartbeat_k`` accepted.  The collector, which acts on K, keeps the same
+#: bound and parsing rule (``collector/config.py``: services do not import each other;
+#: tests/test_detector_units.py holds the two equal), so it never follows a K refused here.
+MAX_HEARTBEAT_K = 1000
+
+# ASCII digits only: int() and float() also take non-ASCII digits ("٣" is 3), which an
+# operator cannot tell apart from a typo on most terminals
+_ASCII_INT = re.compile(r"[0-9]+")
+_ASCII_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+class ConfigFieldError(ValueError):
+    """A bad value of one field: ``str()`` names the field, ``why`` says only what is
+    wrong (for messages that already start with the field's name)."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(f"detector config field {name!r}: {why}")
+        self.field = name
+        self.why = why
+
 
 #: Fields that may be changed at runtime through the ``detector_config`` hash.
 RUNTIME_FIELDS = (
@@ -138,7 +160,7 @@ class DetectorConfig:
 
     def validate(self) -> DetectorConfig:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"detector config field {name!r}: {why} (got {getattr(self, name)!r})")
+            raise ConfigFieldError(name, f"{why} (got {getattr(self, name)!r})")
 
         if self.mode not in MODES:
             bad("mode", f"must be one of {MODES}")
@@ -194,8 +216,8 @@ class DetectorConfig:
             not isinstance(r, int) or r < 0 for r in self.disabled_ranks
         ):
             bad("disabled_ranks", "must be a set of ranks >= 0")
-        if self.heartbeat_k > 1000:
-            bad("heartbeat_k", "must be <= 1000")
+        if self.heartbeat_k > MAX_HEARTBEAT_K:
+            bad("heartbeat_k", f"must be <= {MAX_HEARTBEAT_K}")
         return self
 
     # -------------------------------------------------------------- building
@@ -251,6 +273,8 @@ class DetectorConfig:
                 if parsed == getattr(cfg, name):
                     continue
                 cfg = cfg.replace(**{name: parsed})
+            except ConfigFieldError as e:
+                errors.append(f"{name}: {e.why}")
             except ValueError as e:
                 errors.append(f"{name}: {e}")
         return cfg, errors
@@ -279,10 +303,16 @@ def parse_ranks(v: Any) -> frozenset[int]:
     for x in items:
         if isinstance(x, bool) or not isinstance(x, int | str):
             raise ValueError(f"not a rank: {x!r}")
-        try:
-            r = int(x)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"not a rank: {x!r}") from e
+        if isinstance(x, str):
+            t = x.strip()
+            if t.startswith("-") and _ASCII_INT.fullmatch(t[1:]):
+                raise ValueError(f"rank must be >= 0: {t}")
+            if not _ASCII_INT.fullmatch(t):
+                raise ValueError(f"not a rank: {x!r}")
+            if len(t) > 20:  # no job has that many ranks (and int() refuses 4300 digits)
+                raise ValueError(f"not a rank: {t[:20]}...")
+            x = t
+        r = int(x)
         if r < 0:
             raise ValueError(f"rank must be >= 0: {r}")
         out.add(r)
@@ -300,14 +330,23 @@ def _parse_runtime(name: str, val: str) -> Any:
             return False
         raise ValueError(f"not a bool: {val!r}")
     if name == "heartbeat_k":
-        try:
-            return int(val)
-        except ValueError as e:
-            raise ValueError(f"not an integer: {val!r}") from e
-    try:
-        x = float(val)
-    except ValueError as e:
-        raise ValueError(f"not a number: {val!r}") from e
+        t = val.strip()
+        neg = t.startswith("-")
+        if not _ASCII_INT.fullmatch(t[neg:]):
+            raise ValueError(f"not an integer: {t!r}")
+        got = t if len(t) <= 12 else t[:12] + "..."
+        if neg:
+            raise ValueError(f"must be an integer >= 1 (got {got})")
+        if len(t.lstrip("0")) > len(str(MAX_HEARTBEAT_K)):
+            # past the bound by its length (and int() refuses more than 4300 digits)
+            raise ValueError(f"must be <= {MAX_HEARTBEAT_K} (got {got})")
+        return int(t)
+    t = val.strip()
+    if t.lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        raise ValueError(f"not a finite number: {val!r}")
+    if not _ASCII_NUMBER.fullmatch(t):
+        raise ValueError(f"not a number: {val!r}")
+    x = float(t)
     if not math.isfinite(x):
         raise ValueError(f"not a finite number: {val!r}")
     return x

@@ -290,6 +290,30 @@ class FailSlowDetector:
     def slow_groups(self) -> set[Group]:
         return {s.group for s in self.slow.values() if s.group is not None}
 
+    def disabled_groups(self) -> set[Group]:
+        """Groups holding a rank the operator switched off.
+
+        Its slowdown is never reported, so it never becomes a known-slow group; left
+        in the peer medians it would be the reference of its stage's other replicas
+        (with two replicas the only one), and a slowdown there would be measured
+        against a slow device: late and with a wrong severity."""
+        off = self.cfg.disabled_ranks
+        if not off:
+            return set()
+        return {self.rank_group[r] for r in off if r in self.rank_group}
+
+    def _disabled_with_peers(self) -> set[Group]:
+        """Disabled groups whose stage has another group to learn the healthy fit from.
+
+        A switched-off slow device folded into the fit inflates its stage's predicted
+        times, which shrinks every later slowdown's measured factor there; a stage
+        made only of disabled groups has nothing else to learn from and keeps them."""
+        off = self.disabled_groups()
+        if not off:
+            return off
+        live = {g[1] for g, r in self.group_ranks.items() if r and g not in off}
+        return {g for g in off if g[1] in live}
+
     def _slow_alone(self, slow: set[Group]) -> dict[Group, float]:
         """Known-slow groups whose stage has no other live group, with their slow factors."""
         stages: dict[int, set[Group]] = {}
@@ -634,7 +658,7 @@ class FailSlowDetector:
         ratio[cm] = v.duration_s[cm] / pred[cm]
         x = {g: float(np.log(r)) for g, r in _group_medians(v, cm, ratio).items() if r > 0}
         if self.cfg.peer_relative:
-            x = _peer_relative(x, self.slow_groups() | also_slow)
+            x = _peer_relative(x, self.slow_groups() | self.disabled_groups() | also_slow)
         # P2P statistics against their healthy medians
         c: dict[LinkKey, float] = {}
         if self.pred.comm_median:
@@ -1265,7 +1289,7 @@ class FailSlowDetector:
         lag = self.cfg.confirm_iters + 1
         while len(self.pending) > lag:
             w = self.pending.popleft()
-            bad = set(self.slow_groups())
+            bad = self.slow_groups() | self._disabled_with_peers()
             for g, det in self.gdet.items():
                 if det.alarm_since is not None and det.alarm_since <= w.iteration + lag:
                     bad.add(g)

@@ -23,6 +23,7 @@ collector service.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from detector.engine import Detector
 from resihp import entry
 from resihp.schemas import (
     ChunkBatch,
+    ChunkTiming,
     DeviceProbe,
     FailureReport,
     Heartbeat,
@@ -41,12 +43,15 @@ from resihp.schemas import (
     LivenessEvent,
     MicroBatchStats,
     SchemaError,
+    chunks_to_rows,
     decode_message,
 )
 from resihp.topology import Layout, LayoutError
 
 #: Trace seconds between liveness checks and assembler polls.
 CHECK_EVERY_S = 0.25
+#: Errors printed by the command; the rest are counted on one line.
+MAX_ERRORS_SHOWN = 20
 
 
 @dataclass
@@ -56,6 +61,8 @@ class ReplayStats:
     records_total: int = 0
     liveness_total: int = 0
     reports_total: int = 0
+    #: chunk rows the assembler refused (as the live collector would dead-letter them)
+    rejected_rows_total: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -77,6 +84,10 @@ class TraceReplayer:
         self.liveness = LivenessCoordinator(interval_s=heartbeat_interval_s, k=config.heartbeat_k)
         self.stats = ReplayStats()
         self.now_s = float("-inf")
+        # a trace with arrival times stamps every report with that clock, as the live
+        # service stamps them with its own: a record's end_s is its sender's clock,
+        # which may run apart from Redis's (a skewed node, a sped-up simulator)
+        self._arrival_clock = False
         self._next_check = float("-inf")
         # expected ranks waiting for the trace's first time (a recorded trace starts with
         # its layout: judged at t=0, every rank looked silent since the epoch)
@@ -93,12 +104,15 @@ class TraceReplayer:
         else:
             self._expected = (expected, set(layout.dead))
 
-    def feed(self, msg, arrival_s: float | None = None) -> list[FailureReport]:
+    def feed(
+        self, msg, arrival_s: float | None = None, line: int | None = None
+    ) -> list[FailureReport]:
         """One trace message. ``arrival_s`` (the Redis append time the recorder
         writes) is the clock liveness is judged by; without it, the sender's
-        own times stand in."""
+        own times stand in.  ``line``: its line number, to name it in errors."""
         out: list[FailureReport] = []
         if arrival_s is not None:
+            self._arrival_clock = True
             self._advance(arrival_s)
         if isinstance(msg, HeartbeatBatch):
             for hb in msg.iter_messages():
@@ -107,12 +121,24 @@ class TraceReplayer:
             t = arrival_s if arrival_s is not None else msg.wall_time_s
             self._advance(t)
             self.liveness.observe(msg.rank, msg.node, t, msg.seq, msg.iteration, msg.generation)
-        elif isinstance(msg, ChunkBatch):
-            if len(msg.rows) and arrival_s is None:
-                self._advance(float(msg.rows["end_s"].max()))
-            res = self.assembler.add_rows(msg.rows, self.now_s)
-            for reason, _rows in res.rejected:
-                self.stats.errors.append(reason)
+        elif isinstance(msg, ChunkBatch | ChunkTiming):
+            at = f"line {line}: " if line is not None else ""
+            if isinstance(msg, ChunkBatch):
+                rows = msg.rows
+            else:
+                # an unpacked chunk line is one row, as the live collector takes it
+                try:
+                    rows = chunks_to_rows([msg])
+                except (KeyError, ValueError, OverflowError) as e:
+                    self.stats.rejected_rows_total += 1
+                    self.stats.errors.append(f"{at}chunk: {e}")
+                    return out
+            if len(rows) and arrival_s is None:
+                self._advance(float(rows["end_s"].max()))
+            res = self.assembler.add_rows(rows, self.now_s)
+            for reason, bad in res.rejected:
+                self.stats.rejected_rows_total += len(bad)
+                self.stats.errors.append(f"{at}{reason} ({len(bad)} of {len(rows)} rows skipped)")
         elif isinstance(msg, MicroBatchStats):
             self.assembler.add_mb_stats(msg, self.now_s)
         elif isinstance(msg, DeviceProbe):
@@ -141,7 +167,7 @@ class TraceReplayer:
     def _emit(self, msgs) -> list[FailureReport]:
         self.stats.liveness_total += sum(isinstance(m, LivenessEvent) for m in msgs)
         self.stats.records_total += sum(isinstance(m, IterationRecord) for m in msgs)
-        reps = self.detector.handle_batch(msgs)
+        reps = self.detector.handle_batch(msgs, now_s=self.now_s if self._arrival_clock else None)
         self.stats.reports_total += len(reps)
         return reps
 
@@ -149,6 +175,34 @@ class TraceReplayer:
         out = self._step()
         out += self._emit(self.assembler.flush())
         return out
+
+
+#: Fields a layout line must hold (docs/trace-format.md lists them with the optional ones).
+LAYOUT_REQUIRED = (
+    "world_size",
+    "devices_per_node",
+    "num_layers",
+    "groups",
+    "layers",
+    "microbatches",
+)
+
+
+def _layout_fields_missing(lay: object) -> str | None:
+    """A sentence for a layout object without its required fields, or None.
+
+    ``Layout.from_dict`` reports the first one only, as a Python repr
+    (``malformed layout: KeyError('num_layers')``); someone writing a trace by hand
+    wants all of them named."""
+    if not isinstance(lay, dict):
+        return f"the layout is not a JSON object but {type(lay).__name__}"
+    missing = [f for f in LAYOUT_REQUIRED if f not in lay]
+    if not missing:
+        return None
+    return (
+        f"missing field(s) {', '.join(missing)} (a layout needs "
+        f"{', '.join(LAYOUT_REQUIRED)}; see docs/trace-format.md)"
+    )
 
 
 def read_trace(
@@ -167,14 +221,28 @@ def read_trace(
             stats.errors.append(f"line {no}: malformed JSON: {e}")
             continue
         if isinstance(d, dict) and d.get("type") == "layout":
-            try:
-                yield no, Layout.from_dict(d.get("layout", d)), None
-            except LayoutError as e:
-                stats.bad_lines_total += 1
-                stats.errors.append(f"line {no}: bad layout: {e}")
+            lay = d.get("layout", d)
+            why = _layout_fields_missing(lay)
+            if why is None:
+                try:
+                    yield no, Layout.from_dict(lay), None
+                    continue
+                except LayoutError as e:
+                    why = str(e)
+            stats.bad_lines_total += 1
+            stats.errors.append(f"line {no}: bad layout: {why}")
             continue
         arrival = d.get("arrival_s") if isinstance(d, dict) else None
-        if not isinstance(arrival, int | float) or isinstance(arrival, bool):
+        if arrival is not None and (
+            not isinstance(arrival, int | float)
+            or isinstance(arrival, bool)
+            or not math.isfinite(arrival)
+        ):
+            # not a bad line (the message is still used), but its clock is gone
+            stats.errors.append(
+                f"line {no}: arrival_s is not a number ({arrival!r}); the sender's own "
+                "times stand in for it"
+            )
             arrival = None
         try:
             yield no, decode_message(d), arrival
@@ -198,11 +266,11 @@ def replay(
             if out is not None:
                 out.write(r.to_json() + "\n")
 
-    for _no, msg, arrival in read_trace(lines, rp.stats):
+    for no, msg, arrival in read_trace(lines, rp.stats):
         if isinstance(msg, Layout):
             rp.set_layout(msg)
             continue
-        emit(rp.feed(msg, arrival))
+        emit(rp.feed(msg, arrival, no))
     emit(rp.finish())
     return reports, rp.stats
 
@@ -224,13 +292,20 @@ def main(
             return 2
         with out as f:
             reports, st = replay(src, config, f, heartbeat_interval_s)
-    for e in st.errors[:20]:
+    for e in st.errors[:MAX_ERRORS_SHOWN]:
         print(f"detector replay: {e}", file=sys.stderr)
+    if len(st.errors) > MAX_ERRORS_SHOWN:
+        print(
+            f"detector replay: ... and {len(st.errors) - MAX_ERRORS_SHOWN} more",
+            file=sys.stderr,
+        )
     by_kind: dict[str, int] = {}
     for r in reports:
         by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
     print(
-        f"replayed {st.lines_total} lines ({st.bad_lines_total} bad): {st.records_total} iterations, "
+        f"replayed {st.lines_total} lines ({st.bad_lines_total} bad"
+        + (f", {st.rejected_rows_total} chunk rows refused" if st.rejected_rows_total else "")
+        + f"): {st.records_total} iterations, "
         f"{st.liveness_total} liveness events -> {len(reports)} reports {by_kind} "
         f"[mode {config.mode}]",
         file=sys.stderr,

@@ -95,11 +95,17 @@ def _check_ranks(client: redis.Redis, keys: JobKeys, values: dict[str, str]) -> 
 
 def read(client: redis.Redis, job_id: str) -> list[dict[str, Any]]:
     """One row per runtime field: the hash value, the default, and what the running
-    detector says it applied (None when no detector reports)."""
+    detector says it applied (None when no detector reports); for ``heartbeat_k``, the
+    K the running collector follows when its health key carries it."""
     keys = _known_job(client, job_id)
     stored = _decode(client.hgetall(keys.detector_config))
     health = Health.get(client, keys, "detector") or {}
-    applied = health.get("config") if isinstance(health.get("config"), dict) else {}
+    applied = dict(health["config"]) if isinstance(health.get("config"), dict) else {}
+    # K is the collector's to apply: its own health key says which K it follows (the
+    # detector's copy is only what the detector parsed)
+    k = (Health.get(client, keys, "collector") or {}).get("heartbeat_k")
+    if isinstance(k, int) and not isinstance(k, bool):
+        applied["heartbeat_k"] = str(k)
     defaults = DetectorConfig().runtime_dict()
     return [
         {
@@ -121,6 +127,23 @@ def write(client: redis.Redis, job_id: str, assignments: list[str]) -> dict[str,
     _check_ranks(client, keys, values)
     client.hset(keys.detector_config, mapping=values)
     return {k: (stored.get(k), v) for k, v in values.items()}
+
+
+def who_applies(client: redis.Redis, job_id: str, fields: list[str]) -> str:
+    """What happens to values just written, judged from the services' health keys (the
+    ones ``show`` reads): "the running detector applies it" is only true with one."""
+    keys = JobKeys(job_id)
+    if Health.get(client, keys, "detector") is not None:
+        lines = ["the running detector applies it within one loop (see `config show`)"]
+    else:
+        lines = [
+            f"no detector is running for job {job_id!r}: the value is stored, and a "
+            "detector started later applies it (a command-line flag for the same field "
+            "replaces it)"
+        ]
+    if "heartbeat_k" in fields and Health.get(client, keys, "collector") is not None:
+        lines.append("the running collector follows heartbeat_k at its next liveness check")
+    return "\n".join(lines)
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:

@@ -225,3 +225,71 @@ def test_act_refuses_an_empty_actor_and_an_empty_set_mode_before_sending(
     rc = main(["act", "set_mode", "--override", '{"mode": "manual"}', "--wait-s", "0", *url])
     assert rc == 0 and "as cli (action " in capsys.readouterr().out
     assert r.xlen(actions) == 1
+
+
+# --------------------------------------------------------------- resihp record
+
+
+def _record(redis_server, job: str, out) -> int:
+    from collector.__main__ import main
+
+    return main(["--redis-url", redis_server.url, "--job-id", job, "record", "--out", str(out)])
+
+
+def test_record_refuses_an_unknown_job_and_names_the_known_ones(r, redis_server, tmp_path, capsys):
+    """A mistyped job id recorded an empty trace and exited 0, which reads as a job that
+    sent nothing; `resihp config` and `resihp status` refuse the same typo."""
+    r.sadd(JOBS_SET, "job-a", "job-b")
+    out = tmp_path / "x.jsonl"
+    assert _record(redis_server, "nosuch", out) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "collector record: unknown job 'nosuch' in this Redis (known jobs: job-a, job-b); "
+        "pass --job-id"
+    ), err
+    assert not out.exists()  # nothing written, not even an empty trace
+    # a registered job, or one with anything stored under its name, is recorded
+    assert _record(redis_server, "job-a", out) == 0
+    r.set(JobKeys("unregistered").layout, json.dumps(LAY16.to_dict()))
+    assert _record(redis_server, "unregistered", out) == 0
+    assert json.loads(out.read_text().splitlines()[0])["type"] == "layout"
+    capsys.readouterr()
+
+
+# --------------------------------------------------------------- resihp config set: who applies
+
+
+def test_config_set_says_no_detector_applies_it_when_none_runs(r, redis_server, capsys):
+    """`config set` said "the running detector applies it within one loop" for a job with
+    no detector; `config show` said "(no detector)" for the same job."""
+    from resihp.bus import Health
+
+    keys = JobKeys("quiet")
+    r.sadd(JOBS_SET, "quiet")
+    assert _config(redis_server, "quiet", "set", "threshold=2") == 0
+    out = capsys.readouterr().out
+    assert "threshold: - -> 2.0" in out
+    assert "no detector is running for job 'quiet'" in out and "applies it within" not in out
+    Health(r, keys, "detector").beat()
+    assert _config(redis_server, "quiet", "set", "threshold=1.5") == 0
+    out = capsys.readouterr().out
+    assert "the running detector applies it within one loop" in out
+    assert "no detector" not in out and "collector" not in out
+    Health(r, keys, "collector").beat()
+    assert _config(redis_server, "quiet", "set", "heartbeat_k=3") == 0
+    assert "the running collector follows heartbeat_k" in capsys.readouterr().out
+
+
+def test_config_show_takes_heartbeat_k_from_the_collector(r, redis_server, capsys):
+    """K is the collector's to apply: `show` printed the detector's parsed copy as applied
+    while the collector followed another K."""
+    from resihp.bus import Health
+
+    keys = JobKeys("kk")
+    r.sadd(JOBS_SET, "kk")
+    r.hset(keys.detector_config, "heartbeat_k", "3")
+    Health(r, keys, "detector").beat(config={"heartbeat_k": "2", "threshold": "1.25"})
+    Health(r, keys, "collector").beat(heartbeat_k=3)
+    assert _config(redis_server, "kk", "show") == 0
+    rows = {x.split()[0]: x.split()[1:] for x in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["heartbeat_k"] == ["3", "3", "2"] and rows["threshold"][1] == "1.25"

@@ -745,3 +745,22 @@ def test_the_iterations_budget_counts_a_records_packed_chunks():
     assert record_maxlen(fields, 2000, 100.0) == int(100e6 // total)  # ~18 records, not ~2000
     assert record_maxlen(fields, 2000, 1.0) == 16  # the floor
     assert record_maxlen(fields, 100, 1e6) == 100  # the configured length still bounds it
+
+
+@pytest.mark.redis
+def test_the_collector_ignores_a_heartbeat_k_the_detector_refuses(r):
+    """K=5000 written straight into the detector_config hash was refused by the detector
+    (`config show`: K=2 applied) but followed by the collector, so a dead rank went
+    unreported for minutes. The collector now refuses exactly what the detector refuses
+    and says in its health key which K it follows."""
+    from detector.config import DetectorConfig
+
+    svc = _service(r, heartbeat_k=2)
+    for bad in ("5000", "1001", "0", "-1", "\u0663", "+5", "1_0", "2.0", "", "9" * 5000):
+        r.hset(KEYS.detector_config, "heartbeat_k", bad)
+        assert DetectorConfig().with_runtime({"heartbeat_k": bad})[1], bad  # the detector refuses
+        svc._runtime_k()
+        assert svc.liveness.k == 2, bad
+    r.hset(KEYS.detector_config, "heartbeat_k", " 1000 ")
+    svc._runtime_k()
+    assert svc.liveness.k == 1000 and svc.health_extra()["heartbeat_k"] == 1000

@@ -194,6 +194,23 @@ def test_runtime_switches_in_the_engine():
     assert _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) == []
 
 
+def test_a_disabled_slow_rank_is_not_the_reference_of_its_peer_replica():
+    """A switched-off slow rank stayed in its stage's peer median and in the healthy fit:
+    with two replicas it was the other replica's only reference, so a second slow GPU
+    there was reported 8-15 iterations late with severity ~0.6 instead of 0.4."""
+    off = LAY.groups[0][2][0]  # dp 0, stage 2
+    victim = LAY.groups[1][2][1]  # the same stage in the other replica
+    at = {
+        40: lambda j: j.rank_slow.update({off: 2.5}),
+        60: lambda j: j.rank_slow.update({victim: 2.5}),
+    }
+    det = Detector(DetectorConfig(disabled_ranks=frozenset({off})), layout=LAY)
+    reps = _run(det, SyntheticJob(LAY, seed=30), 80, dict(at))
+    got = [(r.kind, r.ranks, r.iteration) for r in reps]
+    assert got == [("fail_slow_compute", [victim], 61)], got
+    assert reps[0].severity[str(victim)] == pytest.approx(0.4, abs=0.02)
+
+
 # ------------------------------------------------------------- bad input
 def test_gaps_in_telemetry_no_false_reports_and_detection_survives():
     rng = np.random.default_rng(0)

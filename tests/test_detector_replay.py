@@ -97,6 +97,102 @@ def test_a_trace_on_the_epoch_clock_starts_with_every_rank_alive(trace):
     assert not [r for r in reports if r.kind == "recovery"]
 
 
+def test_replay_stamps_every_report_with_the_arrival_clock(trace):
+    """Fail-slow reports took the trainer's clock (the record's end_s) and fail-stop reports
+    the arrival clock: with the two clocks apart, a fail-slow came out stamped long after
+    a fail-stop it preceded. The live service stamps both with one clock."""
+    lines = []
+    for text in trace.read_text().splitlines():
+        d = json.loads(text)
+        if "arrival_s" in d:
+            d["arrival_s"] += 1.7e9  # Redis's epoch clock; the ranks' stay near 0
+        lines.append(json.dumps(d))
+    arrivals = [json.loads(t)["arrival_s"] for t in lines if "arrival_s" in t]
+    reports, _ = replay(lines, CFG)
+    assert [r.kind for r in reports] == ["fail_slow_compute", "fail_stop"], _kinds(reports)
+    slow, stop = reports
+    assert min(arrivals) <= slow.detected_at_s < stop.detected_at_s <= max(arrivals)
+
+
+def test_unpacked_chunk_lines_replay_like_the_packed_batches(trace):
+    """`chunk` lines (one ChunkTiming each, what docs/trace-format.md lets a hand-written
+    trace use and the live collector accepts) were decoded and dropped: 0 iterations."""
+    packed = trace.read_text().splitlines()
+    unpacked = []
+    for text in packed:
+        d = json.loads(text)
+        if d.get("type") != "chunk_batch":
+            unpacked.append(text)
+            continue
+        for c in ChunkBatch.from_dict(d).iter_messages():
+            unpacked.append(json.dumps({**c.to_dict(), "arrival_s": d["arrival_s"]}))
+    types = {json.loads(text)["type"] for text in unpacked}
+    assert "chunk" in types and "chunk_batch" not in types
+    want, st_want = replay(packed, CFG)
+    got, st = replay(unpacked, CFG)
+    assert st.bad_lines_total == 0 and st.records_total == st_want.records_total
+    key = [(r.kind, r.ranks, r.iteration, r.severity) for r in want]
+    assert [(r.kind, r.ranks, r.iteration, r.severity) for r in got] == key
+
+
+def test_replay_names_the_line_of_refused_rows_and_counts_what_it_does_not_print(tmp_path):
+    from resihp.topology import Layout
+
+    lay = Layout.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    row = {"rank": 99, "iteration": 0, "dp": 0, "stage": 0, "microbatch": 0, "kind": "F"}
+    row.update({"start_s": 1.0, "end_s": 1.5, "schema_version": 1, "type": "chunk"})
+    lines = [json.dumps({"type": "layout", "layout": lay.to_dict()})]
+    lines += [json.dumps({**row, "arrival_s": 2.0 + i}) for i in range(25)]
+    lines.append(json.dumps({**row, "rank": 1, "arrival_s": "soon"}))
+    lines.append(json.dumps({"type": "layout", "layout": {"world_size": 4}}))
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "detector", "replay", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    err = p.stderr.splitlines()
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    # an assembler refusal came without its line, and errors past the 20th vanished
+    assert err[0] == (
+        "detector replay: line 2: chunk rows: rank not in layout 0 (1 of 1 rows skipped)"
+    ), err
+    assert err[20] == "detector replay: ... and 7 more", err
+    assert "25 chunk rows refused" in err[-1] and "(1 bad" in err[-1], err[-1]
+    _, st = replay(lines, CFG)
+    assert st.errors[-2].startswith("line 27: arrival_s is not a number ('soon')")
+    assert st.errors[-1] == (
+        "line 28: bad layout: missing field(s) devices_per_node, num_layers, groups, layers, "
+        "microbatches (a layout needs world_size, devices_per_node, num_layers, groups, "
+        "layers, microbatches; see docs/trace-format.md)"
+    )
+
+
+def test_the_trace_format_examples_are_lines_replay_reads():
+    """docs/trace-format.md is what someone writing a trace by hand has: its layout line
+    showed `"groups":[...]` and `...` and left out three required fields."""
+    from pathlib import Path
+
+    from detector.replay import ReplayStats, read_trace
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trace-format.md").read_text()
+    blocks = [b.split("```", 1)[0].strip() for b in doc.split("```json\n")[1:]]
+    lines: list[str] = []
+    for b in blocks:
+        for text in b.splitlines():
+            # an example wrapped over lines goes on with an indented line
+            if text.startswith("{"):
+                lines.append(text)
+            else:
+                lines[-1] += text.strip()
+    st = ReplayStats()
+    got = [type(m).__name__ for _no, m, _arrival in read_trace(lines, st)]
+    assert st.errors == [] and st.bad_lines_total == 0, st.errors
+    assert got == ["Layout", "Heartbeat", "MicroBatchStats", "ChunkTiming", "ChunkBatch"]
+
+
 def test_replay_of_undecodable_bytes_names_the_lines(tmp_path):
     bad = tmp_path / "bin.jsonl"
     bad.write_bytes(b'{"type": "heartbeat"}\n\xff\xfe garbage\n')

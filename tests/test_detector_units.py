@@ -61,6 +61,63 @@ def test_parse_ranks_forms():
         parse_ranks("a,b")
 
 
+def test_runtime_values_take_ascii_digits_only():
+    """int() and float() read non-ASCII digits: disabled_ranks=٣ switched rank 3 off."""
+    for bad in ("\u0663", '["\u0663"]', "3,\u0663", "+3"):
+        with pytest.raises(ValueError, match="not a rank"):
+            parse_ranks(bad)
+    cfg = DetectorConfig()
+    new, errors = cfg.with_runtime(
+        {"disabled_ranks": "\u0663", "threshold": "\u0661.\u0665", "heartbeat_k": "\u0663"}
+    )
+    assert new == cfg and len(errors) == 3, errors
+    assert parse_ranks(" 3 , 4") == frozenset({3, 4}) and parse_ranks('["5"]') == {5}
+
+
+def test_runtime_errors_name_the_field_once():
+    _, errors = DetectorConfig().with_runtime({"threshold": "-1", "heartbeat_k": "5000"})
+    assert errors == [
+        "threshold: must be in (1, 10] (got -1.0)",
+        "heartbeat_k: must be <= 1000 (got 5000)",
+    ]
+    with pytest.raises(ValueError, match=r"^detector config field 'threshold': must be in"):
+        DetectorConfig(threshold=0.5)
+
+
+K_INPUTS = [
+    *("1", "2", " 7 ", "007", "1000", "1001", "5000", "0", "-1", "-0", "", "abc", "1.0"),
+    *("+5", "1_0", "\u0663", "\uff15", "2\n", "9" * 5000, b"3", b"\xff", "1e3", "0x10"),
+]
+
+
+@pytest.mark.parametrize("raw", K_INPUTS, ids=range(len(K_INPUTS)))
+def test_the_collector_follows_exactly_the_heartbeat_k_the_detector_accepts(raw):
+    """The collector acts on K, the detector validates it: K=5000 was refused by the
+    detector (and `config show` said K=2 was applied) while the collector followed it,
+    and a dead rank went unreported for minutes. The two services cannot import each
+    other, so each keeps the rule; this holds them equal."""
+    from collector.config import MAX_HEARTBEAT_K, parse_heartbeat_k
+    from detector.config import MAX_HEARTBEAT_K as DETECTOR_MAX
+
+    assert MAX_HEARTBEAT_K == DETECTOR_MAX
+    new, errors = DetectorConfig().with_runtime({b"heartbeat_k": raw})
+    try:
+        k = parse_heartbeat_k(raw)
+    except ValueError:
+        k = None
+    assert (k is None) == bool(errors), (k, errors)
+    if k is not None:
+        assert k == new.heartbeat_k
+
+
+def test_the_collector_refuses_a_heartbeat_k_flag_the_detector_would_refuse():
+    from collector.config import CollectorConfig
+
+    with pytest.raises(ValueError, match="heartbeat_k: must be an integer <= 1000"):
+        CollectorConfig(heartbeat_k=5000)
+    assert CollectorConfig(heartbeat_k=1000).heartbeat_k == 1000
+
+
 # -------------------------------------------------------------------- CPD
 def _run(det: OnlineChangeDetector, xs, min_shift=0.0):
     hits = []
