@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from collector.config import CollectorConfig
@@ -74,17 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     from collector.service import CollectorService
     from resihp.bus import register_job
 
-    stop = entry.stop_on_signals()
-    svc = CollectorService(cfg, client)
-    if args.heartbeat_k is not None:  # the hash is followed on every check: the flag goes there
-        try:
+    def announce() -> None:
+        if args.heartbeat_k is not None:  # the hash is followed on every check: the flag goes there
             client.hset(keys.detector_config, "heartbeat_k", cfg.heartbeat_k)
-        except Exception as e:
-            logging.getLogger("collector").warning("could not store --heartbeat-k yet: %s", e)
-    try:
+        # lists the job before its trainer's first beat; after Redis lost its data the
+        # trainer registers the job again
         register_job(client, keys)
-    except Exception as e:  # Redis may come up later; the service retries by itself
-        logging.getLogger("collector").warning("could not register job yet: %s", e)
+
+    stop = entry.stop_on_signals()
+    # a collector started before Redis (or during an outage) waits for it, and one that
+    # Redis refuses (wrong password) says so once and exits 2 instead of retrying forever
+    if not entry.wait_for_redis(announce, "collector", client, stop):
+        return 0
+    svc = CollectorService(cfg, client)
     svc.run(stop)
     return 0
 

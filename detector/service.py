@@ -10,7 +10,8 @@ publishes reports to ``keys.failures`` and keeps ``keys.device_health``
 slow device) current.  Every loop it re-reads the runtime subset of its
 settings from ``keys.detector_config`` and the layout from ``keys.layout``, so
 thresholds, the CPD penalty, heartbeat K and the per-rank off switch change
-without a restart.
+without a restart.  Started while Redis cannot be reached, it waits for it
+(``resihp.entry.wait_for_redis``) and restores what it had published then.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import redis
 
 from detector.config import DetectorConfig
 from detector.engine import Detector
-from resihp import bus
+from resihp import bus, entry
 from resihp.keys import JobKeys
 from resihp.schemas import FailureReport, IterationRecord, LivenessEvent
 from resihp.topology import Layout, LayoutError
@@ -49,13 +50,10 @@ class DetectorService:
         self.client = client
         self.keys = JobKeys(config.job_id)
         self.engine = Detector(self.config)
-        restored = self.engine.restore(self._published_health())
-        if restored:
-            log.info(
-                "detector: %d device(s) were reported slow before this process started; "
-                "their recovery will be reported",
-                restored,
-            )
+        self._restored = False
+        # Redis may not answer yet (started before it, or during an outage): run() then
+        # waits for it; a crash here would spend the launcher's restart budget instead
+        entry.try_redis(self._restore, SERVICE, client)
         name = consumer or f"{SERVICE}-0"
         group = self.keys.group(SERVICE)
         self.live_in = bus.StreamConsumer(
@@ -70,6 +68,16 @@ class DetectorService:
         self._seeded = False
         self.reports_total = 0
         self.config_changes_total = 0
+
+    def _restore(self) -> None:
+        restored = self.engine.restore(self._published_health())
+        self._restored = True
+        if restored:
+            log.info(
+                "detector: %d device(s) were reported slow before this process started; "
+                "their recovery will be reported",
+                restored,
+            )
 
     def _published_health(self) -> dict[int, dict]:
         """``keys.device_health`` as a previous detector process left it."""
@@ -145,6 +153,8 @@ class DetectorService:
     # ---------------------------------------------------------- main step
     def run_once(self) -> int:
         """One bounded step: read what is pending, judge it, publish. Returns messages handled."""
+        if not self._restored:
+            self._restore()
         if not self._seeded:
             self._seed_config()
         self.refresh_config()
@@ -223,6 +233,10 @@ class DetectorService:
         }
 
     def run(self, stop: threading.Event) -> None:
+        if not self._restored and not entry.wait_for_redis(
+            self._restore, SERVICE, self.client, stop
+        ):
+            return
         last_beat = 0.0
         while not stop.is_set():
             try:

@@ -3,8 +3,10 @@
 Each service's ``__main__`` parses its own arguments and then does the same few
 things: set up logging, build its config object (a bad value exits 2 naming the
 setting), answer ``--check-health`` from the service's health key (exit 0/1, for
-compose healthchecks), and run until SIGTERM/SIGINT.  Those steps live here so
-they behave the same in every service.
+compose healthchecks), wait for Redis at start (a service started before its
+Redis, or during an outage, waits instead of crashing; a Redis that refuses its
+password ends it with one line and exit code 2), and run until SIGTERM/SIGINT.
+Those steps live here so they behave the same in every service.
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+#: Seconds between tries while Redis cannot be reached at start: the first wait, doubled
+#: after each failure up to the second, so a long outage costs a try every few seconds.
+REDIS_RETRY_S = (0.5, 5.0)
+#: A service still waiting for Redis says so at most this often (an outage of minutes
+#: is a few lines in its log, not hundreds).
+REDIS_WAIT_LOG_S = 30.0
 
 
 def prog(service: str) -> str:
@@ -91,3 +101,91 @@ def stop_on_signals() -> threading.Event:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     return stop
+
+
+class RedisRefused(SystemExit):
+    """Redis answered but refused this client (wrong or missing password): waiting cannot
+    help.  A SystemExit with code 2, a bad setting, as ``resihp up`` says for the same
+    case: the entry point ends with the one line already said, never with a traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+
+def redis_where(client) -> str:
+    """Where ``client`` connects, without its password (for messages)."""
+    kw = client.connection_pool.connection_kwargs
+    if kw.get("path"):
+        return f"unix://{kw['path']}"
+    scheme = "rediss" if "SSL" in client.connection_pool.connection_class.__name__ else "redis"
+    return f"{scheme}://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+
+
+def _refused(who: str, client, err: Exception) -> RedisRefused:
+    msg = f"{who}: cannot use Redis at {redis_where(client)}: {err}"
+    print(msg, file=sys.stderr, flush=True)
+    return RedisRefused(msg)
+
+
+def _attempt(fn: Callable[[], object], who: str, client) -> Exception | None:
+    """``fn()`` once: None when it ran, else why Redis could not be reached."""
+    import redis
+
+    try:
+        fn()
+    except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
+        raise _refused(who, client, e) from None
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        return e
+    return None
+
+
+def try_redis(fn: Callable[[], object], who: str, client) -> bool:
+    """``fn()`` once: True when it ran, False when Redis could not be reached (the caller
+    waits for it later, with :func:`wait_for_redis`).  A refusal raises RedisRefused."""
+    return _attempt(fn, who, client) is None
+
+
+def wait_for_redis(
+    fn: Callable[[], object],
+    who: str,
+    client,
+    stop: threading.Event | None = None,
+    *,
+    retry_s: tuple[float, float] = REDIS_RETRY_S,
+    log_every_s: float = REDIS_WAIT_LOG_S,
+) -> bool:
+    """``fn()`` (a service's first reads or writes), retried while Redis cannot be reached.
+
+    True once it ran; False when ``stop`` was set first.  A Redis that refuses the
+    client's credentials raises :class:`RedisRefused` at once.
+    """
+    log = logging.getLogger(who)
+    wait_s, max_s = retry_s
+    t0 = time.monotonic()
+    said = -float("inf")
+    failed = False
+    while not (stop is not None and stop.is_set()):
+        err = _attempt(fn, who, client)
+        now = time.monotonic()
+        if err is None:
+            if failed:
+                log.info("%s: Redis at %s answers after %.0f s", who, redis_where(client), now - t0)
+            return True
+        failed = True
+        if now - said >= log_every_s:
+            said = now
+            log.warning(
+                "%s: Redis at %s cannot be reached (%s); waiting for it (%.0f s so far)",
+                who,
+                redis_where(client),
+                err,
+                now - t0,
+            )
+        if stop is not None:
+            stop.wait(wait_s)
+        else:
+            time.sleep(wait_s)
+        wait_s = min(max_s, wait_s * 2)
+    return False

@@ -13,7 +13,9 @@
 * plans with the configured policy (``scheduler.planner`` for ResiHP) and runs
   the plan lifecycle (``scheduler.lifecycle``), persisting every plan snapshot
   to ``keys.plans`` + ``keys.plan_state`` and every action to ``keys.audit``;
-  on restart it reloads plans from ``keys.plan_state``;
+  on restart it reloads plans from ``keys.plan_state`` (waiting for Redis when it
+  cannot be reached yet); plan ids stay above every plan it knows, also after Redis
+  lost its data and ``keys.plan_seq`` with it;
 * picks up runtime settings (mode, grace period, delta) from ``keys.scheduler_config``.
 """
 
@@ -28,7 +30,7 @@ import time
 
 import redis
 
-from resihp import bus
+from resihp import bus, entry
 from resihp.keys import JobKeys
 from resihp.pipeline.models import MODEL_PRESETS
 from resihp.plans import first_layout
@@ -118,11 +120,14 @@ class SchedulerService:
             client, self.keys, self.keys.actions, group, consumer=config.consumer
         )
         self.health = bus.Health(client, self.keys, SERVICE)
-        self.book = PlanBook(next_id=lambda: int(self.client.incr(self.keys.plan_seq)))
-        self.book.load(self._load_plans())
+        self.book = PlanBook(next_id=self._next_plan_id)
         #: rank -> p learned from reports (device_health fills in the rest); kept in Redis
         #: so that a restarted scheduler plans with what its predecessor had learned
-        self.p: dict[int, float] = self._load_speeds()
+        self.p: dict[int, float] = {}
+        self._restored = False
+        # Redis may not answer yet (started before it, or during an outage): run() then
+        # waits for it; a crash here would spend the launcher's restart budget instead
+        entry.try_redis(self._restore, SERVICE, client)
         self.refused_total = 0
         self.plans_total = 0
         self._idle = False
@@ -133,6 +138,30 @@ class SchedulerService:
         self._home: Layout | None = None
 
     # ------------------------------------------------------------ state io
+    def _restore(self) -> None:
+        self.book.load(self._load_plans())
+        self.p = self._load_speeds()
+        self._restored = True
+
+    def _next_plan_id(self) -> int:
+        """The next plan id from ``keys.plan_seq``, always above every plan known here.
+
+        A Redis restarted without its data restarts the sequence at 1; an id issued
+        again would be taken by the trainer for a plan it already applied, and skipped."""
+        pid = int(self.client.incr(self.keys.plan_seq))
+        known = max(self.book.plans, default=0)
+        if pid <= known:
+            # INCRBY, not SET: still one distinct id per caller if another scheduler races
+            pid = int(self.client.incrby(self.keys.plan_seq, known + 1 - pid))
+            log.warning(
+                "plan ids: %s was behind the plans known here (up to %d), lost with "
+                "Redis's data; plan ids go on from %d",
+                self.keys.plan_seq,
+                known,
+                pid,
+            )
+        return pid
+
     def _load_plans(self) -> dict[int, AdaptationPlan]:
         out = {}
         for pid, raw in self.client.hgetall(self.keys.plan_state).items():
@@ -448,6 +477,8 @@ class SchedulerService:
             )
 
     def run_once(self) -> int:
+        if not self._restored:
+            self._restore()
         self._runtime_config()
         handled = 0
         # Operators' actions and the trainer's confirmations first: they were decided on
@@ -533,6 +564,10 @@ class SchedulerService:
         return "manual" if self._idle else "auto"
 
     def run(self, stop: threading.Event) -> None:
+        if not self._restored and not entry.wait_for_redis(
+            self._restore, SERVICE, self.client, stop
+        ):
+            return
         while not stop.is_set():
             try:
                 self.run_once()

@@ -2,24 +2,28 @@
 through the trainer-side producer and follows adaptation plans.
 
 At start it registers the job, writes the initial layout and starts the
-producer.  ``run_once()`` does one step of the simulated cluster: at the
-iteration boundary it first applies the newest acknowledged plan (if any),
-then advances the simulation and replays the step's heartbeats at their
-simulated times divided by ``speed``; chunk rows and micro-batch stats are
-handed over when the iteration ends, as a real trainer does.
+producer; it writes them again when Redis loses them (restarted without its
+data), and marks the job finished when it stops on purpose (all iterations run,
+or a stop signal), so that its silence is not taken for a failure.
+``run_once()`` does one step of the simulated cluster: at the iteration
+boundary it first applies the newest acknowledged plan (if any), then advances
+the simulation and replays the step's heartbeats at their simulated times
+divided by ``speed``; chunk rows and micro-batch stats are handed over when the
+iteration ends, as a real trainer does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
 import numpy as np
 import redis
 
-from resihp.bus import Health, incr_counter, register_job, set_job_state
+from resihp.bus import Health, incr_counter, job_state, register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, write_layout
 from resihp.producer import TelemetryProducer
@@ -95,13 +99,50 @@ class SimTrainer:
         self.health.beat("ok", layout_id=self.sim.layout.layout_id)
         return True
 
-    def close(self) -> None:
+    def _check_registration(self) -> None:
+        """Register the job again when Redis lost it (restarted without its data).
+
+        Without the layout the scheduler refuses every failure report, and without the
+        job set entry and state the job drops out of status and metrics.  One EXISTS per
+        iteration boundary notices it; the layout is written only once it is gone."""
+        if not self._registered:
+            return
+        try:
+            if self.client.exists(self.keys.layout):
+                return
+        except redis.RedisError as e:
+            self.redis_errors_total += 1
+            log.warning("cannot check the job's registration (%s); retrying next boundary", e)
+            return
+        log.warning(
+            "the job's layout is gone from Redis (restarted without its data?): "
+            "registering the job again with layout %d",
+            self.sim.layout.layout_id,
+        )
+        # plans of the lost data are gone with it, and the scheduler's plan ids may
+        # start again at 1: an id applied before must not hide a new plan
+        self.follower.applied.clear()
+        self._registered = False
+        self._register()
+
+    def close(self, stopped: bool = False) -> None:
+        """``stopped``: the run was ended on purpose (a stop signal), not by a crash."""
         self.producer.close()
-        if self.done:
+        if self.done or stopped:
             try:  # ended on purpose: silence is not a failure
-                set_job_state(self.client, self.keys, "finished", iterations=self.sim.iteration)
-            except redis.RedisError:
-                pass
+                if self.done:
+                    set_job_state(self.client, self.keys, "finished", iterations=self.sim.iteration)
+                elif job_state(self.client, self.keys) != "finished":
+                    # `resihp up` marks it before it stops us: its reason is kept
+                    set_job_state(
+                        self.client,
+                        self.keys,
+                        "finished",
+                        iterations=self.sim.iteration,
+                        reason="trainer stopped",
+                    )
+            except redis.RedisError as e:
+                log.warning("could not mark the job finished (%s)", e)
         if self._truth is not None:
             self._truth.close()
             self._truth = None
@@ -220,6 +261,8 @@ class SimTrainer:
         """One step: plans at the boundary, then one iteration (or one hung interval)."""
         if not self.started or not self._registered:
             self.start()
+        else:
+            self._check_registration()
         sent = self._follow_plans(stop) if self._registered else 0
         step = self.sim.step()
         sent += self._emit(step, stop)
@@ -241,12 +284,20 @@ class SimTrainer:
 
     def run(self, stop: threading.Event | None = None) -> int:
         stop = stop or threading.Event()
+        parent = os.getppid()
         self.start()
+        ended = False
         try:
             while not stop.is_set() and not self.done:
                 self.run_once(stop)
+            ended = True
         finally:
-            self.close()
+            # Stopped by a signal (docker compose stop) is as much on purpose as finished:
+            # a job left 'running' would be judged dead on every node and planned for.  A
+            # crash stays 'running', its silence is a failure; so does a stop because the
+            # process that started us died (`resihp up` killed with -9: the kernel's
+            # parent-death signal), which is its crash, not an operator's stop.
+            self.close(stopped=ended and os.getppid() == parent)
         return 0
 
 
