@@ -120,6 +120,7 @@ class CollectorService:
         self.config = config
         self.client = client
         self.keys = JobKeys(config.job_id)
+        self._down_log = bus.ThrottledWarning(log)
         self.consumer = bus.StreamConsumer(
             client,
             self.keys,
@@ -323,7 +324,7 @@ class CollectorService:
                 self._flush_counters()
             return handled
         except _REDIS_DOWN as e:
-            log.warning("collector: redis unavailable (%s); retrying", e)
+            self._down_log.warning("collector: redis unavailable (%s); retrying", e)
             self._mark_outage()
             time.sleep(0.2)
             return 0

@@ -49,6 +49,7 @@ class DetectorService:
         self.override = frozenset(override)
         self.client = client
         self.keys = JobKeys(config.job_id)
+        self._down_log = bus.ThrottledWarning(log)
         self.engine = Detector(self.config)
         self._restored = False
         # Redis may not answer yet (started before it, or during an outage): run() then
@@ -246,5 +247,5 @@ class DetectorService:
                     last_beat = now
                     self.health.beat("ok", **self.health_extra())
             except _REDIS_DOWN as e:
-                log.warning("detector: redis unavailable (%s); retrying", e)
+                self._down_log.warning("detector: redis unavailable (%s); retrying", e)
                 stop.wait(0.2)

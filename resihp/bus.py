@@ -117,6 +117,28 @@ def dead_letter(
     client.hincrby(keys.counters, "deadletter_total", 1)
 
 
+class ThrottledWarning:
+    """A recurring warning (Redis down) said at most once per ``every_s``, with how many
+    were held back: a loop retrying every 0.2 s wrote hundreds of identical lines per
+    minute of outage."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self.log = logger
+        self.every_s = float(every_s)
+        self._said_s = -float("inf")
+        self._held = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._said_s < self.every_s:
+            self._held += 1
+            return
+        if self._held:
+            msg += f" ({self._held} more like it in the last {now - self._said_s:.0f} s)"
+        self.log.warning(msg, *args)
+        self._said_s, self._held = now, 0
+
+
 @dataclass
 class ConsumerStats:
     read_total: int = 0
@@ -147,6 +169,7 @@ class StreamConsumer:
     _claim_next: float = 0.0
     _pending_checked: bool = False
     _pending_cursor: bytes | str = "0"
+    _down_log: ThrottledWarning = field(default_factory=lambda: ThrottledWarning(log))
 
     def ensure_group(self) -> None:
         try:
@@ -194,7 +217,7 @@ class StreamConsumer:
             return self._read(count, block_ms)
         except (redis.ConnectionError, redis.TimeoutError) as e:
             self.stats.reconnects_total += 1
-            log.warning("redis unavailable on %s (%s); will retry", self.stream, e)
+            self._down_log.warning("redis unavailable on %s (%s); will retry", self.stream, e)
             time.sleep(0.2)
             return []
         except redis.ResponseError as e:

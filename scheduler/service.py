@@ -108,6 +108,7 @@ class SchedulerService:
         self.config = config
         self.client = client
         self.keys = JobKeys(config.job_id)
+        self._down_log = bus.ThrottledWarning(log)
         self.policy = get_policy(config.policy)
         self._predictor: Predictor | None = (
             Predictor(config.model, config.seq_len, config.device_mem_gb) if config.model else None
@@ -572,5 +573,5 @@ class SchedulerService:
             try:
                 self.run_once()
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("redis unavailable: %s", e)
+                self._down_log.warning("redis unavailable: %s", e)
                 time.sleep(0.5)

@@ -249,3 +249,22 @@ def test_heartbeat_fast_decode_agrees_with_the_generic_one():
         assert fast == slow, d
         if not isinstance(fast, tuple):
             assert type(fast.wall_time_s) is float
+
+
+def test_a_recurring_warning_is_said_once_per_interval_with_the_count_held_back(caplog):
+    """During an outage each service logged "redis unavailable" every 0.2 s (72 lines in
+    15 s); now once per interval, saying how many it held back."""
+    import logging
+
+    from resihp.bus import ThrottledWarning
+
+    logger = logging.getLogger("resihp.test.throttle")
+    t = ThrottledWarning(logger, every_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="resihp.test.throttle"):
+        for _ in range(30):
+            t.warning("redis unavailable (%s); retrying", "refused")
+        assert [r.getMessage() for r in caplog.records] == ["redis unavailable (refused); retrying"]
+        time.sleep(0.25)
+        t.warning("redis unavailable (%s); retrying", "refused")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and msgs[1].startswith("redis unavailable (refused); retrying (29 more")

@@ -23,7 +23,14 @@ import time
 import numpy as np
 import redis
 
-from resihp.bus import Health, incr_counter, job_state, register_job, set_job_state
+from resihp.bus import (
+    Health,
+    ThrottledWarning,
+    incr_counter,
+    job_state,
+    register_job,
+    set_job_state,
+)
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, write_layout
 from resihp.producer import TelemetryProducer
@@ -49,6 +56,7 @@ class SimTrainer:
         self.cfg = config.validate()
         self.client = client
         self.keys = JobKeys(config.job_id)
+        self._down_log = ThrottledWarning(log)
         if scenario is None and config.scenario:
             scenario = load_scenario(config.scenario)
         self.wall0 = time.time()
@@ -212,7 +220,7 @@ class SimTrainer:
             plans = self.follower.poll()
         except redis.RedisError as e:
             self.redis_errors_total += 1
-            log.warning("plan poll failed (%s); retrying at the next boundary", e)
+            self._down_log.warning("plan poll failed (%s); retrying at the next boundary", e)
             return 0
         sent = 0
         for plan in plans:
