@@ -108,6 +108,9 @@ class FailSlowStats:
     validation_log: list[dict] = field(default_factory=list)
 
 
+#: A group this much slower than its healthy scale in a warm-up iteration runs slow in that
+#: iteration's DAG when the iteration-time offset is learned (below it: noise).
+WARM_SLOW_RATIO = 1.10
 #: A re-warm group at least this much slower than its own speed before the reconfiguration
 #: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.07 (the last
 #: stage's LM head does not scale with its layers), a slow link 2.3, a GPU at 0.6x 1.6.
@@ -408,12 +411,14 @@ class FailSlowDetector:
             for v, slowed in zip(views, slowed_in, strict=True):
                 self.pred.observe(v, exclude=skip, slowed={**slowed, **prior_alone})
             per: dict[Group, list[float]] = {}
+            view_ratios: list[dict[Group, float]] = []
             for v in views:
                 pr = self.pred.predict_compute(v, with_scale=False)
                 cm = v.compute_mask() & np.isfinite(pr) & (pr > 0)
                 ratio = np.full(v.num_chunks, np.nan)
                 ratio[cm] = v.duration_s[cm] / pr[cm]
-                for g, r in _group_medians(v, cm, ratio).items():
+                view_ratios.append(_group_medians(v, cm, ratio))
+                for g, r in view_ratios[-1].items():
                     per.setdefault(g, []).append(r)
             self.pred.scale = {g: float(np.median(x)) for g, x in per.items() if g not in slow}
             # own speed first: with two replicas a peer slowed too (a link failing beside a
@@ -475,12 +480,22 @@ class FailSlowDetector:
             self.rank_mu[r] = float(np.median(xs))
         if it_log:
             self.iter_mu, self.iter_sigma = _robust(it_log, floor)
-        # healthy iteration-time offset (all-reduce, optimizer step, ...)
+        # healthy iteration-time offset (all-reduce, optimizer step, ...): what the DAG
+        # leaves out of each warm-up iteration, the DAG carrying every group slower than
+        # its healthy scale in that iteration as it ran (a GPU slow since, or during, the
+        # warm-up went into the offset: its predicted healthy time read 3.5 s for 1.7 s and
+        # its cost 35 % for 55 %)
         lay = self._dag_layout(views[-1]) if views else None
         if lay is not None:
-            for v in views[-min(len(views), 8) :]:
+            n = min(len(views), 8)
+            for v, ratios in zip(views[-n:], view_ratios[-n:], strict=True):
+                ran_slow = {
+                    g: r / self.pred.scale[g]
+                    for g, r in ratios.items()
+                    if self.pred.scale.get(g, 0) > 0 and r > WARM_SLOW_RATIO * self.pred.scale[g]
+                }
                 try:
-                    cp = self.itp.critical_path_s(lay, self.pred, v)
+                    cp = self.itp.critical_path_s(lay, self.pred, v, ran_slow or None)
                 except (ValueError, IndexError, KeyError):
                     break
                 self.itp.learn_offset(v.iteration_time_s, cp)

@@ -449,3 +449,19 @@ def test_a_slow_group_that_lost_one_member_to_a_replan_is_still_followed():
     assert not [g for g in got if g[0].startswith("fail_slow") and g[2] > 30], got
     rec = [g for g in got if g[0] == "recovery"]
     assert rec and 13 in rec[0][1] and 60 <= rec[0][2] <= 68, got
+
+
+def test_a_gpu_slow_since_inside_the_warm_up_is_costed_against_the_healthy_time():
+    """Rank 5 slows in the 7th of 10 warm-up iterations. The iteration-time offset learned
+    in the warm-up (what the DAG leaves out: optimizer step, ...) took the slowdown in, so
+    the report's predicted healthy time was the slow one and its cost far too small (the
+    dashboard gauge and alert compare with that time)."""
+    slow = "{at_iteration: %d, action: slow_device, rank: 5, severity: medium}"
+    inside = _replay_with_planner([slow % 6], iterations=40)
+    after = _replay_with_planner([slow % 25], iterations=40)
+    (a,) = [r for r in inside if r.kind == "fail_slow_compute"]
+    (b,) = [r for r in after if r.kind == "fail_slow_compute"]
+    assert a.ranks == b.ranks == [5]
+    h_in, h_after = a.evidence["predicted_healthy_s"], b.evidence["predicted_healthy_s"]
+    assert h_in == pytest.approx(h_after, rel=0.08), (h_in, h_after)
+    assert a.evidence["throughput_loss"] == pytest.approx(b.evidence["throughput_loss"], abs=0.06)
