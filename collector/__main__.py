@@ -18,7 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     CollectorConfig.add_arguments(p)
     entry.add_entry_arguments(p, "collector")
     sub = p.add_subparsers(dest="cmd")
-    rec = sub.add_parser("record", help="write the job's telemetry stream as JSON lines")
+    rec = sub.add_parser(
+        "record", help="write the job's telemetry stream as JSON lines", epilog=entry.stack_epilog()
+    )
     rec.add_argument("--out", required=True, help="trace file (JSON lines), '-' for stdout")
     rec.add_argument(
         "--duration", type=float, default=None, help="follow new entries for S seconds"

@@ -55,7 +55,9 @@ def _report_parser() -> argparse.ArgumentParser:
         prog=entry.prog("dashboard") + " report", description="incident reports"
     )
     sub = p.add_subparsers(dest="sub", required=True)
-    ex = sub.add_parser("export", help="write one incident as html, md or json")
+    ex = sub.add_parser(
+        "export", help="write one incident as html, md or json", epilog=entry.stack_epilog()
+    )
     _common(ex)
     ex.add_argument("--incident", required=True, help="incident id (the failure report id)")
     ex.add_argument("--format", choices=["html", "md", "json"], required=True)

@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     cf = sub.add_parser(
         "config",
         help="show or change a running detector's runtime settings (applied without restart)",
+        epilog=entry.stack_epilog(),
     )
     cf.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     cf.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))

@@ -40,6 +40,19 @@ def prog(service: str) -> str:
     return os.environ.get("RESIHP_PROG") or f"python -m {service}"
 
 
+def stack_epilog() -> str | None:
+    """Help text for a subcommand the ``resihp`` command forwards (``record``, ``act``,
+    ``config``, ``report``): the ``--state-dir`` option it takes before forwarding, which
+    the service's own parser never sees."""
+    if not os.environ.get("RESIHP_PROG"):
+        return None
+    return (
+        "--state-dir DIR: the `resihp up` state dir whose running stack gives the default "
+        "Redis URL and job id (default: .resihp); --redis-url / --job-id or REDIS_URL / "
+        "RESIHP_JOB_ID win over it."
+    )
+
+
 def open_output(path: str, who: str):
     """The file a command writes its output to, as a context manager (``-``: stdout, left
     open), or None after saying on stderr why ``path`` cannot be written."""

@@ -79,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibrate the fault-free throughput to this value",
     )
     sim.add_argument("--quiet", action="store_true")
-    act = sub.add_parser("act", help="acknowledge / reject / override a plan from a shell")
+    act = sub.add_parser(
+        "act",
+        help="acknowledge / reject / override a plan from a shell",
+        epilog=entry.stack_epilog(),
+    )
     _common(act)
     act.add_argument("action", choices=["acknowledge", "reject", "override", "set_mode"])
     act.add_argument("--plan-id", type=int, default=None, help="required except for set_mode")

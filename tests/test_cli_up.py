@@ -741,3 +741,16 @@ def test_a_job_run_on_another_stacks_redis_hears_when_it_goes(tmp_path):
     assert "job(s) b still have services on this stack's embedded Redis" in out_a, out_a
     assert b.returncode == 1, b.stdout + b.stderr
     assert "was unreachable at the end" in b.stdout, b.stdout
+
+
+@pytest.mark.parametrize("cmd", [["act"], ["record"], ["config"], ["report", "export"]])
+def test_forwarded_commands_document_the_state_dir_they_take(cmd):
+    """`act`, `record`, `config` and `report` take --state-dir (the resihp command reads it
+    before forwarding), but their --help, the service's own parser, never said so."""
+    out = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", *cmd, "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "--state-dir DIR: the `resihp up` state dir" in " ".join(
+        out.stdout.split()
+    ), out.stdout
