@@ -185,3 +185,14 @@ def test_scenario_cli(tmp_path):
     cmd += ["--every-s", "60", "--horizon-s", "600", "--out", str(gen)]
     assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
     assert len(load_scenario(gen).events) == 4
+
+
+def test_the_scenarios_the_docs_ship_load():
+    from pathlib import Path
+
+    from resihp.scenario import load_scenario
+
+    files = sorted((Path(__file__).resolve().parents[1] / "docs" / "scenarios").glob("*.yaml"))
+    assert files
+    for f in files:
+        assert load_scenario(str(f)).events, f
