@@ -584,6 +584,10 @@ class CollectorService:
         beat, well before K intervals of silence could count as a failure."""
         if now >= self._job_state_next:
             self._job_state_next = now + min(1.0, self.config.heartbeat_interval_s / 2)
+            # A Redis restarted without its data forgot the job: listing it again here
+            # (SADD is idempotent) keeps it in status and metrics whatever trainer runs
+            # it (a telemetry producer lists the job only once).
+            bus.register_job(self.client, self.keys)
             finished = bus.job_state(self.client, self.keys) == "finished"
             if self._finished and not finished:
                 # Running again (a new launch): nobody was expected meanwhile.

@@ -8,7 +8,8 @@ after a restart), hands each batch to the pure :class:`detector.engine.Detector`
 publishes reports to ``keys.failures`` and keeps ``keys.device_health``
 (rank -> JSON {"p", "state", "since"}, plus "kind" - the fail-slow kind - on a
 slow device) current.  Every loop it re-reads the runtime subset of its
-settings from ``keys.detector_config`` and the layout from ``keys.layout``, so
+settings from ``keys.detector_config`` (writing back the settings in use when
+the hash is gone with Redis's data) and the layout from ``keys.layout``, so
 thresholds, the CPD penalty, heartbeat K and the per-rank off switch change
 without a restart.  Started while Redis cannot be reached, it waits for it
 (``resihp.entry.wait_for_redis``) and restores what it had published then.
@@ -110,9 +111,27 @@ class DetectorService:
         pipe.execute()
         self._seeded = True
 
+    def _write_back_config(self) -> None:
+        """The hash is gone (Redis restarted without its data, it is never emptied on
+        purpose): write back the settings this detector runs on, or `resihp config show`
+        shows nothing and the collector falls back to its own heartbeat_k.  HSETNX: a
+        value an operator sets meanwhile wins."""
+        log.warning(
+            "detector: %s is gone from Redis (restarted without its data?): "
+            "writing back the settings in use",
+            self.keys.detector_config,
+        )
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in self.config.runtime_dict().items():
+            pipe.hsetnx(self.keys.detector_config, k, v)
+        pipe.execute()
+
     def refresh_config(self) -> bool:
         """Apply the runtime hash; True when something changed."""
         raw = self.client.hgetall(self.keys.detector_config)
+        if not raw and self._seeded:
+            self._write_back_config()
+            return False
         new, errors = self.config.with_runtime(raw)
         for e in errors:
             if e not in self._config_errors_seen:

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from collector.config import CollectorConfig
+from collector.service import CollectorService
 from detector.config import DetectorConfig
 from detector.service import DetectorService
 from resihp import bus
@@ -162,6 +164,83 @@ def test_sim_trainer_applies_plan_ids_issued_again_by_a_scheduler_restarted_empt
         assert set(latest_plans(r, keys)) == {1}
     finally:
         tr.close()
+
+
+def test_collector_lists_the_job_again_after_redis_loses_its_data(r):
+    keys = JobKeys("clost")
+    cfg = CollectorConfig(job_id="clost", heartbeat_interval_s=0.2, block_ms=5)
+    svc = CollectorService(cfg, r)
+
+    def listed() -> bool:
+        svc.run_once()
+        return bool(r.sismember(JOBS_SET, "clost"))
+
+    assert _wait(listed, 5)
+    r.flushdb()  # whatever trainer runs the job, its producer listed it only once
+    assert _wait(listed, 5)
+    assert bus.job_state(r, keys) is None  # listed, not said to run: that is the trainer's
+
+
+def test_detector_writes_its_settings_back_after_redis_loses_them(r):
+    keys = JobKeys("dlost")
+    det = DetectorService(DetectorConfig(job_id="dlost", block_ms=10), r)
+    det.run_once()
+    r.hset(keys.detector_config, "heartbeat_k", "7")  # `resihp config set`, --heartbeat-k
+    det.run_once()
+    assert det.config.heartbeat_k == 7
+
+    r.flushdb()
+    det.run_once()
+    stored = {k.decode(): v.decode() for k, v in r.hgetall(keys.detector_config).items()}
+    # what it runs on, not its start-up defaults: the collector follows heartbeat_k here
+    assert stored == det.config.runtime_dict() and stored["heartbeat_k"] == "7"
+    assert det.config.heartbeat_k == 7
+    # and the hash is followed again as before
+    r.hset(keys.detector_config, "heartbeat_k", "4")
+    det.run_once()
+    assert det.config.heartbeat_k == 4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torch_trainer_registers_the_job_again_after_redis_loses_its_data(
+    tmp_path, redis_server, r
+):
+    import sysconfig
+    from pathlib import Path
+
+    keys = JobKeys("torchlost")
+    email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a short data scan
+    cmd = [
+        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "100000",
+        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
+        "--microbatches", "2", "--telemetry", "false", "--data-dir", str(email),
+        "--redis-url", redis_server.url, "--job-id", keys.job_id, "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+
+    def registered() -> bool:
+        return (
+            r.exists(keys.layout)
+            and r.sismember(JOBS_SET, keys.job_id)
+            and bus.job_state(r, keys) == "running"
+        )
+
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert _wait(registered, 60), proc.poll()
+        before = read_layout(r, keys).to_dict()
+        r.flushdb()
+        assert _wait(registered, 10), proc.poll()
+        assert read_layout(r, keys).to_dict() == before
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out
+    assert b"registering the job again" in out
 
 
 # ------------------------------------------------------------------ stopping
@@ -333,3 +412,44 @@ def test_a_wrong_password_is_one_line_and_exit_code_2():
             (line,) = [ln for ln in out.stderr.splitlines() if "cannot use Redis" in ln]
             assert line.startswith(f"{name}: cannot use Redis at redis://{srv.host}:"), line
             assert "not-it-42" not in out.stderr
+
+
+def _refusal(stderr: str, srv: EmbeddedRedis) -> str:
+    assert "Traceback" not in stderr, stderr
+    (line,) = [ln for ln in stderr.splitlines() if "cannot use Redis" in ln]
+    assert line.startswith(f"trainer sim: cannot use Redis at redis://{srv.host}:"), line
+    assert "not-it-42" not in stderr
+    return line
+
+
+@pytest.mark.slow
+def test_a_sim_trainer_given_a_wrong_password_exits_2_with_one_line(tmp_path):
+    srv = EmbeddedRedis(password="s3cret")  # port chosen, server not running yet
+    url = f"redis://:not-it-42@{srv.host}:{srv.port}/0"
+    cmd = [sys.executable, "-m", "trainer", "sim", "--redis-url", url, "--job-id", "pw"]
+    cmd += ["--speed", "20", "--microbatches", "2"]
+    try:
+        # Redis down at start: the simulator trains on; once Redis answers and refuses
+        # the password, it ends (it used to warn at every step for ever)
+        log = tmp_path / "sim.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert _wait(lambda: "cannot register the job yet" in log.read_text(), 60)
+            assert proc.poll() is None
+            srv.start()
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 2, log.read_text()
+        _refusal(log.read_text(), srv)
+
+        # Redis refuses it at start: one line, nothing else said, nothing simulated
+        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.splitlines() == [_refusal(out.stderr, srv)]
+        assert not out.stdout
+    finally:
+        srv.cleanup()

@@ -10,6 +10,8 @@ from resihp import entry
 
 from .config import SimConfig
 
+SERVICE = "trainer sim"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -24,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     entry.setup_logging(args.log_level)
-    cfg = entry.load_config("trainer sim", lambda: SimConfig.from_args(args))
+    cfg = entry.load_config(SERVICE, lambda: SimConfig.from_args(args))
     if cfg is None:
         return 2
     if args.check_health:
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from resihp.redis_client import connect
 
     client = connect(cfg.redis_url)
+    # A wrong password is said once (exit 2) before anything starts.  A Redis that
+    # cannot be reached yet is no reason to wait: the simulator trains on, queues its
+    # telemetry and registers the job once Redis answers.
+    entry.try_redis(client.ping, SERVICE, client)
 
     from resihp.scenario import ScenarioError, load_scenario
 
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             tp, dp, pp = cfg.parallel()
             scenario.check(tp * dp * pp + cfg.spare_devices, cfg.devices_per_node)
         except ScenarioError as e:
-            print(f"trainer sim: bad scenario: {e}", file=sys.stderr)
+            print(f"{SERVICE}: bad scenario: {e}", file=sys.stderr)
             return 2
     trainer = SimTrainer(cfg, client, scenario=scenario)
     stop = entry.stop_on_signals()

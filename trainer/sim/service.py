@@ -23,6 +23,7 @@ import time
 import numpy as np
 import redis
 
+from resihp import entry
 from resihp.bus import (
     Health,
     ThrottledWarning,
@@ -84,7 +85,8 @@ class SimTrainer:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the producer and register the job (retried each step while Redis is down)."""
+        """Start the producer and register the job (retried each step while Redis is down;
+        a Redis that refuses the password raises ``resihp.entry.RedisRefused``)."""
         if not self.started:
             self.producer.start()
             self.started = True
@@ -94,18 +96,29 @@ class SimTrainer:
         if self._registered:
             return True
         try:
-            register_job(self.client, self.keys)
-            write_layout(self.client, self.keys, self.sim.layout)
-            set_job_state(self.client, self.keys, "running")
+            # a Redis that refuses our password (down when the CLI tried it) raises
+            # RedisRefused: one line and exit 2, as the other services do, instead of
+            # a warning every step for ever
+            reached = entry.try_redis(self._write_registration, "trainer sim", self.client)
         except redis.RedisError as e:
+            reached, why = False, str(e)
+        else:
+            why = f"Redis at {entry.redis_where(self.client)} cannot be reached"
+        if not reached:
             self.redis_errors_total += 1
-            log.warning(
-                "cannot register the job yet (%s); training goes on, telemetry is queued", e
+            # retried every step: an outage must not be a line per simulated iteration
+            self._down_log.warning(
+                "cannot register the job yet (%s); training goes on, telemetry is queued", why
             )
             return False
         self._registered = True
         self.health.beat("ok", layout_id=self.sim.layout.layout_id)
         return True
+
+    def _write_registration(self) -> None:
+        register_job(self.client, self.keys)
+        write_layout(self.client, self.keys, self.sim.layout)
+        set_job_state(self.client, self.keys, "running")
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data).

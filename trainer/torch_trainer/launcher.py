@@ -17,7 +17,9 @@ generation g+1 without the dead rank:
   single replica, shrink the TP degree of the dead rank's stage.
 Acknowledged plans that arrive while training runs are applied the same way at
 the next iteration boundary.  A plan is confirmed (``confirm_applied``) once
-the first iteration of its generation has completed.
+the first iteration of its generation has completed.  When Redis loses the
+job's data (restarted without persistence) the launcher registers the job
+again: the job set entry, the layout it last published and the state running.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import redis
 import torch.distributed as dist
 
 from resihp import entry
-from resihp.bus import Health, set_job_state
+from resihp.bus import Health, register_job, set_job_state
 from resihp.keys import JobKeys
+from resihp.plans import write_layout
 from resihp.topology import Layout, Migration
 
 from .config import TrainConfig
@@ -195,6 +198,10 @@ class JobLauncher:
         self.events: list[dict] = []
         self.max_layout_id = self.layout.layout_id
         self.state, self.state_since_s = "starting", time.time()
+        # what Redis was last told the job runs: a generation of restarted ranks is
+        # published only after its first iteration, so self.layout may be ahead of it
+        self.published: Layout | None = None
+        self._registration_check_s = 0.0
 
     def _event(self, what: str, **kw) -> None:
         self.events.append({"what": what, "t": time.time(), "generation": self.gen, **kw})
@@ -272,10 +279,9 @@ class JobLauncher:
         if plan is not None:
             self.follower.applied.add(plan.plan_id)
         if publish_now and self.client is not None and self.layout_published:
-            from resihp.plans import write_layout
-
             try:
                 write_layout(self.client, self.keys, layout)
+                self.published = layout
             except redis.RedisError as e:  # confirmed (and written) after its first iteration
                 print(
                     f"[launcher] could not publish layout {layout.layout_id} yet: {e}", flush=True
@@ -319,6 +325,8 @@ class JobLauncher:
                 if time.time() >= next_beat:  # hung, not gone: the key must not expire
                     self._beat("hung")
                     next_beat = time.time() + 1.0
+                # the scheduler plans only for a job whose layout it can read
+                self._check_registration()
                 for p in self.follower.poll():
                     lay = self._plan_layout(p)
                     if lay is not None and ranks <= set(lay.dead):
@@ -356,12 +364,40 @@ class JobLauncher:
             self.store.check([f"timeline/0/groups_rebuilt/{r}"]) for r in members
         ):
             return
-        from resihp.plans import write_layout
-
-        write_layout(self.client, self.keys, self.layout)
-        set_job_state(self.client, self.keys, "running")
+        self.published = self.layout
+        self._register()
         self.layout_published = True
         self._event("layout_published", layout_id=self.layout.layout_id)
+
+    def _register(self) -> None:
+        register_job(self.client, self.keys)
+        write_layout(self.client, self.keys, self.published)
+        set_job_state(self.client, self.keys, "running")
+
+    def _check_registration(self) -> None:
+        """Register the job again when Redis lost it (restarted without its data): without
+        the layout the scheduler refuses every failure report, without the job set entry
+        and state the job drops out of status and metrics.  One EXISTS a second notices."""
+        if self.client is None or not self.layout_published:
+            return
+        now = time.monotonic()
+        if now < self._registration_check_s:
+            return
+        self._registration_check_s = now + 1.0
+        try:
+            if self.client.exists(self.keys.layout):
+                return
+            print(
+                "[launcher] the job's layout is gone from Redis (restarted without its data?): "
+                f"registering the job again with layout {self.published.layout_id}",
+                flush=True,
+            )
+            # the lost plans went with the data and a scheduler restarted empty numbers
+            # its plans from 1 again: an id applied before must not hide a new plan
+            self.follower.applied.clear()
+            self._register()
+        except redis.RedisError:
+            pass  # Redis down: checked again in a second
 
     def _progress(self) -> int:
         key = "progress/iteration"
@@ -401,12 +437,11 @@ class JobLauncher:
                 continue
             self._event("first_iteration_done", of_generation=gen)
             if self.client is not None:
-                from resihp.plans import write_layout
-
                 if plan is not None:
                     self.follower.confirm_applied(plan, layout, comment=f"generation {gen}")
                 else:
                     write_layout(self.client, self.keys, layout)
+                self.published = layout
         self.pending_confirm = still
 
     def _members(self, gen: int) -> list[int]:
@@ -485,6 +520,7 @@ class JobLauncher:
                         continue
                 self._confirm()
                 self._publish_initial_layout()
+                self._check_registration()
                 self._check_rejoin()
                 self._beat("running")
                 if self.follower is not None and time.time() - last_poll > 0.2:
