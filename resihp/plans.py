@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from resihp.bus import publish
+from resihp.bus import publish, register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError, decode_json
 from resihp.topology import Layout
@@ -37,6 +37,16 @@ def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
     pipe.set(keys.layout, raw)
     pipe.xadd(keys.layouts, {"layout": raw}, maxlen=10_000, approximate=True)
     pipe.execute()
+
+
+def register_running(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
+    """A trainer's registration: the job listed, its state ``running``, its layout. The
+    layout goes last: trainers take its presence for "registered" and write all three
+    again when it is gone (Redis restarted without its data), so a registration cut short
+    by an outage is redone, not left without its state."""
+    register_job(client, keys)
+    set_job_state(client, keys, "running")
+    write_layout(client, keys, layout)
 
 
 def layout_history(client: redis.Redis, keys: JobKeys) -> list[tuple[float, dict]]:

@@ -453,3 +453,52 @@ def test_a_sim_trainer_given_a_wrong_password_exits_2_with_one_line(tmp_path):
         assert not out.stdout
     finally:
         srv.cleanup()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_torch_trainer_trains_through_a_redis_outage(tmp_path):
+    """Redis is the monitoring side: the torch launcher polled plans, confirmed them and
+    published its layout with unguarded calls, so a Redis that went down killed the
+    training job with a traceback."""
+    import sysconfig
+    from pathlib import Path
+
+    srv = EmbeddedRedis(appendonly=False).start()
+    keys = JobKeys("torchout")
+    email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a short data scan
+    cmd = [
+        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "100000",
+        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
+        "--microbatches", "2", "--data-dir", str(email),
+        "--redis-url", srv.url, "--job-id", keys.job_id, "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+
+    def iterations() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = srv.client()
+        assert _wait(lambda: client.exists(keys.layout), 60), proc.poll()
+        client.close()
+        srv.stop()  # down, and back without its data
+        n = iterations()
+        assert _wait(lambda: iterations() >= n + 5, 30), "training stopped with Redis"
+        assert proc.poll() is None
+        srv.start()
+        client = srv.client()
+        assert _wait(lambda: client.exists(keys.layout), 20), proc.poll()  # registered again
+        # the layout is written last: present, the registration is whole
+        assert bus.job_state(client, keys) == "running" and client.sismember(JOBS_SET, "torchout")
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        srv.cleanup()
+    assert proc.returncode == 143, out
+    assert b"Traceback" not in out, out

@@ -29,11 +29,10 @@ from resihp.bus import (
     ThrottledWarning,
     incr_counter,
     job_state,
-    register_job,
     set_job_state,
 )
 from resihp.keys import JobKeys
-from resihp.plans import PlanFollower, write_layout
+from resihp.plans import PlanFollower, register_running
 from resihp.producer import TelemetryProducer
 from resihp.scenario import Scenario, load_scenario
 from resihp.topology import Layout, LayoutError
@@ -116,9 +115,7 @@ class SimTrainer:
         return True
 
     def _write_registration(self) -> None:
-        register_job(self.client, self.keys)
-        write_layout(self.client, self.keys, self.sim.layout)
-        set_job_state(self.client, self.keys, "running")
+        register_running(self.client, self.keys, self.sim.layout)
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data).

@@ -25,6 +25,7 @@ again: the job set entry, the layout it last published and the state running.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -35,9 +36,9 @@ import redis
 import torch.distributed as dist
 
 from resihp import entry
-from resihp.bus import Health, register_job, set_job_state
+from resihp.bus import Health, ThrottledWarning, set_job_state
 from resihp.keys import JobKeys
-from resihp.plans import write_layout
+from resihp.plans import register_running, write_layout
 from resihp.topology import Layout, Migration
 
 from .config import TrainConfig
@@ -202,6 +203,11 @@ class JobLauncher:
         # published only after its first iteration, so self.layout may be ahead of it
         self.published: Layout | None = None
         self._registration_check_s = 0.0
+        # Redis is the monitoring side: its outage must never stop training, so every
+        # call to it here is retried later and said at most every 10 s
+        self._redis_warn = ThrottledWarning(logging.getLogger("trainer.torch.launcher"))
+        self._skip_prior_plans = False
+        self._done_gens: set[int] = set()
 
     def _event(self, what: str, **kw) -> None:
         self.events.append({"what": what, "t": time.time(), "generation": self.gen, **kw})
@@ -231,10 +237,27 @@ class JobLauncher:
         self.keys = JobKeys(self.cfg.job_id)
         self.follower = PlanFollower(self.client, self.keys)
         self.health = Health(self.client, self.keys, "trainer")
-        # Plans acknowledged before this job started are not ours to apply.
-        for p in self.follower.poll():
-            self.follower.applied.add(p.plan_id)
         self.layout_published = False  # published once every rank is up and heart-beating
+        # a refused password ends the run with one line (exit 2); an unreachable Redis
+        # does not: training starts, and the monitoring catches up when Redis answers
+        entry.try_redis(self.client.ping, "trainer torch", self.client)
+        # Plans acknowledged before this job started are not ours to apply.
+        self._skip_prior_plans = True
+        self._poll_plans()
+
+    def _poll_plans(self) -> list:
+        """Acknowledged plans not applied yet; none while Redis cannot be read."""
+        try:
+            plans = self.follower.poll()
+        except redis.RedisError as e:
+            self._redis_warn.warning("[launcher] cannot read plans (%s); retrying", e)
+            return []
+        if self._skip_prior_plans:
+            self._skip_prior_plans = False
+            for p in plans:
+                self.follower.applied.add(p.plan_id)
+            return []
+        return plans
 
     def _plan_layout(self, plan) -> Layout | None:
         try:
@@ -327,7 +350,7 @@ class JobLauncher:
                     next_beat = time.time() + 1.0
                 # the scheduler plans only for a job whose layout it can read
                 self._check_registration()
-                for p in self.follower.poll():
+                for p in self._poll_plans():
                     lay = self._plan_layout(p)
                     if lay is not None and ranks <= set(lay.dead):
                         chosen, plan = lay, p
@@ -364,15 +387,17 @@ class JobLauncher:
             self.store.check([f"timeline/0/groups_rebuilt/{r}"]) for r in members
         ):
             return
+        try:
+            self._register(self.layout)
+        except redis.RedisError as e:
+            self._redis_warn.warning("[launcher] cannot publish the layout yet (%s); retrying", e)
+            return
         self.published = self.layout
-        self._register()
         self.layout_published = True
         self._event("layout_published", layout_id=self.layout.layout_id)
 
-    def _register(self) -> None:
-        register_job(self.client, self.keys)
-        write_layout(self.client, self.keys, self.published)
-        set_job_state(self.client, self.keys, "running")
+    def _register(self, layout: Layout) -> None:
+        register_running(self.client, self.keys, layout)
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data): without
@@ -395,7 +420,7 @@ class JobLauncher:
             # the lost plans went with the data and a scheduler restarted empty numbers
             # its plans from 1 again: an id applied before must not hide a new plan
             self.follower.applied.clear()
-            self._register()
+            self._register(self.published)
         except redis.RedisError:
             pass  # Redis down: checked again in a second
 
@@ -435,12 +460,21 @@ class JobLauncher:
             if not done:
                 still.append((gen, plan, layout))
                 continue
-            self._event("first_iteration_done", of_generation=gen)
+            if gen not in self._done_gens:  # when it happened, whenever Redis hears of it
+                self._done_gens.add(gen)
+                self._event("first_iteration_done", of_generation=gen)
             if self.client is not None:
-                if plan is not None:
-                    self.follower.confirm_applied(plan, layout, comment=f"generation {gen}")
-                else:
-                    write_layout(self.client, self.keys, layout)
+                try:
+                    if plan is not None:
+                        self.follower.confirm_applied(plan, layout, comment=f"generation {gen}")
+                    else:
+                        write_layout(self.client, self.keys, layout)
+                except redis.RedisError as e:
+                    self._redis_warn.warning(
+                        "[launcher] cannot confirm generation %d yet (%s); retrying", gen, e
+                    )
+                    still.append((gen, plan, layout))  # trains on; told once Redis answers
+                    continue
                 self.published = layout
         self.pending_confirm = still
 
@@ -525,7 +559,7 @@ class JobLauncher:
                 self._beat("running")
                 if self.follower is not None and time.time() - last_poll > 0.2:
                     last_poll = time.time()
-                    for plan in self.follower.poll():
+                    for plan in self._poll_plans():
                         lay = self._plan_layout(plan)
                         if lay is not None:
                             self._new_generation(lay, f"plan {plan.plan_id}", plan, boundary=True)
