@@ -293,6 +293,32 @@ class FailSlowDetector:
     def slow_groups(self) -> set[Group]:
         return {s.group for s in self.slow.values() if s.group is not None}
 
+    def _peer_scale_moves(self, slow: set[Group]) -> dict[Group, float]:
+        """Per known-slow group, how the scales of its stage's healthy peers moved from the
+        fit before the reconfiguration to this one (median ratio), counting only peers that
+        kept their devices; groups without such a peer are left out."""
+        if self._prior is None or not self._prior_groups:
+            return {}
+        prior, old_layers = self._prior
+        new_layers = self._layers_of.get(self._layout_id)
+        if not new_layers or len(old_layers) != len(new_layers):
+            return {}
+        out: dict[Group, float] = {}
+        for g in slow:
+            moves = [
+                self.pred.scale[h] / prior.scale[h]
+                for h, ranks in self.group_ranks.items()
+                if h[1] == g[1]
+                and h not in slow
+                and h in self.pred.scale
+                and prior.scale.get(h, 0) > 0
+                and ranks
+                and sorted(ranks) == sorted(self._prior_groups.get(h) or [])
+            ]
+            if moves:
+                out[g] = float(np.median(moves))
+        return out
+
     def disabled_groups(self) -> set[Group]:
         """Groups holding a rank the operator switched off.
 
@@ -436,6 +462,13 @@ class FailSlowDetector:
             for g, ref in outliers.items():
                 self.pred.scale[g] = ref
             self.pred.scale.update(keep_scale)
+            # A known-slow group's scale was relative to the old fit: moved as its healthy
+            # peers' scales moved from that fit to this one (a first warm-up that took a
+            # slowdown starting inside it was inflated; kept as it was, the recovered
+            # device read 1.5x its prediction after a replan and never recovered)
+            for g, moved in self._peer_scale_moves(slow).items():
+                if g in keep_scale and g not in solo:
+                    self.pred.scale[g] = keep_scale[g] * moved
         self._warm_outliers = set(outliers)
         self._warm_prior = set(prior_out)
         # residual noise per group / link / rank, and the iteration-time series

@@ -465,3 +465,57 @@ def test_a_gpu_slow_since_inside_the_warm_up_is_costed_against_the_healthy_time(
     h_in, h_after = a.evidence["predicted_healthy_s"], b.evidence["predicted_healthy_s"]
     assert h_in == pytest.approx(h_after, rel=0.08), (h_in, h_after)
     assert a.evidence["throughput_loss"] == pytest.approx(b.evidence["throughput_loss"], abs=0.06)
+
+
+def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
+    """Rank 5 slows inside the warm-up (so the first fit is inflated by it), an override
+    keeps it in service and moves layers, then it recovers. Its scale was kept from the old
+    fit across the re-warm: back to full speed it read 1.5x its prediction and was never
+    reported recovered (800 iterations live)."""
+    from detector.config import DetectorConfig
+    from detector.replay import TraceReplayer
+    from resihp.scenario import parse_scenario
+    from resihp.schemas import ChunkBatch
+    from scheduler.planner import PlanOptions, plan
+    from scheduler.predict import Predictor
+    from trainer.sim.config import SimConfig
+    from trainer.sim.core import ClusterSim
+
+    cfg = SimConfig(
+        model="llama2-7b", seq_len=4096, microbatches=8, schedule="1f1b", speed=0.0,
+        iterations=90, seed=5, noise=0.03, heartbeat_interval_s=1.0,
+    )  # fmt: skip
+    events = [
+        "{at_iteration: 15, action: slow_device, rank: 5, severity: medium}",
+        "{at_iteration: 60, action: recover, rank: 5}",
+    ]
+    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
+    rp = TraceReplayer(DetectorConfig(), layout=cfg.initial_layout())
+    pred = Predictor(cfg.model, cfg.seq_len, 80.0)
+
+    def feed(st):
+        out = []
+        for h in st.heartbeat_messages():
+            out += rp.feed(h, h.wall_time_s + 0.003)
+        if len(st.chunk_rows):
+            t_end = float(st.chunk_rows["end_s"].max()) + 0.003
+            for m in st.mb_stats_messages():
+                out += rp.feed(m, t_end)
+            out += rp.feed(ChunkBatch(st.chunk_rows), t_end)
+        return out
+
+    reports, kept = [], None
+    while sim.iteration < cfg.iterations:
+        reports += feed(sim.step())
+        if kept is None and sim.iteration >= 35:
+            p = {r: h["p"] for r, h in rp.detector.health.items()}
+            kept = plan(sim.layout, p, pred, PlanOptions(keep=(5,), dp=False)).after
+            assert 5 in kept.active_ranks() and kept.layers != sim.layout.layers
+            reports += feed(sim.apply_layout(kept))
+            rp.set_layout(kept)
+    reports += rp.finish()
+    got = [(r.kind, r.ranks, r.iteration) for r in reports]
+    assert got[0][:2] == ("fail_slow_compute", [5]), got
+    rec = [g for g in got if g[0] == "recovery"]
+    assert rec and rec[0][1] == [5] and 60 <= rec[0][2] <= 66, got
+    assert rp.detector.health[5]["state"] == "healthy"
