@@ -37,6 +37,20 @@ from trainer.sim.core import ClusterSim
 AT = 30
 
 
+def feed_step(rp: TraceReplayer, st) -> list:
+    """One simulator step through the offline detector as the collector would see it:
+    heartbeats, then the iteration's stats and rows a few ms after it ends."""
+    out = []
+    for h in st.heartbeat_messages():
+        out += rp.feed(h, h.wall_time_s + 0.003)
+    if len(st.chunk_rows):
+        t_end = float(st.chunk_rows["end_s"].max()) + 0.003
+        for m in st.mb_stats_messages():
+            out += rp.feed(m, t_end)
+        out += rp.feed(ChunkBatch(st.chunk_rows), t_end)
+    return out
+
+
 def run(model: str, events: list[str], iterations: int = 75, seed: int = 5):
     """Reports of one simulated job; the planner applies a plan 4 steps into a hang."""
     cfg = SimConfig(
@@ -49,15 +63,7 @@ def run(model: str, events: list[str], iterations: int = 75, seed: int = 5):
     reports, hung, steps, standby = [], 0, 0, set()
 
     def feed(st):
-        out = []
-        for h in st.heartbeat_messages():
-            out += rp.feed(h, h.wall_time_s + 0.003)
-        if len(st.chunk_rows):
-            t_end = float(st.chunk_rows["end_s"].max()) + 0.003
-            for m in st.mb_stats_messages():
-                out += rp.feed(m, t_end)
-            out += rp.feed(ChunkBatch(st.chunk_rows), t_end)
-        return out
+        return feed_step(rp, st)
 
     while sim.iteration < iterations and steps < 400:
         st = sim.step()

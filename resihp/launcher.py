@@ -309,6 +309,25 @@ def other_jobs_served(client, job_id: str) -> list[str]:
     return out
 
 
+def _stop_embedded(embedded: EmbeddedRedis, url: str, job_id: str) -> None:
+    """Stop this stack's embedded Redis, saying so when other jobs' services still use it."""
+    others: list[str] = []
+    _with_redis(
+        url,
+        lambda cl: others.extend(other_jobs_served(cl, job_id)),
+        "check for other jobs on the embedded Redis",
+    )
+    if others:
+        print(
+            f"resihp: job(s) {', '.join(others)} still have services on this stack's "
+            "embedded Redis and lose it now (a job that outlives this stack needs "
+            "its own Redis: --redis-url)",
+            file=sys.stderr,
+            flush=True,
+        )
+    embedded.stop()
+
+
 def mark_stopped(client, job_id: str) -> None:
     """The stack was stopped on purpose: the trainer's silence from now on is not a failure.
 
@@ -519,21 +538,7 @@ def _run_stack(args, stop: threading.Event) -> int:
             client.close()
     except Exception as e:  # noqa: BLE001 - a job or a Redis we cannot use stops here, with the reason
         if embedded is not None:
-            others: list[str] = []
-            _with_redis(
-                url,
-                lambda cl: others.extend(other_jobs_served(cl, args.job_id)),
-                "check for other jobs on the embedded Redis",
-            )
-            if others:
-                print(
-                    f"resihp: job(s) {', '.join(others)} still have services on this stack's "
-                    "embedded Redis and lose it now (a job that outlives this stack needs "
-                    "its own Redis: --redis-url)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            embedded.stop()
+            _stop_embedded(embedded, url, args.job_id)
         stack_file.unlink(missing_ok=True)
         why = str(e) if isinstance(e, JobInUse) else f"cannot use Redis at {redact(url)}: {e}"
         print(f"resihp up: {why}", file=sys.stderr)
@@ -647,21 +652,7 @@ def _run_stack(args, stop: threading.Event) -> int:
                 "clear the stopped services' health keys",
             )
         if embedded is not None:
-            others: list[str] = []
-            _with_redis(
-                url,
-                lambda cl: others.extend(other_jobs_served(cl, args.job_id)),
-                "check for other jobs on the embedded Redis",
-            )
-            if others:
-                print(
-                    f"resihp: job(s) {', '.join(others)} still have services on this stack's "
-                    "embedded Redis and lose it now (a job that outlives this stack needs "
-                    "its own Redis: --redis-url)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            embedded.stop()
+            _stop_embedded(embedded, url, args.job_id)
         stack_file.unlink(missing_ok=True)
     print("resihp: stopped", flush=True)
     if redis_lost:

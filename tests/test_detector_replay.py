@@ -284,6 +284,11 @@ def _replay_with_planner(events: list[str], iterations: int = 75, seed: int = 5)
     """The simulator through the offline detector, with the planner applying a plan once the
     job hangs on a fail-stop (what the scheduler and trainer do live): the harness of
     bench/compound.py, on qwen2.5-7b (TP4 PP2 DP2)."""
+    return _compound().run("qwen2.5-7b", events, iterations, seed)[0]
+
+
+def _compound():
+    """bench/compound.py, whose simulator-through-detector harness the tests share."""
     import importlib.util
     from pathlib import Path
 
@@ -291,7 +296,7 @@ def _replay_with_planner(events: list[str], iterations: int = 75, seed: int = 5)
     spec = importlib.util.spec_from_file_location("bench_compound", path)
     compound = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compound)
-    return compound.run("qwen2.5-7b", events, iterations, seed)[0]
+    return compound
 
 
 def test_a_link_that_fails_with_a_fail_stop_is_found_after_the_reconfiguration():
@@ -475,7 +480,6 @@ def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
     from detector.config import DetectorConfig
     from detector.replay import TraceReplayer
     from resihp.scenario import parse_scenario
-    from resihp.schemas import ChunkBatch
     from scheduler.planner import PlanOptions, plan
     from scheduler.predict import Predictor
     from trainer.sim.config import SimConfig
@@ -493,16 +497,10 @@ def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
     rp = TraceReplayer(DetectorConfig(), layout=cfg.initial_layout())
     pred = Predictor(cfg.model, cfg.seq_len, 80.0)
 
+    feed_step = _compound().feed_step
+
     def feed(st):
-        out = []
-        for h in st.heartbeat_messages():
-            out += rp.feed(h, h.wall_time_s + 0.003)
-        if len(st.chunk_rows):
-            t_end = float(st.chunk_rows["end_s"].max()) + 0.003
-            for m in st.mb_stats_messages():
-                out += rp.feed(m, t_end)
-            out += rp.feed(ChunkBatch(st.chunk_rows), t_end)
-        return out
+        return feed_step(rp, st)
 
     reports, kept = [], None
     while sim.iteration < cfg.iterations:
