@@ -53,9 +53,10 @@ body{font-family:system-ui,-apple-system,sans-serif;margin:0;background:#f6f7f9;
 .banner-error{background:#fde2e1;color:#8a1c1c}.banner-ok{background:#e3f6e5;color:#1c5e20}
 .banner-info{background:#e7f0fb;color:#1c3f6e}.banner-warn{background:#fff3cd;color:#6b4e00}
 .panel{background:#fff;border-radius:6px;padding:10px;margin-bottom:12px;box-shadow:0 1px 2px rgba(0,0,0,.1)}
-.row{display:flex;gap:12px;flex-wrap:wrap}.col{flex:1;min-width:380px}
+.row{display:flex;gap:12px;flex-wrap:wrap}.col{flex:1;min-width:min(380px,100%)}
 button{cursor:pointer;padding:4px 10px;margin-right:6px}
-table.simple{border-collapse:collapse}table.simple td,table.simple th{border:1px solid #ddd;padding:3px 8px;font-size:13px}
+table.simple{border-collapse:collapse;display:block;max-width:100%;overflow-x:auto}table.simple td,table.simple th{border:1px solid #ddd;padding:3px 8px;font-size:13px}
+.dash-table-container{max-width:100%;overflow-x:auto}
 tr.changed td{background:#fff3cd}
 table.facts th{text-align:left;padding:2px 14px 2px 0;font-size:13px;color:#555;white-space:nowrap;vertical-align:top}table.facts td{font-size:13px;padding:2px 0}
 pre{background:#f7f7f7;padding:8px;overflow:auto;max-height:360px;font-size:12px}

@@ -157,6 +157,7 @@ class _JobCache:
     layouts: _StreamTail = field(default_factory=_StreamTail)
     iteration_ids: dict[int, str] = field(default_factory=dict)
     records: dict[tuple[str, int | None], dict | None] = field(default_factory=dict)
+    past_layouts: dict[str, tuple[Layout | None]] = field(default_factory=dict)
     hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
     #: the job's JOB_EPOCHS value this cache was filled under, and when it was checked
     epoch: bytes | None = None
@@ -472,6 +473,42 @@ class DashboardData:
 
         with c.lock:
             return self._tail(keys.layouts, c.layouts, 2000, parse)
+
+    def past_layout(self, job_id: str, layout_id: int, at_s: float | None = None) -> Layout | None:
+        """Layout ``layout_id`` as the layout history holds it: the last entry with that id
+        written at or before ``at_s`` (an iteration's publish time), else its first entry;
+        None when the history lacks it or it does not parse.
+
+        A past iteration ran under the layout of its ``layout_id``, not today's: after a
+        replan the ranks that ran it may be standby or elsewhere.  The id is matched with
+        the time because a trainer that restarts or recovers on its own can write an id
+        again; the parsed layout is cached per entry (a 16k-GPU one takes tens of ms)."""
+        hist = self.layouts(job_id)
+        rows = [h for h in hist if h["layout_id"] == int(layout_id)]
+        if not rows:
+            return None
+        before = [h for h in rows if at_s is None or h["at_s"] <= at_s]
+        eid = (before[-1] if before else rows[0])["entry_id"]
+        if eid == hist[-1]["entry_id"]:
+            cur = self.layout(job_id)  # the newest entry is the current layout, parsed already
+            if cur is not None and cur.layout_id == int(layout_id):
+                return cur
+        c = self._cache(job_id)
+        with c.lock:
+            hit = c.past_layouts.get(eid)
+        if hit is not None:
+            return hit[0]
+        entries = self.client.xrange(JobKeys(job_id).layouts, min=eid, max=eid)
+        raw = entries[0][1].get(b"layout", entries[0][1].get("layout")) if entries else None
+        try:
+            lay = Layout.from_json(raw) if raw else None
+        except LayoutError:
+            lay = None
+        with c.lock:
+            c.past_layouts[eid] = (lay,)
+            while len(c.past_layouts) > 8:
+                c.past_layouts.pop(next(iter(c.past_layouts)))
+        return lay
 
     def layout(self, job_id: str) -> Layout | None:
         """The current layout; parsed and validated once per distinct value (16k-GPU layouts

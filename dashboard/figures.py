@@ -100,6 +100,25 @@ def _vertical_lines(fig: go.Figure, marks: list[tuple[Any, str, str, str | None]
         fig.update_layout(shapes=shapes, annotations=notes or None)
 
 
+#: A wall-clock gap between two iterations longer than STALL_FACTOR times the median gap
+#: and than STALL_MIN_S is a stall, drawn as a break in the throughput line.
+STALL_FACTOR = 5.0
+STALL_MIN_S = 10.0
+
+
+def stall_breaks(ends_s: list[float]) -> list[int]:
+    """Indices ``i`` where the job stood still between iterations ``i - 1`` and ``i``.
+
+    The median gap is the job's own pace (one slow iteration does not move it); the
+    floor keeps a pause of a few seconds in a fast job (a checkpoint, a replan) a line."""
+    if len(ends_s) < 3:
+        return []
+    gaps = np.diff(np.asarray(ends_s, dtype=float))
+    usual = float(np.median(gaps[gaps > 0])) if (gaps > 0).any() else 0.0
+    limit = max(STALL_FACTOR * usual, STALL_MIN_S)
+    return (np.flatnonzero(gaps > limit) + 1).tolist()
+
+
 def throughput_figure(
     rows: list[dict[str, Any]],
     failures: list[FailureReport] = (),
@@ -109,15 +128,18 @@ def throughput_figure(
     """samples/s over wall time; failures and recovery phases as vertical markers."""
     if not rows:
         return empty_figure("no iterations yet")
-    x = [_ts(wall_end(r)) for r in rows]
+    ends = [wall_end(r) for r in rows]
+    # A hang (a dead device, no plan yet) publishes nothing: joined across it, the line
+    # would ramp smoothly from the last rate before it to the first after it.
+    breaks = stall_breaks(ends)
     fig = go.Figure(
         go.Scatter(
-            x=x,
-            y=[r["samples_per_s"] for r in rows],
+            x=_gapped([_ts(t) for t in ends], breaks),
+            y=_gapped([r["samples_per_s"] for r in rows], breaks),
             mode="lines",
             name="samples/s",
             line={"color": "#4C78A8"},
-            customdata=[r["iteration"] for r in rows],
+            customdata=_gapped([r["iteration"] for r in rows], breaks),
             hovertemplate="iteration %{customdata}<br>%{y:.2f} samples/s<extra></extra>",
         )
     )
@@ -521,19 +543,67 @@ class SkewGrid:
         return sum(len(r) for r in self.z)
 
 
+def layout_since_s(layouts: list[dict[str, Any]], layout_id: int | None) -> float | None:
+    """When the current layout was written (wall time), from the layout history
+    (``DashboardData.layouts``): the first of the newest entries that hold that placement,
+    since a trainer that registers again writes the same layout again.  None when the
+    history is empty or its newest entry is another layout."""
+    if not layouts or layout_id is None or layouts[-1].get("layout_id") != layout_id:
+        return None
+    key, since = layouts[-1].get("key"), layouts[-1].get("at_s")
+    for h in reversed(layouts):
+        if h.get("layout_id") != layout_id or h.get("key") != key:
+            break
+        since = h.get("at_s")
+    return since if isinstance(since, int | float) else None
+
+
+def rejoined_ranks(
+    dead: list[int], device_health: dict[Any, dict[str, Any]], since_s: float | None
+) -> set[int]:
+    """Ranks the layout lists dead that the detector has judged alive after the layout was
+    written (``since_s``): a re-joined device no plan has put back to work yet, so idle
+    (standby), not dead.  Only a verdict newer than the layout counts: one from before it,
+    one without a time, or no layout time at all leaves the rank dead."""
+    if since_s is None or not device_health:
+        return set()
+    out = set()
+    for r in dead:
+        h = device_health.get(r, device_health.get(str(r)))
+        if not isinstance(h, dict) or h.get("state") in ("dead", None):
+            continue
+        p, t = h.get("p"), h.get("since")
+        if (
+            isinstance(p, int | float)
+            and p > 0
+            and isinstance(t, int | float)
+            and not isinstance(t, bool)
+            and t > since_s
+        ):
+            out.add(int(r))
+    return out
+
+
 def device_arrays(
     world_size: int,
     device_health: dict[int, dict[str, Any]],
     dead: list[int] = (),
     standby: list[int] = (),
     active: list[int] | None = None,
+    layout_since_s: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(p per rank with NaN = unknown, state code per rank: 0 active, 1 dead, 2 standby).
 
     ``active``: ranks assumed healthy (p = 1) unless reported otherwise.  The detector
     writes the devices it has judged; once it reports anything, a working rank it has not
-    flagged is healthy, not unknown.
+    flagged is healthy, not unknown.  ``layout_since_s``: when the layout giving ``dead``
+    was written; a rank the detector saw re-join after that is standby
+    (:func:`rejoined_ranks`).
     """
+    back = rejoined_ranks(dead, device_health, layout_since_s)
+    if back:
+        dead = [r for r in dead if r not in back]
+        standby = [*standby, *sorted(back)]
     p = np.full(world_size, np.nan)
     if active is not None and device_health:
         ids = np.asarray([r for r in active if 0 <= r < world_size], dtype=np.int64)
@@ -1010,6 +1080,12 @@ def _short(ranks: list[int], n: int = 16) -> str:
     return (", ".join(map(str, ranks[:n])) + (" ..." if len(ranks) > n else "")) or "-"
 
 
+def predicted_text(v: float) -> str:
+    """A plan's predicted iteration time in words: the planner writes -1 for a layout that
+    cannot run (it holds a dead device)."""
+    return "cannot run" if v < 0 else f"{v:.3f} s"
+
+
 def plan_layers_figure(
     before: dict[str, Any], after: dict[str, Any], predicted: tuple[float, float]
 ) -> go.Figure:
@@ -1018,25 +1094,40 @@ def plan_layers_figure(
         rows=1,
         cols=2,
         column_widths=[0.7, 0.3],
-        subplot_titles=["layers per stage", "predicted iteration time (s)"],
+        # two lines: on a phone-wide page the second title is wider than its column
+        subplot_titles=["layers per stage", "predicted<br>iteration time (s)"],
     )
+    fig.update_annotations(font_size=12)
     xs = [f"s{s}" for s in range(max(len(lb), len(la)))]
     fig.add_trace(go.Bar(x=xs, y=lb, name="before", marker_color="#9D9D9D"), row=1, col=1)
     fig.add_trace(go.Bar(x=xs, y=la, name="after", marker_color="#4C78A8"), row=1, col=1)
+    # -1 is the planner's "cannot run": a bar at -1 reads as a time; no bar, and say so.
     fig.add_trace(
         go.Bar(
             x=["before", "after"],
-            y=list(predicted),
+            y=[v if v >= 0 else None for v in predicted],
             marker_color=["#9D9D9D", "#4C78A8"],
             showlegend=False,
         ),
         row=1,
         col=2,
     )
+    for name, v in zip(("before", "after"), predicted, strict=True):
+        if v < 0:
+            fig.add_annotation(
+                x=name,
+                y=0,
+                text="cannot run",
+                showarrow=False,
+                yanchor="bottom",
+                textangle=-90,
+                row=1,
+                col=2,
+            )
     fig.update_layout(
         template=PLOT_TEMPLATE,
-        height=260,
+        height=270,
         barmode="group",
-        margin={"l": 40, "r": 20, "t": 40, "b": 40},
+        margin={"l": 40, "r": 20, "t": 50, "b": 40},
     )
     return fig

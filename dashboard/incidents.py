@@ -163,11 +163,6 @@ def _fmt_s(v: float | None) -> str:
     return "" if v is None else f"{v:.3f} s"
 
 
-def _fmt_predicted(v: float) -> str:
-    # The planner writes -1 for a layout that cannot run (it holds a dead device).
-    return "cannot run" if v < 0 else f"{v:.3f} s"
-
-
 def _as_int(v: Any) -> int | None:
     try:
         return int(v)
@@ -849,8 +844,8 @@ def _answering_plan(inc: Incident) -> tuple[AdaptationPlan | None, str]:
 
 def _predicted(plan: AdaptationPlan) -> str:
     return (
-        f"Predicted iteration time {_fmt_predicted(plan.predicted_before_s)} -> "
-        f"{_fmt_predicted(plan.predicted_after_s)}."
+        f"Predicted iteration time {figures.predicted_text(plan.predicted_before_s)} -> "
+        f"{figures.predicted_text(plan.predicted_after_s)}."
     )
 
 

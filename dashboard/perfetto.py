@@ -20,17 +20,22 @@ from resihp.topology import Layout
 
 
 def _rank_map(record: dict[str, Any], layout: Layout | None) -> dict[tuple[int, int], list[int]]:
-    """(dp, stage) -> ranks of that TP group."""
-    out: dict[tuple[int, int], list[int]] = defaultdict(list)
-    if layout is not None:
-        for d, stages in enumerate(layout.groups):
-            for s, grp in enumerate(stages):
-                out[(d, s)] = list(grp)
-        return out
+    """(dp, stage) -> ranks of that TP group: the layout's, unless a rank the record says
+    ran a (dp, stage) is not in that group there (not the record's layout: the page fell
+    back to the current one); then the record's own per-rank columns."""
+    reported: dict[tuple[int, int], list[int]] = defaultdict(list)
     rk = record.get("ranks") or {}
     for r, d, s in zip(rk.get("rank", []), rk.get("dp", []), rk.get("stage", []), strict=False):
-        out[(int(d), int(s))].append(int(r))
-    return out
+        reported[(int(d), int(s))].append(int(r))
+    if layout is None:
+        return reported
+    out: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for d, stages in enumerate(layout.groups):
+        for s, grp in enumerate(stages):
+            out[(d, s)] = list(grp)
+    if all(set(rs) <= set(out.get(key, ())) for key, rs in reported.items()):
+        return out
+    return reported
 
 
 #: Above this many DP replicas a download covers the replicas chosen on the page (default:

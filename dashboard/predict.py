@@ -122,27 +122,43 @@ def _predict(layout: Layout, record: dict[str, Any], device_health) -> dict[str,
 
     ok = (src >= 0) & (src < layout.dp)
     okey = keys(d[ok], s_[ok], src[ok], mb[ok], k[ok])
-    oval = healthy[ok]
     order = np.argsort(okey, kind="stable")
-    okey, oval = okey[order], oval[order]
-    dkey = keys(
-        dag.chunk_dp,
-        dag.chunk_stage,
-        dag.chunk_src_dp,
-        dag.chunk_mb,
-        np.asarray(dag.chunk_kind, dtype=np.int64),
-    )
-    pos = np.clip(np.searchsorted(okey, dkey), 0, max(len(okey) - 1, 0))
-    found = (okey[pos] == dkey) if len(okey) else np.zeros(dag.num_chunks, bool)
-    cost = np.zeros(dag.num_chunks)
-    cost[found] = oval[pos[found]]
-    if not found.all():  # chunks the record lacks: the median of their (stage, kind)
-        for st in range(layout.pp):
-            for kk in range(3):
-                miss = ~found & (dag.chunk_stage == st) & (dag.chunk_kind == kk)
-                if miss.any():
-                    sel = (s_ == st) & (k == kk)
-                    cost[miss] = float(np.median(healthy[sel])) if sel.any() else 0.0
+    okey = okey[order]
+
+    def costs(dag, per_chunk: np.ndarray) -> np.ndarray:
+        """``per_chunk`` (one value per matched observed chunk) laid on ``dag``'s chunks."""
+        oval = per_chunk[ok][order]
+        dkey = keys(
+            dag.chunk_dp,
+            dag.chunk_stage,
+            dag.chunk_src_dp,
+            dag.chunk_mb,
+            np.asarray(dag.chunk_kind, dtype=np.int64),
+        )
+        pos = np.clip(np.searchsorted(okey, dkey), 0, max(len(okey) - 1, 0))
+        found = (okey[pos] == dkey) if len(okey) else np.zeros(dag.num_chunks, bool)
+        cost = np.zeros(dag.num_chunks)
+        cost[found] = oval[pos[found]]
+        if not found.all():  # chunks the record lacks: the median of their (stage, kind)
+            for st in range(layout.pp):
+                for kk in range(3):
+                    miss = ~found & (dag.chunk_stage == st) & (dag.chunk_kind == kk)
+                    if miss.any():
+                        sel = (s_ == st) & (k == kk)
+                        cost[miss] = float(np.median(per_chunk[sel])) if sel.any() else 0.0
+        return cost
+
+    if dag.has_migrations:
+        # The trainer runs a migrated chunk where it arrives, in the order the engine's
+        # re-timing gives (the simulator and the scheduler's planner both re-time); the
+        # default order pins it beside its local twin and predicts idle gaps the healthy
+        # job never has.  Re-timed on the durations observed, it is the order that ran (as
+        # near as the record tells) and it stays for the healed durations: under one order
+        # shorter chunks never lengthen the iteration, while an order re-timed on the healed
+        # ones can (a list-scheduling anomaly).  Re-timing renumbers chunks: costs are
+        # matched again after it.
+        dag = dag.retimed(costs(dag, obs["duration_s"][idx]))
+    cost = costs(dag, healthy)
     res = dag.evaluate(cost)
     return {
         "chunks": {

@@ -208,3 +208,32 @@ def test_big_records_are_summarized_from_their_scalars_and_still_checked(r):
     assert s.predicted_iteration_time_s == 1.25 and s.samples_per_s == pytest.approx(25.6)
     full = DashboardData(r).iteration_record("job-big", 7)
     assert len(full["chunks"]["stage"]) == n
+
+
+def test_past_layouts_come_from_the_history_by_id_and_time(r):
+    from resihp.topology import Layout
+
+    keys = JobKeys("job-h")
+    bus.register_job(r, keys)
+
+    def write(lay, at_s):  # as resihp.plans.write_layout, at a chosen time
+        raw = json.dumps(lay.to_dict())
+        r.set(keys.layout, raw)
+        r.xadd(keys.layouts, {"layout": raw}, id=f"{int(at_s * 1000)}-0")
+
+    a = Layout.uniform(tp=2, pp=2, dp=2, num_layers=8, num_microbatches=4)
+    b = a.copy()
+    b.layout_id, b.layers = 1, [5, 3]
+    c = a.copy()  # a trainer restarted from scratch writes id 0 again, placed otherwise
+    c.groups = [c.groups[1], c.groups[0]]
+    write(a, 1000.0)
+    write(b, 2000.0)
+    write(c, 3000.0)
+    d = DashboardData(r)
+    assert d.past_layout("job-h", 0, at_s=1500.0).groups == a.groups
+    assert d.past_layout("job-h", 0, at_s=3500.0).groups == c.groups
+    assert d.past_layout("job-h", 0, at_s=500.0).groups == a.groups  # before any: the first
+    assert d.past_layout("job-h", 1, at_s=2500.0).layers == [5, 3]
+    assert d.past_layout("job-h", 7, at_s=2500.0) is None
+    r.xadd(keys.layouts, {"layout": b"{not json"}, id="4000000-0")
+    assert d.past_layout("job-h", 1) is not None and d.past_layout("job-h", 0).groups == c.groups

@@ -303,3 +303,111 @@ def test_predicted_series_keeps_evidence_to_the_layout_it_was_reported_under():
     assert pred == [None, None, 0.9, 0.9] + [None] * 4 + [0.5] * 4
     # without the current layout's id the DAG prediction stands for any uncovered row
     assert figures.predicted_series(rows, fails, 0.5) == [0.5, 0.5, 0.9, 0.9] + [0.5] * 8
+
+
+def test_dag_prediction_runs_migrated_chunks_in_the_simulators_order():
+    # The layout of the probe's plan 7: 13 migrated micro-batch stages, all devices healthy.
+    from resihp.assembly import build_record
+    from resihp.topology import Migration
+    from trainer.sim import ClusterSim, SimConfig
+
+    cfg = SimConfig(model="llama2-7b", tp=4, pp=2, dp=2, microbatches=8, noise=0.0, seed=1)
+    lay = cfg.initial_layout()
+    lay.layers = [15, 17]
+    lay.migrations = [
+        Migration(*m)
+        for m in (
+            (0, 0, 7, 1),
+            (0, 1, 3, 0),
+            (0, 1, 4, 0),
+            (0, 1, 5, 0),
+            (0, 1, 6, 0),
+            (0, 1, 7, 0),
+            (1, 0, 1, 1),
+            (1, 0, 2, 1),
+            (1, 0, 6, 1),
+            (1, 0, 7, 1),
+            (1, 1, 4, 0),
+            (1, 1, 5, 0),
+            (1, 1, 7, 0),
+        )
+    ]
+    lay.validate()
+    step = ClusterSim(cfg, layout=lay).step()
+    rec = build_record(step.iteration, step.chunk_rows, step.mb_stats_messages()).to_dict()
+    res = predict_healthy(lay, rec, {})
+    # healthy devices: the prediction is the observed iteration (it was 2.25 s for 1.70 s)
+    assert res["iteration_time_s"] == pytest.approx(rec["iteration_time_s"], rel=1e-4)
+    moved = [s != d for s, d in zip(res["chunks"]["src_dp"], res["chunks"]["dp"], strict=True)]
+    assert sum(moved) == 13 * 2  # each migrated micro-batch stage: its F and its B
+    # A device the detector holds slow: its chunks get shorter in the order that ran, so
+    # the healthy prediction is never slower than what was observed (an order re-timed on
+    # the shortened chunks was, by up to 4 %).
+    for grp in (g for st in lay.groups for g in st):
+        for p in (0.6, 0.3684):
+            res = predict_healthy(lay, rec, {grp[0]: {"p": p}})
+            assert res["iteration_time_s"] <= rec["iteration_time_s"] * (1 + 1e-6), (grp, p)
+
+
+def _rows_at(ends):
+    return [
+        {"iteration": i, "samples_per_s": 10.0, "iteration_time_s": 1.0, "published_s": t}
+        for i, t in enumerate(ends)
+    ]
+
+
+def test_throughput_line_breaks_where_the_job_stood_still():
+    rng = np.random.default_rng(0)
+    ends = list(1e9 + np.cumsum(rng.uniform(1.6, 1.8, 40)))
+    ends[20:] = [t + 150.0 for t in ends[20:]]  # hung 2.5 min after iteration 19
+    fig = figures.throughput_figure(_rows_at(ends))
+    xs, its = list(fig.data[0].x), list(fig.data[0].customdata)
+    assert len(xs) == 41 and xs[20] is None and its[19:22] == [19, None, 20]
+    assert fig.data[0].y[20] is None
+    # jitter and one slow iteration are the job running, not a stall
+    ends = list(1e9 + np.cumsum(rng.uniform(1.6, 1.8, 40)))
+    ends[10:] = [t + 4.0 for t in ends[10:]]
+    assert None not in list(figures.throughput_figure(_rows_at(ends)).data[0].x)
+    # a fast job (20 iterations/s) pausing 3 s for a checkpoint: below the floor
+    ends = [1e9 + 0.05 * i + (3.0 if i >= 30 else 0.0) for i in range(60)]
+    assert figures.stall_breaks(ends) == []
+    assert figures.stall_breaks([1e9 + 2 * i + (60 if i > 5 else 0) for i in range(12)]) == [6]
+
+
+def test_a_rank_that_rejoined_after_the_layout_is_standby_not_dead():
+    written = 1000.0
+    hist = [
+        {"at_s": 900.0, "layout_id": 0, "key": "a"},
+        {"at_s": written, "layout_id": 1, "key": "b"},
+        {"at_s": 1100.0, "layout_id": 1, "key": "b"},  # the trainer registered again
+    ]
+    assert figures.layout_since_s(hist, 1) == written
+    assert figures.layout_since_s(hist, 2) is None and figures.layout_since_s([], 1) is None
+    health = {
+        12: {"p": 1.0, "state": "healthy", "since": written + 40},  # re-joined since
+        13: {"p": 1.0, "state": "healthy", "since": written - 40},  # stale: before the layout
+        14: {"p": 0.0, "state": "dead", "since": written + 40},
+        15: {"p": 1.0, "state": "healthy"},  # no time: cannot tell
+    }
+    dead = [12, 13, 14, 15, 11]  # 11: no verdict at all
+    assert figures.rejoined_ranks(dead, health, written) == {12}
+    assert figures.rejoined_ranks(dead, health, None) == set()
+    assert figures.rejoined_ranks(dead, {"12": health[12]}, written) == {12}
+    p, state = figures.device_arrays(16, health, dead, [], list(range(11)), written)
+    assert state[12] == 2 and p[12] == 1.0
+    assert all(state[r] == 1 and p[r] == 0.0 for r in (11, 13, 14, 15))
+    p, state = figures.device_arrays(16, health, dead, [], list(range(11)))
+    assert state[12] == 1 and p[12] == 0.0  # no layout time: the layout's word stands
+
+
+def test_a_plan_from_a_layout_that_cannot_run_draws_no_bar():
+    before, after = _layout().to_dict(), _layout().to_dict()
+    fig = figures.plan_layers_figure(before, after, (-1.0, 1.83))
+    bars = next(t for t in fig.data if list(t.x) == ["before", "after"])
+    assert list(bars.y) == [None, 1.83]
+    assert [a.text for a in fig.layout.annotations if a.text == "cannot run"] == ["cannot run"]
+    assert (
+        figures.predicted_text(-1.0) == "cannot run" and figures.predicted_text(1.83) == "1.830 s"
+    )
+    fig = figures.plan_layers_figure(before, after, (2.5, 1.83))
+    assert "cannot run" not in [a.text for a in fig.layout.annotations]

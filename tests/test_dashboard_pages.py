@@ -208,3 +208,186 @@ def test_past_iterations_are_not_healed_by_a_later_slowdown(r, redis_server):
     assert stage1_dp0_ms(5) == [15.0, 15.0]
     # after it, the healthy prediction takes the slow device's p_i out
     assert stage1_dp0_ms(59) == [30.0, 15.0]
+
+
+def _write_layout(r, keys, lay, at_s):
+    """As resihp.plans.write_layout does, at a chosen wall time (the history's entry id)."""
+    raw = json.dumps(lay.to_dict())
+    r.set(keys.layout, raw)
+    r.xadd(keys.layouts, {"layout": raw}, id=f"{int(at_s * 1000)}-0")
+
+
+def _replanned(r, sc):
+    """The job's first layout in its history, then a replan that sets rank 5 aside (its
+    TP group shrinks to its partner) written after the last iteration."""
+    lay0 = sc["layout"]
+    _write_layout(r, sc["keys"], lay0, sc["times"][0][0] - 1)
+    lay1 = lay0.copy()
+    lay1.layout_id, lay1.layers = 1, [9, 5, 9, 9]
+    d, s = next((d, s) for d in range(2) for s in range(4) if 5 in lay0.groups[d][s])
+    lay1.groups[d][s] = [x for x in lay0.groups[d][s] if x != 5]
+    lay1.standby = [5]
+    lay1.validate()
+    _write_layout(r, sc["keys"], lay1, max(t for _s, t in sc["times"].values()) + 1)
+    return lay0, lay1, (d, s)
+
+
+def _trace(out) -> tuple[str, dict]:
+    data = out["tl-download"]["data"]
+    return data["filename"], json.loads(data["content"])
+
+
+def _timeline(app, iteration, job="job-a"):
+    return dash_call(
+        app,
+        "tl-graph",
+        {"tl-tick.n_intervals": 1, "job.value": job, "tl-iteration.value": iteration},
+        "tl-iteration.value",
+    )
+
+
+def _download(app, rendered):
+    return dash_call(
+        app,
+        "tl-download",
+        {"tl-download-btn.n_clicks": 1, "tl-rendered.data": rendered},
+        "tl-download-btn.n_clicks",
+    )
+
+
+@pytest.mark.redis
+def test_a_past_iteration_is_drawn_and_exported_on_the_layout_it_ran_under(r, redis_server):
+    from dashboard.pages.timeline import load, record_layout
+
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    lay0, _lay1, (d, s) = _replanned(r, sc)
+    app = _app(r, redis_server)
+    ctx = app.resihp_ctx
+    assert ctx.data.layout("job-a").layout_id == 1
+    row = next(x for x in ctx.data.iterations("job-a") if x.iteration == 5)
+    rec, lay, pred = load(ctx, "job-a", 5, row.entry_id)
+    assert lay.layout_id == 0 and lay.groups == lay0.groups and pred
+    name, tr = _trace(_download(app, _timeline(app, 5)["tl-rendered"]["data"]))
+    assert name == "job-a-iteration-5.trace.json"
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in tr["traceEvents"]
+        if e["name"] == "thread_name"
+    }
+    assert sorted(t for p, t in threads if p == 1) == list(range(16))  # no fallback tracks
+    assert threads[(1, 5)] == f"rank 5 (dp{d} stage{s})"
+    assert sorted(t for p, t in threads if p == 2) == list(range(16))
+    # a layout id the history lacks: the current layout
+    assert record_layout(ctx, "job-a", {"layout_id": 9}, None).layout_id == 1
+
+
+@pytest.mark.redis
+def test_the_perfetto_download_is_the_iteration_on_screen(r, redis_server):
+    sc = publish_job(r, "job-a", iterations=60, slow_from=40)
+    app = _app(r, redis_server)
+    shown = _timeline(app, None)["tl-rendered"]["data"]  # "latest": iteration 59
+    last = sc["times"][59][1]
+    publish_iteration(r, sc["keys"], sc["layout"], 60, last + 0.002, {5: 0.5}, None)
+    assert app.resihp_ctx.data.iterations("job-a")[-1].iteration == 60
+    name, tr = _trace(_download(app, shown))
+    assert name == "job-a-iteration-59.trace.json" and tr["otherData"]["iteration"] == 59
+    # a past iteration keeps the device health of its time: rank 5 slowed at iteration 40,
+    # so iteration 5's healthy prediction is what it observed, not half of it
+    name, tr = _trace(_download(app, _timeline(app, 5)["tl-rendered"]["data"]))
+    assert name == "job-a-iteration-5.trace.json"
+    d, s = next((d, s) for d in range(2) for s in range(4) if 5 in sc["layout"].groups[d][s])
+    ms = {
+        pid: sorted(
+            e["dur"]
+            for e in tr["traceEvents"]
+            if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 5 and e["cat"] in ("F", "B")
+        )
+        for pid in (1, 2)
+    }
+    assert ms[1] == pytest.approx(ms[2]) and len(ms[1]) == 16
+    # nothing on screen yet: nothing to download
+    assert _download(app, None) == {}
+
+
+@pytest.mark.redis
+def test_a_device_that_rejoined_after_the_layout_is_standby_not_dead(r, redis_server):
+    from dashboard.pages.skew import device_state
+
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    keys, lay0 = sc["keys"], sc["layout"]
+    _write_layout(r, keys, lay0, sc["times"][0][0] - 1)
+    lay1 = lay0.copy()  # rank 12 died: its TP group shrank to its partner
+    lay1.layout_id = 1
+    d, s = next((d, s) for d in range(2) for s in range(4) if 12 in lay0.groups[d][s])
+    lay1.groups[d][s] = [x for x in lay0.groups[d][s] if x != 12]
+    lay1.dead = [12]
+    lay1.validate()
+    written = max(t for _s, t in sc["times"].values()) + 1
+    _write_layout(r, keys, lay1, written)
+
+    def devices(health_12):
+        if health_12 is None:
+            r.hdel(keys.device_health, "12")
+        else:
+            r.hset(keys.device_health, "12", json.dumps(health_12))
+        app = _app(r, redis_server)
+        _lay, _p, state = device_state(app.resihp_ctx, "job-a")[:3]
+        return _cards(_overview(app))["devices"], int(state[12])
+
+    dead = ("15 active", "1 dead, 0 standby (dead: 12)", "card bad")
+    # its verdict from before the layout (healthy since the job began) is stale
+    assert devices(None) == (dead, 1)
+    assert devices({"p": 1.0, "state": "healthy", "since": written - 30}) == (dead, 1)
+    # the detector saw it re-join after the layout was written: idle, not dead
+    back = ("15 active", "0 dead, 1 standby", "card ok")
+    assert devices({"p": 1.0, "state": "healthy", "since": written + 5}) == (back, 2)
+    assert devices({"p": 0.0, "state": "dead", "since": written + 9}) == (dead, 1)
+
+
+@pytest.mark.redis
+def test_the_services_card_shows_the_trainer_and_whether_it_is_hung(r, redis_server):
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    keys = sc["keys"]
+    for name in ("collector", "detector", "scheduler", "dashboard"):
+        bus.Health(r, keys, name).beat("ok")
+    bus.Health(r, keys, "trainer").beat("ok", state="hung", iteration=19)
+    ok4 = "collector ok · detector ok · scheduler ok · dashboard ok"
+    services = _cards(_overview(_app(r, redis_server)))["services"]
+    assert services == ("5", ok4 + " · trainer hung", "card warn")
+    bus.Health(r, keys, "trainer").beat("ok", state="running")
+    assert _cards(_overview(_app(r, redis_server)))["services"] == (
+        "5",
+        ok4 + " · trainer running",
+        "card ok",
+    )
+    r.delete(keys.health("trainer", "0"))
+    assert _cards(_overview(_app(r, redis_server)))["services"] == (
+        "4",
+        ok4 + " · trainer down",
+        "card warn",
+    )
+    bus.set_job_state(r, keys, "finished")
+    assert _cards(_overview(_app(r, redis_server)))["services"][1:] == (
+        ok4 + " · trainer finished",
+        "card ok",
+    )
+
+
+@pytest.mark.redis
+def test_a_plan_from_a_layout_that_cannot_run_says_so(r, redis_server):
+    from dashboard_scenario import publish_plan
+
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    plan = sc["plan"]
+    plan.predicted_before_s = -1.0  # the planner's sentinel: the layout holds a dead device
+    publish_plan(r, sc["keys"], plan)
+    out = dash_call(
+        _app(r, redis_server),
+        "pl-summary",
+        {"tick.n_intervals": 1, "job.value": "job-a", "pl-plan.value": 1},
+        "pl-plan.value",
+    )
+    text = json.dumps(out["pl-summary"])
+    after = f"{plan.predicted_after_s:.3f} s"
+    assert f"predicted iteration time cannot run \\u2192 {after}" in text
+    assert "-1.000" not in text

@@ -78,3 +78,33 @@ def test_p2p_events_name_what_flows():
     }
     names = sorted(e["name"] for e in chrome_trace(rec)["traceEvents"] if e["ph"] == "X")
     assert names == ["F mb2", "RECV act mb2", "RECV grad mb2"]
+
+
+def test_a_trace_on_a_layout_that_is_not_the_records_keeps_the_ranks_that_ran():
+    lay0 = Layout.uniform(tp=2, pp=4, dp=2, num_layers=32, num_microbatches=8)
+    cols, _ = simulate(lay0, {}, 10.0)
+    n = lay0.world_size
+    coords = lay0.coords()
+    rec = {
+        "iteration": 5,
+        "chunks": cols,
+        "ranks": {
+            "rank": list(range(n)),
+            "dp": [coords[k][0] for k in range(n)],
+            "stage": [coords[k][1] for k in range(n)],
+        },
+    }
+    lay1 = lay0.copy()  # today's: rank 5 set aside, its partner alone in the group
+    d, s = next((d, s) for d in range(2) for s in range(4) if 5 in lay0.groups[d][s])
+    lay1.groups[d][s] = [x for x in lay0.groups[d][s] if x != 5]
+    lay1.standby = [5]
+    tids = {e["tid"] for e in chrome_trace(rec, lay1)["traceEvents"] if e["ph"] == "X"}
+    assert tids == set(range(16))
+    tids = {e["tid"] for e in chrome_trace(rec, lay0)["traceEvents"] if e["ph"] == "X"}
+    assert tids == set(range(16))
+    # a big job reports TP rank 0 of each group only: its own layout still gives every rank
+    tp0 = {k: [v for i, v in enumerate(col) if i % 2 == 0] for k, col in rec["ranks"].items()}
+    tids = {
+        e["tid"] for e in chrome_trace({**rec, "ranks": tp0}, lay0)["traceEvents"] if e["ph"] == "X"
+    }
+    assert tids == set(range(16))

@@ -30,7 +30,7 @@ def layout(ctx: AppContext) -> html.Div:
                         multi=True,
                         placeholder="kind",
                         options=list(FailureReport.KINDS),
-                        style={"width": "360px", "display": "inline-block"},
+                        style={"width": "min(360px, 100%)", "display": "inline-block"},
                     ),
                     dcc.Input(
                         id="fl-rank",

@@ -52,7 +52,7 @@ def layout(ctx: AppContext) -> html.Div:
                     dcc.Dropdown(
                         id="in-select",
                         style={
-                            "width": "360px",
+                            "width": "min(360px, 100%)",
                             "display": "inline-block",
                             "verticalAlign": "middle",
                         },

@@ -47,11 +47,20 @@ OPEN_LOOKBACK = 200
 OPEN_SHOWN = 20
 
 
-def dead_and_slow(lay, device_health: dict[str, dict]) -> tuple[set[int], list[int]]:
+def dead_and_slow(
+    lay, device_health: dict[str, dict], layout_since_s: float | None = None
+) -> tuple[set[int], list[int]]:
     """Dead ranks (the layout's, and the detector's verdicts the scheduler has not yet
-    applied) and slow ranks (p below the bar, neither dead nor set aside as standby)."""
-    dead = set(lay.dead) if lay is not None else set()
-    standby = set(lay.standby) if lay is not None else set()
+    applied) and slow ranks (p below the bar, neither dead nor set aside as standby).
+    A rank the layout lists dead that re-joined after it was written
+    (``layout_since_s``, :func:`figures.rejoined_ranks`) counts as standby."""
+    back = (
+        figures.rejoined_ranks(lay.dead, device_health, layout_since_s)
+        if lay is not None
+        else set()
+    )
+    dead = set(lay.dead) - back if lay is not None else set()
+    standby = set(lay.standby) | back if lay is not None else set()
     dead |= {int(r) for r, v in device_health.items() if v.get("state") == "dead"}
     slow = [
         int(r)
@@ -62,6 +71,40 @@ def dead_and_slow(lay, device_health: dict[str, dict]) -> tuple[set[int], list[i
         and int(r) not in dead | standby
     ]
     return dead, sorted(slow)
+
+
+#: Trainer states (its health key's ``state``) that mean the job is moving.
+_TRAINER_RUNNING = ("ok", "running", "reconfig")
+
+
+def services(
+    health: dict[str, dict], job_state: dict[str, Any]
+) -> list[tuple[str, str, bool, bool]]:
+    """(name, what to say, up, fine) per service, the trainer included: a hung trainer is
+    up (its key is fresh) but not fine, and one gone after the job finished is fine."""
+    out = []
+    for name in ("collector", "detector", "scheduler", "dashboard"):
+        h = next((v for k, v in health.items() if k.startswith(name + ":")), None)
+        up = h is not None and h.get("status") == "ok"
+        out.append((name, "ok" if up else "down", up, up))
+    trainers = sorted((k, v) for k, v in health.items() if k.startswith("trainer:"))
+    if job_state.get("state") == "finished":
+        # its key outlives it by a TTL: "running" or "down" would both mislead
+        return [*out, ("trainer", "finished", bool(trainers), True)]
+    if not trainers:
+        out.append(("trainer", "down", False, False))
+    for k, h in trainers:
+        name = k if len(trainers) > 1 else "trainer"
+        up = h.get("status") == "ok"
+        state = h.get("state")
+        if not up:
+            word = str(h.get("status") or "down")
+        elif state is None or state in _TRAINER_RUNNING:
+            word = "running"
+        else:
+            word = str(state)  # hung, aborted: said as the trainer says it
+        out.append((name, word, up, word == "running"))
+    return out
 
 
 def dead_after(events) -> set[int]:
@@ -108,6 +151,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
         "job_state": d.job_state(job),
         "liveness": d.liveness(job)[-20:],
         "device_health": d.device_health(job),
+        "layout_since_s": figures.layout_since_s(lays, lay.layout_id if lay else None),
     }
 
 
@@ -168,9 +212,11 @@ def register(app, ctx: AppContext) -> None:
                     + ("..." if lay.pp > 8 else ""),
                 )
             )
-        dead, slow = dead_and_slow(lay, s["device_health"])
+        since = s["layout_since_s"]
+        dead, slow = dead_and_slow(lay, s["device_health"], since)
         if lay is not None:
-            standby = set(lay.standby) - dead
+            back = figures.rejoined_ranks(lay.dead, s["device_health"], since)
+            standby = (set(lay.standby) | back) - dead
             cards.append(
                 card(
                     "devices",
@@ -223,17 +269,13 @@ def register(app, ctx: AppContext) -> None:
             )
         )
         now = time.time()
-        svc = []
-        for name in ("collector", "detector", "scheduler", "dashboard"):
-            h = next((v for k, v in s["health"].items() if k.startswith(name + ":")), None)
-            ok = h is not None and h.get("status") == "ok"
-            svc.append(f"{name} {'ok' if ok else 'down'}")
+        svc = services(s["health"], s["job_state"])
         cards.append(
             card(
                 "services",
-                sum("ok" in x for x in svc),
-                " · ".join(svc),
-                "ok" if all(" ok" in x for x in svc) else "warn",
+                sum(up for _n, _w, up, _g in svc),
+                " · ".join(f"{name} {word}" for name, word, _up, _g in svc),
+                "ok" if all(good for *_x, good in svc) else "warn",
             )
         )
         healthy = healthy_iteration_time_s(
@@ -287,7 +329,7 @@ def register(app, ctx: AppContext) -> None:
             lay_fig = figures.empty_figure("no layout yet")
         else:
             p, _state = figures.device_arrays(
-                lay.world_size, health, lay.dead, lay.standby, lay.active_ranks()
+                lay.world_size, health, lay.dead, lay.standby, lay.active_ranks(), since
             )
             lay_fig = figures.coord_heatmap_figure(p, lay.groups)
             lay_fig.update_layout(

@@ -34,7 +34,7 @@ def layout(ctx: AppContext) -> html.Div:
                         clearable=False,
                         placeholder="no plans yet",
                         style={
-                            "width": "460px",
+                            "width": "min(460px, 100%)",
                             "display": "inline-block",
                             "verticalAlign": "middle",
                         },
@@ -87,7 +87,7 @@ def layout(ctx: AppContext) -> html.Div:
                         id="pl-comment",
                         type="text",
                         placeholder="comment (optional)",
-                        style={"width": "420px", "marginTop": "8px"},
+                        style={"width": "min(420px, 100%)", "marginTop": "8px"},
                     ),
                     html.Div(id="pl-action-result", style={"marginTop": "8px"}),
                     html.Div(id="pl-action-outcome"),
@@ -204,7 +204,8 @@ def _summary(p: AdaptationPlan, plans: dict[int, AdaptationPlan]) -> list:
         ),
         html.Div(f"{p.reason} · policy {p.policy} · mode {p.mode} · failures {p.failure_ids}"),
         html.Div(
-            f"predicted iteration time {p.predicted_before_s:.3f} s → {p.predicted_after_s:.3f} s"
+            f"predicted iteration time {figures.predicted_text(p.predicted_before_s)} → "
+            f"{figures.predicted_text(p.predicted_after_s)}"
             + (
                 f" ({(p.predicted_after_s / p.predicted_before_s - 1) * 100:+.1f}% time, "
                 f"{p.predicted_before_s / p.predicted_after_s:.2f}x throughput)"

@@ -100,13 +100,16 @@ def row_range(point: dict) -> tuple[int, int] | None:
 def device_state(ctx: AppContext, job: str):
     lay = ctx.data.layout(job)
     health = ctx.data.device_health(job)
+    since = None
     if lay is not None:
         world, dpn = lay.world_size, lay.devices_per_node
         dead, standby, active = lay.dead, lay.standby, lay.active_ranks()
+        if dead:
+            since = figures.layout_since_s(ctx.data.layouts(job), lay.layout_id)
     else:
         world = (max(health) + 1) if health else 0
         dpn, dead, standby, active = 8, [], [], None
-    p, state = figures.device_arrays(world, health, dead, standby, active)
+    p, state = figures.device_arrays(world, health, dead, standby, active, since)
     return lay, p, state, dpn
 
 

@@ -35,7 +35,7 @@ def layout(ctx: AppContext) -> html.Div:
                         multi=True,
                         placeholder="first 4",
                         style={
-                            "width": "320px",
+                            "width": "min(320px, 100%)",
                             "display": "inline-block",
                             "verticalAlign": "middle",
                         },
@@ -60,16 +60,31 @@ def layout(ctx: AppContext) -> html.Div:
     )
 
 
+def record_layout(ctx: AppContext, job: str, rec: dict, at_s: float | None):
+    """The layout ``rec`` ran under: its ``layout_id`` in the job's layout history (the
+    entry in force when it was published), else the current layout.
+
+    After a replan the current layout gives a past iteration's chunks to the wrong ranks
+    (or to none: a rank set aside since has no track) and predicts it on other stages."""
+    lid = rec.get("layout_id")
+    if isinstance(lid, int) and not isinstance(lid, bool):
+        past = ctx.data.past_layout(job, lid, at_s)
+        if past is not None:
+            return past
+    return ctx.data.layout(job)
+
+
 def load(ctx: AppContext, job: str, iteration: int | None, entry_id: str | None = None):
     rec = ctx.data.iteration_record(job, iteration, entry_id)
-    lay = ctx.data.layout(job)
-    pred = None
-    if rec is not None:
-        # the entry id is the record's publish time: only verdicts older than it apply
-        at_s = int(entry_id.split("-", 1)[0]) / 1000.0 if entry_id else None
-        pred = rec.get("predicted_chunks") or predicted_chunks(
-            lay, rec, ctx.data.device_health(job), at_s
-        )
+    if rec is None:
+        return None, ctx.data.layout(job), None
+    # the entry id is the record's publish time: the layout then in force, and only the
+    # device verdicts older than it, apply
+    at_s = int(entry_id.split("-", 1)[0]) / 1000.0 if entry_id else None
+    lay = record_layout(ctx, job, rec, at_s)
+    pred = rec.get("predicted_chunks") or predicted_chunks(
+        lay, rec, ctx.data.device_health(job), at_s
+    )
     return rec, lay, pred
 
 
@@ -126,7 +141,7 @@ def register(app, ctx: AppContext) -> None:
                     no_update,
                     rendered,
                 )
-        key = [job, target.entry_id, sorted(dps or [])]
+        key = [job, target.entry_id, sorted(dps or []), target.iteration]
         if rendered == key:
             return no_update, no_update, no_update, no_update, no_update, no_update
         rec, _lay, pred = load(ctx, job, target.iteration, target.entry_id)
@@ -172,20 +187,21 @@ def register(app, ctx: AppContext) -> None:
     @app.callback(
         Output("tl-download", "data"),
         Input("tl-download-btn", "n_clicks"),
-        State("job", "value"),
-        State("tl-iteration", "value"),
-        State("tl-dps", "value"),
+        State("tl-rendered", "data"),
         prevent_initial_call=True,
     )
-    def download(_clicks, job, iteration, selected):
-        if not job:
+    def download(_clicks, rendered):
+        # What is on screen, not "latest" again at click time: the newest iteration has
+        # moved on by then, and only the entry id dates the device verdicts and the layout.
+        if not isinstance(rendered, list) or len(rendered) != 4:
             return no_update
+        job, entry_id, selected, iteration = rendered
         try:
-            rec, lay, pred = load(ctx, job, iteration)
+            rec, lay, pred = load(ctx, job, iteration, entry_id)
         except redis.RedisError:
             return no_update
         if rec is None:
             return no_update
-        dps = perfetto.trace_replicas(rec.get("chunks"), selected)
+        dps = perfetto.trace_replicas(rec.get("chunks"), selected or None)
         body = perfetto.chrome_trace_json(rec, lay, pred, job, dps)
         return dcc.send_string(body, f"{job}-iteration-{rec['iteration']}.trace.json")

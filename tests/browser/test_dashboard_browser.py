@@ -255,6 +255,21 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         assert "<script src=" not in html
         page.screenshot(path=str(SHOTS / "incidents.png"), full_page=True)
 
+        # A phone-wide window: tables scroll inside their panels and dropdowns shrink, so
+        # nothing widens the page, and the plan chart's two titles stay apart.
+        page.set_viewport_size({"width": 420, "height": 900})
+        for path, ready in (("/", "#ov-incidents-table"), ("/plans", "#pl-audit-table")):
+            page.goto(url + path)
+            expect(page.locator(ready)).to_be_visible()
+            page.wait_for_timeout(1000)
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 420, (path, width)
+        titles = page.locator("#pl-summary .infolayer g.annotation")
+        expect(titles).to_have_count(2)
+        a, b = (titles.nth(i).bounding_box() for i in range(2))
+        assert a["x"] + a["width"] <= b["x"], (a, b)
+        page.screenshot(path=str(SHOTS / "plans_narrow.png"), full_page=True)
+
         metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
         assert 'resihp_plans{job="job-a",state="acknowledged"} 1.0' in metrics
         browser.close()
