@@ -225,3 +225,25 @@ def cfg_launch_layout(cfg):
     from trainer.torch_trainer.launcher import initial_layout
 
     return initial_layout(cfg)
+
+
+@pytest.mark.slow
+def test_a_rejoined_rank_parked_as_standby_counts_from_the_fleets_step(tmp_path):
+    """TP2 x PP2: rank 1 dies (stage 0 shrinks to TP1), re-joins and is parked as standby
+    (its group stays TP1), then rank 3 dies. The parked rank counted its iterations from 0,
+    so at the next generation the minimum step over members rolled everyone back to a step
+    whose checkpoint was long gone, and the job died (live: `resihp up --trainer torch`)."""
+    sc = tmp_path / "sc.yaml"
+    sc.write_text(
+        "events:\n"
+        "  - {at_iteration: 2, action: kill_device, rank: 1}\n"
+        "  - {at_iteration: 4, action: rejoin, rank: 1}\n"
+        "  - {at_iteration: 7, action: kill_device, rank: 3}\n"
+    )
+    cfg, rows, tl = run_recovery_job(
+        tmp_path, tp=2, pp=2, microbatches=2, iterations=9, schedule="1f1b", scenario=str(sc)
+    )
+    check_loss_curve(cfg, rows)
+    written = [e for e in tl["events"] if e["what"] == "generation_written"]
+    assert any("standby=1" in e["layout"] for e in written), [e["layout"] for e in written]
+    assert len(written) >= 4  # launch, death, re-join, death

@@ -277,6 +277,10 @@ class Worker:
             self.fresh = False
         self.layout = layout
         self.module = self.opt = None
+        # a standby member runs the commit of every iteration too: it must count from the
+        # fleet's step (a re-joined rank parked as standby counted from 0, and at the next
+        # generation the minimum over members rolled everyone back to a step 6 long gone)
+        self.steps_done = step
         if self.rank not in coords:
             return
         d, s, j = coords[self.rank]
