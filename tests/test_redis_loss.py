@@ -201,22 +201,27 @@ def test_detector_writes_its_settings_back_after_redis_loses_them(r):
     assert det.config.heartbeat_k == 4
 
 
+def _torch_cmd(url: str, job: str, out_dir, *extra: str) -> list[str]:
+    """A tiny torch job (PP2, CPU) that runs until stopped, reporting to ``url``."""
+    import sysconfig
+    from pathlib import Path
+
+    email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a short data scan
+    return [
+        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "100000",
+        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
+        "--microbatches", "2", "--data-dir", str(email),
+        "--redis-url", url, "--job-id", job, "--out-dir", str(out_dir), *extra,
+    ]  # fmt: skip
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torch_trainer_registers_the_job_again_after_redis_loses_its_data(
     tmp_path, redis_server, r
 ):
-    import sysconfig
-    from pathlib import Path
-
     keys = JobKeys("torchlost")
-    email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a short data scan
-    cmd = [
-        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "100000",
-        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
-        "--microbatches", "2", "--telemetry", "false", "--data-dir", str(email),
-        "--redis-url", redis_server.url, "--job-id", keys.job_id, "--out-dir", str(tmp_path),
-    ]  # fmt: skip
+    cmd = _torch_cmd(redis_server.url, keys.job_id, tmp_path, "--telemetry", "false")
 
     def registered() -> bool:
         return (
@@ -461,18 +466,9 @@ def test_the_torch_trainer_trains_through_a_redis_outage(tmp_path):
     """Redis is the monitoring side: the torch launcher polled plans, confirmed them and
     published its layout with unguarded calls, so a Redis that went down killed the
     training job with a traceback."""
-    import sysconfig
-    from pathlib import Path
-
     srv = EmbeddedRedis(appendonly=False).start()
     keys = JobKeys("torchout")
-    email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # a short data scan
-    cmd = [
-        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "100000",
-        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
-        "--microbatches", "2", "--data-dir", str(email),
-        "--redis-url", srv.url, "--job-id", keys.job_id, "--out-dir", str(tmp_path),
-    ]  # fmt: skip
+    cmd = _torch_cmd(srv.url, keys.job_id, tmp_path)
     metrics = tmp_path / "metrics.jsonl"
 
     def iterations() -> int:
