@@ -636,6 +636,21 @@ def test_a_node_whose_clock_is_off_does_not_stretch_the_iteration(r):
     assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
 
 
+def _node1_rows_on_its_clock(r, svc, lay, ahead_s: float) -> None:
+    """Node 1 (ranks 4-7) sends an iteration's rows stamped ``ahead_s`` ahead: its record
+    must span the healthy time, node 1's rows shifted back by the collector."""
+    rows = iteration_rows(lay, 0, t0_s=time.time())
+    healthy = float(rows["end_s"].max() - rows["start_s"].min())
+    on_node1 = rows["rank"] >= 4
+    rows["start_s"][on_node1] += ahead_s
+    rows["end_s"][on_node1] += ahead_s
+    r.xadd(KEYS.telemetry, encode_entry(None, rows))
+    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
+    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
+    assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
+    assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
+
+
 @pytest.mark.redis
 def test_a_rank_back_in_a_new_generation_is_judged_by_its_new_clock(r):
     """Node 1's ranks restart (generation 1) on a clock now 3 s ahead: the offset kept from
@@ -657,16 +672,7 @@ def test_a_rank_back_in_a_new_generation_is_judged_by_its_new_clock(r):
     beats(0.0, 0)
     svc.run_once()
     beats(3.0, 1)  # restarted, clock 3 s ahead
-    rows = iteration_rows(lay, 0, t0_s=time.time())
-    healthy = float(rows["end_s"].max() - rows["start_s"].min())
-    on_node1 = rows["rank"] >= 4
-    rows["start_s"][on_node1] += 3.0
-    rows["end_s"][on_node1] += 3.0
-    r.xadd(KEYS.telemetry, encode_entry(None, rows))
-    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
-    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
-    assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
-    assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
+    _node1_rows_on_its_clock(r, svc, lay, ahead_s=3.0)
 
 
 @pytest.mark.redis
@@ -693,16 +699,7 @@ def test_a_rank_back_after_a_long_silence_is_judged_by_its_clock_now(r):
         svc.run_once()
         time.sleep(0.05)
     beats(3.0)  # back, same generation, clock 3 s ahead
-    rows = iteration_rows(lay, 0, t0_s=time.time())
-    healthy = float(rows["end_s"].max() - rows["start_s"].min())
-    on_node1 = rows["rank"] >= 4
-    rows["start_s"][on_node1] += 3.0
-    rows["end_s"][on_node1] += 3.0
-    r.xadd(KEYS.telemetry, encode_entry(None, rows))
-    assert _pump(svc, lambda: _stream(r, KEYS.iterations, IterationRecord))
-    (rec,) = _stream(r, KEYS.iterations, IterationRecord)
-    assert rec.iteration_time_s == pytest.approx(healthy, abs=0.05)
-    assert svc.stats["chunk_rows_clock_corrected_total"] == int(on_node1.sum())
+    _node1_rows_on_its_clock(r, svc, lay, ahead_s=3.0)
 
 
 @pytest.mark.redis
