@@ -166,6 +166,7 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
     app.layout = html.Div(
         [
             dcc.Location(id="url"),
+            dcc.Store(id="url-job-sync"),
             dcc.Interval(id="tick", interval=int(config.refresh_interval_s * 1000)),
             _header(ctx),
             html.Div(id="page", className="page"),
@@ -188,6 +189,31 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
         @app.callback(Output(f"nav-{slug}", "className"), Input("url", "pathname"))
         def _active(pathname, path=p.PATH):
             return "active" if (pathname or "/") == path else ""
+
+    # The URL follows the job selector, so a reload or a copied link shows the same job;
+    # replaceState leaves dcc.Location (and so every page) alone, and the nav links carry it.
+    app.clientside_callback(
+        """function(job) {
+            if (job) {
+                const u = new URL(window.location.href);
+                if (u.searchParams.get("job") !== job) {
+                    u.searchParams.set("job", job);
+                    window.history.replaceState(window.history.state, "", u.toString());
+                }
+            }
+            return window.dash_clientside.no_update;
+        }""",
+        Output("url-job-sync", "data"),
+        Input("job", "value"),
+    )
+
+    @app.callback(
+        [Output(f"nav-{p.__name__.rsplit('.', 1)[1]}", "href") for p in PAGES],
+        Input("job", "value"),
+    )
+    def nav_links(job):
+        tail = f"?job={quote(job, safe='')}" if job else ""
+        return [p.PATH + tail for p in PAGES]
 
     @app.callback(
         Output("auth-box", "children"),

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from resihp import bus
+from resihp import bus, status
 from resihp.keys import JOB_EPOCHS, JobKeys
 from resihp.schemas import (
     ENTRY_MESSAGES,
@@ -590,6 +590,37 @@ class DashboardData:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return {}
         return st if isinstance(st, dict) else {}
+
+    def progress(self, job_id: str) -> dict[str, Any]:
+        """Whether the job moves, judged as ``resihp status`` judges it (``state``: running,
+        hung, stalled, finished or None; ``last_iteration_age_s``; dead ranks), plus
+        ``headline``: the CLI's first line for a hung or stalled job, else None.
+
+        From the cached history, layout and device health: a 16k-GPU job's health hash
+        read again here would cost a refresh 0.2 s."""
+        rows = self.iterations(job_id)
+        last = rows[-1] if rows else None
+        services = self.service_health(job_id)
+        dead = {}
+        for rank, h in self.device_health(job_id).items():
+            if h.get("state") == "dead":
+                since = h.get("since")
+                dead[rank] = float(since) if isinstance(since, int | float) else None
+        pr = status.job_progress(
+            self.job_state(job_id),
+            services.get("trainer:0"),
+            last,
+            last.published_s if last is not None else None,
+            status.redis_now_s(self.client),
+            dead,
+            self.layout(job_id),
+        )
+        keys = JobKeys(job_id)
+        plans = self.plans(job_id)
+        pr["headline"] = status.stall_headline_of(
+            self.client, keys, pr, plans, services, self.counters(job_id)
+        )
+        return pr
 
     def service_health(self, job_id: str) -> dict[str, dict]:
         try:

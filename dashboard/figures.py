@@ -980,16 +980,22 @@ def evidence_figure(f: FailureReport) -> go.Figure:
     if isinstance(ratios, dict) and ratios:
         sign = -1.0 if by_ratio else 1.0
         items = sorted(ratios.items(), key=lambda kv: sign * float(kv[1]))[:64]
+        ys = [float(v) for _, v in items]
         fig.add_trace(
             go.Bar(
                 x=[f"rank {k}" for k, _ in items],
-                y=[float(v) for _, v in items],
+                y=ys,
                 marker_color="#ff7f0e",
                 name="ratio",
+                # a dead rank's p_i is 0: a bar of no height, so the value is written out
+                text=None if by_ratio else [f"{v:.2f}" + (" dead" if v == 0 else "") for v in ys],
+                textposition="outside",
             ),
             row=1,
             col=1,
         )
+        if not by_ratio:
+            fig.update_yaxes(range=[0, max(1.1, max(ys) * 1.1)], row=1, col=1)
     obs = evidence_number(f.evidence, *OBSERVED_KEYS)
     pred = evidence_number(f.evidence, *PREDICTED_KEYS)
     if obs is not None or pred is not None:

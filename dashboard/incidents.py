@@ -63,6 +63,8 @@ PHASES = ("failure", "detected", "plan proposed", "acknowledged", "applied", "th
 TRAINER_PHASE = "reconfigured by the trainer (no plan)"
 #: Iterations on each side of the incident kept in the report.
 CONTEXT_ITERATIONS = 60
+#: the status of an incident whose plan an operator rejected and that has not recovered
+REJECTED_OPEN = "open, plan rejected"
 
 
 class IncidentNotFound(KeyError):
@@ -86,11 +88,16 @@ class Incident:
     actions: list[OperatorAction] = field(default_factory=list)
     iterations: list[dict[str, Any]] = field(default_factory=list)
     throughput: dict[str, float | None] = field(default_factory=dict)
+    #: ``open``, ``open, plan rejected`` (:data:`REJECTED_OPEN`) or ``recovered``
     status: str = "open"
     #: the scheduler's verdict on each of ``actions`` (same order), from the audit log
     verdicts: list[dict[str, Any]] = field(default_factory=list)
     #: what each throughput figure was computed from (windows, counts, clock ratio)
     throughput_basis: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_open(self) -> bool:
+        return self.status != "recovered"
 
     def phase_rows(self) -> list[dict[str, Any]]:
         """Phases with durations since the previous reached phase and since the failure."""
@@ -698,7 +705,26 @@ def build_incident(
         to_s, to_what = max(newest), "the newest data (still open)"
         if now_s is not None and now_s >= to_s:
             to_s, to_what = now_s, "the export time (still open)"
-    after = rate[wend > cut][:50] if cut is not None else rate[:0]
+    # "After" ends where the next failure began: its slowdown is not this recovery's.
+    nxt = min(
+        (
+            x
+            for x in failures
+            if x.kind != "recovery"
+            and x.report_id != f.report_id
+            and x.detected_at_s > f.detected_at_s
+        ),
+        key=lambda x: x.detected_at_s,
+        default=None,
+    )
+    next_onset = _onset_s(nxt, rows) if nxt is not None else None
+    if cut is not None:
+        in_after = wend > cut
+        if next_onset is not None and next_onset > cut:
+            in_after &= wend <= next_onset
+        after = rate[in_after][:50]
+    else:
+        after = rate[:0]
     done, clock = _progress(
         rows, wstart, wend, onset, to_s, before_idx=np.flatnonzero(wend <= onset)[-50:]
     )
@@ -718,6 +744,10 @@ def build_incident(
         "trainer_s_per_wall_s": clock,
         "after_iterations": int(after.size),
         "after_from": cut_what if cut is not None else None,
+        # the next failure's report, when its onset cut the "after" window short
+        "after_until_report": nxt.report_id
+        if nxt is not None and cut is not None and next_onset is not None and next_onset > cut
+        else None,
         # what "throughput recovered" was looked for after
         "recovery_from": reconf_what or "detection",
         "recovery_from_s": start,
@@ -727,10 +757,12 @@ def build_incident(
     past_end = np.flatnonzero(wend > end) if end is not None else np.zeros(0, int)
     idx_hi = int(past_end[0]) if past_end.size else n
     window = rows[max(0, idx_lo - CONTEXT_ITERATIONS) : idx_hi + CONTEXT_ITERATIONS]
-    if decided_name == "rejected":
-        status = "rejected"
-    elif recovered_t is not None:
+    # Recovery closes an incident whatever was decided on the way; a rejection does not:
+    # the failure is still there (a dead rank keeps the trainer hung) until something recovers it.
+    if recovered_t is not None:
         status = "recovered"
+    elif decided_name == "rejected":
+        status = REJECTED_OPEN
     else:
         status = "open"
     return Incident(
@@ -862,6 +894,11 @@ def throughput_notes(inc: Incident) -> list[str]:
     )
     after = (
         f"median of {b['after_iterations']} iterations after {b['after_from']}"
+        + (
+            f", up to the onset of the next failure ({b['after_until_report']})"
+            if b.get("after_until_report")
+            else ""
+        )
         if b["after_from"]
         else "none yet (neither recovered nor a plan applied)"
     )

@@ -1,7 +1,8 @@
 """Prometheus ``/metrics`` on the dashboard's own Flask server (text exposition format 0.0.4).
 
 One scrape covers every job in ``resihp:jobs``: latest iteration time,
-predicted healthy time, throughput, whether the job runs and its services are up,
+predicted healthy time, throughput, the latest iteration's age, whether the job runs, hangs
+or stalls and its services are up,
 whether its liveness is being judged, failures by kind, plans by state, per-device
 p_i and node heartbeat age, plus the job's ``*_total`` counters hash.
 """
@@ -23,6 +24,7 @@ from resihp.bus import liveness_judged
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+PROGRESS_STATES = ("running", "hung", "stalled", "finished")
 
 
 def _esc(v: object) -> str:
@@ -112,6 +114,26 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
         )
         if st.get("state") in ("running", "finished"):
             w.sample("resihp_job_running", _labels(job=job), st["state"] == "running")
+        pr = data.progress(job)
+        if pr.get("last_iteration_age_s") is not None:
+            w.family(
+                "resihp_last_iteration_age_seconds",
+                "gauge",
+                "Seconds since the collector published the job's latest iteration (Redis clock).",
+            )
+            w.sample(
+                "resihp_last_iteration_age_seconds", _labels(job=job), pr["last_iteration_age_s"]
+            )
+        if pr.get("state") is not None:
+            w.family(
+                "resihp_job_progress",
+                "gauge",
+                "1 for the job's progress state as resihp status judges it: running, hung (a "
+                "rank died and the trainer waits for a plan), stalled (no iteration for 10 "
+                "iteration times) or finished; 0 for the others.",
+            )
+            for state in PROGRESS_STATES:
+                w.sample("resihp_job_progress", _labels(job=job, state=state), pr["state"] == state)
         services = data.service_health(job)
         w.family(
             "resihp_service_up",

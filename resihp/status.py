@@ -115,7 +115,7 @@ def _entry_time_s(entry_id: bytes | str) -> float | None:
         return None
 
 
-def _redis_now_s(client) -> float:
+def redis_now_s(client) -> float:
     """Redis's clock, the one stream entry ids are written on: an age computed against it
     does not depend on how far this host's clock is off."""
     sec, usec = client.time()
@@ -304,7 +304,7 @@ def refused_reports(
     return out
 
 
-def _progress(
+def job_progress(
     job_state: dict | None,
     trainer: dict | None,
     it: IterationRecord | None,
@@ -355,7 +355,7 @@ def _progress(
 
 def job_status(client, job_id: str) -> dict[str, Any]:
     keys = JobKeys(job_id)
-    now_s = _redis_now_s(client)
+    now_s = redis_now_s(client)
     counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
     plans = latest_plans(client, keys)
     by_state: dict[str, int] = {}
@@ -377,7 +377,9 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         state = None
     state = state if isinstance(state, dict) else None
     services = Health.all(client, keys)
-    progress = _progress(state, services.get("trainer:0"), it, published_at_s, now_s, dead, layout)
+    progress = job_progress(
+        state, services.get("trainer:0"), it, published_at_s, now_s, dead, layout
+    )
     applied = [p for p in plans.values() if p.state == "applied"]
     last_applied_s = max((p.updated_at_s for p in applied), default=0.0)
     return {
@@ -462,7 +464,7 @@ def collect_status(url: str, job_id: str | None = None) -> dict[str, Any]:
 # ---------------------------------------------------------------- text
 
 
-def _ago(s: float) -> str:
+def ago_text(s: float) -> str:
     s = max(0, round(s))
     if s < 60:
         return f"{s} s"
@@ -516,7 +518,7 @@ def _waiting(js: dict[str, Any]) -> str:
     return line
 
 
-def _stall_headline(js: dict[str, Any]) -> str | None:
+def stall_headline(js: dict[str, Any]) -> str | None:
     """A hung or stalled job, said first: a trainer that stopped keeps its health key and
     its last iteration, which read as a healthy job."""
     pr = js.get("progress") or {}
@@ -527,7 +529,7 @@ def _stall_headline(js: dict[str, Any]) -> str | None:
     if pr["state"] == "hung":
         head = "trainer HUNG" + (f" since {_clock(pr['since_s'])}" if pr.get("since_s") else "")
     else:
-        head = f"NOT PROGRESSING: no new iteration for {_ago(pr['last_iteration_age_s'])}"
+        head = f"NOT PROGRESSING: no new iteration for {ago_text(pr['last_iteration_age_s'])}"
         if "trainer:0" not in (js.get("services") or {}):
             why.append("trainer not reporting")
     if why:
@@ -535,6 +537,35 @@ def _stall_headline(js: dict[str, Any]) -> str | None:
     if pr["state"] == "hung" or dead:
         head += ", " + _waiting(js)
     return head
+
+
+def stall_headline_of(
+    client,
+    keys: JobKeys,
+    progress: dict[str, Any],
+    plans: dict[int, AdaptationPlan],
+    services: dict[str, dict],
+    counters: dict[str, int],
+) -> str | None:
+    """:func:`stall_headline` from what a caller already holds (the dashboard keeps the
+    plans, services and device health cached): the few reads left happen only for a job
+    that is hung or stalled."""
+    if progress.get("state") not in ("hung", "stalled"):
+        return None
+    applied_s = max((p.updated_at_s for p in plans.values() if p.state == "applied"), default=0.0)
+    js = {
+        "progress": progress,
+        "services": services,
+        "awaiting_plans": [
+            _plan_dict(p)
+            for p in sorted(plans.values(), key=lambda p: p.plan_id)
+            if p.state in AWAITING
+        ],
+        "turned_down_plans": turned_down_plans(client, keys, plans),
+        "refused_reports": refused_reports(client, keys, applied_s),
+        "counters": counters,
+    }
+    return stall_headline(js)
 
 
 def _pending(st: dict[str, Any]) -> int:
@@ -554,16 +585,16 @@ def summary_line(st: dict[str, Any]) -> str:
         + f" | pending plans {_pending(st)}"
         f" | services up {sum(1 for s in st['services'].values() if s.get('status') == 'ok')}"
     )
-    head = _stall_headline(st)
+    head = stall_headline(st)
     if head:
         # the last rate and iteration time are stale: left out rather than shown as current
         last = f"last iter {it['iteration']}" if it else "no iteration yet"
         if age is not None:
-            last += f", {_ago(age)} ago"
+            last += f", {ago_text(age)} ago"
         return f"[{st['job_id']}] {head} | {last}{tail}"
     return (
         f"[{st['job_id']}] iter {it.get('iteration', '-')}"
-        + (f" ({_ago(age)} ago)" if age is not None else "")
+        + (f" ({ago_text(age)} ago)" if age is not None else "")
         + f" | {it.get('samples_per_s', 0.0):6.2f} samples/s"
         f" | iter {it.get('iteration_time_s', 0.0):6.3f}s" + tail
     )
@@ -575,13 +606,17 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append("no jobs have reported yet")
     for js in st["jobs"].values():
         lines.append(summary_line(js))
-        stalled = _stall_headline(js) is not None
+        stalled = stall_headline(js) is not None
         it = js.get("last_iteration")
         if stalled and it:
             lines.append(
                 f"  last iteration: {it['iteration']}"
                 + ("" if it.get("complete", True) else " (incomplete)")
-                + (f", published {_ago(it['age_s'])} ago" if it.get("age_s") is not None else "")
+                + (
+                    f", published {ago_text(it['age_s'])} ago"
+                    if it.get("age_s") is not None
+                    else ""
+                )
                 + f" ({it['iteration_time_s']:.3f} s, {it['samples_per_s']:.2f} samples/s)"
             )
         lines.append(f"  layout: {js['layout_summary']}")

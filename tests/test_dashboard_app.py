@@ -278,6 +278,20 @@ def test_overview_shows_liveness_events(app, r):
     )
     text = json.dumps(_overview(app)["ov-cards"])
     assert "node 1 dead" in text and "card bad" in text
+    # another rank died, then node 1 re-joined: the red card names who is still dead
+    for scope, node, ranks, state, t in (
+        ("rank", 3, [30], "dead", 1.0e9 + 5),
+        ("node", 1, list(range(8, 16)), "alive", 1.0e9 + 9),
+    ):
+        bus.publish(
+            r,
+            JobKeys("job-a").liveness,
+            LivenessEvent(
+                scope=scope, node=node, ranks=ranks, state=state, detected_at_s=t, last_seen_s=t
+            ),
+        )
+    text = json.dumps(_overview(app)["ov-cards"])
+    assert "node 1 alive" in text and "still dead: 30" in text and "card bad" in text
 
 
 def test_redis_outage_shows_a_banner_not_an_error():

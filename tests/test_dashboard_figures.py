@@ -270,6 +270,11 @@ def test_evidence_figure_and_failure_rows():
     h.severity = {"3": 0.9, "4": 0.4}
     fig = figures.evidence_figure(h)
     assert list(fig.data[0].y) == [0.4, 0.9] and fig.layout.annotations[0].text == "per-rank p_i"
+    # a dead rank (p = 0) has no bar: its value is written, on a 0..1 axis (plotly's
+    # automatic range for all-zero bars was -1..1, an empty-looking chart)
+    h.severity = {"150": 0.0}
+    fig = figures.evidence_figure(h)
+    assert list(fig.data[0].text) == ["0.00 dead"] and tuple(fig.layout.yaxis.range) == (0, 1.1)
     row = figures.failure_rows([f], 8)[0]
     assert row["ranks"] == "3, 4" and row["nodes"] == "0" and row["kind"] == "fail_slow_comm"
     json.dumps(row)

@@ -420,7 +420,8 @@ def test_operator_actions_carry_the_schedulers_verdict(r):
     # A refused action marks no phase: the trainer's "applied" did not happen.
     ph = {p.name: p for p in inc.phases}
     assert ph["applied"].at_s is None and ph["rejected"].detail == "plan 1 by alice"
-    assert inc.status == "rejected"
+    # nothing recovered the dead rank: the incident stays open, saying why
+    assert inc.status == incidents.REJECTED_OPEN and inc.is_open
 
     md = incidents.to_markdown(inc)
     assert _action_cells(md, "bob")[1:] == [
@@ -732,7 +733,39 @@ def test_a_rejection_turned_into_an_override_is_not_the_incidents_decision():
     assert over["at_s"] == at[36]
     assert over["detail"].startswith("plan 1 by bob") and "rejected by alice" in over["detail"]
     assert names[-2:] == ["applied", "throughput recovered"]
-    # without the override the rejection still stands
+    # without the override the rejection still stands, and the throughput that came back
+    # (the GPU recovered on its own) still closes the incident
     only = incidents.build_incident("j", "x", [f], hist[:2], acts[:1], rows, audit=audit[:1])
-    assert only.status == "rejected"
+    assert only.status == "recovered" and not only.is_open
     assert "rejected" in [p["phase"] for p in only.phase_rows()]
+    # cut before the throughput came back: open, and the rejection is why
+    early = incidents.build_incident("j", "x", [f], hist[:2], acts[:1], rows[:38], audit=audit[:1])
+    assert early.status == incidents.REJECTED_OPEN
+
+
+def test_after_ends_where_the_next_failure_began():
+    """The incident said "throughput recovered" beside an "after" median 11 % below
+    "before": its 50-iteration window ran into the next failure's slowdown."""
+    from resihp.schemas import FailureReport
+
+    rows, at = _rows([100.0] * 30 + [60.0] * 5 + [100.0] * 10 + [50.0] * 40)
+    f = _slow_at_32(at)
+    later = FailureReport(
+        report_id="y",
+        kind="fail_slow_compute",
+        ranks=[6],
+        nodes=[0],
+        detected_at_s=at[47],
+        iteration=47,
+        evidence={"change_point": 45},
+    )
+    inc = incidents.build_incident("j", "x", [f, later], [], [], rows)
+    assert inc.status == "recovered"
+    assert inc.throughput["after"] == 100.0, inc.throughput
+    assert inc.throughput_basis["after_until_report"] == "y"
+    assert any("next failure (y)" in n for n in incidents.throughput_notes(inc))
+    # alone, the same window takes the slow iterations in (median 50)
+    alone = incidents.build_incident("j", "x", [f], [], [], rows)
+    assert (
+        alone.throughput["after"] == 50.0 and alone.throughput_basis["after_until_report"] is None
+    )

@@ -4,6 +4,7 @@ twice, a node number that does not exist, pages refreshed with a hundred failure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -60,6 +61,40 @@ def test_overview_finds_an_old_open_incident_behind_many_closed_ones(r, redis_se
 
 
 @pytest.mark.redis
+def test_an_incident_whose_plan_was_rejected_stays_open_on_the_overview(r, redis_server):
+    """The operator rejected the plan and nothing recovered: the incident was listed as
+    "rejected" and dropped from the overview's open incidents while the job stayed hurt."""
+    publish_job(r, "job-a", iterations=60, slow_from=40, plan_state="rejected")
+    text = json.dumps(_overview(_app(r, redis_server))["ov-incidents"])
+    assert "fr-slow-1" in text, text[:300]
+
+
+@pytest.mark.redis
+def test_an_incident_link_selects_its_incident_on_the_first_refresh(r, redis_server):
+    """``/incidents?id=`` showed the newest incident: the first refresh after a page load
+    comes from the timer, and only a refresh triggered by the URL read ``?id=``."""
+    sc = publish_job(r, "job-a", iterations=60, slow_from=40)
+    newer = FailureReport(
+        report_id="later-1",
+        kind="fail_slow_comm",
+        ranks=[9],
+        nodes=[1],
+        iteration=55,
+        detected_at_s=sc["failure"].detected_at_s + 5,
+    )
+    bus.publish(r, sc["keys"].failures, newer)
+    app = _app(r, redis_server)
+
+    def first_refresh(search):
+        vals = {"tick.n_intervals": 1, "job.value": "job-a", "url.search": search}
+        return dash_call(app, "in-select", vals, "tick.n_intervals")["in-select"]["value"]
+
+    assert first_refresh("?job=job-a&id=fr-slow-1") == "fr-slow-1"
+    assert first_refresh("") == "later-1"  # no link: the newest
+    assert first_refresh("?id=no-such") == "later-1"
+
+
+@pytest.mark.redis
 def test_dead_devices_from_the_detector_count_as_dead_not_slow(r, redis_server):
     sc = publish_job(r, "job-a", iterations=20, slow_from=12)
     r.hset(sc["keys"].device_health, "3", json.dumps({"p": 0.0, "state": "dead"}))
@@ -99,6 +134,20 @@ def test_skew_says_when_a_node_does_not_exist(r, redis_server):
     assert out["sk-where"]["children"].endswith("showing all nodes, 32 nodes per row (min p_i)")
     out = dash_call(app, "sk-where", {**base, "sk-selected-node.data": 97}, "sk-tick.n_intervals")
     assert out["sk-status"]["children"] == "" and "node 97" in json.dumps(out["sk-node-detail"])
+
+    def goto(node, stack):
+        vals = {"sk-node.value": node, "sk-drill.data": stack}
+        return dash_call(app, "sk-drill", vals, "sk-node.value")
+
+    # a jump replaces the drill path (each jump was one more "Up one level" to click)
+    out = goto(97, [[0, 32], [0, 1]])
+    assert out["sk-drill"]["data"] == [[64, 128]] and out["sk-selected-node"]["data"] == 97
+    # a negative node reaches the refresh's banner; a cleared box clears the selection
+    out = goto(-1, [[96, 128]])
+    assert out["sk-drill"]["data"] == [] and out["sk-selected-node"]["data"] == -1
+    out = dash_call(app, "sk-where", {**base, "sk-selected-node.data": -1}, "sk-tick.n_intervals")
+    assert "node -1 does not exist" in json.dumps(out["sk-status"])
+    assert goto(None, [[96, 128]])["sk-selected-node"]["data"] is None
 
 
 def test_failure_lines_are_one_layout_update():
@@ -391,3 +440,77 @@ def test_a_plan_from_a_layout_that_cannot_run_says_so(r, redis_server):
     after = f"{plan.predicted_after_s:.3f} s"
     assert f"predicted iteration time cannot run \\u2192 {after}" in text
     assert "-1.000" not in text
+
+
+@pytest.mark.redis
+def test_the_plans_page_follows_the_job_and_newer_proposals(r, redis_server):
+    """Switching jobs kept the other job's plan 1 and its override inputs (a partition of
+    16 stages offered against a 2-stage plan); a plan the page chose itself stayed on
+    screen, superseded, while a newer one waited for a decision."""
+    from dashboard_scenario import publish_plan
+
+    a = publish_job(r, "job-a", iterations=20, slow_from=12)
+    b = publish_job(r, "job-b", iterations=20, slow_from=12)
+    b["plan"].after = {**b["plan"].after, "layers": [9, 7, 8, 8]}
+    publish_plan(r, b["keys"], b["plan"])
+    app = _app(r, redis_server)
+
+    def refresh(job, selected, auto, trigger="tick.n_intervals"):
+        vals = {"tick.n_intervals": 1, "job.value": job, "pl-plan.value": selected}
+        vals["pl-auto.data"] = auto
+        out = dash_call(app, "pl-summary", vals, trigger)
+        return out
+
+    out = refresh("job-a", None, None)
+    assert out["pl-plan"]["value"] == 1 and out["pl-auto"]["data"] == 1
+    # the same plan id in another job: chosen again, and the inputs refilled from job-b's plan
+    out = refresh("job-b", 1, 1, trigger="job.value")
+    assert out["pl-auto"]["data"] == 1
+    pre = dash_call(app, "pl-ov-layers", {"pl-plan.value": 1, "job.value": "job-b"}, "job.value")
+    assert pre["pl-ov-layers"]["value"] == "9,7,8,8"
+    assert pre["pl-ov-drop"]["value"] == "" and pre["pl-ov-keep"]["value"] == ""
+
+    # job-a: plan 1 superseded by plan 2, proposed
+    old = a["plan"]
+    old.state = "superseded"
+    publish_plan(r, a["keys"], old)
+    new = dataclasses.replace(old)
+    new.plan_id, new.state = 2, "proposed"
+    publish_plan(r, a["keys"], new)
+    out = refresh("job-a", 1, 1)
+    assert out["pl-plan"]["value"] == 2 and out["pl-auto"]["data"] == 2
+    # the operator picked plan 1 on purpose: it stays, and the page says plan 2 waits
+    out = refresh("job-a", 1, 2, trigger="pl-plan.value")
+    assert out.get("pl-plan", {}).get("value", 1) == 1  # no_update or 1
+    assert "plan 2 is proposed and waits for a decision" in json.dumps(out["pl-status"])
+
+
+@pytest.mark.redis
+def test_a_hung_job_says_so_on_the_overview_and_in_metrics(r, redis_server):
+    """A trainer hung on a rejected plan: the overview showed the last iteration's rate as
+    if current, with no banner, and /metrics had nothing an alert could hold on to."""
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12, plan_state="rejected")
+    keys = sc["keys"]
+    for name in ("collector", "detector", "scheduler"):
+        bus.Health(r, keys, name).beat("ok")
+    bus.Health(r, keys, "trainer").beat("ok", state="running")
+    app = _app(r, redis_server)
+    out = _overview(app)
+    assert out["ov-status"]["children"] == ""
+    assert _cards(out)["iteration"][2] == "card"
+    assert 'resihp_job_progress{job="job-a",state="running"} 1.0' in _metrics(app)
+
+    bus.Health(r, keys, "trainer").beat("ok", state="hung", iteration=19)
+    out = _overview(app)
+    text = json.dumps(out["ov-status"])
+    assert "trainer HUNG" in text and "plan 1 was rejected" in text, text
+    value, sub, cls = _cards(out)["iteration"]
+    assert "published" in sub and cls == "card bad", (sub, cls)
+    metrics = _metrics(app)
+    assert 'resihp_job_progress{job="job-a",state="hung"} 1.0' in metrics
+    assert 'resihp_job_progress{job="job-a",state="running"} 0.0' in metrics
+    assert 'resihp_last_iteration_age_seconds{job="job-a"}' in metrics
+
+
+def _metrics(app) -> str:
+    return app.server.test_client().get("/metrics").get_data(as_text=True)

@@ -133,9 +133,12 @@ def register(app, ctx: AppContext) -> None:
         ]
         value = current
         trig = dash_ctx.triggered_id
-        if trig == "url":
+        if trig == "url" or current is None:
+            # ``?id=`` also on the page's first refresh: after a page load or a link into
+            # the page the first call comes from the timer or the job, not from the URL
             want = parse_qs((search or "").lstrip("?")).get("id", [None])[0]
-            value = want or value
+            if want in {r["incident"] for r in data} or trig == "url":
+                value = want or value
         elif trig == "in-table" and selected_rows and table:
             value = table[selected_rows[0]]["incident"] if selected_rows[0] < len(table) else value
         if value is None and data:

@@ -11,6 +11,7 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dashboard import figures, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
+from resihp import status
 from resihp.bus import liveness_judged
 
 PATH = "/"
@@ -107,6 +108,11 @@ def services(
     return out
 
 
+def _rank_list(ranks: set[int], shown: int = 6) -> str:
+    r = sorted(ranks)
+    return ", ".join(map(str, r[:shown])) + (f" (+{len(r) - shown})" if len(r) > shown else "")
+
+
 def dead_after(events) -> set[int]:
     """Ranks whose latest liveness event (in stream order) says dead."""
     state: dict[int, str] = {}
@@ -136,7 +142,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
         inc = incidents.build_incident(
             job, f.report_id, fails, hist, acts, wrows, audit=audit, now_s=now, layouts=lays
         )
-        if inc.status == "open":
+        if inc.is_open:
             open_inc.append(inc)
             if len(open_inc) == OPEN_SHOWN:
                 break
@@ -149,6 +155,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
         "open_incidents": open_inc,
         "health": d.service_health(job),
         "job_state": d.job_state(job),
+        "progress": d.progress(job),
         "liveness": d.liveness(job)[-20:],
         "device_health": d.device_health(job),
         "layout_since_s": figures.layout_since_s(lays, lay.layout_id if lay else None),
@@ -164,6 +171,10 @@ def job_banner(s: dict[str, Any]) -> Any:
         why = f" ({st['reason']})" if st.get("reason") else ""
         when = figures._ts(st["at_s"]).strftime(" at %Y-%m-%d %H:%M:%S") if st.get("at_s") else ""
         return banner(f"This job finished{why}{when}: showing its history.", "info")
+    head = (s.get("progress") or {}).get("headline")
+    if head:
+        # what `resihp status` says first: the last iteration's figures are not current
+        return banner(f"Job {head}.", "error")
     if liveness_judged(col) is False:
         return banner(
             "No telemetry from this job since before the collector started (its trainer "
@@ -238,13 +249,13 @@ def register(app, ctx: AppContext) -> None:
         )
         if rows:
             last = rows[-1]
-            cards.append(
-                card(
-                    "iteration",
-                    last["iteration"],
-                    f"{last['iteration_time_s']:.3f} s, {last['samples_per_s']:.1f} samples/s",
-                )
-            )
+            pr = s["progress"]
+            age = pr.get("last_iteration_age_s")
+            stuck = pr.get("state") in ("hung", "stalled")
+            sub = f"{last['iteration_time_s']:.3f} s, {last['samples_per_s']:.1f} samples/s"
+            if age is not None and (stuck or age > max(5.0, 3 * last["iteration_time_s"])):
+                sub += f"; published {status.ago_text(age)} ago"
+            cards.append(card("iteration", last["iteration"], sub, "bad" if stuck else ""))
         live = s["liveness"]
         if live:
             last = live[-1]
@@ -254,7 +265,9 @@ def register(app, ctx: AppContext) -> None:
                     "liveness",
                     f"{last.scope} {last.node if last.scope == 'node' else last.ranks[:4]} {last.state}",
                     f"at {figures._ts(last.detected_at_s).strftime('%H:%M:%S')}; "
-                    f"{len(live)} recent events",
+                    f"{len(live)} recent events"
+                    # the red is about these, whatever the latest event says
+                    + (f"; still dead: {_rank_list(dead_now)}" if dead_now else ""),
                     "bad" if dead_now else "ok",
                 )
             )

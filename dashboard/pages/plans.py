@@ -93,6 +93,8 @@ def layout(ctx: AppContext) -> html.Div:
                     html.Div(id="pl-action-outcome"),
                     dcc.Store(id="pl-last-action"),
                     dcc.Store(id="pl-sig"),
+                    # the plan the page picked itself (not the operator): it follows newer plans
+                    dcc.Store(id="pl-auto"),
                 ],
                 className="panel",
             ),
@@ -279,28 +281,52 @@ def register(app, ctx: AppContext) -> None:
         Output("pl-actions", "children"),
         Output("pl-action-outcome", "children"),
         Output("pl-sig", "data"),
+        Output("pl-auto", "data"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
         Input("pl-plan", "value"),
         Input("pl-last-action", "data"),
         State("pl-plan", "options"),
         State("pl-sig", "data"),
+        State("pl-auto", "data"),
     )
-    @redis_safe(9)
-    def refresh(_n, job, selected, last_action, options, last_sig):
+    @redis_safe(10)
+    def refresh(_n, job, selected, last_action, options, last_sig, auto):
         if not job:
-            return banner("no job selected", "info"), [], None, "", "", "", "", "", None
+            return banner("no job selected", "info"), [], None, "", "", "", "", "", None, None
         orig = selected
         plans = ctx.data.plans(job)
         ordered = sorted(plans.values(), key=lambda p: p.plan_id, reverse=True)
         audit_all = ctx.data.audit(job)
         acts_all = ctx.data.actions(job)
+        pending = [p for p in ordered if p.state == "proposed"]
+        if dash_ctx.triggered_id == "job" or selected not in plans:
+            # another job's plan 1 is not this job's plan 1: choose again
+            selected = None
+        elif selected == auto and pending and pending[0].plan_id != selected:
+            # the page chose the plan shown, not the operator: a newer proposal comes into view
+            selected = None
+        if selected is None:
+            selected = (pending or ordered or [None])[0]
+            selected = selected.plan_id if selected else None
+            auto = selected
+        waiting = [p.plan_id for p in pending if p.plan_id != selected]
+        status = (
+            banner(
+                f"plan {waiting[0]} is proposed and waits for a decision "
+                f"(this page shows plan {selected}): select it to act on it",
+                "warn",
+            )
+            if waiting
+            else ""
+        )
         # Re-render only on change: a redraw every tick would reset the tables' paging.
         sig = hashlib.sha1(
             json.dumps(
                 [
                     job,
                     selected,
+                    auto,
                     last_action,
                     [p.to_dict() for p in ordered],
                     len(audit_all),
@@ -310,12 +336,8 @@ def register(app, ctx: AppContext) -> None:
             ).encode()
         ).hexdigest()
         if sig == last_sig:
-            return ("",) + (no_update,) * 7 + (sig,)
+            return (status,) + (no_update,) * 7 + (sig, auto)
         opts = [{"label": _plan_label(p), "value": p.plan_id} for p in ordered]
-        if selected not in plans:
-            pending = [p for p in ordered if p.state == "proposed"]
-            selected = (pending or ordered or [None])[0]
-            selected = selected.plan_id if selected else None
         summary = (
             _summary(plans[selected], plans)
             if selected in plans
@@ -373,7 +395,7 @@ def register(app, ctx: AppContext) -> None:
             style_cell={"fontSize": 12, "textAlign": "left"},
         )
         return (
-            "",
+            status,
             opts if opts != options else no_update,
             selected if selected != orig else no_update,
             summary,
@@ -382,25 +404,30 @@ def register(app, ctx: AppContext) -> None:
             act_t,
             _outcome(audit, last_action),
             sig,
+            auto,
         )
 
     @app.callback(
         Output("pl-ov-layers", "value"),
         Output("pl-ov-migration", "value"),
+        Output("pl-ov-drop", "value"),
+        Output("pl-ov-keep", "value"),
         Input("pl-plan", "value"),
-        State("job", "value"),
+        Input("job", "value"),
     )
     def prefill(plan_id, job):
+        # Every override input belongs to the plan (and job) it was typed for: another
+        # plan gets its own partition and empty drop/keep lists, never the last one's.
         if not job or plan_id is None:
-            return no_update, no_update
+            return "", ["on"], "", ""
         try:
             p = ctx.data.plans(job).get(plan_id)
         except redis.RedisError:
-            return no_update, no_update  # the page's status line reports the outage
+            return no_update, no_update, no_update, no_update  # the status line says why
         if p is None:
-            return no_update, no_update
+            return "", ["on"], "", ""
         lay = p.after.get("layers") or []
-        return ",".join(map(str, lay)), (["on"] if p.after.get("migrations") else [])
+        return ",".join(map(str, lay)), (["on"] if p.after.get("migrations") else []), "", ""
 
     @app.callback(
         Output("pl-action-result", "children"),

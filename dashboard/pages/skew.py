@@ -28,7 +28,12 @@ def layout(ctx: AppContext) -> html.Div:
                     html.Button("Up one level", id="sk-up"),
                     html.Label(" go to node "),
                     dcc.Input(
-                        id="sk-node", type="number", min=0, debounce=True, style={"width": "90px"}
+                        # no min: a negative number gets the "does not exist" banner, where
+                        # min=0 turned it into no value and left the last answer on screen
+                        id="sk-node",
+                        type="number",
+                        debounce=True,
+                        style={"width": "90px"},
                     ),
                     html.Span(id="sk-where", style={"marginLeft": "12px"}),
                 ],
@@ -134,10 +139,13 @@ def register(app, ctx: AppContext) -> None:
         if trig == "sk-up":
             return stack[:-1], None
         if trig == "sk-node":
-            if node is None:
-                return no_update, no_update
+            if node is None:  # cleared: no node selected
+                return no_update, None
+            if int(node) < 0:
+                return [], int(node)  # refused with a banner by the refresh
+            # a jump, not one more level: "Up one level" then goes back to all nodes
             lo = int(node) - int(node) % max_rows
-            return [*stack, [lo, lo + max_rows]], int(node)
+            return [[lo, lo + max_rows]], int(node)
         if trig == "sk-heatmap" and click and click.get("points"):
             rng = row_range(click["points"][0])
             if rng is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -168,6 +169,9 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         where = page.locator("#sk-where")
         expect(where).to_contain_text("16384 devices on 2048 nodes", timeout=30_000)
         expect(where).to_contain_text("32 nodes per row")
+        # the URL and the nav links follow the selector: a reload or a shared link keeps it
+        expect(page).to_have_url(re.compile(r"/skew\?job=big$"))
+        expect(page.locator("#nav-timeline")).to_have_attribute("href", "/timeline?job=big")
         page.wait_for_timeout(500)
         page.screenshot(path=str(SHOTS / "skew_heatmap_16k.png"), full_page=True)
 
