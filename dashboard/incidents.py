@@ -556,21 +556,38 @@ def build_incident(
     # A rejection the operator later turned into an override (or a later plan for the same
     # failure that was acknowledged) is not the incident's decision: the first decision that
     # let a plan go ahead is, and the rejection before it stays in the phase's detail.
-    rejected_snap = first_snap(("rejected",))
-    decided_snap = first_snap(("acknowledged", "overridden")) or rejected_snap
+    # An acknowledgement the same plan's later rejection undid (acknowledged, then rejected
+    # before the trainer took it up) let nothing go ahead either.
+    def undone(snap: AdaptationPlan) -> bool:
+        t = snap.updated_at_s or snap.created_at_s
+        return snap.state == "acknowledged" and any(
+            p.plan_id == snap.plan_id
+            and p.state == "rejected"
+            and (p.updated_at_s or p.created_at_s) >= t
+            for p in snaps
+        )
+
+    rejections = [p for p in snaps if p.state == "rejected"]
+    decided_snap = next(
+        (p for p in snaps if p.state in ("acknowledged", "overridden") and not undone(p)),
+        rejections[-1] if rejections else None,
+    )
     decided_t, decided_name, decided_detail = None, "acknowledged", ""
     if decided_snap is not None:
         decided_t = decided_snap.updated_at_s or decided_snap.created_at_s
         decided_name = decided_snap.state
         who = actor_of(decided_snap)
         decided_detail = f"plan {decided_snap.plan_id}" + (f" by {who}" if who else "")
-        if rejected_snap is not None and decided_snap is not rejected_snap:
+        # the newest rejection before the decision, if the decision was not itself one
+        before = [p for p in rejections if (p.updated_at_s or p.created_at_s) <= decided_t]
+        if before and decided_snap.state != "rejected":
+            rejected_snap = before[-1]
             rt = rejected_snap.updated_at_s or rejected_snap.created_at_s
             rwho = actor_of(rejected_snap)
             decided_detail += (
                 f" (after plan {rejected_snap.plan_id} was rejected"
                 + (f" by {rwho}" if rwho else "")
-                + f", {max(0.0, decided_t - rt):.1f} s earlier)"
+                + f", {decided_t - rt:.1f} s earlier)"
             )
     else:
         decided_act = first_act(("acknowledge",)) or first_act(("reject",))

@@ -301,7 +301,15 @@ class Health:
         if now - self._last < self.ttl_s / 4 and status == "ok" and not extra:
             return
         self._last = now
-        payload = {"service": self.service, "pid": os.getpid(), "at_s": now, "status": status}
+        payload = {
+            "service": self.service,
+            "pid": os.getpid(),
+            # with the pid, lets a reader on the same host see a process that died
+            # before its key expired
+            "host": socket.gethostname(),
+            "at_s": now,
+            "status": status,
+        }
         payload.update(extra)
         try:
             self.client.set(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -377,6 +378,11 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         state = None
     state = state if isinstance(state, dict) else None
     services = Health.all(client, keys)
+    for h in services.values():
+        gone = _pid_gone(h)
+        if gone is not None:
+            h["pid_alive"] = not gone
+    finished = (state or {}).get("state") == "finished"
     progress = job_progress(
         state, services.get("trainer:0"), it, published_at_s, now_s, dead, layout
     )
@@ -387,6 +393,11 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         # what the trainer last said: running, or finished on purpose (None: never said)
         "job_state": state,
         "services": services,
+        # the services a running job needs that have no health key: never started, left
+        # down by `resihp up` after repeated crashes, or stopped reporting
+        "missing_services": []
+        if finished
+        else [n for n in REQUIRED_SERVICES if not any(k.startswith(n + ":") for k in services)],
         "layout": layout.to_dict() if layout else None,
         "layout_summary": layout.summary() if layout else layout_error,
         "last_iteration": None
@@ -437,6 +448,29 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         "failed_devices": len(failed),
         "counters": counters,
     }
+
+
+#: The services without which failures go unanswered (the dashboard is optional).
+REQUIRED_SERVICES = ("collector", "detector", "scheduler")
+
+
+def _pid_gone(h: dict[str, Any]) -> bool | None:
+    """Whether the process behind a health key is gone: only known on its own host (None
+    elsewhere). A killed service's key outlives it by up to its TTL (10 s)."""
+    pid = h.get("pid")
+    if h.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _up(h: dict[str, Any]) -> bool:
+    return h.get("status") == "ok" and h.get("pid_alive", True)
 
 
 def _job_known(client, keys: JobKeys, jobs: list[str]) -> bool:
@@ -583,7 +617,8 @@ def summary_line(st: dict[str, Any]) -> str:
         f" | open failures {n_open}"
         + (f" ({n_dev} devices)" if n_dev != n_open else "")
         + f" | pending plans {_pending(st)}"
-        f" | services up {sum(1 for s in st['services'].values() if s.get('status') == 'ok')}"
+        f" | services up {sum(1 for s in st['services'].values() if _up(s))}"
+        + (f" ({', '.join(st['missing_services'])} down)" if st.get("missing_services") else "")
     )
     head = stall_headline(st)
     if head:
@@ -624,7 +659,14 @@ def format_status(st: dict[str, Any]) -> str:
         for name, h in sorted(js["services"].items()):
             state = h.get("state")
             shown = f", state {state}" if state and state != h.get("status") else ""
+            if h.get("pid_alive") is False:
+                shown += ", but its process is gone (the key expires in seconds)"
             lines.append(f"  service {name}: {h.get('status')}{shown} (pid {h.get('pid')})")
+        for name in js.get("missing_services", []):
+            lines.append(
+                f"  service {name}: DOWN (no health key: not running, left down after repeated "
+                "crashes, or not reporting; failures go unanswered)"
+            )
         finished = (js.get("job_state") or {}).get("state") == "finished"
         for p in js.get("awaiting_plans", []):
             lines.append("  " + _plan_line(js["job_id"], p, finished, st.get("act_args", "")))

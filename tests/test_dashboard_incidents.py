@@ -769,3 +769,47 @@ def test_after_ends_where_the_next_failure_began():
     assert (
         alone.throughput["after"] == 50.0 and alone.throughput_basis["after_until_report"] is None
     )
+
+
+def test_an_acknowledgement_undone_by_a_rejection_is_not_the_decision():
+    """bob acknowledged plan 1, carol rejected it a moment later (before the trainer took
+    it up), dave overrode it and his plan 2 was applied. The report credited bob "after
+    plan 1 was rejected by carol, 0.0 s earlier" (the rejection came after) and left dave's
+    override out."""
+    from resihp.schemas import OperatorAction
+
+    rows, at = _rows([100.0] * 30 + [60.0] * 10 + [100.0] * 15)
+    f = _slow_at_32(at)
+    child = [
+        _plan(2, "acknowledged", at[36], at[36], ["x"]),
+        _plan(2, "applied", at[36], at[38], ["x"]),
+    ]
+    for p in child:
+        p.parent_plan_id = 1
+    hist = [
+        _plan(1, "proposed", at[33], at[33], ["x"]),
+        _plan(1, "acknowledged", at[33], at[34], ["x"]),
+        _plan(1, "rejected", at[33], at[34] + 0.1, ["x"]),
+        _plan(1, "overridden", at[33], at[36], ["x"]),
+        *child,
+    ]
+    acts = [
+        OperatorAction(action="acknowledge", plan_id=1, actor="bob", at_s=at[34] - 0.01),
+        OperatorAction(action="reject", plan_id=1, actor="carol", at_s=at[34] + 0.09),
+        OperatorAction(action="override", plan_id=1, actor="dave", at_s=at[36] - 0.01,
+                       override={"migration": False}),
+    ]  # fmt: skip
+    audit = [
+        {"actor": a.actor, "action": a.action, "plan_id": "1", "at_s": str(a.at_s),
+         "result": "ok", "note": "", "action_id": a.action_id}
+        for a in acts
+    ]  # fmt: skip
+    inc = incidents.build_incident("j", "x", [f], hist, acts, rows, audit=audit)
+    tl = {p["phase"]: p for p in inc.phase_rows()}
+    assert "acknowledged" not in tl and tl["overridden"]["at_s"] == at[36], list(tl)
+    detail = tl["overridden"]["detail"]
+    gap = at[36] - (at[34] + 0.1)
+    assert (
+        gap > 0
+        and detail == f"plan 1 by dave (after plan 1 was rejected by carol, {gap:.1f} s earlier)"
+    )

@@ -331,3 +331,34 @@ def test_open_failures_are_reports_not_devices(redis_server, r):
         r.hset(keys.device_health, str(rank), json.dumps({"p": 0.6, "state": "slow"}))
     js = collect_status(redis_server.url, "openf")["jobs"]["openf"]
     assert js["open_failure_ids"] == ["link", "node-1"] and js["failed_devices"] == 10
+
+
+def test_a_service_left_down_or_dead_is_said_to_be_down(redis_server, r):
+    """`resihp up` gave up restarting the scheduler: its line vanished once the health key
+    expired (only "services up 4" hinted at it), and for the 10 s before it was shown "ok"
+    with the pid of a process already gone."""
+    job = "lame"
+    keys = JobKeys(job)
+    register_job(r, keys)
+    set_job_state(r, keys, "running")
+    _iteration(r, keys, 7, time.time(), iteration_time_s=1.0)
+    Health(r, keys, "collector").beat("ok")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    h = Health(r, keys, "detector")
+    h.beat("ok")
+    raw = json.loads(r.get(keys.health("detector", "0")))
+    r.set(keys.health("detector", "0"), json.dumps({**raw, "pid": dead.pid}), px=10_000)
+    st = collect_status(redis_server.url, job)
+    js = st["jobs"][job]
+    assert js["missing_services"] == ["scheduler"]
+    assert js["services"]["detector:0"]["pid_alive"] is False
+    assert js["services"]["collector:0"]["pid_alive"] is True
+    line = summary_line(js)
+    assert "services up 1 (scheduler down)" in line, line
+    text = format_status(st)
+    assert "service scheduler: DOWN" in text
+    assert "service detector:0: ok, but its process is gone" in text
+    # a finished job needs none of them
+    set_job_state(r, keys, "finished")
+    assert collect_status(redis_server.url, job)["jobs"][job]["missing_services"] == []
