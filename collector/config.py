@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from resihp.assembly import COMM_WAIT_S
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
 
 #: The largest K the collector follows.  The detector validates field ``heartbeat_k``
@@ -99,6 +100,12 @@ class CollectorConfig:
     #: the attempt a fail-stop abandoned: it is published incomplete at once, and
     #: its re-run under the new layout is assembled afresh (seconds).
     stall_s: float = 2.0
+    #: Once every expected rank has reported all its compute chunks of an iteration,
+    #: wait at most this long for the communication rows (RECV, ALLREDUCE, ...) its
+    #: ranks sent for the previous iteration before publishing it complete anyway (a
+    #: rank that stopped sending them must not hold records back); 0 publishes at
+    #: compute-complete and leaves most communication rows late (seconds).
+    comm_wait_s: float = COMM_WAIT_S
     #: A rank whose clock is off Redis's by more than this (estimated from its
     #: heartbeats: send time vs arrival) has its chunk timestamps shifted onto Redis's
     #: clock, so that one skewed node does not stretch every iteration's span
@@ -165,6 +172,9 @@ class CollectorConfig:
             raise ValueError(
                 f"heartbeat_k: must be an integer <= {MAX_HEARTBEAT_K}, got {self.heartbeat_k!r}"
             )
+        v = self.comm_wait_s
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
+            raise ValueError(f"comm_wait_s: must be a finite number >= 0, got {v!r}")
         if not isinstance(self.jitter_beats, int | float) or not 0 <= self.jitter_beats < 1:
             raise ValueError(f"jitter_beats: must be in [0, 1), got {self.jitter_beats!r}")
         if self.check_interval_s is not None and not (
@@ -194,6 +204,13 @@ class CollectorConfig:
         )
         p.add_argument("--grace-s", type=float, default=cls.grace_s)
         p.add_argument("--stale-s", type=float, default=cls.stale_s)
+        p.add_argument(
+            "--comm-wait-s",
+            type=float,
+            default=cls.comm_wait_s,
+            help="after an iteration's compute chunks are all in, wait at most this long for "
+            f"its communication rows ({cls.comm_wait_s})",
+        )
         p.add_argument("--max-open-iterations", type=int, default=cls.max_open_iterations)
         p.add_argument(
             "--tp-dedup",
@@ -215,6 +232,7 @@ class CollectorConfig:
             heartbeat_k=cls.heartbeat_k if a.heartbeat_k is None else a.heartbeat_k,
             grace_s=a.grace_s,
             stale_s=a.stale_s,
+            comm_wait_s=a.comm_wait_s,
             max_open_iterations=a.max_open_iterations,
             tp_dedup=a.tp_dedup,
             read_count=a.read_count,

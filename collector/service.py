@@ -141,6 +141,7 @@ class CollectorService:
             max_open=config.max_open_iterations,
             tp_dedup=config.tp_dedup,
             stall_s=config.stall_s,
+            comm_wait_s=config.comm_wait_s,
         )
         self.layout: Layout | None = None
         self._layout_raw: bytes | None = None

@@ -75,12 +75,19 @@ class TraceReplayer:
         heartbeat_interval_s: float = 1.0,
         grace_s: float = 2.0,
         layout: Layout | None = None,
+        comm_wait_s: float | None = None,
     ):
-        from resihp.assembly import IterationAssembler
+        """``comm_wait_s``: the assembler's bound on the wait for an iteration's
+        communication rows (trace seconds; None: the collector's default)."""
+        from resihp.assembly import COMM_WAIT_S, IterationAssembler
         from resihp.liveness import LivenessCoordinator
 
         self.detector = Detector(config, layout)
-        self.assembler = IterationAssembler(grace_s=grace_s, stale_s=max(10.0, 5 * grace_s))
+        self.assembler = IterationAssembler(
+            grace_s=grace_s,
+            stale_s=max(10.0, 5 * grace_s),
+            comm_wait_s=COMM_WAIT_S if comm_wait_s is None else comm_wait_s,
+        )
         self.liveness = LivenessCoordinator(interval_s=heartbeat_interval_s, k=config.heartbeat_k)
         self.stats = ReplayStats()
         self.now_s = float("-inf")
@@ -256,8 +263,9 @@ def replay(
     config: DetectorConfig,
     out: IO[str] | None = None,
     heartbeat_interval_s: float = 1.0,
+    comm_wait_s: float | None = None,
 ) -> tuple[list[FailureReport], ReplayStats]:
-    rp = TraceReplayer(config, heartbeat_interval_s=heartbeat_interval_s)
+    rp = TraceReplayer(config, heartbeat_interval_s=heartbeat_interval_s, comm_wait_s=comm_wait_s)
     reports: list[FailureReport] = []
 
     def emit(reps):

@@ -22,13 +22,28 @@ ago is still recognised.
 
 An iteration is published
 
-* ``complete=True`` as soon as every expected rank has reported all its
-  compute chunks (micro-batches of its (replica, stage), after migrations,
-  times F/B, plus W for zero-bubble schedules);
+* ``complete=True`` once every expected rank has reported all its compute
+  chunks (micro-batches of its (replica, stage), after migrations, times F/B,
+  plus W for zero-bubble schedules) *and* all the communication rows (SEND,
+  RECV, ALLREDUCE, TP_COMM) it is expected to send — or ``comm_wait_s`` after
+  the compute chunks were all in, whichever comes first.  A rank's
+  communication rows come after its compute rows (a simulated rank sends
+  them in that order, a real rank's ALLREDUCE ends after its last chunk), and
+  whether and how many it sends is the trainer's choice, so the expectation is
+  learned: per rank, the communication rows it sent for the iteration last
+  published complete under the current layout, counting that iteration's late
+  rows too.  A layout change forgets it: the first iteration under a new
+  layout is published as soon as its compute chunks are in, and its
+  communication rows (late, not in its record) teach the next one.  A rank
+  that stops sending a row costs one iteration ``comm_wait_s`` (published
+  complete all the same), after which the lower count is learned; a trainer
+  that sends no communication rows is never waited for;
 * ``complete=False`` once every expected rank has moved on to a later
-  iteration and ``grace_s`` has passed without it completing, or when no row
-  of it arrived for ``stale_s`` (a dead rank stalls its peers), or when more
-  than ``max_open`` iterations with chunk rows are open.
+  iteration and ``grace_s`` has passed without its compute chunks all in, or
+  when no row of it arrived for ``stale_s`` (a dead rank stalls its peers), or
+  when more than ``max_open`` iterations with chunk rows are open (an
+  iteration forced out this way while only its communication rows are
+  missing is still published complete).
 
 An iteration known only from its micro-batch stats does not count against
 ``max_open``: after an outage the producer's backlog packs a whole round's stats
@@ -166,6 +181,11 @@ class _Open:
     keys: KeySet = field(default_factory=KeySet)
     parts: list[np.ndarray] = field(default_factory=list)
     compute_count: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    comm_count: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: first poll that found every compute chunk in (the comm wait runs from here)
+    compute_done_s: float = math.inf
+    #: layout epoch of the assembler when the iteration's first row came
+    epoch: int = -1
     mbstats: dict[tuple[int, int], MicroBatchStats] = field(default_factory=dict)
     moved_on_s: float = math.inf
     n_rows: int = 0
@@ -174,12 +194,31 @@ class _Open:
     migrated: bool = False  # the KeySet holds keys that were once dense slots
 
     def count(self, ranks: np.ndarray, size: int) -> None:
-        c = np.bincount(ranks, minlength=size)
-        if len(c) > len(self.compute_count):
-            grown = np.zeros(len(c), dtype=np.int64)
-            grown[: len(self.compute_count)] = self.compute_count
-            self.compute_count = grown
-        self.compute_count[: len(c)] += c
+        self.compute_count = _add_counts(self.compute_count, ranks, size)
+
+    def count_comm(self, ranks: np.ndarray, size: int) -> None:
+        self.comm_count = _add_counts(self.comm_count, ranks, size)
+
+
+def _add_counts(counts: np.ndarray, ranks: np.ndarray, size: int) -> np.ndarray:
+    """``counts`` (grown if needed) plus the number of times each rank appears."""
+    c = np.bincount(ranks, minlength=size)
+    if len(c) > len(counts):
+        grown = np.zeros(len(c), dtype=np.int64)
+        grown[: len(counts)] = counts
+        counts = grown
+    counts[: len(c)] += c
+    return counts
+
+
+def _at(counts: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """``counts[ranks]``, zero for ranks beyond the array."""
+    if not len(ranks) or int(ranks[-1]) < len(counts):  # ranks are sorted
+        return counts[ranks]
+    out = np.zeros(len(ranks), dtype=counts.dtype)
+    inside = ranks < len(counts)
+    out[inside] = counts[ranks[inside]]
+    return out
 
 
 class LayoutView:
@@ -246,6 +285,11 @@ class LayoutView:
 #: Standby-device probes kept for the next record (a few per idle device).
 MAX_PENDING_PROBES = 4096
 
+#: Default bound on the wait for an iteration's communication rows once its compute
+#: chunks are all in (seconds).  A rank sends them right after its last compute chunk,
+#: usually in the same or the next producer round (milliseconds).
+COMM_WAIT_S = 1.0
+
 #: Iterations held with micro-batch stats but no chunk row yet.  A producer round
 #: (max_batch x entries_per_round events) of a small job spans hundreds of
 #: iterations, and all of its stats may come before most of its rows.
@@ -263,8 +307,13 @@ class IterationAssembler:
         tp_dedup: bool = False,
         stall_s: float = 2.0,
         max_stats_only: int = MAX_STATS_ONLY,
+        comm_wait_s: float = COMM_WAIT_S,
     ):
         self.grace_s = float(grace_s)
+        if not 0 <= float(comm_wait_s) < math.inf:
+            raise ValueError(f"comm_wait_s must be finite and >= 0, got {comm_wait_s!r}")
+        #: wait at most this long for expected communication rows after compute-complete
+        self.comm_wait_s = float(comm_wait_s)
         self.stale_s = float(stale_s)
         self.max_open = int(max_open)
         if int(max_stats_only) < 1:
@@ -285,6 +334,10 @@ class IterationAssembler:
         self._rank_max_iter = np.full(0, -1, dtype=np.int64)
         self._seen_ranks = np.zeros(0, dtype=bool)
         self._probes: list[DeviceProbe] = []
+        # Communication rows expected per rank: the comm_count of ``_learn``, the iteration
+        # last published complete in this layout epoch (its late rows counted too).
+        self._epoch = 0
+        self._learn: _Open | None = None
 
     # ------------------------------------------------------------ layout
     def set_layout(self, layout: Layout | None, now_s: float | None = None) -> None:
@@ -296,8 +349,15 @@ class IterationAssembler:
         the abandoned attempt: they are published incomplete under the old layout
         now, and their re-run may reopen them (see :meth:`finalized`).  An
         iteration still receiving rows keeps assembling under the new layout.
+
+        A new layout also forgets the communication rows learned per rank (see
+        the module doc); the same layout set again keeps them.
         """
         old_id = self.view.layout_id if self.view is not None else None
+        old_layout = self.view.layout if self.view is not None else None
+        if layout is None or old_layout is None or layout is old_layout or layout != old_layout:
+            self._epoch += 1
+            self._learn = None
         if (
             now_s is not None
             and self.view is not None
@@ -306,7 +366,7 @@ class IterationAssembler:
         ):
             for it in sorted(self.open):
                 op = self.open[it]
-                if now_s - op.last_s >= self.stall_s and not self._complete(op):
+                if now_s - op.last_s >= self.stall_s and not self._compute_complete(op):
                     rec = self._finalize(it, complete=False)
                     if rec is not None:
                         self._ready.append(rec)
@@ -402,11 +462,15 @@ class IterationAssembler:
             np.maximum.at(self._rank_max_iter, sel["rank"], it)
             if self.finalized(it):
                 res.late_total += len(sel)
+                if self._learn is not None and it == self._learn.iteration:
+                    self._learn_late(sel, size)
                 continue
             res.iterations.append(it)
             op = self.open.get(it)
             if op is None:
                 op = self.open[it] = _Open(it, now_s, now_s)
+            if not op.n_rows:
+                op.epoch = self._epoch
             fresh = self._fresh(op, sel)
             n_new = int(fresh.sum())
             res.duplicate_total += len(sel) - n_new
@@ -418,8 +482,21 @@ class IterationAssembler:
             op.last_s = now_s
             comp = new["kind"] < _N_COMPUTE_KINDS
             op.count(new["rank"][comp], size)
+            if not comp.all():
+                op.count_comm(new["rank"][~comp], size)
             res.accepted_total += n_new
         return res
+
+    def _learn_late(self, sel: np.ndarray, size: int) -> None:
+        """Late communication rows of the iteration expectations are learned from:
+        counted (once each) into what its ranks are expected to send."""
+        lo = self._learn
+        comm = sel[sel["kind"] >= _N_COMPUTE_KINDS]
+        if lo is None or not len(comm):
+            return
+        fresh = self._fresh(lo, comm)
+        if fresh.any():
+            lo.count_comm(comm["rank"][fresh], size)
 
     def _fresh(self, op: _Open, sel: np.ndarray) -> np.ndarray:
         """Mask of rows whose key this iteration has not seen (one row per new key).
@@ -496,15 +573,32 @@ class IterationAssembler:
         return True
 
     # ------------------------------------------------------------ completion
-    def _complete(self, op: _Open) -> bool:
+    def _compute_complete(self, op: _Open) -> bool:
         view = self.view
         if view is None or not op.n_rows:
             return False
         exp = view.expected_ranks
-        counts = op.compute_count
-        if len(counts) < view.world_size:
-            counts = np.pad(counts, (0, view.world_size - len(counts)))
-        return bool((counts[exp] >= view.expected_compute[exp]).all())
+        return bool((_at(op.compute_count, exp) >= view.expected_compute[exp]).all())
+
+    def _comm_complete(self, op: _Open) -> bool:
+        """Every expected rank sent the communication rows learned for it (always
+        true while nothing is learned: a new layout, or no iteration complete yet)."""
+        lo = self._learn
+        if lo is None or self.view is None:
+            return True
+        exp = self.view.expected_ranks
+        need = _at(lo.comm_count, exp)
+        if not need.any():
+            return True
+        return bool((_at(op.comm_count, exp) >= need).all())
+
+    def _complete(self, op: _Open, now_s: float) -> bool:
+        """Compute chunks all in, and the expected communication rows too or
+        ``comm_wait_s`` passed since the compute chunks were (first seen) all in."""
+        if not self._compute_complete(op):
+            return False
+        op.compute_done_s = min(op.compute_done_s, now_s)
+        return now_s - op.compute_done_s >= self.comm_wait_s or self._comm_complete(op)
 
     def _moved_on(self, it: int) -> bool:
         if self.view is not None:
@@ -521,8 +615,10 @@ class IterationAssembler:
         self._ready = []
         for it in sorted(self.open):
             op = self.open[it]
-            if self._complete(op):
-                out.append(self._finalize(it, complete=True))
+            if self._compute_complete(op):
+                # only communication rows may be missing: complete, now or within comm_wait_s
+                if self._complete(op, now_s):
+                    out.append(self._finalize(it, complete=True))
                 continue
             if self._moved_on(it):
                 op.moved_on_s = min(op.moved_on_s, now_s)
@@ -532,7 +628,7 @@ class IterationAssembler:
         # for a backlog's rows (module doc), and is bounded by ``max_stats_only``.
         with_rows = [it for it in sorted(self.open) if self.open[it].parts]
         for it in with_rows[: max(0, len(with_rows) - self.max_open)]:
-            out.append(self._finalize(it, complete=False))
+            out.append(self._finalize(it, complete=self._compute_complete(self.open[it])))
         return [r for r in out if r is not None]
 
     def flush(self) -> list[IterationRecord]:
@@ -540,7 +636,7 @@ class IterationAssembler:
         out: list[IterationRecord | None] = list(self._ready)
         self._ready = []
         for it in sorted(self.open):
-            out.append(self._finalize(it, complete=self._complete(self.open[it])))
+            out.append(self._finalize(it, complete=self._compute_complete(self.open[it])))
         return [r for r in out if r is not None]
 
     def _mark_done(self, it: int) -> None:
@@ -569,6 +665,13 @@ class IterationAssembler:
             layout_id=self.view.layout_id if self.view is not None else 0,
             complete=complete,
         )
+        if complete and op.epoch == self._epoch:
+            # The latest iteration published complete under this layout: what its
+            # ranks sent is what the next ones are expected to send.  Its dedup state
+            # stays, to count its late rows once each; its rows and stats go.
+            op.parts = []
+            op.mbstats = {}
+            self._learn = op
         if self._probes:
             ps, self._probes = self._probes, []
             rec.probes = {

@@ -485,3 +485,175 @@ def test_activation_and_gradient_p2p_rows_of_a_microbatch_are_both_kept():
     assert b.add_rows(rows, 0.0).duplicate_total == 0
     (rec_b,) = b.flush()
     assert len(rec_b.chunks["kind"]) == len(ch["kind"])
+
+
+# ------------------------------------------------------------ communication rows
+
+
+def _sim(comm_rows: str = "all", iterations: int = 4):
+    """A simulated TP2 x PP2 x DP2 job's layout and per-iteration rows, in the order
+    the simulator sends them: compute, then RECV, then ALLREDUCE."""
+    from trainer.sim import SimConfig, simulate_run
+
+    cfg = SimConfig(
+        model="llama2-7b",
+        microbatches=4,
+        seq_len=1024,
+        seed=1,
+        tp=2,
+        pp=2,
+        dp=2,
+        comm_rows=comm_rows,
+    )
+    return cfg.initial_layout(), [s.chunk_rows for s in simulate_run(cfg, iterations=iterations)]
+
+
+def _is_comm(rows: np.ndarray) -> np.ndarray:
+    return rows["kind"] > ChunkKind.W
+
+
+def _chunk_set(rec) -> list[tuple]:
+    cols = ("dp", "stage", "src_dp", "microbatch", "kind", "direction")
+    return sorted(zip(*[rec.chunks[c] for c in cols], strict=True))
+
+
+def test_comm_rows_after_the_compute_rows_are_in_the_record_from_the_second_iteration():
+    lay, steps = _sim()
+    a = _asm(lay, comm_wait_s=1.0, grace_s=1e9, stale_s=1e9)
+    recs, late = [], []
+    for k, rows in enumerate(steps):
+        t = 10.0 * k
+        comm = _is_comm(rows)
+        assert comm.any() and set(rows["kind"][comm].tolist()) == {4, 5}  # RECV, ALLREDUCE
+        late.append(a.add_rows(rows[~comm], t).late_total)
+        got = a.poll(t)
+        if k == 0:
+            # nothing learned yet: published as soon as the compute chunks are in
+            assert [(r.iteration, r.complete) for r in got] == [(0, True)]
+        else:
+            assert got == []  # waiting for the communication rows the last one had
+        # the comm rows come a moment later (a resent round of the first one too)
+        late[-1] += a.add_rows(rows[comm], t + 0.01).late_total
+        if k == 0:
+            late[-1] += a.add_rows(rows[comm], t + 0.02).late_total
+        got += a.poll(t + 0.02)
+        assert [(r.iteration, r.complete) for r in got] == [(k, True)]
+        recs += got
+    n_comm = int(_is_comm(steps[0]).sum())
+    assert late == [2 * n_comm, 0, 0, 0]
+    # every record after the first holds the whole iteration, comm_s included
+    first = build_record(0, steps[0][~_is_comm(steps[0])], [])
+    assert _chunk_set(recs[0]) == _chunk_set(first)
+    for rec, rows in zip(recs[1:], steps[1:], strict=True):
+        whole = build_record(rec.iteration, rows, [])
+        assert _chunk_set(rec) == _chunk_set(whole)
+        assert rec.ranks["comm_s"] == pytest.approx(whole.ranks["comm_s"])
+        assert min(rec.ranks["comm_s"]) > 0
+    assert a.open == {}
+
+
+def test_a_rank_that_stops_sending_a_comm_row_delays_one_record_by_comm_wait_s():
+    lay, steps = _sim(iterations=3)
+    a = _asm(lay, comm_wait_s=1.0, grace_s=0.2, stale_s=1e9)
+    a.add_rows(steps[0], 0.0)
+    assert [(r.iteration, r.complete) for r in a.poll(0.0)] == [(0, True)]
+    # from iteration 1 on, rank 3 sends no ALLREDUCE row
+    silent = [(s["rank"] == 3) & (s["kind"] == ChunkKind.ALLREDUCE) for s in steps]
+    assert all(int(m.sum()) == 1 for m in silent)
+    a.add_rows(steps[1][~silent[1]], 10.0)
+    assert a.poll(10.0) == []
+    # every rank moves on to iteration 2 (compute rows only so far): the grace of 0.2 s
+    # does not turn a compute-complete iteration incomplete
+    r2 = steps[2][~silent[2]]
+    a.add_rows(r2[~_is_comm(r2)], 10.1)
+    assert a.poll(10.5) == []
+    assert a.poll(10.99) == []
+    (rec1,) = a.poll(11.0)
+    assert (rec1.iteration, rec1.complete) == (1, True)
+    assert len(rec1.chunks["kind"]) == len(build_record(1, steps[1][~silent[1]], []).chunks["kind"])
+    # the lower count is learned: iteration 2 is not held at all
+    a.add_rows(r2[_is_comm(r2)], 11.05)
+    (rec2,) = a.poll(11.05)
+    assert (rec2.iteration, rec2.complete) == (2, True)
+    assert _chunk_set(rec2) == _chunk_set(build_record(2, r2, []))
+
+
+def test_a_layout_change_resets_what_comm_rows_are_expected():
+    lay, steps = _sim(iterations=4)
+    a = _asm(lay, comm_wait_s=5.0, grace_s=1e9, stale_s=1e9)
+    for k in (0, 1):
+        a.add_rows(steps[k], float(k))
+        assert [r.iteration for r in a.poll(float(k))] == [k]
+    # the same layout again (a re-read) keeps what was learned ...
+    a.set_layout(lay.copy(), now_s=1.5)
+    r2 = steps[2]
+    a.add_rows(r2[~_is_comm(r2)], 2.0)
+    assert a.poll(2.0) == []
+    a.add_rows(r2[_is_comm(r2)], 2.01)
+    assert [r.iteration for r in a.poll(2.01)] == [2]
+    # ... a new one forgets it: its first iteration is published at compute-complete
+    new = lay.copy()
+    new.layout_id = 1
+    a.set_layout(new, now_s=2.5)
+    rows3 = steps[3].copy()
+    rows3["iteration"] = 3
+    comm = _is_comm(rows3)
+    a.add_rows(rows3[~comm], 3.0)
+    (rec3,) = a.poll(3.0)
+    assert (rec3.iteration, rec3.complete, rec3.layout_id) == (3, True, 1)
+    # its comm rows, late, teach the next iteration under the new layout
+    assert a.add_rows(rows3[comm], 3.01).late_total == int(comm.sum())
+    rows4 = steps[3].copy()
+    rows4["iteration"] = 4
+    a.add_rows(rows4[~comm], 4.0)
+    assert a.poll(4.0) == []
+    a.add_rows(rows4[comm], 4.01)
+    (rec4,) = a.poll(4.01)
+    assert (rec4.iteration, rec4.complete) == (4, True)
+    assert _chunk_set(rec4) == _chunk_set(build_record(4, rows4, []))
+
+
+@pytest.mark.parametrize("comm_rows", ["none", "allreduce"])
+def test_only_the_comm_rows_a_trainer_sends_are_waited_for(comm_rows):
+    lay, steps = _sim(comm_rows=comm_rows)
+    a = _asm(lay, comm_wait_s=30.0, grace_s=1e9, stale_s=1e9)
+    for k, rows in enumerate(steps):
+        t = float(k)
+        comm = _is_comm(rows)
+        assert set(rows["kind"][comm].tolist()) == ({5} if comm_rows == "allreduce" else set())
+        assert a.add_rows(rows[~comm], t).late_total == 0
+        got = a.poll(t)
+        if comm_rows == "none" or k == 0:
+            # no comm row ever (or nothing learned yet): no wait at all
+            assert [(r.iteration, r.complete) for r in got] == [(k, True)]
+        else:
+            assert got == []  # the ALLREDUCE rows, not RECV rows it never sends
+            assert a.add_rows(rows[comm], t + 0.01).late_total == 0
+            got = a.poll(t + 0.01)
+            assert [(r.iteration, r.complete) for r in got] == [(k, True)]
+            assert _chunk_set(got[0]) == _chunk_set(build_record(k, rows, []))
+        if k == 0 and comm.any():
+            assert a.add_rows(rows[comm], t + 0.01).late_total == int(comm.sum())
+    assert a.open == {}
+
+
+def test_comm_wait_never_makes_a_record_incomplete_and_zero_disables_it():
+    lay, steps = _sim(iterations=3)
+    # more open iterations than max_open: the oldest, only waiting for comm rows, is
+    # forced out complete
+    a = _asm(lay, comm_wait_s=100.0, max_open=1, grace_s=1e9, stale_s=1e9)
+    a.add_rows(steps[0], 0.0)
+    assert len(a.poll(0.0)) == 1
+    for k in (1, 2):
+        a.add_rows(steps[k][~_is_comm(steps[k])], float(k))
+    out = a.poll(2.0)
+    assert [(r.iteration, r.complete) for r in out] == [(1, True)]
+    # a shutdown publishes what is compute-complete as complete
+    assert [(r.iteration, r.complete) for r in a.flush()] == [(2, True)]
+    # comm_wait_s=0: published at compute-complete, as before the wait existed
+    b = _asm(lay, comm_wait_s=0.0)
+    for k, rows in enumerate(steps):
+        b.add_rows(rows[~_is_comm(rows)], float(k))
+        assert [r.iteration for r in b.poll(float(k))] == [k]
+    with pytest.raises(ValueError):
+        IterationAssembler(comm_wait_s=-1.0)

@@ -18,6 +18,7 @@ from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import (
     ChunkBatch,
+    ChunkKind,
     DeviceProbe,
     Heartbeat,
     HeartbeatBatch,
@@ -761,3 +762,45 @@ def test_the_collector_ignores_a_heartbeat_k_the_detector_refuses(r):
     r.hset(KEYS.detector_config, "heartbeat_k", " 1000 ")
     svc._runtime_k()
     assert svc.liveness.k == 1000 and svc.health_extra()["heartbeat_k"] == 1000
+
+
+@pytest.mark.redis
+def test_comm_rows_sent_after_the_compute_rows_are_not_late_after_the_first_iteration(r):
+    # The simulator (and a real rank: its ALLREDUCE ends after its last chunk) sends an
+    # iteration's RECV and ALLREDUCE rows after its compute rows, in later entries.
+    from trainer.sim import SimConfig, simulate_run
+
+    cfg = SimConfig(model="llama2-7b", microbatches=4, seq_len=1024, seed=1, tp=2, pp=2, dp=2)
+    lay = cfg.initial_layout()
+    _set_layout(r, lay)
+    svc = _service(r, comm_wait_s=30.0)  # long: the test never depends on the clock
+    p = TelemetryProducer(None, KEYS, client=r, max_batch=16).start()
+    steps = [s.chunk_rows for s in simulate_run(cfg, iterations=5)]
+    sent = 0
+    for k, rows in enumerate(steps):
+        comm = rows["kind"] > ChunkKind.W
+        p.chunk_rows(rows[~comm])
+        assert p.flush()
+        sent += int((~comm).sum())
+        # the collector reads the compute rows (and polls) before the comm rows are sent
+        assert _pump(svc, lambda n=sent: svc.stats["chunk_rows_total"] >= n)
+        for _ in range(3):
+            svc.run_once()
+        p.chunk_rows(rows[comm])
+        assert p.flush()
+        sent += int(comm.sum())
+        assert _pump(
+            svc,
+            lambda k=k, n=sent: (
+                svc.stats["chunk_rows_total"] >= n and r.xlen(KEYS.iterations) == k + 1
+            ),
+        )
+    p.close()
+    recs = _stream(r, KEYS.iterations, IterationRecord)
+    assert [(x.iteration, x.complete) for x in recs] == [(k, True) for k in range(5)]
+    n_comm = int((steps[0]["kind"] > ChunkKind.W).sum())
+    # only the first iteration's comm rows came after its record (nothing learned yet)
+    assert svc.stats["chunk_rows_late_total"] == n_comm
+    n_chunks = [len(x.chunks["kind"]) for x in recs]
+    assert n_chunks[1:] == [n_chunks[1]] * 4 and n_chunks[1] > n_chunks[0]
+    assert all(min(x.ranks["comm_s"]) > 0 for x in recs[1:])
