@@ -11,7 +11,6 @@ passes (a module constant, not a setting).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -55,7 +54,7 @@ class Detector:
         self.stats = EngineStats()
         self.health: dict[int, dict] = {}  # rank -> {"p", "state", "since"[, "kind"]}
         self.health_dirty: set[int] = set()
-        self._seq = itertools.count(1)
+        self._seq = 0  # the last report's sequence number (the id's suffix)
         self.last_iteration = -1
         self._last_layout_id: int | None = None
         self.last_time_s = 0.0
@@ -177,7 +176,8 @@ class Detector:
     def _report_id(self, kind: str, ranks: list[int], iteration: int | None = None) -> str:
         it = self.last_iteration if iteration is None else iteration
         head = ranks[0] if ranks else -1
-        return f"{self.config.mode}-{kind}-i{it}-r{head}-{next(self._seq)}"
+        self._seq += 1
+        return f"{self.config.mode}-{kind}-i{it}-r{head}-{self._seq}"
 
     def _set_health(self, rank: int, p: float, state: str, t: float, kind: str = "") -> None:
         old = self.health.get(rank)
@@ -194,7 +194,18 @@ class Detector:
         second report) instead of being forgotten.  -> how many slow devices were restored.
 
         The devices reported together (same since, p and kind) come back as one slow state,
-        not attached to a group until the detector finds it slow again."""
+        not attached to a group until the detector finds it slow again.
+
+        Devices it had reported dead stay dead here: a ``dead`` liveness event for one
+        of them (a restarted collector re-deciding a death whose plan is still pending, a
+        liveness entry re-delivered after a crash) is a duplicate and reports nothing,
+        while a re-join (``alive`` / ``rejoined``) reports its recovery and a later death
+        is news again.  device_health is the authority for this, not the failures stream:
+        only the detector writes it, in the same transaction as the reports it follows
+        (so it never lags a published report), it holds each rank's latest verdict
+        (``dead`` until a recovery report sets it ``healthy``), and it is never trimmed,
+        whereas the stream is capped and replaying its history would be needed to tell
+        a rank that died and came back from one still dead."""
         together: dict[tuple, list[int]] = {}
         for r, h in health.items():
             try:
@@ -204,6 +215,10 @@ class Detector:
             if state not in ("healthy", "slow", "dead") or not 0.0 <= p <= 1.0:
                 continue
             self.health[r] = {"p": p, "state": state, "since": since}
+            if state == "dead":
+                self.failstop.dead.setdefault(r, since)
+            else:
+                self.failstop.dead.pop(r, None)
             if state == "slow" and p > 0:
                 kind = h.get("kind") if h.get("kind") in SLOW_KINDS else "fail_slow_compute"
                 self.health[r]["kind"] = kind
@@ -211,6 +226,16 @@ class Detector:
         for (_since, p, kind), ranks in together.items():
             self.failslow.restore_slow(kind, sorted(ranks), 1.0 / p)
         return sum(len(r) for r in together.values())
+
+    def resume(self, last_iteration: int | None = None, last_seq: int = 0) -> None:
+        """Take over where a previous detector process stopped (a restart): the job's
+        newest iteration (a job hung on a dead rank sends no record until a plan is
+        applied, and a report must not be stamped "iteration 0" meanwhile) and the
+        highest report sequence number already published, so report ids stay unique
+        across processes.  Never moves either backwards."""
+        if last_iteration is not None and last_iteration > self.last_iteration:
+            self.last_iteration = int(last_iteration)
+        self._seq = max(self._seq, int(last_seq))
 
     def _count(self, rep: FailureReport) -> None:
         self.stats.reports_total += 1

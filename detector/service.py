@@ -12,13 +12,15 @@ settings from ``keys.detector_config`` (writing back the settings in use when
 the hash is gone with Redis's data) and the layout from ``keys.layout``, so
 thresholds, the CPD penalty, heartbeat K and the per-rank off switch change
 without a restart.  Started while Redis cannot be reached, it waits for it
-(``resihp.entry.wait_for_redis``) and restores what it had published then.
+(``resihp.entry.wait_for_redis``) and restores what it had published then (device
+health, slow and dead ranks alike, the job's newest iteration, the report sequence).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 
@@ -28,12 +30,17 @@ from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp import bus, entry
 from resihp.keys import JobKeys
-from resihp.schemas import FailureReport, IterationRecord, LivenessEvent
+from resihp.schemas import FailureReport, IterationRecord, LivenessEvent, decode_entry
 from resihp.topology import Layout, LayoutError
 
 log = logging.getLogger(__name__)
 SERVICE = "detector"
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+#: The sequence number that ends a report id the engine builds
+#: (``<mode>-<kind>-i<iteration>-r<rank>-<seq>``, see ``Detector._report_id``).
+_REPORT_SEQ = re.compile(r"^[a-z]+-[a-z_]+-i-?\d+-r-?\d+-(\d+)$")
+#: How many of the newest entries a restart reads back from a stream.
+_RESTORE_SCAN = 200
 
 
 class DetectorService:
@@ -72,7 +79,12 @@ class DetectorService:
         self.config_changes_total = 0
 
     def _restore(self) -> None:
+        """Take over what a previous detector process of this job published: the device
+        health (slow devices stay slow, dead ones dead), the job's newest iteration and
+        the report sequence, so a restart neither re-reports a death nor stamps a report
+        "iteration 0" while the job is hung, nor repeats a report id."""
         restored = self.engine.restore(self._published_health())
+        self.engine.resume(self._newest_iteration(), self._published_report_seq())
         self._restored = True
         if restored:
             log.info(
@@ -80,6 +92,72 @@ class DetectorService:
                 "their recovery will be reported",
                 restored,
             )
+        if self.engine.failstop.dead:
+            log.info(
+                "detector: ranks %s were reported dead before this process started; "
+                "a death reported again for them is a duplicate",
+                sorted(self.engine.failstop.dead),
+            )
+
+    def _newest_iteration(self) -> int | None:
+        """The iteration of the newest IterationRecord in ``keys.iterations`` (None when
+        there is none).  It is the job's iteration, not necessarily one this detector has
+        judged: records a predecessor left unacknowledged are re-delivered and judged
+        all the same (the engine's stale check also compares layout ids)."""
+        for fields in self._newest_entries(self.keys.iterations, page=1):
+            try:
+                good, _bad = decode_entry(fields)
+            except Exception:  # noqa: BLE001 - a poison entry must not stop the start
+                continue
+            its = [m.iteration for m in good if isinstance(m, IterationRecord)]
+            if its:
+                return max(its)
+        return None
+
+    def _newest_entries(self, stream: str, page: int):
+        """Up to ``_RESTORE_SCAN`` entries of ``stream``, newest first, read ``page`` at a
+        time (an IterationRecord of a large job is megabytes: read one by one, and
+        usually the first is the one wanted)."""
+        top = "+"  # then just below the oldest id read (no "(" ranges before Redis 6.2)
+        left = _RESTORE_SCAN
+        while left > 0:
+            got = self.client.xrevrange(stream, max=top, count=min(page, left))
+            if not got:
+                return
+            for _id, fields in got:
+                yield fields
+            left -= len(got)
+            last = got[-1][0]
+            ms, seq = map(int, (last.decode() if isinstance(last, bytes) else last).split("-"))
+            if seq:
+                top = f"{ms}-{seq - 1}"
+            elif ms:
+                top = f"{ms - 1}-{2**64 - 1}"
+            else:
+                return
+
+    def _published_report_seq(self) -> int:
+        """The highest report sequence number already used for this job: the newest
+        reports' ids in ``keys.failures`` and ``detector_reports_total`` (a process
+        numbered its reports from 1 before ids were continued across restarts, so the
+        count of all reports bounds those; the stream is capped, its newest entries are
+        kept)."""
+        seq = 0
+        raw = self.client.hget(self.keys.counters, "detector_reports_total")
+        try:
+            seq = max(seq, int(raw or 0))
+        except ValueError:
+            pass
+        for fields in self._newest_entries(self.keys.failures, page=_RESTORE_SCAN):
+            try:
+                good, _bad = decode_entry(fields)
+            except Exception:  # noqa: BLE001
+                continue
+            for m in good:
+                found = _REPORT_SEQ.match(getattr(m, "report_id", "") or "")
+                if found:
+                    seq = max(seq, int(found.group(1)))
+        return seq
 
     def _published_health(self) -> dict[int, dict]:
         """``keys.device_health`` as a previous detector process left it."""
@@ -124,6 +202,11 @@ class DetectorService:
         pipe = self.client.pipeline(transaction=False)
         for k, v in self.config.runtime_dict().items():
             pipe.hsetnx(self.keys.detector_config, k, v)
+        # the device health went with it: write back what this process knows, or a
+        # detector started later would forget the ranks already reported dead (and
+        # report them again) and the slow ones
+        for r, h in self.engine.health.items():
+            pipe.hsetnx(self.keys.device_health, str(r), json.dumps(h, separators=(",", ":")))
         pipe.execute()
 
     def refresh_config(self) -> bool:
@@ -211,7 +294,10 @@ class DetectorService:
                     )
 
     def _publish(self, reports: list[FailureReport]) -> None:
-        pipe = self.client.pipeline(transaction=False)
+        # one transaction: the reports and the device health they change land together,
+        # so device_health never lags a published report (a restarted detector takes
+        # the dead and slow ranks from it) and the report count matches the stream
+        pipe = self.client.pipeline(transaction=True)
         for rep in reports:
             pipe.xadd(
                 self.keys.failures,
