@@ -52,6 +52,8 @@ def _forward(service: str, sub: str, rest: list[str]) -> NoReturn:
     # are the defaults; --redis-url / --job-id / the environment still win
     env = stack_env(dict(os.environ), state_dir)
     env["RESIHP_PROG"] = "resihp"
+    # so that the command can say which state dir holds no stack
+    env["RESIHP_STATE_DIR"] = state_dir
     os.execve(sys.executable, [sys.executable, "-m", service, sub, *left], env)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -124,6 +125,53 @@ def _verdict(client, keys: JobKeys, action_id: str, wait_s: float):
         time.sleep(0.1)
 
 
+class BadOverride(ValueError):
+    """--override is not a JSON object of finite numbers; the message says why."""
+
+
+def parse_override(text: str):
+    """``--override`` as JSON; NaN, Infinity and numbers too large for a float (1e309)
+    are refused: the action could not be sent as JSON (it crashed with a traceback)."""
+
+    def constant(name: str):
+        raise BadOverride(f"--override holds {name}, not a number JSON allows")
+
+    def number(text: str) -> float:
+        x = float(text)
+        if not math.isfinite(x):
+            raise BadOverride(f"--override holds {text}, a number out of range")
+        return x
+
+    try:
+        return json.loads(text, parse_constant=constant, parse_float=number)
+    except json.JSONDecodeError as e:
+        raise BadOverride(f"--override is not JSON: {e}") from e
+
+
+def _job_known(client, job_id: str) -> tuple[bool, list[str]]:
+    """Whether this Redis holds anything of ``job_id`` (registered, or keys under its
+    name: services up before the trainer registered it), and the registered jobs."""
+    from resihp.bus import list_jobs
+
+    known = list_jobs(client)
+    if job_id in known:
+        return True, known
+    base = JobKeys(job_id).base
+    return next(iter(client.scan_iter(match=f"{base}:*", count=1000)), None) is not None, known
+
+
+def _no_redis_url() -> str:
+    """Why there is no Redis to talk to: no stack runs from the state dir (``resihp act
+    --state-dir DIR``, read by the ``resihp`` command), nor was a URL given."""
+    state_dir = os.environ.get("RESIHP_STATE_DIR")
+    where = (
+        f"no `resihp up` stack runs from {state_dir}"
+        if state_dir
+        else "no `resihp up` stack runs from the state dir (--state-dir, default .resihp)"
+    )
+    return f"act: {where}: start it with `resihp up`, or pass --redis-url / set REDIS_URL"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     entry.setup_logging(args.log_level)
@@ -135,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return entry.health_exit_code(args.redis_url, args.job_id, "scheduler")
     if args.cmd == "act":
         try:
-            override = json.loads(args.override)
-        except json.JSONDecodeError as e:
-            print(f"--override is not JSON: {e}", file=sys.stderr)
+            override = parse_override(args.override)
+        except BadOverride as e:
+            print(str(e), file=sys.stderr)
             return 2
         if args.plan_id is None and args.action != "set_mode":
             print(f"{args.action} needs --plan-id", file=sys.stderr)
@@ -159,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        elif args.action == "set_mode":
+            from scheduler.config import SchedulerConfig
+
+            try:  # a misspelled field or a bad value: refused here, nothing sent
+                SchedulerConfig().apply_runtime(
+                    {k: str(v) for k, v in override.items()}, strict=True
+                )
+            except ValueError as e:
+                print(f"--override: {e}", file=sys.stderr)
+                return 2
         action = OperatorAction(
             action=args.action,
             plan_id=args.plan_id or 0,
@@ -172,8 +230,20 @@ def main(argv: list[str] | None = None) -> int:
         except SchemaError as e:
             print(f"act: {e}", file=sys.stderr)
             return 2
+        if not (args.redis_url or os.environ.get("REDIS_URL")):
+            print(_no_redis_url(), file=sys.stderr)
+            return 2
         try:
             client = connect(args.redis_url)
+            known, jobs = _job_known(client, args.job_id)
+            if not known:
+                names = ", ".join(jobs[:20]) + (", ..." if len(jobs) > 20 else "")
+                print(
+                    f"act: job {args.job_id!r} is not in this Redis "
+                    f"(known jobs: {names or 'none'}); pass --job-id",
+                    file=sys.stderr,
+                )
+                return 1
             if args.action != "set_mode":
                 plans = latest_plans(client, JobKeys(args.job_id))
                 if args.plan_id not in plans:
@@ -192,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         except redis.RedisError as e:
             print(f"act: {e}", file=sys.stderr)
             return 1
+        except ValueError as e:  # cannot be encoded: nothing was sent
+            print(f"act: {e}", file=sys.stderr)
+            return 2
         what = "set_mode" if args.action == "set_mode" else f"{args.action} plan {args.plan_id}"
         print(f"sent {what} as {action.actor} (action {action.action_id})")
         if args.wait_s <= 0:

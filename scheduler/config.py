@@ -15,6 +15,18 @@ from dataclasses import dataclass, fields
 from resihp.keys import validate_job_id
 
 MODES = ("auto", "manual")
+#: The fields an operator's ``set_mode`` (and the ``keys.scheduler_config`` hash) may set.
+RUNTIME_FIELDS = ("mode", "grace_period_s", "delta")
+
+
+def check_runtime_fields(overrides: dict) -> None:
+    """Raise ``ValueError`` naming unknown (misspelled) fields and the allowed ones, or
+    when nothing is given: a typo must not pass for a change."""
+    if not isinstance(overrides, dict) or not overrides:
+        raise ValueError(f"set_mode needs at least one of {list(RUNTIME_FIELDS)}")
+    unknown = [k for k in overrides if k not in RUNTIME_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown set_mode field(s) {unknown}; allowed {list(RUNTIME_FIELDS)}")
 
 
 @dataclass
@@ -94,12 +106,14 @@ class SchedulerConfig:
             kw["job_id"] = os.environ.get("RESIHP_JOB_ID", "default")
         return cls(**kw)
 
-    def apply_runtime(self, overrides: dict[str, str]) -> list[str]:
+    def apply_runtime(self, overrides: dict[str, str], strict: bool = False) -> list[str]:
         """Apply runtime overrides from ``keys.scheduler_config``; returns the fields changed.
 
-        A bad value leaves the config unchanged and raises ``ValueError`` naming the field.
+        A bad value leaves the config unchanged and raises ``ValueError`` naming the field;
+        with ``strict`` (an operator's ``set_mode``) so does an unknown field or none.
         """
-        changed = []
+        if strict:
+            check_runtime_fields(overrides)
         new = dict(mode=self.mode, grace_period_s=self.grace_period_s, delta=self.delta)
         for k, v in overrides.items():
             if k == "mode":

@@ -6,7 +6,13 @@ States::
         |---reject---> rejected
         |---override--> overridden   (+ a new plan, parent_plan_id = old, state acknowledged)
         |---override infeasible --> a new "refused" record carrying the reason in ``note``
-    proposed/acknowledged --(a newer plan is proposed)--> superseded
+    proposed/acknowledged --(a newer plan is proposed, an override or an
+                             acknowledgement of another plan)--> superseded
+    proposed --(made for a layout the job has left: stale)--> superseded
+
+A new plan (proposed, an override's, or one acknowledged) leaves no other plan open:
+the others are superseded with a note naming it, and it answers their reports.  A plan
+whose ``before`` is not the running layout cannot be acknowledged or overridden.
 
 ``applied`` is a fact, not a request: the trainer picks a plan up while it is
 acknowledged and may finish applying it after an operator rejected it, an override
@@ -153,12 +159,52 @@ def validate_override_shape(ov: Any) -> dict[str, Any]:
     return ov
 
 
+def check_override_result(ov: dict[str, Any], after: dict[str, Any]) -> None:
+    """The post-condition of every accepted override: its plan does what was asked.
+
+    Kept ranks work in a TP group, dropped ranks are in no group and not on standby, the
+    layers are the partition asked for, ``migration: false`` leaves no migration. Raises
+    OverrideError naming what the plan would do instead (the override is then refused,
+    never accepted with another effect than the one asked for)."""
+    active = {int(r) for st in after.get("groups", []) for g in st for r in g}
+    missing = sorted(set(ov.get("keep_ranks", [])) - active)
+    if missing:
+        where = sorted(set(missing) & set(after.get("standby", [])))
+        raise OverrideError(
+            f"the plan would not keep rank(s) {missing} in a TP group"
+            + (f" (it parks {where} on standby)" if where else "")
+        )
+    still = sorted(set(ov.get("drop_ranks", [])) & (active | set(after.get("standby", []))))
+    if still:
+        raise OverrideError(f"the plan would not drop rank(s) {still}")
+    if "layers" in ov and list(after.get("layers", [])) != list(ov["layers"]):
+        raise OverrideError(
+            f"the plan's layers {after.get('layers')} are not the partition asked {ov['layers']}"
+        )
+    if ov.get("migration") is False and after.get("migrations"):
+        raise OverrideError(
+            f"migration off is infeasible: the plan keeps {len(after['migrations'])} migration(s)"
+        )
+
+
+def _superseded_note(by: str, old: AdaptationPlan) -> str:
+    """Why ``old`` was superseded (``by``), with what its note said before."""
+    return f"{by} (was: {old.note})" if old.note else by
+
+
 class PlanBook:
     """All plans of a job and the rules for changing their state."""
 
-    def __init__(self, next_id: Callable[[], int], clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        next_id: Callable[[], int],
+        clock: Callable[[], float] = time.time,
+        running: Callable[[], dict[str, Any] | None] = lambda: None,
+    ):
         self.next_id = next_id
         self.clock = clock
+        #: the layout the job runs now (``Layout.to_dict()``), None when unknown
+        self.running = running
         self.plans: dict[int, AdaptationPlan] = {}
 
     def load(self, plans: dict[int, AdaptationPlan]) -> None:
@@ -183,6 +229,56 @@ class PlanBook:
             key=lambda p: p.plan_id,
         )
 
+    def _running_id(self) -> int | None:
+        run = self.running()
+        if not isinstance(run, dict) or "layout_id" not in run:
+            return None
+        try:
+            return int(run["layout_id"])
+        except (TypeError, ValueError):
+            return None
+
+    def stale(self, plan: AdaptationPlan) -> str:
+        """Why ``plan`` was made for a layout the job has left ('' when it was not): its
+        ``before`` is not the running layout (nor is its ``after``: a plan being applied)."""
+        run = self._running_id()
+        if run is None:
+            return ""
+        ids = (int(plan.before.get("layout_id", -1)), int(plan.after.get("layout_id", -1)))
+        if run in ids:
+            return ""
+        return (
+            f"plan {plan.plan_id} was made for layout {ids[0]}; the job runs layout {run} "
+            "now (stale)"
+        )
+
+    def _layout_id(self, proposed: int) -> int:
+        """The layout id a new plan's ``after`` gets: above the running layout's and every
+        layout a plan brought or may have brought (applied, or acknowledged: a trainer may
+        have taken it up), so ids keep growing however plans interleave."""
+        ids = [proposed]
+        run = self._running_id()
+        if run is not None:
+            ids.append(run + 1)
+        for p in self.plans.values():
+            if p.state != "refused" and (p.state == "applied" or p.acknowledged_at_s):
+                ids.append(int(p.after.get("layout_id", 0)) + 1)
+        return max(ids)
+
+    def _supersede_open(
+        self, new: AdaptationPlan, now: float, out: Changes, by: str = ""
+    ) -> list[str]:
+        """Every open plan but ``new`` superseded, with a note naming ``new`` (and ``by``,
+        how it came); returns the reports they answered (``new`` answers them now)."""
+        answered: list[str] = []
+        note = f"superseded by plan {new.plan_id}" + (f", {by}" if by else "")
+        for old in self.open_plans():
+            if old.plan_id == new.plan_id:
+                continue
+            self._set(old, "superseded", now, out, note=_superseded_note(note, old))
+            answered += old.failure_ids
+        return answered
+
     def latest_applied(self) -> AdaptationPlan | None:
         ap = [p for p in self.plans.values() if p.state == "applied"]
         return max(ap, key=lambda p: p.plan_id) if ap else None
@@ -199,13 +295,16 @@ class PlanBook:
         failure_ids: list[str],
         parent: int = 0,
     ) -> AdaptationPlan:
+        after = draft.after
+        if state != "refused":
+            after = {**after, "layout_id": self._layout_id(int(after.get("layout_id", 0)))}
         plan = AdaptationPlan(
             plan_id=int(self.next_id()),
             state=state,
             created_at_s=now,
             reason=draft.reason,
             before=draft.before,
-            after=draft.after,
+            after=after,
             predicted_before_s=float(draft.predicted_before_s),
             predicted_after_s=float(draft.predicted_after_s),
             moves=list(draft.moves),
@@ -224,18 +323,19 @@ class PlanBook:
 
     # ------------------------------------------------------------ proposals
     def propose(
-        self, draft: PlanDraft, *, mode: str, grace_s: float, policy: str, failure_ids: list[str]
+        self,
+        draft: PlanDraft,
+        *,
+        mode: str,
+        grace_s: float,
+        policy: str,
+        failure_ids: list[str],
+        why: str = "",
     ) -> Changes:
-        """A new plan; every older plan not yet applied is superseded by it."""
+        """A new plan; every older plan not yet applied is superseded by it (their note
+        names it, and ``why`` it came when given)."""
         now = self.clock()
         out = Changes()
-        answered: list[str] = []
-        for old in self.open_plans():
-            self._set(old, "superseded", now, out, note=old.note or "superseded by a newer plan")
-            answered += old.failure_ids
-        # the new plan is computed from every failure known so far: it answers the
-        # reports of the plans it replaces as well as the new one
-        ids = list(dict.fromkeys([*answered, *failure_ids]))
         plan = self._new(
             draft,
             "proposed",
@@ -243,8 +343,12 @@ class PlanBook:
             mode=mode,
             grace_s=grace_s,
             policy=policy,
-            failure_ids=ids,
+            failure_ids=list(dict.fromkeys(failure_ids)),
         )
+        # the new plan is computed from every failure known so far: it answers the
+        # reports of the plans it replaces as well as the new one
+        answered = self._supersede_open(plan, now, out, why)
+        plan.failure_ids = list(dict.fromkeys([*answered, *plan.failure_ids]))
         out.plans.append(plan)
         return out
 
@@ -258,15 +362,48 @@ class PlanBook:
         return out
 
     def same_as_open(self, draft: PlanDraft) -> AdaptationPlan | None:
-        """The open plan that already proposes exactly ``draft``'s layout, if any."""
-        return next((p for p in self.open_plans() if p.after == draft.after), None)
+        """The open plan that already proposes exactly ``draft``'s layout, if any (its
+        layout id aside: a plan's id is set above every layout id already used)."""
+
+        def shape(d: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in d.items() if k != "layout_id"}
+
+        want = shape(draft.after)
+        return next((p for p in self.open_plans() if shape(p.after) == want), None)
+
+    def retime(self, *, grace_s: float, old_grace_s: float, restart: bool) -> Changes:
+        """The grace period changed (``grace_s``), or auto mode starts again (``restart``):
+        re-time every plan still waiting for it. Its grace runs from when it started (the
+        plan's creation, or the switch to auto that started it), now ``grace_s`` long;
+        ``restart`` starts it afresh now, so no plan proposed long ago is acknowledged the
+        moment auto mode is switched on."""
+        now = self.clock()
+        out = Changes()
+        for p in self.open_plans():
+            if p.state != "proposed":
+                continue
+            start = now if restart else max(p.created_at_s, p.apply_after_s - old_grace_s)
+            due = start + grace_s
+            if due != p.apply_after_s:
+                p.apply_after_s = due
+                p.updated_at_s = now
+                out.plans.append(p)
+        return out
 
     def tick(self, mode: str) -> Changes:
-        """Auto mode: acknowledge proposed plans whose grace period is over (actor ``auto``)."""
+        """Auto mode: acknowledge proposed plans whose grace period is over (actor ``auto``).
+
+        A proposed plan made for a layout the job has left is superseded instead (in any
+        mode): acknowledged, it would replace the running layout with one planned for
+        another."""
         out = Changes()
+        now = self.clock()
+        for p in self.open_plans():
+            why = self.stale(p) if p.state == "proposed" else ""
+            if why:
+                self._set(p, "superseded", now, out, note=f"superseded: {why}")
         if mode != "auto":
             return out
-        now = self.clock()
         for p in self.open_plans():
             if p.state == "proposed" and now >= p.apply_after_s:
                 self._set(p, "acknowledged", now, out)
@@ -335,10 +472,15 @@ class PlanBook:
             )
         elif target not in TRANSITIONS[plan.state]:
             return refuse(f"plan {plan.plan_id} is {plan.state}; cannot {action.action}")
+        if action.action in ("acknowledge", "override"):
+            why = self.stale(plan)
+            if why:
+                return refuse(f"{why}: it cannot be {target}")
         if action.action == "override":
             try:
                 validate_override_shape(action.override)
                 draft = replan(plan, action.override)
+                check_override_result(action.override, draft.after)
             except OverrideError as e:
                 reason = str(e)
                 refused = self._new(
@@ -364,7 +506,6 @@ class PlanBook:
                 out.plans.append(refused)
                 rec.new_plan_id = refused.plan_id
                 return refuse(reason)
-            self._set(plan, "overridden", now, out, note=f"overridden by {action.actor}")
             draft.reason = draft.reason or f"override of plan {plan.plan_id} by {action.actor}"
             new = self._new(
                 draft,
@@ -376,9 +517,26 @@ class PlanBook:
                 failure_ids=plan.failure_ids,
                 parent=plan.plan_id,
             )
+            self._set(
+                plan,
+                "overridden",
+                now,
+                out,
+                note=f"overridden by {action.actor} (plan {new.plan_id})",
+            )
+            # the operator's plan is now the one the job is to run: no other open plan may
+            # be acknowledged and applied over it later; it answers their reports too
+            answered = self._supersede_open(
+                new, now, out, f"the override of plan {plan.plan_id} by {action.actor}"
+            )
+            new.failure_ids = list(dict.fromkeys([*plan.failure_ids, *answered]))
             out.plans.append(new)
             rec.new_plan_id = new.plan_id
             return out
+        if action.action == "acknowledge":
+            # the acknowledged plan is the one to run: none other stays open beside it
+            answered = self._supersede_open(plan, now, out, f"acknowledged by {action.actor}")
+            plan.failure_ids = list(dict.fromkeys([*plan.failure_ids, *answered]))
         if action.action == "applied":
             for old in self.plans.values():
                 if old.state == "applied" and old.plan_id != plan.plan_id:

@@ -212,23 +212,32 @@ def plan(
     ):
         return res
     after = alt.after
+    back = sorted(set(after.coords()) - set(layout.coords()))
     after.layout_id = layout.layout_id + 1
     already_out = set(layout.dead)
-    back = sorted(set(after.coords()) - set(layout.coords()))
-    moves: list[dict] = [
-        {
-            "what": "restore",
-            "from": f"DP{layout.dp}xPP{layout.pp}",
-            "to": f"DP{after.dp}xPP{after.pp}",
-            "ranks_back": back,
-        }
-    ]
-    moves += [
-        m
-        for m in alt.moves
-        if m.get("what") not in ("layers", "optimizer_state", "microbatches", "drop_stage")
-        and not (m.get("what") == "exclude" and m.get("rank") in already_out)
-    ]
+    if back:
+        moves: list[dict] = [
+            {
+                "what": "restore",
+                "from": f"DP{layout.dp}xPP{layout.pp}",
+                "to": f"DP{after.dp}xPP{after.pp}",
+                "ranks_back": back,
+            }
+        ]
+    else:
+        # planned from the pre-failure structure, yet every idle device stays idle: no
+        # restore (it was labelled "restores 0 idle device(s)"), only a better plan
+        moves = []
+    if not back and (after.dp, after.pp) == (layout.dp, layout.pp):
+        # the same structure: its TP moves are the regroupings of the current groups
+        moves += _group_moves(layout, after, speeds_with_dead(layout, p))
+    else:
+        moves += [
+            m
+            for m in alt.moves
+            if m.get("what") not in ("layers", "optimizer_state", "microbatches", "drop_stage")
+            and not (m.get("what") == "exclude" and m.get("rank") in already_out)
+        ]
     moves += partition_moves(layout.layers, after.layers, predictor.memory.layer_state_bytes)
     if after.dp == layout.dp:
         moves += [
@@ -253,8 +262,73 @@ def plan(
             else -1.0
         )
     )
-    note = f"restores {len(back)} idle device(s) to the job's pre-failure structure"
+    if back:
+        note = f"restores {len(back)} idle device(s) to the job's pre-failure structure"
+    elif res is not None:
+        note = (
+            "planned from the job's pre-failure layout: "
+            f"{1 - alt.predicted_after_s / res.predicted_after_s:.1%} faster than a plan from "
+            "the current one (no idle device comes back)"
+        )
+    else:
+        note = "planned from the job's pre-failure layout (no idle device comes back)"
     return PlanResult(after, before_s, alt.predicted_after_s, moves, note=note)
+
+
+def _group_moves(layout: Layout, after: Layout, p: Mapping[int, float]) -> list[dict]:
+    """The exclude / standby / tp_regroup moves from ``layout``'s groups to ``after``'s
+    (same replica and stage count)."""
+    out: list[dict] = []
+    active_after = set(after.coords())
+    for d in range(layout.dp):
+        for s in range(layout.pp):
+            grp, new = layout.groups[d][s], after.groups[d][s]
+            if sorted(grp) == sorted(new):
+                continue
+            node = layout.node_of((grp or new)[0])
+            for r in grp:
+                if r in new:
+                    continue
+                if p.get(r, 1.0) <= 0:
+                    out.append(
+                        {"what": "exclude", "rank": r, "dp": d, "stage": s, "reason": "fail_stop"}
+                    )
+                elif r not in active_after:
+                    out.append(
+                        {
+                            "what": "standby",
+                            "action": "park",
+                            "rank": r,
+                            "node": node,
+                            "dp": d,
+                            "stage": s,
+                            "reason": f"p={p.get(r, 1.0):.2f}",
+                        }
+                    )
+            for r in new:
+                if r not in grp and r in layout.standby:
+                    out.append(
+                        {
+                            "what": "standby",
+                            "action": "reuse",
+                            "rank": r,
+                            "node": node,
+                            "dp": d,
+                            "stage": s,
+                        }
+                    )
+            out.append(
+                {
+                    "what": "tp_regroup",
+                    "dp": d,
+                    "stage": s,
+                    "from": list(grp),
+                    "to": list(new),
+                    "k_from": len(grp),
+                    "k_to": len(new),
+                }
+            )
+    return out + p2p_moves(after)
 
 
 #: A plan from the job's pre-failure structure must beat the best plan that keeps the
@@ -311,6 +385,15 @@ def _plan(
 
     tp_res = adapt_tp(layout, p, predictor.memory, keep=opt.keep, drop=opt.drop, selective=opt.tp)
     lay = tp_res.layout
+    if tp_res.unkept:
+        # never park the ranks an operator said to keep: refuse, saying why
+        raise OverrideError("; ".join(tp_res.unkept))
+    idle = sorted(set(opt.keep) - set(lay.coords()))
+    if idle:
+        raise OverrideError(
+            f"cannot keep rank(s) {idle}: no TP group of their node can take them"
+            + ("" if opt.tp else " (this policy regroups no TP group, it drops whole groups)")
+        )
     lay.migrations = []
     try:
         lay, gone = _drop_empty_stages(lay)
@@ -592,11 +675,11 @@ def _plan(
     after.layout_id = layout.layout_id + 1
     viol = memory_violations(after, predictor)
     if viol:
-        raise (
-            OverrideError("; ".join(viol))
-            if (opt.layers or opt.keep)
-            else PlanningError("; ".join(viol))
-        )
+        if opt.keep:
+            raise OverrideError(
+                f"keeping rank(s) {sorted(opt.keep)} is infeasible: " + "; ".join(viol)
+            )
+        raise OverrideError("; ".join(viol)) if opt.layers else PlanningError("; ".join(viol))
     moves += p2p_moves(after)
     if list(after.layers) != list(layout.layers) or gone:
         moves += partition_moves(layout.layers, after.layers, predictor.memory.layer_state_bytes)

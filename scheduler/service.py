@@ -121,7 +121,7 @@ class SchedulerService:
             client, self.keys, self.keys.actions, group, consumer=config.consumer
         )
         self.health = bus.Health(client, self.keys, SERVICE)
-        self.book = PlanBook(next_id=self._next_plan_id)
+        self.book = PlanBook(next_id=self._next_plan_id, running=self._running_layout)
         #: rank -> p learned from reports (device_health fills in the rest); kept in Redis
         #: so that a restarted scheduler plans with what its predecessor had learned
         self.p: dict[int, float] = {}
@@ -137,6 +137,8 @@ class SchedulerService:
         self._handling: str | None = None
         self.duplicates_total = 0
         self._home: Layout | None = None
+        #: whether the runtime settings hash was read once (the start-up read re-times nothing)
+        self._settings_read = False
 
     # ------------------------------------------------------------ state io
     def _restore(self) -> None:
@@ -198,6 +200,16 @@ class SchedulerService:
                 "cost model: %s (inferred from the layout)", self._predictor.model or "generic"
             )
         return self._predictor
+
+    def _running_layout(self) -> dict | None:
+        """The running layout as a dict (None when there is none or it is unreadable): the
+        plan book's reference for stale plans and layout ids."""
+        try:
+            raw = self.client.get(self.keys.layout)
+            d = json.loads(raw) if raw else None
+        except (ValueError, TypeError):
+            return None
+        return d if isinstance(d, dict) else None
 
     def layout(self) -> Layout | None:
         raw = self.client.get(self.keys.layout)
@@ -420,6 +432,64 @@ class SchedulerService:
         )
         bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
 
+    def apply_settings(
+        self, d: dict, strict: bool = False, retime: bool = True
+    ) -> tuple[list[str], Changes]:
+        """Apply runtime settings (``set_mode``, or the ``keys.scheduler_config`` hash) and
+        re-time the plans waiting for their grace period: a new grace period counts from
+        when each plan's started (created, or auto switched on), and switching to auto
+        starts it afresh. Raises ValueError (nothing changed) on a bad field or value."""
+        old_mode, old_grace = self.config.mode, self.config.grace_period_s
+        changed = self.config.apply_runtime(d, strict=strict)
+        ch = Changes()
+        restart = old_mode != "auto" and self.config.mode == "auto"
+        if retime and (restart or "grace_period_s" in changed):
+            ch = self.book.retime(
+                grace_s=self.config.grace_period_s, old_grace_s=old_grace, restart=restart
+            )
+        return changed, ch
+
+    def _replace_stale(self) -> None:
+        """A proposed plan made for a layout the job has left (the trainer moved on alone,
+        or applied another plan) is replaced by a plan for the running layout answering the
+        same reports; when that layout needs no change it is superseded with the reason."""
+        stale = [(p, self.book.stale(p)) for p in self.book.open_plans() if p.state == "proposed"]
+        stale = [(p, why) for p, why in stale if why]
+        if not stale:
+            return
+        ids = list(dict.fromkeys(f for p, _ in stale for f in p.failure_ids))
+        why = "; ".join(w for _, w in stale)
+        draft = None
+        try:
+            layout = self.layout()
+            if layout is not None:
+                draft = self.make_draft(
+                    layout,
+                    self.speeds(layout),
+                    reason=f"re-planned for layout {layout.layout_id}: {why}",
+                )
+        except (PlanningError, LayoutError) as e:
+            log.warning("no plan replaces stale plan(s): %s", e)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception:  # noqa: BLE001 - the tick still supersedes them; the loop goes on
+            log.exception("planning in place of stale plan(s) failed")
+        if draft is None:
+            # the book's tick supersedes them, saying why
+            return
+        ch = self.book.propose(
+            draft,
+            mode=self.config.mode,
+            grace_s=self.config.grace_period_s,
+            policy=self.config.policy,
+            failure_ids=ids,
+            why=f"re-planned for the running layout: {why}",
+        )
+        self.persist(ch)
+        self.plans_total += 1
+        bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
+        log.info("proposed plan %d in place of stale plan(s): %s", ch.plans[-1].plan_id, why)
+
     def handle_action(self, action: OperatorAction) -> None:
         if action.action == "set_mode":
             now = time.time()
@@ -434,17 +504,29 @@ class SchedulerService:
                 action_id=action.action_id,
                 recorded_at_s=now,
             )
+            ch = Changes(audit=[rec])
             try:
-                changed = self.config.apply_runtime({k: str(v) for k, v in action.override.items()})
+                changed, retimed = self.apply_settings(
+                    {k: str(v) for k, v in action.override.items()}, strict=True
+                )
                 if changed:
                     self.client.hset(
                         self.keys.scheduler_config,
                         mapping={k: str(getattr(self.config, k)) for k in changed},
                     )
                 rec.note = f"changed {changed}"
+                if retimed.plans:
+                    rec.note += "; " + ", ".join(
+                        f"plan {p.plan_id} now applies by itself in "
+                        f"{max(0.0, p.apply_after_s - now):.0f} s"
+                        if self.config.mode == "auto"
+                        else f"plan {p.plan_id} re-timed"
+                        for p in retimed.plans
+                    )
+                ch.plans = retimed.plans
             except ValueError as e:
                 rec.result, rec.note = "refused", str(e)
-            self.persist(Changes(audit=[rec]))
+            self.persist(ch)
             return
         ch = self.book.act(action, self._replan, mode=self.config.mode, policy=self.config.policy)
         if any(r.result == "refused" for r in ch.audit):
@@ -454,6 +536,7 @@ class SchedulerService:
     # ------------------------------------------------------------ loop
     def _runtime_config(self) -> None:
         raw = self.client.hgetall(self.keys.scheduler_config)
+        first, self._settings_read = not self._settings_read, True
         if not raw:
             return
         d = {
@@ -463,10 +546,13 @@ class SchedulerService:
             for k, v in raw.items()
         }
         try:
-            changed = self.config.apply_runtime(d)
+            # at start-up the hash holds what was in force when the waiting plans were
+            # timed (it wins over the command line): nothing to re-time then
+            changed, retimed = self.apply_settings(d, retime=not first)
         except ValueError as e:
             log.warning("ignoring bad runtime config: %s", e)
             return
+        self.persist(retimed)
         if changed:
             # also at start-up: an operator's set_mode outlives a scheduler restart (a
             # crash-restarted scheduler must not fall back to auto behind their back),
@@ -539,6 +625,7 @@ class SchedulerService:
                 # acked entry by entry: planning takes up to seconds per report, and a
                 # crash must not re-deliver a whole batch of handled messages
                 consumer.ack([entry_id])
+        self._replace_stale()
         self.persist(self.book.tick(self._auto_mode()))
         self.health.beat("ok", mode=self.config.mode, plans_total=self.plans_total)
         return handled

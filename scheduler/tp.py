@@ -126,6 +126,9 @@ class TPResult:
     changed: set[tuple[int, int]] = field(default_factory=set)
     #: (dp, stage) whose group could not be formed (too few live devices for k_min).
     emptied: set[tuple[int, int]] = field(default_factory=set)
+    #: Why ranks an override keeps could not stay in their group (one line per group);
+    #: the planner refuses such an override instead of parking the very ranks it keeps.
+    unkept: list[str] = field(default_factory=list)
 
 
 def stage_k_min(layout: Layout, stage: int, memory: MemoryModel | None) -> int:
@@ -134,6 +137,36 @@ def stage_k_min(layout: Layout, stage: int, memory: MemoryModel | None) -> int:
     inflight = inflight_1f1b(stage, layout.pp, max(layout.microbatches or [1]))
     k = memory.k_min(layout.layers[stage], inflight, k_max=layout.devices_per_node)
     return k if k is not None else layout.devices_per_node * 2  # cannot fit on one node
+
+
+def _unkept_reason(
+    lay: Layout,
+    d: int,
+    s: int,
+    own: list[int],
+    cands: list[int],
+    p: Mapping[int, float],
+    k_min: int,
+) -> str:
+    """Why kept ranks ``own`` cannot form a TP group of replica ``d``, stage ``s``."""
+    alive = [r for r in dict.fromkeys(cands) if p.get(r, 1.0) > 0]
+    n = min(len(alive), lay.devices_per_node)
+    head = (
+        f"cannot keep rank(s) {sorted(own)} in replica {d} stage {s} (node {lay.node_of(own[0])})"
+    )
+    if k_min > lay.devices_per_node:
+        return f"{head}: its {lay.layers[s]} layers fit in no TP group of one node"
+    if n < k_min:
+        return (
+            f"{head}: its {lay.layers[s]} layers need TP >= {k_min} in device memory and only "
+            f"{len(alive)} live device(s) can form the group"
+        )
+    degrees = feasible_degrees(k_min, n)
+    return (
+        f"{head}: a TP group is a power of two between {k_min} and {lay.devices_per_node} "
+        f"devices and {len(alive)} live device(s) can form this one (largest: {max(degrees)}), "
+        f"fewer than the {len(own)} kept: keep at most {max(degrees)} of them"
+    )
 
 
 def adapt_tp(
@@ -166,8 +199,11 @@ def adapt_tp(
                 continue
             hit = any(r in dead or r in drop_s for r in grp)
             slow = any(p.get(r, 1.0) < HEALTHY_P for r in grp)
-            spare = bool(pool.get(lay.node_of(grp[0]))) and len(grp) < lay.devices_per_node
-            if hit or slow or spare or any(r in keep_s for r in grp):
+            node_pool = pool.get(lay.node_of(grp[0]), [])
+            spare = bool(node_pool) and len(grp) < lay.devices_per_node
+            # a kept standby device joins a group of its node: every group there may take it
+            kept_spare = any(r in keep_s for r in node_pool)
+            if hit or slow or spare or kept_spare or any(r in keep_s for r in grp):
                 order.append((0 if hit else 1 if slow else 2, d, s))
     # Groups that lost a device claim node-local standby first.
     for _, d, s in sorted(order):
@@ -185,10 +221,16 @@ def adapt_tp(
             new: list[int] = []
         else:
             cands = live + [r for r in pool.get(node, []) if r not in drop_s]
-            must = [r for r in cands if r in keep_s]
-            choice = select_subgroup(
-                cands, p, stage_k_min(lay, s, memory), must, k_max=lay.devices_per_node
-            )
+            # an operator's keep list: this group's own kept members must stay in it; a
+            # kept standby device of the node joins it if it can, else a later group may
+            own = [r for r in live if r in keep_s]
+            spares = [r for r in cands if r in keep_s and r not in own]
+            k_min = stage_k_min(lay, s, memory)
+            choice = select_subgroup(cands, p, k_min, own + spares, k_max=lay.devices_per_node)
+            if choice is None and spares:
+                choice = select_subgroup(cands, p, k_min, own, k_max=lay.devices_per_node)
+            if choice is None and own:
+                res.unkept.append(_unkept_reason(lay, d, s, own, cands, p, k_min))
             new = (
                 []
                 if choice is None

@@ -213,6 +213,7 @@ def test_act_refuses_an_empty_actor_and_an_empty_set_mode_before_sending(
 
     url = ["--redis-url", redis_server.url, "--job-id", "actors"]
     r = connect(redis_server.url)
+    r.sadd(JOBS_SET, "actors")  # a job act knows (an unknown one is refused)
     actions = JobKeys("actors").actions
     for argv in (["--actor", "  "], ["--actor", ""]):
         assert main(["act", "set_mode", "--override", '{"mode": "manual"}', *argv, *url]) == 2
@@ -293,3 +294,76 @@ def test_config_show_takes_heartbeat_k_from_the_collector(r, redis_server, capsy
     assert _config(redis_server, "kk", "show") == 0
     rows = {x.split()[0]: x.split()[1:] for x in capsys.readouterr().out.splitlines()[1:]}
     assert rows["heartbeat_k"] == ["3", "3", "2"] and rows["threshold"][1] == "1.25"
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(
+    ("action", "override", "why"),
+    [
+        ("set_mode", '{"grace_period_s": NaN}', "--override holds NaN, not a number JSON allows"),
+        ("set_mode", '{"grace_period_s": 1e309}', "--override holds 1e309, a number out of range"),
+        ("acknowledge", '{"a": Infinity}', "--override holds Infinity, not a number JSON allows"),
+        ("override", '{"layers": [-Infinity]}', "--override holds -Infinity"),
+    ],
+)
+def test_act_refuses_non_finite_numbers_in_one_line(redis_server, action, override, why, capsys):
+    """NaN / Infinity / 1e309 in --override crashed `act` with a traceback (exit 1)."""
+    from resihp.redis_client import connect
+    from scheduler.__main__ import main
+
+    r = connect(redis_server.url)
+    r.sadd(JOBS_SET, "nan")
+    url = ["--redis-url", redis_server.url, "--job-id", "nan", "--actor", "fay"]
+    assert main(["act", action, "--plan-id", "1", "--override", override, *url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(why) and len(err.strip().splitlines()) == 1, err
+    assert r.xlen(JobKeys("nan").actions) == 0  # nothing sent
+
+
+@pytest.mark.redis
+def test_act_set_mode_refuses_misspelled_fields_before_sending(redis_server, capsys):
+    """{"grace_period": 30, "mod": "manual"} was sent, audited 'ok', changed nothing, exit 0."""
+    from resihp.redis_client import connect
+    from scheduler.__main__ import main
+
+    r = connect(redis_server.url)
+    r.sadd(JOBS_SET, "typo")
+    url = ["--redis-url", redis_server.url, "--job-id", "typo", "--actor", "fay"]
+    ov = '{"grace_period": 30, "mod": "manual"}'
+    assert main(["act", "set_mode", "--override", ov, *url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "--override: unknown set_mode field(s) ['grace_period', 'mod']; "
+        "allowed ['mode', 'grace_period_s', 'delta']"
+    ), err
+    assert main(["act", "set_mode", "--override", '{"mode": "sometimes"}', *url]) == 2
+    assert "mode: must be one of ('auto', 'manual')" in capsys.readouterr().err
+    assert r.xlen(JobKeys("typo").actions) == 0
+
+
+@pytest.mark.redis
+def test_act_names_an_unknown_job_and_a_state_dir_without_a_stack(
+    r, redis_server, monkeypatch, capsys
+):
+    """`act --job-id nosuchjob` said "job 'nosuchjob' has no plan 2; it has no plans"; with a
+    state dir where no stack runs it said "no Redis URL"."""
+    from scheduler.__main__ import main
+
+    r.sadd(JOBS_SET, "job-a", "job-b")
+    url = ["--redis-url", redis_server.url, "--actor", "fay"]
+    for action in (["acknowledge", "--plan-id", "2"], ["set_mode", "--override", '{"delta": 1}']):
+        assert main(["act", *action, *url, "--job-id", "nosuchjob"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            "act: job 'nosuchjob' is not in this Redis (known jobs: job-a, job-b); pass --job-id"
+        ), err
+    assert r.xlen(JobKeys("nosuchjob").actions) == 0
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setenv("RESIHP_STATE_DIR", "/tmp/nowhere")
+    assert main(["act", "acknowledge", "--plan-id", "2", "--actor", "fay"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("act: no `resihp up` stack runs from /tmp/nowhere: "), err
+    monkeypatch.delenv("RESIHP_STATE_DIR")
+    assert main(["act", "acknowledge", "--plan-id", "2", "--actor", "fay"]) == 2
+    err = capsys.readouterr().err
+    assert "no `resihp up` stack runs from the state dir (--state-dir, default .resihp)" in err

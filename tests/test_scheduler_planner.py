@@ -297,3 +297,52 @@ def test_a_device_an_override_dropped_stays_out_until_an_override_keeps_it():
     spare = plan(out, {}, pred, PlanOptions(drop=tuple(out.standby)))
     gone = [m for m in spare.moves if m["what"] == "out_of_service"]
     assert [m["rank"] for m in gone] == out.standby and spare.after.standby == []
+
+
+def test_keep_ranks_that_cannot_form_a_group_are_refused_not_parked():
+    """keep_ranks [8, 10, 11] after rank 9 died (TP4 group [8, 9, 10, 11]) was accepted and
+    parked all three (3 is no power of two); keeping every live rank dropped node 1's stage."""
+    from scheduler.lifecycle import OverrideError
+
+    pred = Predictor("llama2-7b", 4096)
+    lay = Layout.uniform(4, 2, 2, 32, 8)
+    p = {9: 0.0}
+    every = tuple(r for r in range(16) if r != 9)
+    for keep in ((8, 10, 11), (8, 10, 11, 12), every):
+        with pytest.raises(OverrideError) as e:
+            plan(lay, p, pred, PlanOptions(keep=keep))
+        msg = str(e.value)
+        assert "cannot keep rank(s) [8, 10, 11] in replica 0 stage 1" in msg, msg
+        assert "keep at most 2 of them" in msg, msg
+    # two of them can stay: they do, in their group
+    two = plan(lay, p, pred, PlanOptions(keep=(8, 11))).after
+    assert sorted(two.groups[0][1]) == [8, 11] and 10 in two.standby
+    # a kept standby device joins a group of its node
+    first = plan(lay, p, pred).after
+    assert 11 in first.standby
+    back = plan(first, {}, pred, PlanOptions(keep=(11,))).after
+    assert 11 in back.coords()
+
+
+def test_a_plan_from_the_home_layout_that_brings_no_device_back_is_no_restore():
+    """The restore candidate won by 2 % while bringing no idle device back, and was labelled
+    "restores 0 idle device(s)" with a restore move naming no rank."""
+    pred = Predictor("llama2-7b", 4096)
+    home = Layout.uniform(4, 2, 2, 32, 8)
+    cur = plan(home, {9: 0.0}, pred).after  # rank 11 parked on standby
+    res = plan(cur, {9: 0.0, 4: 0.2}, pred, home=home)
+    assert not [m for m in res.moves if m["what"] == "restore"], res.moves
+    assert "restores" not in res.note and "no idle device comes back" in res.note, res.note
+    assert 11 not in res.after.coords()
+    # its TP moves are the regroupings of the current groups, not of the home layout's
+    regroups = [m for m in res.moves if m["what"] == "tp_regroup"]
+    assert regroups and all(
+        sorted(m["from"]) == sorted(cur.groups[m["dp"]][m["stage"]]) for m in regroups
+    ), regroups
+    # a real restore still says what it brings back
+    node1 = {r: 0.0 for r in range(8, 16)}
+    shrunk = plan(home, node1, pred).after
+    shrunk.standby, shrunk.dead = sorted(set(shrunk.standby) | set(shrunk.dead)), []  # back
+    again = plan(shrunk, {}, pred, home=home)
+    (restore,) = [m for m in again.moves if m["what"] == "restore"]
+    assert restore["ranks_back"] == list(range(8, 16)) and "restores 8" in again.note

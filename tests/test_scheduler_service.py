@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -613,3 +614,237 @@ def test_a_node_that_rejoins_after_its_stages_were_dropped_gets_them_back(r):
     assert back.predicted_after_s < 0.7 * back.predicted_before_s
     lay = Layout.from_json(r.get(keys.layout))
     assert (lay.dp, lay.pp) == (2, 2) and lay.dead == [] and len(lay.active_ranks()) == 16
+
+
+# ------------------------------------------------------------ overrides do what they say
+
+
+def _svc7b(r, **kw) -> tuple[JobKeys, SchedulerService]:
+    """LLaMA2-7B TP4 x PP2 x DP2 (16 ranks, 2 nodes), as `resihp up` runs it."""
+    keys = JobKeys(JOB)
+    write_layout(r, keys, Layout.uniform(tp=4, pp=2, dp=2, num_layers=32, num_microbatches=8))
+    cfg = SchedulerConfig(job_id=JOB, model="llama2-7b", block_ms=10, **kw)
+    return keys, SchedulerService(cfg, r)
+
+
+@pytest.mark.redis
+def test_a_keep_override_that_cannot_keep_the_ranks_is_refused_naming_them(r):
+    """keep_ranks [8, 10, 11] (rank 9 dead in their TP-4 group) was accepted and its plan
+    parked all three: the opposite of what was asked."""
+    keys, svc = _svc7b(r, mode="manual")
+    publish(r, keys.failures, _report(ranks=(9,)))
+    svc.run_once()
+    publish(r, keys.actions, _act("override", 1, "uma", {"keep_ranks": [8, 10, 11]}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[1].state == "proposed"  # left as it was
+    ref = plans[2]
+    assert ref.state == "refused" and "cannot keep rank(s) [8, 10, 11]" in ref.note, ref.note
+    rec = _audit(r, keys)[-1]
+    assert rec.result == "refused" and "[8, 10, 11]" in rec.note
+    # two of them can be kept: accepted, and both work in a TP group
+    publish(r, keys.actions, _act("override", 1, "uma", {"keep_ranks": [8, 11]}))
+    svc.run_once()
+    new = latest_plans(r, keys)[3]
+    assert new.state == "acknowledged" and {8, 11} <= set(Layout.from_dict(new.after).coords())
+
+
+def test_every_accepted_override_is_checked_against_what_it_asked():
+    """One post-condition for every override kind: a plan with the opposite effect is
+    refused, whatever the planner did."""
+    from scheduler.lifecycle import OverrideError, check_override_result
+
+    lay = Layout.uniform(tp=4, pp=2, dp=2, num_layers=32, num_microbatches=8)
+    parked = lay.copy()
+    parked.groups[0][1] = [8, 10]
+    parked.standby = [11]
+    with pytest.raises(OverrideError, match=r"not keep rank\(s\) \[11\].*parks \[11\]"):
+        check_override_result({"keep_ranks": [8, 11]}, parked.to_dict())
+    check_override_result({"keep_ranks": [8, 10]}, parked.to_dict())
+    with pytest.raises(OverrideError, match=r"not drop rank\(s\) \[11\]"):
+        check_override_result({"drop_ranks": [11]}, parked.to_dict())  # standby is no drop
+    with pytest.raises(OverrideError, match=r"not the partition asked \[20, 12\]"):
+        check_override_result({"layers": [20, 12]}, lay.to_dict())
+    check_override_result({"layers": [16, 16]}, lay.to_dict())
+    moved = lay.to_dict() | {"migrations": [[1, 0, 0, 1]]}
+    with pytest.raises(OverrideError, match="migration off is infeasible"):
+        check_override_result({"migration": False}, moved)
+
+
+# ------------------------------------------------------------ no plan applied over another
+
+
+def _layout_ids(r, keys) -> list[int]:
+    return [json.loads(f[b"layout"])["layout_id"] for _, f in r.xrange(keys.layouts)]
+
+
+@pytest.mark.redis
+def test_an_override_supersedes_every_other_open_plan(r):
+    """Plan 1 rejected, plan 2 proposed for a second failure, then plan 1 overridden: plan 2
+    stayed open, was acknowledged later and applied over the operator's plan, under a
+    layout id already used."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    fol = PlanFollower(r, keys)
+    publish(r, keys.failures, _report(ranks=(5,), rid="r1"))
+    svc.run_once()
+    publish(r, keys.actions, _act("reject", 1, "ivy"))
+    svc.run_once()
+    publish(r, keys.failures, _report(ranks=(20,), rid="r2"))
+    svc.run_once()
+    assert _plans(r, keys) == {1: "rejected", 2: "proposed"}
+    publish(r, keys.actions, _act("override", 1, "ivy", {"migration": False}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert _plans(r, keys) == {1: "overridden", 2: "superseded", 3: "acknowledged"}
+    assert plans[2].note.startswith("superseded by plan 3, the override of plan 1 by ivy")
+    assert plans[3].failure_ids == ["r1", "r2"]  # it answers plan 2's report too
+    assert plans[1].note == "overridden by ivy (plan 3)"
+    (ready,) = fol.poll()
+    fol.confirm_applied(ready, Layout.from_dict(ready.after))
+    svc.run_once()
+    # nobody can bring plan 2 back over it
+    publish(r, keys.actions, _act("acknowledge", 2, "jay"))
+    svc.run_once()
+    assert _audit(r, keys)[-1].result == "refused"
+    publish(r, keys.actions, _act("set_mode", 0, "jay", {"mode": "auto", "grace_period_s": 0}))
+    for _ in range(3):
+        svc.run_once()
+    assert fol.poll() == [] and _plans(r, keys)[3] == "applied"
+    assert _layout_ids(r, keys) == [0, 1]
+
+
+@pytest.mark.redis
+def test_acknowledging_a_plan_leaves_no_other_open(r):
+    """Two open plans, as a scheduler before this rule left them: acknowledging one
+    supersedes the other, which could otherwise be acknowledged and applied over it."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report(ranks=(5,), rid="r1"))
+    svc.run_once()
+    other = latest_plans(r, keys)[1]
+    other.plan_id, other.failure_ids = 2, ["r2"]
+    r.hset(keys.plan_state, "2", other.to_json())
+    r.set(keys.plan_seq, 2)
+    svc = _svc(r, mode="manual")  # restarted: it loads both
+    publish(r, keys.actions, _act("acknowledge", 2, "bob"))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[2].state == "acknowledged" and plans[1].state == "superseded"
+    assert plans[1].note.startswith("superseded by plan 2, acknowledged by bob")
+    assert plans[2].failure_ids == ["r2", "r1"]
+
+
+@pytest.mark.redis
+def test_a_stale_plan_is_neither_acknowledged_nor_auto_acknowledged(r):
+    """A plan made for a layout the job has left (here: the trainer moved on alone) was
+    acknowledged and applied over the running layout."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual", grace_period_s=0.0)
+    publish(r, keys.failures, _report(ranks=(5,), rid="r1"))
+    svc.run_once()
+    moved = lay.copy()
+    moved.layout_id = 3
+    write_layout(r, keys, moved)
+    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
+    svc.run_once()
+    rec = _audit(r, keys)[-1]
+    assert rec.result == "refused", rec
+    assert "made for layout 0; the job runs layout 3 now (stale)" in rec.note, rec.note
+    # auto mode: no acknowledgement of it; a plan for the running layout replaces it
+    publish(r, keys.actions, _act("set_mode", 0, "bob", {"mode": "auto"}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[1].state == "superseded" and "(stale)" in plans[1].note, plans[1].note
+    new = plans[2]
+    assert new.before["layout_id"] == 3 and new.after["layout_id"] == 4
+    assert new.failure_ids == ["r1"] and plans[1].note.startswith("superseded by plan 2")
+    svc.run_once()
+    assert latest_plans(r, keys)[2].state == "acknowledged"  # its grace period (0) is over
+    assert [a.plan_id for a in _audit(r, keys) if a.actor == "auto"] == [2]
+
+
+@pytest.mark.redis
+def test_layout_ids_keep_growing_when_an_override_races_the_trainer(r):
+    """An override of a plan the trainer had already taken up got the same layout id as
+    that plan: two different layouts ran as layout 1."""
+    keys, svc, follower, plan = _taken_up(r)
+    publish(r, keys.actions, _act("override", 1, "carol", {"migration": False}))
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[2].state == "acknowledged"
+    assert plans[2].after["layout_id"] > plans[1].after["layout_id"] == 1
+    follower.confirm_applied(plan, Layout.from_dict(plan.after))  # plan 1, late
+    svc.run_once()
+    (ready,) = follower.poll()
+    follower.confirm_applied(ready, Layout.from_dict(ready.after))
+    svc.run_once()
+    ids = _layout_ids(r, keys)
+    assert ids == sorted(set(ids)) and len(ids) == 3, ids
+
+
+# ------------------------------------------------------------ set_mode
+
+
+@pytest.mark.redis
+def test_a_new_grace_period_applies_to_plans_already_waiting(r):
+    """grace_period_s 15 -> 600 left a waiting plan due after 15 s: it was applied while
+    the operator had asked for time to think."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=15.0)
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    p1 = latest_plans(r, keys)[1]
+    assert p1.apply_after_s == pytest.approx(p1.created_at_s + 15)
+    publish(r, keys.actions, _act("set_mode", 0, "lee", {"grace_period_s": 600}))
+    svc.run_once()
+    p1 = latest_plans(r, keys)[1]
+    assert p1.apply_after_s == pytest.approx(p1.created_at_s + 600) and p1.state == "proposed"
+    note = _audit(r, keys)[-1].note
+    assert note.startswith("changed ['grace_period_s']; plan 1 now applies by itself in 6"), note
+    # a shorter one shortens it: counted from the plan's creation, so it is due at once
+    publish(r, keys.actions, _act("set_mode", 0, "lee", {"grace_period_s": 0}))
+    svc.run_once()
+    assert latest_plans(r, keys)[1].state == "acknowledged"
+
+
+@pytest.mark.redis
+def test_switching_to_auto_gives_waiting_plans_a_fresh_grace_period(r):
+    """manual -> auto acknowledged a plan proposed minutes earlier 0.2 s after the switch."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual", grace_period_s=0.0)
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    t = time.time()
+    publish(r, keys.actions, _act("set_mode", 0, "jay", {"mode": "auto", "grace_period_s": 30}))
+    svc.run_once()
+    svc.run_once()
+    p1 = latest_plans(r, keys)[1]
+    assert p1.state == "proposed" and p1.apply_after_s >= t + 30
+    assert not [a for a in _audit(r, keys) if a.actor == "auto"]
+
+
+@pytest.mark.redis
+def test_set_mode_refuses_unknown_fields_naming_them(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="auto")
+    publish(r, keys.actions, _act("set_mode", 0, "fay", {"grace_period": 30, "mod": "manual"}))
+    svc.run_once()
+    rec = _audit(r, keys)[-1]
+    assert rec.result == "refused"
+    assert rec.note == (
+        "unknown set_mode field(s) ['grace_period', 'mod']; "
+        "allowed ['mode', 'grace_period_s', 'delta']"
+    )
+    assert svc.config.mode == "auto" and not r.exists(keys.scheduler_config)
+
+
+@pytest.mark.redis
+def test_a_superseded_plan_says_which_plan_superseded_it(r):
+    keys, svc = _acknowledged(r)
+    svc.book.plans[1].note = "an older note"
+    publish(r, keys.failures, _slow_20())
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert plans[1].state == "superseded"
+    assert plans[1].note == "superseded by plan 2 (was: an older note)"
