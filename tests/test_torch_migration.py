@@ -5,7 +5,10 @@ on another replica (cross-replica P2P).  Training must equal one process."""
 from __future__ import annotations
 
 import pytest
-from torch_harness import check_loss_curve, run_recovery_job
+from torch_harness import check_against_reference, check_loss_curve, run_job, run_recovery_job
+
+import trainer.torch_trainer.launcher as launcher
+from resihp.topology import Layout
 
 pytestmark = pytest.mark.distributed
 
@@ -27,3 +30,52 @@ def test_fail_stop_with_microbatch_migration_matches_reference(tmp_path):
     # both replicas still run (replica 1 keeps stage 1); nothing became standby
     assert plan.startswith("DP2xPP2") and "standby=0" in plan
     assert rows[-1]["generation"] == 1
+
+
+# Plans the scheduler made for a TP2 x PP2 x DP2 job (after a slow link, and the recovery
+# of a slow device) with micro-batches migrating both ways between the two replicas:
+# (stage, src_dp, mb, dst_dp).  The engine's old order ("own micro-batches first,
+# migrated-in after") hung on both: replica 0 stage 0 waited for a gradient whose
+# forward it had not run yet.
+CROSS_PLANS = {
+    "slow-link": dict(
+        layers=[3, 1],
+        microbatches=[2, 6],
+        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 1, 1]],
+    ),
+    "slow-device": dict(
+        layers=[2, 2],
+        microbatches=[4, 4],
+        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 3, 1], [1, 1, 3, 0]],
+    ),
+}
+
+
+@pytest.mark.slow  # 8 ranks: 1-2 min each on a busy 2-core machine
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", ["slow-link", "slow-device"])
+def test_cross_replica_migration_plans_train_and_match_reference(tmp_path, monkeypatch, name):
+    """The job runs the plan's layout from the start (the launcher's layout replaced):
+    it must finish, with the single-process reference's loss and every gradient shard."""
+    lay = Layout.from_dict(
+        dict(
+            world_size=8,
+            devices_per_node=8,
+            num_layers=4,
+            groups=[[[0, 1], [4, 5]], [[2, 3], [6, 7]]],
+            schedule="1f1b",
+            **CROSS_PLANS[name],
+        )
+    )
+    monkeypatch.setattr(launcher, "initial_layout", lambda cfg: lay.copy())
+    # reference batch: dp x microbatches = 8 micro-batches, the plan's total
+    loss, dumps, ref_loss, ref_grads = run_job(
+        tmp_path,
+        tp=2,
+        pp=2,
+        dp=2,
+        microbatches=4,
+        num_layers=4,
+        schedule="1f1b",
+    )
+    check_against_reference(loss, dumps, ref_loss, ref_grads, 2)

@@ -1,6 +1,7 @@
 """Single-process parts of the torch trainer: real-document packing, per-document
-attention isolation, pipeline action lists, local recovery plans and the
-state-move planner (which shards go where on a layout change)."""
+attention isolation, pipeline action lists, whole-layout chunk orders with
+migrations (and their deadlock check), local recovery plans, the state-move
+planner (which shards go where on a layout change) and CLI validation."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from resihp.topology import Layout
+from resihp.topology import Layout, Migration
 from trainer.data.corpus import IGNORE_INDEX, PackedCorpus
 from trainer.torch_trainer.launcher import local_plan, migrate_plan, restore_plan, shrink_tp_plan
 from trainer.torch_trainer.model import ModelConfig, StageModule
-from trainer.torch_trainer.parallel import UnsupportedLayout
-from trainer.torch_trainer.schedule import actions
+from trainer.torch_trainer.parallel import UnsupportedLayout, check_runnable
+from trainer.torch_trainer.schedule import SCHEDULES, actions, find_deadlock, stage_orders
 from trainer.torch_trainer.state import plan_pieces, stage_param_names
 
 EMAIL = Path(sysconfig.get_paths()["stdlib"]) / "email"
@@ -132,6 +135,193 @@ def test_zbh1_defers_w_on_early_stages_only():
     # stage 0 postpones 3 W chunks into its cool-down
     assert first[-3:] == [("W", 3), ("W", 4), ("W", 5)]
     assert actions("1f1b", 0, 4, 6) == [a for a in first if a[0] != "W"]
+
+
+# ------------------------------------------------ whole-layout orders (migrations)
+
+# Two plans the scheduler made for a TP2 x PP2 x DP2 job (a slow_link and a slow_device
+# recovery) with micro-batches migrating both ways between the replicas: the engine's
+# old per-device order ("own micro-batches first, migrated-in after") hung the job.
+CROSS_PLANS = {
+    "slow-link": dict(
+        layers=[3, 1],
+        microbatches=[2, 6],
+        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 1, 1]],
+    ),
+    "slow-device": dict(
+        layers=[2, 2],
+        microbatches=[4, 4],
+        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 3, 1], [1, 1, 3, 0]],
+    ),
+}
+
+
+def cross_plan(name: str, schedule: str = "1f1b") -> Layout:
+    p = CROSS_PLANS[name]
+    return Layout.from_dict(
+        dict(
+            world_size=8,
+            devices_per_node=8,
+            num_layers=4,
+            groups=[[[0, 1], [4, 5]], [[2, 3], [6, 7]]],
+            layers=p["layers"],
+            microbatches=p["microbatches"],
+            migrations=p["migrations"],
+            layout_id=1,
+            schedule=schedule,
+        )
+    )
+
+
+def legacy_orders(lay: Layout) -> dict:
+    """The engine's order before the fix: own micro-batches first, migrated-in after."""
+    moved = {(m.stage, m.src_dp, m.microbatch) for m in lay.migrations}
+    out = {}
+    for d in range(lay.dp):
+        for s in range(lay.pp):
+            if not lay.groups[d][s] or not lay.microbatches[d]:
+                continue
+            own = [(d, j) for j in range(lay.microbatches[d]) if (s, d, j) not in moved]
+            foreign = sorted(
+                (m.src_dp, m.microbatch) for m in lay.migrations if m.stage == s and m.dst_dp == d
+            )
+            tasks = own + foreign
+            out[(d, s)] = [(k, *tasks[i]) for k, i in actions(lay.schedule, s, lay.pp, len(tasks))]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_PLANS))
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_cross_migration_plans_get_an_order_without_cyclic_waits(name, schedule):
+    lay = cross_plan(name, schedule)
+    # the old order waits in a cycle: replica 0 stage 0 needs a gradient from replica 1
+    # stage 1, which needs an activation replica 0 stage 0 only sends later
+    why = find_deadlock(lay, legacy_orders(lay))
+    assert why and why.startswith("cyclic wait:"), why
+    assert "replica 0 stage 0 waits" in why and "replica 1 stage 1 waits" in why
+    orders = stage_orders(lay)
+    assert find_deadlock(lay, orders) is None
+    check_runnable(lay)  # accepted
+    # each device keeps its own micro-batches in their schedule order
+    for (d, s), order in orders.items():
+        own = [(k, j) for k, e, j in order if e == d]
+        ref = [a for a in actions(schedule, s, lay.pp, lay.microbatches[d]) if a in set(own)]
+        assert own == ref
+
+
+def test_check_runnable_refuses_an_order_that_waits_in_a_cycle(monkeypatch):
+    import trainer.torch_trainer.parallel as par
+
+    lay = cross_plan("slow-link")
+    monkeypatch.setattr(par, "stage_orders", lambda layout: legacy_orders(layout))
+    with pytest.raises(UnsupportedLayout, match="would hang: cyclic wait: replica 0 stage 0"):
+        check_runnable(lay)
+
+
+def test_find_deadlock_names_broken_orders():
+    lay = Layout.uniform(1, 2, 1, num_layers=2, num_microbatches=2)
+    good = stage_orders(lay)
+    assert good == {(0, s): [(k, 0, j) for k, j in actions("1f1b", s, 2, 2)] for s in range(2)}
+    assert find_deadlock(lay, good) is None
+    swapped = {**good, (0, 1): [("B", 0, 0), ("F", 0, 0), ("F", 0, 1), ("B", 0, 1)]}
+    assert "runs B of micro-batch 0 of replica 0 before its F" in find_deadlock(lay, swapped)
+    short = {**good, (0, 1): good[(0, 1)][:-1]}
+    assert "chunks missing [('B', 0, 1)]" in find_deadlock(lay, short)
+    # stage 0 running its backwards first waits on stage 1, which waits on stage 0's forwards
+    gp = {**good, (0, 0): [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]}
+    gp[(0, 1)] = [("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)]
+    assert find_deadlock(lay, gp).startswith("cyclic wait: replica 0 stage ")
+
+
+def test_check_runnable_refuses_double_migrations_and_unknown_schedules():
+    lay = Layout.uniform(1, 2, 2, num_layers=2, num_microbatches=2)
+    twice = lay.copy()
+    twice.migrations = [Migration(0, 0, 1, 1), Migration(0, 0, 1, 1)]
+    with pytest.raises(UnsupportedLayout, match="migrated twice"):
+        check_runnable(twice)
+    inter = lay.copy()
+    inter.schedule = "interleaved"
+    with pytest.raises(UnsupportedLayout, match="not one this trainer runs"):
+        check_runnable(inter)
+
+
+@st.composite
+def migrated_layouts(draw):
+    """Random layouts with migrations in any direction, uneven micro-batch counts, TP
+    degrees and layers, and (replica, stage)s whose every micro-batch moved away."""
+    pp = draw(st.integers(1, 4))
+    dp = draw(st.integers(2, 4))
+    schedule = draw(st.sampled_from(SCHEDULES))
+    mbs = draw(st.lists(st.integers(0, 5), min_size=dp, max_size=dp))
+    hosts = [d for d in range(dp) if mbs[d]]
+    if len(hosts) < 2:
+        mbs[0], mbs[1] = max(mbs[0], 1), max(mbs[1], 2)
+        hosts = [d for d in range(dp) if mbs[d]]
+    layers = draw(st.lists(st.integers(1, 3), min_size=pp, max_size=pp))
+    groups, r = [], 0
+    for _ in range(dp):
+        row = []
+        for _ in range(pp):
+            k = draw(st.sampled_from([1, 2]))
+            row.append(list(range(r, r + k)))
+            r += k
+        groups.append(row)
+    # a (replica, stage) that lost its devices: all its micro-batches run elsewhere
+    empty = set()
+    for s in range(pp):
+        for d in hosts:
+            others = [h for h in hosts if h != d and (h, s) not in empty]
+            if others and draw(st.integers(0, 5)) == 0:
+                empty.add((d, s))
+    migs = []
+    for s in range(pp):
+        for e in hosts:
+            dsts = [h for h in hosts if h != e and (h, s) not in empty]
+            for j in range(mbs[e]):
+                if (e, s) in empty:
+                    migs.append(Migration(s, e, j, draw(st.sampled_from(dsts))))
+                elif dsts and draw(st.booleans()):
+                    migs.append(Migration(s, e, j, draw(st.sampled_from(dsts))))
+    for d, s in empty:
+        groups[d][s] = []
+    lay = Layout(
+        world_size=r,
+        devices_per_node=r,
+        num_layers=sum(layers),
+        groups=groups,
+        layers=layers,
+        microbatches=mbs,
+        migrations=migs,
+        schedule=schedule,
+    )
+    lay.validate()
+    return lay
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(migrated_layouts())
+def test_every_migration_set_gets_deadlock_free_orders(lay):
+    orders = stage_orders(lay)
+    # replaying the blocking receives and non-blocking sends of every device ends, and
+    # every send is received by the device that expects it
+    assert find_deadlock(lay, orders) is None
+    check_runnable(lay)
+    moved = {(m.stage, m.src_dp, m.microbatch) for m in lay.migrations}
+    touched = {m.src_dp for m in lay.migrations} | {m.dst_dp for m in lay.migrations}
+    for (d, s), order in orders.items():
+        own = [(k, j) for k, e, j in order if e == d]
+        sched = [
+            a
+            for a in actions(lay.schedule, s, lay.pp, lay.microbatches[d])
+            if (s, d, a[1]) not in moved
+        ]
+        assert own == sched  # own micro-batches keep their schedule order
+        if d not in touched:
+            assert order == [
+                (k, d, j) for k, j in actions(lay.schedule, s, lay.pp, lay.microbatches[d])
+            ]
+    # the same layout always gets the same orders (every rank derives them alone)
+    assert stage_orders(Layout.from_dict(lay.to_dict())) == orders
 
 
 # ------------------------------------------------------------------- plans
@@ -256,3 +446,86 @@ def test_idle_rank_probe_is_timed_and_sent_as_a_device_probe(r):
         got += [m for m in good if isinstance(m, DeviceProbe)]
     assert got == [DeviceProbe(rank=7, node=1, iteration=10, probe_s=2 * t, reference_s=t)]
     prod.close()
+
+
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--tp", "2", "--num-heads", "6"], "hidden (64) must be divisible by num_heads (6)"),
+        (["--hidden", "63"], "hidden (63) must be divisible by num_heads (4)"),
+        (
+            ["--hidden", "12", "--num-heads", "4"],
+            "head dimension hidden/num_heads = 3 must be even",
+        ),
+        (["--num-heads", "0"], "num_heads must be >= 1, got 0"),
+        (["--num-heads", "-4"], "num_heads must be >= 1, got -4"),
+        (["--ffn-hidden", "0"], "ffn_hidden must be >= 1, got 0"),
+        (["--threads-per-worker", "0"], "threads_per_worker must be >= 1, got 0"),
+        (["--devices-per-node", "0"], "devices_per_node must be >= 1, got 0"),
+        (["--devices-per-node", "-2"], "devices_per_node must be >= 1, got -2"),
+        (["--tp", "4", "--devices-per-node", "2"], "spans nodes"),
+        (["--store-timeout-s", "0"], "store_timeout_s must be a finite number > 0"),
+        (["--store-timeout-s", "inf"], "store_timeout_s must be a finite number > 0"),
+        (["--pg-timeout-s", "nan"], "pg_timeout_s must be a finite number > 0"),
+        (["--heartbeat-interval-s", "0"], "heartbeat_interval_s must be a finite number > 0"),
+        (["--heartbeat-interval-s", "-1"], "heartbeat_interval_s must be a finite number > 0"),
+        (["--slow-factor", "inf", "--slow-rank", "0"], "slow_factor must be a finite number >= 1"),
+        (["--slow-factor", "nan", "--slow-rank", "0"], "slow_factor must be a finite number >= 1"),
+        (["--slow-factor", "0", "--slow-rank", "0"], "slow_factor must be a finite number >= 1"),
+        (["--slow-factor", "3"], "slow_factor needs slow_rank"),
+        (["--slow-comm-s", "-1", "--slow-comm-rank", "0"], "slow_comm_s must be a finite number"),
+        (["--slow-comm-s", "inf", "--slow-comm-rank", "0"], "slow_comm_s must be a finite number"),
+        (["--slow-comm-s", "0.1"], "slow_comm_s needs slow_comm_rank"),
+        (["--slow-rank", "99"], "slow_rank 99 outside world of 1"),
+        (["--pp", "2", "--slow-comm-rank", "99"], "slow_comm_rank 99 outside world of 2"),
+        (["--kill-rank", "-5", "--kill-at-iteration", "1"], "kill_rank -5 outside world of 1"),
+        (["--kill-rank", "8", "--kill-at-iteration", "1"], "kill_rank 8 outside world of 1"),
+        (["--kill-at-iteration", "5"], "kill_rank and kill_at_iteration go together"),
+        (["--kill-rank", "0"], "kill_rank and kill_at_iteration go together"),
+        (["--kill-rank", "0", "--kill-at-iteration", "20"], "kill_at_iteration 20 is past"),
+        (["--rejoin-at-iteration", "-3"], "rejoin_at_iteration must be -1 (off) or >= 0"),
+        (["--slow-at-iteration", "-1"], "slow_at_iteration must be >= 0"),
+        (["--repeat-microbatch", "-2"], "repeat_microbatch must be -1 (off) or >= 0"),
+        (["--lr", "-0.1"], "lr must be a finite number >= 0"),
+        (["--lr", "nan"], "lr must be a finite number >= 0"),
+        (["--weight-decay", "-1"], "weight_decay must be a finite number >= 0"),
+        (["--grad-clip-norm", "inf"], "grad_clip_norm must be a finite number >= 0"),
+        (["--link-base-delay-s", "-1"], "link_base_delay_s must be a finite number >= 0"),
+        (
+            ["--data-dir", "/nonexistent/corpus"],
+            "data_dir '/nonexistent/corpus' is not a directory",
+        ),
+    ],
+)
+def test_cli_refuses_values_a_worker_would_crash_on_or_ignore(argv, why, capsys, monkeypatch):
+    import trainer.torch_trainer.launcher as launcher
+    from trainer.torch_trainer import main
+
+    def no_launch(cfg):
+        raise AssertionError(f"{argv} was accepted: a job would start")
+
+    monkeypatch.setattr(launcher, "launch", no_launch)
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and why in out, out
+    assert out.count("\n") <= 1
+
+
+def test_cli_refusal_is_one_line_and_exit_2_from_a_process(tmp_path):
+    import subprocess
+    import sys
+
+    for argv, why in [
+        (["--tp", "2", "--num-heads", "6"], "must be divisible by num_heads (6)"),
+        (["--devices-per-node", "0"], "devices_per_node must be >= 1"),
+    ]:
+        p = subprocess.run(
+            [sys.executable, "-m", "trainer", "torch", *argv, "--out-dir", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 2, (p.stdout, p.stderr)
+        assert p.stdout.startswith("error: ") and why in p.stdout
+        assert "Traceback" not in p.stdout + p.stderr
+        assert not (tmp_path / "o").exists()  # refused before anything started

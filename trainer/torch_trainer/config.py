@@ -7,8 +7,11 @@ field is a JSON-able scalar.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import asdict, dataclass, fields
+
+from resihp.topology import Layout, LayoutError
 
 from .schedule import SCHEDULES
 
@@ -77,13 +80,27 @@ class TrainConfig:
     threads_per_worker: int = 1
 
     def validate(self) -> TrainConfig:
+        """Refuse, with one line naming the field, anything a worker would only trip over
+        later (its crash reads as a rank failure) or that would be silently ignored."""
         for name in ("tp", "pp", "dp", "microbatches", "iterations", "num_layers", "hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_heads", "ffn_hidden", "threads_per_worker", "devices_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tp & (self.tp - 1):
             raise ValueError(f"tp must be a power of two, got {self.tp}")
         if self.num_layers < self.pp:
             raise ValueError(f"num_layers ({self.num_layers}) must be >= pp ({self.pp})")
+        if self.hidden % self.num_heads:
+            raise ValueError(
+                f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if (self.hidden // self.num_heads) % 2:
+            raise ValueError(
+                f"head dimension hidden/num_heads = {self.hidden // self.num_heads} must be "
+                "even (rotary embeddings)"
+            )
         if self.num_heads % self.tp or self.ffn_hidden % self.tp:
             raise ValueError(f"tp={self.tp} must divide num_heads and ffn_hidden")
         if self.schedule not in SCHEDULES:
@@ -104,18 +121,60 @@ class TrainConfig:
         for n in [self.token_budget, *self.budgets]:
             if n < 2 or (n * self.hidden) % 8:
                 raise ValueError(f"token budget {n}: must be >= 2 and N*hidden divisible by 8")
-        if not self.grad_clip_norm >= 0:
-            raise ValueError(f"grad_clip_norm must be >= 0 (0 = off), got {self.grad_clip_norm}")
-        if self.slow_factor < 1.0:
-            raise ValueError(f"slow_factor must be >= 1, got {self.slow_factor}")
-        if self.pg_timeout_s <= 0:
-            raise ValueError("pg_timeout_s must be > 0")
+        if self.repeat_microbatch < -1:
+            raise ValueError(
+                f"repeat_microbatch must be -1 (off) or >= 0, got {self.repeat_microbatch}"
+            )
+        if self.data_dir and not os.path.isdir(self.data_dir):
+            raise ValueError(f"data_dir {self.data_dir!r} is not a directory")
+        for name in ("lr", "weight_decay", "grad_clip_norm", "link_base_delay_s"):
+            _finite(self, name, lo=0.0)
+        for name in ("pg_timeout_s", "store_timeout_s", "heartbeat_interval_s"):
+            _finite(self, name, lo=0.0, strict=True)
         if not 0 <= self.plan_wait_s < float("inf"):
             raise ValueError(f"plan_wait_s must be a finite number >= 0, got {self.plan_wait_s}")
         if self.probe_interval_iters < 0:
             raise ValueError(f"probe_interval_iters must be >= 0, got {self.probe_interval_iters}")
-        if self.kill_rank >= self.world_size:
-            raise ValueError(f"kill_rank {self.kill_rank} outside world of {self.world_size}")
+        try:  # the launch layout itself (TP groups must fit in a node, sizes in range)
+            Layout.uniform(
+                self.tp,
+                self.pp,
+                self.dp,
+                self.num_layers,
+                self.microbatches,
+                devices_per_node=self.devices_per_node,
+                schedule=self.schedule,
+            )
+        except LayoutError as e:
+            raise ValueError(
+                f"no launch layout for tp={self.tp} pp={self.pp} dp={self.dp} "
+                f"devices_per_node={self.devices_per_node}: {e}"
+            ) from None
+        # failure injection: -1 is off; anything else must name a rank of this job, and a
+        # value without the flag that makes it act would be silently ignored
+        for name in ("kill_rank", "slow_rank", "slow_comm_rank"):
+            r = getattr(self, name)
+            if r != -1 and not 0 <= r < self.world_size:
+                raise ValueError(f"{name} {r} outside world of {self.world_size} (-1 turns it off)")
+        for name in ("kill_at_iteration", "rejoin_at_iteration"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"{name} must be -1 (off) or >= 0, got {getattr(self, name)}")
+        if (self.kill_rank == -1) != (self.kill_at_iteration == -1):
+            raise ValueError("kill_rank and kill_at_iteration go together: give both or neither")
+        if self.kill_at_iteration >= self.iterations:
+            raise ValueError(
+                f"kill_at_iteration {self.kill_at_iteration} is past the last iteration "
+                f"({self.iterations - 1})"
+            )
+        if not 1.0 <= self.slow_factor < float("inf"):
+            raise ValueError(f"slow_factor must be a finite number >= 1, got {self.slow_factor}")
+        _finite(self, "slow_comm_s", lo=0.0)
+        if self.slow_at_iteration < 0:
+            raise ValueError(f"slow_at_iteration must be >= 0, got {self.slow_at_iteration}")
+        if self.slow_factor != 1.0 and self.slow_rank == -1:
+            raise ValueError("slow_factor needs slow_rank (the rank to slow down)")
+        if self.slow_comm_s and self.slow_comm_rank == -1:
+            raise ValueError("slow_comm_s needs slow_comm_rank (the rank whose links to slow)")
         return self
 
     @property
@@ -141,6 +200,14 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         return cls(**d)
+
+
+def _finite(cfg: TrainConfig, name: str, lo: float, strict: bool = False) -> None:
+    v = getattr(cfg, name)
+    if not (math.isfinite(v) and (v > lo if strict else v >= lo)):
+        raise ValueError(
+            f"{name} must be a finite number {'>' if strict else '>='} {lo:g}, got {v}"
+        )
 
 
 HELP = {

@@ -3,9 +3,17 @@ activations and gradients between stages, all-reduces gradients across DP
 replicas and steps the optimizer.
 
 Sends are asynchronous (``isend``) and awaited at the end of the iteration;
-receives block where the schedule needs the tensor.  With every stage
-following its own 1F1B/ZB-H1 order this cannot deadlock, because each
-receive's matching send was issued earlier in the sender's order.
+receives block where the schedule needs the tensor.  Each device runs its
+chunks (its own micro-batches and those migrated in from other replicas) in
+the order :func:`.schedule.stage_orders` gives it: without migrations each
+stage's own GPipe/1F1B/ZB-H1 list, with them the order in which the device ran
+them in one list schedule of the whole layout.  Every receive then waits on a
+send its sender issues earlier in that one schedule, so there is no cycle of
+blocking waits, even with micro-batches migrating both ways between two
+replicas (an order built per device, "own micro-batches first, migrated-in
+after", deadlocked there).  ``parallel.check_runnable`` replays the orders
+without torch (``schedule.find_deadlock``) and refuses a layout whose orders
+would wait in a cycle.
 
 Fail-slow injection: ``slow_factor`` stretches every compute chunk by
 sleeping (factor - 1) x its measured duration inside the chunk's timing, so
@@ -27,7 +35,7 @@ from resihp.schemas import ChunkKind, Direction
 
 from .model import StageModule, WeightGradStore, microbatch_loss, shard_dim, take_shard
 from .parallel import Groups, Transfer, wait_work
-from .schedule import actions
+from .schedule import stage_orders
 from .telemetry import RankTelemetry
 
 
@@ -73,17 +81,12 @@ class StageEngine:
         s, d = groups.stage, groups.dp
         # Stage-level micro-batch migration (Layout.migrations): (stage, src_dp, mb) -> dst_dp.
         self.moved = {(m.stage, m.src_dp, m.microbatch): m.dst_dp for m in lay.migrations}
-        own = [(d, j) for j in range(lay.microbatches[d]) if (s, d, j) not in self.moved]
-        foreign = sorted(
-            (m.src_dp, m.microbatch) for m in lay.migrations if m.stage == s and m.dst_dp == d
-        )
-        # Own micro-batches first, migrated-in ones after them, all under one
-        # 1F1B/ZB-H1/GPipe order; sends never block, so a migrated-in
-        # micro-batch only waits on its owner's neighbouring stages.
-        self.tasks = own + foreign
+        # This device's chunks, own and migrated-in, in the order of one list
+        # schedule of the whole layout (schedule.stage_orders): every rank derives
+        # the same orders, and no cycle of blocking receives exists between them.
+        self.plan = [(k, (e, j)) for k, e, j in stage_orders(lay, schedule).get((d, s), [])]
         self.hidden = module.cfg.hidden
         self.dtype = next(module.parameters()).dtype
-        self.plan = [(k, self.tasks[i]) for k, i in actions(schedule, s, self.pp, len(self.tasks))]
         self.slow_comm_s = slow_comm_s
 
     def executor(self, src_dp: int, stage: int, j: int) -> int:

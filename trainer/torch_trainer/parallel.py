@@ -30,6 +30,7 @@ import torch.distributed as dist
 from resihp.topology import Layout
 
 from .model import TPComm
+from .schedule import SCHEDULES, find_deadlock, stage_orders
 
 
 class GenerationAborted(RuntimeError):
@@ -128,9 +129,36 @@ class UnsupportedLayout(ValueError):
 
 
 def check_runnable(layout: Layout) -> None:
+    """Raise :class:`UnsupportedLayout` (a ``ValueError``) saying why this trainer cannot
+    run ``layout``; return None if it can.
+
+    Besides the layout's own checks: the torch engine needs a schedule it implements,
+    migrations only into replicas that run a schedule of their own, each (stage,
+    micro-batch) migrated at most once, and per-device chunk orders
+    (``schedule.stage_orders``) that replay to the end without a cycle of blocking
+    receives (``schedule.find_deadlock``) -- a layout that would hang the job is
+    refused here instead.
+    """
     layout.validate()  # among others: a (replica, stage) without devices has all work migrated
+    if layout.schedule not in SCHEDULES:
+        raise UnsupportedLayout(
+            f"schedule {layout.schedule!r} is not one this trainer runs ({', '.join(SCHEDULES)})"
+        )
     if layout.idle_host_migrations():
         raise UnsupportedLayout("micro-batches can only migrate to a replica that runs its own")
+    keys = [(m.stage, m.src_dp, m.microbatch) for m in layout.migrations]
+    if len(set(keys)) != len(keys):
+        dup = sorted(k for k in set(keys) if keys.count(k) > 1)[0]
+        raise UnsupportedLayout(
+            f"stage {dup[0]} of micro-batch {dup[2]} of replica {dup[1]} is migrated twice"
+        )
+    try:
+        orders = stage_orders(layout)
+    except RuntimeError as e:  # pragma: no cover - the list schedule always finishes
+        raise UnsupportedLayout(f"no pipeline order for this layout: {e}") from None
+    why = find_deadlock(layout, orders)
+    if why is not None:
+        raise UnsupportedLayout(f"its pipeline order would hang: {why}")
 
 
 @dataclass
