@@ -155,6 +155,75 @@ def main() -> None:
     print(f"{'timeline figure build ms / JSON bytes':<40}{tl_s * 1e3:>14.1f}{len(fig_json):>16,}")
     print(f"{'DAG-predicted healthy timeline, ms':<40}{pred_s * 1e3:>14.1f}")
     failure_marks()
+    incident_builds()
+
+
+def incident_builds() -> None:
+    """The overview looks for open incidents among the newest 200 reports every second and
+    the incidents page lists 100: each one built from the same 2,000 iteration rows. The
+    rows' columns cached once per refresh (``incidents.WallRows``) against each incident
+    sorting and converting them again (a plain list, as before the cache)."""
+    from dashboard import incidents
+    from resihp.schemas import AdaptationPlan, FailureReport
+
+    t0 = 1e9
+    rows = [
+        {
+            "iteration": i,
+            "iteration_time_s": 1.0,
+            "samples_per_s": 10.0,
+            "samples": 10,
+            "start_s": float(i),
+            "end_s": i + 1.0,
+            "published_s": t0 + i + 1.0,
+        }
+        for i in range(2000)
+    ]
+    wr = incidents.wall_rows(rows)
+    fails = [
+        FailureReport(
+            report_id=f"f{i}",
+            kind="fail_stop" if i % 2 else "recovery",
+            ranks=[i % 16],
+            nodes=[0],
+            detected_at_s=t0 + 12 + 6 * i,
+            iteration=10 + 6 * i,
+            evidence={"change_point": 9 + 6 * i},
+        )
+        for i in range(300)
+    ]
+    lay = {"layers": [4, 4], "groups": [[[0], [1]]]}
+    hist = [
+        AdaptationPlan(
+            plan_id=j + 1,
+            state="superseded",
+            created_at_s=t0 + 10 + 4 * j,
+            updated_at_s=t0 + 11 + 4 * j,
+            reason="x",
+            before=lay,
+            after=lay,
+            predicted_before_s=1.0,
+            predicted_after_s=0.8,
+            failure_ids=[f"f{(3 * j) % 300}"],
+        )
+        for j in range(400)
+    ]
+    ids = [f.report_id for f in incidents.list_incidents(fails)]
+
+    def build(rs):
+        for rid in ids:
+            incidents.build_incident("j", rid, fails, hist, [], rs(), audit=[], now_s=t0 + 2005)
+
+    _, cached_s = timed(lambda: build(lambda: wr), repeat=2)
+    _, plain_s = timed(lambda: build(lambda: list(wr)), repeat=2)
+    n = len(ids)
+    print(
+        f"\n{'incidents built (2,000 rows, 400 plans)':<40}{'cached cols':>14}{'per incident':>16}{'ratio':>8}"
+    )
+    print(
+        f"{f'{n} incidents, ms':<40}{cached_s * 1e3:>14.1f}{plain_s * 1e3:>16.1f}"
+        f"{plain_s / cached_s:>7.1f}x"
+    )
 
 
 def failure_marks() -> None:

@@ -365,14 +365,33 @@ def list_incidents(failures: list[FailureReport]) -> list[FailureReport]:
     return [f for f in failures if f.kind != "recovery"]
 
 
-def wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with wall-clock ``wall_start_s``/``wall_end_s``.
+class WallRows(list):
+    """:func:`wall_rows`' result: rows in wall-end order, with their columns as arrays built
+    once. A page builds up to 200 incidents a refresh from the same rows, and each one
+    sorting and converting 2,000 rows again cost most of the refresh."""
+
+    def column(self, name: str) -> np.ndarray:
+        cache = self.__dict__.setdefault("_columns", {})
+        col = cache.get(name)
+        if col is None:
+            col = cache[name] = np.fromiter((r[name] for r in self), float, len(self))
+        return col
+
+
+def _column(rows: list[dict[str, Any]], name: str) -> np.ndarray:
+    if isinstance(rows, WallRows):
+        return rows.column(name)
+    return np.fromiter((r[name] for r in rows), float, len(rows))
+
+
+def wall_rows(rows: list[dict[str, Any]]) -> WallRows:
+    """Rows with wall-clock ``wall_start_s``/``wall_end_s``, in wall-end order.
 
     Failures, plans and actions are stamped with wall time; iteration records with the
     trainer's clock (simulated time in the simulator).  The end of an iteration on the wall
     is its publish time; its start is the previous iteration's end.
     """
-    out = []
+    out = WallRows()
     prev = None
     # in publish order: a trainer restarted from a checkpoint repeats iteration numbers,
     # and sorting by number would interleave the two runs
@@ -388,23 +407,32 @@ def wall_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _row_of(rows: WallRows, iteration: int, detected_s: float) -> int | None:
+    """The index of ``iteration``'s row in the run a report detected at ``detected_s`` is
+    about: the last one published by then (a restarted run may repeat the number later),
+    else the first one."""
+    idx = np.flatnonzero(rows.column("iteration") == iteration)
+    if not idx.size:
+        return None
+    by_then = idx[rows.column("wall_end_s")[idx] <= detected_s]
+    return int(by_then[-1] if by_then.size else idx[0])
+
+
 def _onset_s(f: FailureReport, rows: list[dict[str, Any]]) -> float:
     ev = f.evidence
-    # iteration -> its row in the run the report is about: the last one published by
-    # the time of detection (a restarted run may repeat the number later)
-    by_it: dict[int, dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r["wall_end_s"]):
-        if r["wall_end_s"] <= f.detected_at_s or r["iteration"] not in by_it:
-            by_it[r["iteration"]] = r
+    if not isinstance(rows, WallRows):
+        rows = WallRows(sorted(rows, key=lambda r: r["wall_end_s"]))
     cp = figures.change_points([f])
-    if cp and cp[0] in by_it:
-        return min(by_it[cp[0]]["wall_start_s"], f.detected_at_s)
+    i = _row_of(rows, cp[0], f.detected_at_s) if cp else None
+    if i is not None:
+        return min(rows[i]["wall_start_s"], f.detected_at_s)
     for key in ("onset_s", "last_seen_s"):
         v = ev.get(key)
         if isinstance(v, int | float) and v > 0:
             return min(float(v), f.detected_at_s)
-    if f.iteration in by_it:
-        return min(by_it[f.iteration]["wall_start_s"], f.detected_at_s)
+    i = _row_of(rows, f.iteration, f.detected_at_s)
+    if i is not None:
+        return min(rows[i]["wall_start_s"], f.detected_at_s)
     return f.detected_at_s
 
 
@@ -507,8 +535,10 @@ def build_incident(
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
-    if iteration_rows and "wall_end_s" in iteration_rows[0]:
+    if isinstance(iteration_rows, WallRows):
         rows = iteration_rows  # already through wall_rows() (pages build many incidents)
+    elif iteration_rows and "wall_end_s" in iteration_rows[0]:
+        rows = WallRows(sorted(iteration_rows, key=lambda r: r["wall_end_s"]))
     else:
         rows = wall_rows(iteration_rows)
     onset = _onset_s(f, rows)
@@ -632,9 +662,7 @@ def build_incident(
         reconf_t, reconf_what = None, ""
 
     n = len(rows)
-    rate = np.fromiter((r["samples_per_s"] for r in rows), float, n)
-    wend = np.fromiter((r["wall_end_s"] for r in rows), float, n)
-    wstart = np.fromiter((r["wall_start_s"] for r in rows), float, n)
+    rate, wend, wstart = (_column(rows, c) for c in ("samples_per_s", "wall_end_s", "wall_start_s"))
     before = rate[wend <= onset][-50:]
     baseline = float(np.median(before)) if before.size else None
     recovered_t, recovered_detail = None, ""
