@@ -23,6 +23,7 @@ import redis
 
 from resihp import bus, status
 from resihp.keys import JOB_EPOCHS, JobKeys
+from resihp.plans import PlanStateReader
 from resihp.schemas import (
     ENTRY_MESSAGES,
     AdaptationPlan,
@@ -33,7 +34,6 @@ from resihp.schemas import (
     SchemaError,
     attach_record_chunks,
     decode_entry,
-    decode_json,
     decode_message,
 )
 from resihp.topology import Layout, LayoutError
@@ -159,6 +159,8 @@ class _JobCache:
     records: dict[tuple[str, int | None], dict | None] = field(default_factory=dict)
     past_layouts: dict[str, tuple[Layout | None]] = field(default_factory=dict)
     hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
+    #: the job's plan_state, read incrementally (``plans()``)
+    plan_reader: PlanStateReader | None = None
     #: the job's JOB_EPOCHS value this cache was filled under, and when it was checked
     epoch: bytes | None = None
     epoch_checked_s: float = float("-inf")
@@ -402,16 +404,17 @@ class DashboardData:
             )
 
     def plans(self, job_id: str) -> dict[int, AdaptationPlan]:
-        """plan_id -> latest snapshot (the scheduler's persistent hash, else the stream)."""
-        keys = JobKeys(job_id)
-        out: dict[int, AdaptationPlan] = {}
-        for raw in self.client.hvals(keys.plan_state):
-            try:
-                m = decode_json(raw)
-            except SchemaError:
-                continue
-            if isinstance(m, AdaptationPlan):
-                out[m.plan_id] = m
+        """plan_id -> latest snapshot (the scheduler's persistent hash, else the stream).
+
+        Incremental (``resihp.plans.PlanStateReader``, kept in the job's cache and dropped
+        with it for a fresh run): a refresh reads and decodes the snapshots that changed
+        since the last one, not every plan the job ever had."""
+        c = self._cache(job_id)
+        with c.lock:
+            if c.plan_reader is None:
+                c.plan_reader = PlanStateReader(self.client, JobKeys(job_id))
+            c.plan_reader.refresh()
+            out = {p.plan_id: p for p in c.plan_reader.plans().values()}
         if not out:
             for p in self.plan_history(job_id):
                 out[p.plan_id] = p

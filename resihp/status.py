@@ -12,7 +12,7 @@ from typing import Any
 from resihp.bus import Health, list_jobs, liveness_judged
 from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
-from resihp.plans import latest_plans, read_layout
+from resihp.plans import PlanStateReader, read_layout
 from resihp.redis_client import connect, redact
 from resihp.schemas import (
     AdaptationPlan,
@@ -354,14 +354,34 @@ def job_progress(
     }
 
 
+def _status_plans(client, keys: JobKeys) -> tuple[dict[int, AdaptationPlan], dict[str, int]]:
+    """The plans the status shows, decoded, and how many plans are in each state.
+
+    One read of ``keys.plan_state`` (its size is bounded by the scheduler's retention,
+    ``SchedulerService.TERMINAL_PLANS_KEEP``); states come from the snapshots' heads, and
+    only the plans shown are decoded: those awaiting a decision, the applied ones and
+    the newest turned down since the last applied (what :func:`turned_down_plans` picks)."""
+    reader = PlanStateReader(client, keys)
+    reader.refresh()
+    states = reader.states()
+    by_state: dict[str, int] = {}
+    for st in states.values():
+        by_state[st] = by_state.get(st, 0) + 1
+    applied = [pid for pid, st in states.items() if st == "applied"]
+    last = max(applied, default=0)
+    turned = sorted(
+        (pid for pid, st in states.items() if st in TURNED_DOWN and pid > last), reverse=True
+    )
+    want = [pid for pid, st in states.items() if st in AWAITING] + applied + turned[:3]
+    plans = {pid: p for pid in want if (p := reader.get(pid)) is not None}
+    return plans, by_state
+
+
 def job_status(client, job_id: str) -> dict[str, Any]:
     keys = JobKeys(job_id)
     now_s = redis_now_s(client)
     counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
-    plans = latest_plans(client, keys)
-    by_state: dict[str, int] = {}
-    for p in plans.values():
-        by_state[p.state] = by_state.get(p.state, 0) + 1
+    plans, by_state = _status_plans(client, keys)
     it, published_at_s = last_iteration_entry(client, keys)
     try:
         layout = read_layout(client, keys)
@@ -416,7 +436,7 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             "heartbeats_total": counters.get("heartbeats_total", 0),
             "iterations_total": client.xlen(keys.iterations),
             "failures_total": client.xlen(keys.failures),
-            "plans_total": len(plans),
+            "plans_total": sum(by_state.values()),
             "deadletter_total": client.xlen(keys.deadletter),
         },
         "plans_by_state": by_state,

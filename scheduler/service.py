@@ -10,6 +10,10 @@
 * refuses a report it cannot act on - unknown rank, contradictory content, a
   device already excluded - by writing it to the dead-letter stream with the
   reason *and* counting it in ``scheduler_reports_refused_total``;
+* handles the reports read in one step as one batch: each is checked (or refused) and
+  folded into the known device speeds in order, then one plan answers them all (or open
+  plans are withdrawn when the result needs no change); the grace-period tick and the
+  health beat run between planning steps, and a thread beats while one computes;
 * plans with the configured policy (``scheduler.planner`` for ResiHP) and runs
   the plan lifecycle (``scheduler.lifecycle``), persisting every plan snapshot
   to ``keys.plans`` + ``keys.plan_state`` and every action to ``keys.audit``;
@@ -21,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -50,8 +55,11 @@ class ReportRefused(ValueError):
     """A well-formed failure report the scheduler cannot act on."""
 
 
-def check_report(report: FailureReport, layout: Layout) -> None:
-    """Raise ReportRefused when ``report`` names unknown ranks, contradicts itself or a known state."""
+def check_report(report: FailureReport, layout: Layout, dead: set[int] | None = None) -> None:
+    """Raise ReportRefused when ``report`` names unknown ranks, contradicts itself or a known state.
+
+    ``dead``: the devices known dead now (default: the layout's dead list); a device of
+    that list a recovery report has since said is back may fail again."""
     ranks = list(report.ranks) + [int(r) for r in report.severity if str(r).lstrip("-").isdigit()]
     bad_keys = [r for r in report.severity if not str(r).lstrip("-").isdigit()]
     if bad_keys:
@@ -84,13 +92,41 @@ def check_report(report: FailureReport, layout: Layout) -> None:
         wrong = [r for r, v in sev.items() if v <= 0 or v >= 1.0]
         if wrong:
             raise ReportRefused(f"contradictory: fail_slow ranks {wrong} have p outside (0, 1)")
-    dead = set(layout.dead)
+    dead = set(layout.dead) if dead is None else dead
     if report.kind != "recovery":
         gone = sorted(set(report.ranks) & dead)
         if gone:
             raise ReportRefused(
                 f"rank(s) {gone} already excluded (dead in layout {layout.layout_id})"
             )
+
+
+def _ranks_text(ranks: list[int], limit: int = 8) -> str:
+    """``[0..7, 16..23, 40]``: runs of consecutive ranks, the first ``limit`` of them."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    parts = [f"{a}..{b}" if b > a else f"{a}" for a, b in runs[:limit]]
+    if len(runs) > limit:
+        parts.append(f"... ({len(set(ranks))} ranks)")
+    return "[" + ", ".join(parts) + "]"
+
+
+def describe_reports(reports: list[FailureReport]) -> str:
+    """What a batch of reports says, in one bounded line (a plan's reason, a note)."""
+    if len(reports) == 1:
+        (r,) = reports
+        return f"{r.kind} on ranks {r.ranks} (report {r.report_id})"
+    kinds: dict[str, set[int]] = {}
+    for r in reports:
+        kinds.setdefault(r.kind, set()).update(r.ranks)
+    what = "; ".join(f"{k} on ranks {_ranks_text(sorted(v))}" for k, v in kinds.items())
+    ids = [r.report_id for r in reports]
+    more = f" and {len(ids) - 6} more" if len(ids) > 6 else ""
+    return f"{len(reports)} reports: {what} (reports {', '.join(ids[:6])}{more})"
 
 
 def infer_model(layout: Layout | None) -> str:
@@ -133,8 +169,8 @@ class SchedulerService:
         self.plans_total = 0
         self._idle = False
         self._state_next = 0.0
-        #: id of the report/action being handled, until persist() records it handled
-        self._handling: str | None = None
+        #: ids of the reports/action being handled, until persist() records them handled
+        self._handling: list[str] = []
         self.duplicates_total = 0
         self._home: Layout | None = None
         #: whether the runtime settings hash was read once (the start-up read re-times nothing)
@@ -248,13 +284,27 @@ class SchedulerService:
     def _seen(self, mid: str) -> bool:
         return self.client.zscore(self.keys.scheduler_handled, mid) is not None
 
-    def _mark(self, pipe) -> None:
-        """Record the message being handled as handled, inside ``pipe``'s transaction."""
-        if self._handling is None:
-            return
-        pipe.zadd(self.keys.scheduler_handled, {self._handling: time.time()})
+    def _add_handled(self, pipe, mids: list[str]) -> None:
+        pipe.zadd(self.keys.scheduler_handled, dict.fromkeys(mids, time.time()))
         pipe.zremrangebyrank(self.keys.scheduler_handled, 0, -self.HANDLED_KEEP - 1)
-        self._handling = None
+
+    def _mark(self, pipe) -> None:
+        """Record the messages being handled as handled, inside ``pipe``'s transaction."""
+        if not self._handling:
+            return
+        self._add_handled(pipe, self._handling)
+        self._handling = []
+
+    def _mark_now(self, mids: list[str] | None = None) -> None:
+        """Record ``mids`` (default: the messages still being handled) handled now: what
+        changed no plan (a refusal, a report an open plan already answers)."""
+        if mids is None:
+            mids, self._handling = self._handling, []
+        if not mids:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        self._add_handled(pipe, mids)
+        pipe.execute()
 
     def persist(self, ch: Changes) -> None:
         """Write plan snapshots and audit records, and mark the message that caused them
@@ -270,9 +320,68 @@ class SchedulerService:
             pipe.xadd(
                 self.keys.plans, {b"m": ("[" + js + "]").encode()}, maxlen=100_000, approximate=True
             )
+        if ch.plans:
+            self._trim_plan_state(pipe)
         for rec in ch.audit:
             pipe.xadd(self.keys.audit, rec.to_fields(), maxlen=100_000, approximate=True)
         pipe.execute()
+
+    #: Finished plans (superseded, rejected, refused, overridden) ``keys.plan_state`` keeps,
+    #: the newest ones; open (proposed, acknowledged) and applied plans are always kept.
+    #: Older ones leave the hash and this scheduler's memory; their snapshots stay in
+    #: ``keys.plans`` (capped) and the operator actions in ``keys.audit``.  Every reader of
+    #: the hash (trainers, dashboard, ``resihp status``, a restarted scheduler) pays for
+    #: its size on a full read.
+    TERMINAL_PLANS_KEEP = 500
+
+    def _trim_plan_state(self, pipe) -> None:
+        """Drop the finished plans past the newest ``TERMINAL_PLANS_KEEP`` from the hash
+        (inside ``pipe``'s transaction) and from the plan book."""
+        keep = max(1, self.TERMINAL_PLANS_KEEP)  # the newest plan id stays known
+        if len(self.book.plans) <= keep:
+            return
+        done = sorted(
+            pid
+            for pid, p in self.book.plans.items()
+            if p.state not in ("proposed", "acknowledged", "applied")
+        )
+        old = done[: max(0, len(done) - keep)]
+        if old:
+            pipe.hdel(self.keys.plan_state, *(str(pid) for pid in old))
+            for pid in old:
+                del self.book.plans[pid]
+
+    # ------------------------------------------------------------ health
+    #: How long one planning computation may keep the health key fresh from its beat
+    #: thread: a planner stuck for longer lets the key expire (the scheduler shows DOWN).
+    PLANNING_BEAT_MAX_S = 120.0
+
+    def _beat(self, **extra) -> None:
+        self.health.beat("ok", mode=self.config.mode, plans_total=self.plans_total, **extra)
+
+    @contextlib.contextmanager
+    def _planning(self, what: str):
+        """Around one planning computation (seconds on a 16k-GPU layout, more on a loaded
+        host, longer than the health key's TTL): a beat before and after it, and from a
+        thread every third of the TTL while it runs, so a scheduler busy planning is not
+        listed DOWN (``state: planning`` in its health)."""
+        busy = {"state": "planning", "planning": what[:200], "planning_since_s": time.time()}
+        self._beat(**busy)
+        done = threading.Event()
+
+        def keep_alive() -> None:
+            end = time.monotonic() + self.PLANNING_BEAT_MAX_S
+            while not done.wait(self.health.ttl_s / 3) and time.monotonic() < end:
+                self._beat(**busy)
+
+        beat = threading.Thread(target=keep_alive, name="scheduler-planning-beat", daemon=True)
+        beat.start()
+        try:
+            yield
+        finally:
+            done.set()
+            beat.join()
+            self._beat()
 
     # ------------------------------------------------------------ planning
     def _options(self) -> PlanOptions:
@@ -288,6 +397,12 @@ class SchedulerService:
         reason: str = "",
     ) -> PlanDraft | None:
         """A plan for ``layout`` under speeds ``p``; None when nothing would improve."""
+        with self._planning(reason):
+            return self._make_draft(layout, p, options, reason)
+
+    def _make_draft(
+        self, layout: Layout, p: dict[int, float], options: PlanOptions | None, reason: str
+    ) -> PlanDraft | None:
         if self.config.policy.startswith("resihp"):
             res = plan(
                 layout, p, self.predictor, options or self._options(), home=self.home_layout()
@@ -320,7 +435,8 @@ class SchedulerService:
         p = self.speeds(before)
         opt = override_options(self._options(), override)
         try:
-            res = plan(before, p, self.predictor, opt)
+            with self._planning(f"override of plan {plan_.plan_id}"):
+                res = plan(before, p, self.predictor, opt)
         except PlanningError as e:
             raise OverrideError(str(e)) from e
         if opt.dp is False and res.after.migrations:
@@ -344,20 +460,106 @@ class SchedulerService:
         self.refused_total += 1
         log.info("refused report: %s", reason)
 
+    def known_layout(self, layout: Layout) -> Layout:
+        """``layout`` as the reports known so far leave it: a device of its dead list that a
+        recovery report has since said is back (``p > 0``) is on standby, ready for work.
+
+        Every device known to be back, not only the latest report's: two devices that
+        re-joined one after the other may be worth a group only together, and a plan for
+        another failure must not forget a device that came back."""
+        back = [r for r in layout.dead if self.p.get(r, 0.0) > 0.0]
+        if not back:
+            return layout
+        return Layout.from_dict(
+            {
+                **layout.to_dict(),
+                "dead": [r for r in layout.dead if r not in back],
+                "standby": sorted(set(layout.standby) | set(back)),
+            }
+        )
+
     def handle_report(self, report: FailureReport) -> None:
+        """One report: a batch of one (see :meth:`handle_reports`)."""
+        self.handle_reports([report])
+
+    def handle_reports(self, reports: list[FailureReport]) -> None:
+        """A batch of reports as one change of what is known, answered by one plan.
+
+        Each report is checked as it comes, against the device states the reports before
+        it in the batch left (a device a recovery said is back may fail again), and refused
+        (dead-lettered with the reason) or folded into the known speeds, in order: a
+        ``fail_stop`` followed by a ``recovery`` of the same ranks leaves them alive, a
+        recovery followed by a death leaves them dead. Then ONE plan answers the state
+        the accepted reports leave (its ``failure_ids`` list them all), or, when that
+        state needs no change, every open plan is withdrawn. A whole-cluster flap (every
+        node reported dead, then back, within seconds) is one planning step, not one per
+        report, none of them for a death already undone."""
         try:
             layout = self.layout()
         except LayoutError as e:
-            self.refuse(report, f"the layout at {self.keys.layout} is unreadable: {e}")
+            for rep in reports:
+                self._refuse_report(rep, f"the layout at {self.keys.layout} is unreadable: {e}")
             return
         if layout is None:
-            self.refuse(report, "no layout published yet (keys.layout is empty)")
+            for rep in reports:
+                self._refuse_report(rep, "no layout published yet (keys.layout is empty)")
             return
+        accepted: list[FailureReport] = []
+        learned: set[int] = set()
+        for rep in reports:
+            try:
+                if self._fold_report(rep, layout):
+                    accepted.append(rep)
+                    learned.update(rep.ranks)
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise  # not acked: re-delivered after reconnect
+            except Exception as e:  # noqa: BLE001 - a bad report must not stop the batch
+                self._internal_error(rep, e)
+        if learned:
+            # idempotent: a batch re-delivered after a crash writes the same values
+            self.client.hset(
+                self.keys.scheduler_speeds, mapping={str(r): self.p[r] for r in sorted(learned)}
+            )
+        if not accepted:
+            return
+        self._handling = [f"report:{r.report_id}" for r in accepted]
         try:
-            check_report(report, layout)
+            self._plan_reports(self.known_layout(layout), accepted)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bad batch must not stop the service
+            self._handling = []
+            for rep in accepted:
+                self._internal_error(rep, e)
+        # what changed no plan (refused, or already answered) is handled all the same
+        self._mark_now()
+
+    def _refuse_report(self, report: FailureReport, reason: str) -> None:
+        self.refuse(report, reason)
+        self._mark_now([f"report:{report.report_id}"])
+
+    def _internal_error(self, report: FailureReport, e: Exception) -> None:
+        log.error("failed to handle report %s", report.report_id, exc_info=e)
+        bus.dead_letter(
+            self.client,
+            self.keys,
+            self.keys.failures,
+            self.config.consumer,
+            f"internal error handling FailureReport: {e!r}",
+            report.to_dict(),
+        )
+        bus.incr_counter(self.client, self.keys, "scheduler_internal_errors_total")
+        self._mark_now([f"report:{report.report_id}"])
+
+    def _fold_report(self, report: FailureReport, layout: Layout) -> bool:
+        """Check ``report`` against what is known now and fold it into the known speeds;
+        False when it is refused (dead-lettered, recorded handled)."""
+        dead = {r for r in layout.dead if self.p.get(r, 0.0) <= 0.0}
+        try:
+            check_report(report, layout, dead=dead)
         except ReportRefused as e:
-            self.refuse(report, str(e))
-            return
+            self._refuse_report(report, str(e))
+            return False
         sev = {int(k): float(v) for k, v in report.severity.items()}
         for r in report.ranks:
             if report.kind == "fail_stop":
@@ -366,58 +568,55 @@ class SchedulerService:
                 self.p[r] = sev.get(r, 1.0)
             else:
                 self.p[r] = sev.get(r, 0.5)
-        if report.ranks:
-            # idempotent: a report re-delivered after a crash writes the same values
-            self.client.hset(
-                self.keys.scheduler_speeds, mapping={str(r): self.p[r] for r in report.ranks}
-            )
-        if report.kind == "recovery":
-            # every device of the layout's dead list known to be back, not only this
-            # report's: two that re-joined together may be worth a group only together
-            back = [r for r in layout.dead if r in report.ranks or self.p.get(r, 0.0) > 0.0]
-            if back:
-                layout = Layout.from_dict(
-                    {
-                        **layout.to_dict(),
-                        "dead": [r for r in layout.dead if r not in back],
-                        "standby": sorted(set(layout.standby) | set(back)),
-                    }
-                )
+        return True
+
+    def _plan_reports(self, layout: Layout, reports: list[FailureReport]) -> None:
+        """One plan for ``layout`` (what is known after ``reports``) answering them all."""
+        ids = [r.report_id for r in reports]
+        reason = describe_reports(reports)
+        if len(reports) > 1:
+            log.info("planning once for %s", reason)
         p = self.speeds(layout)
-        reason = f"{report.kind} on ranks {report.ranks} (report {report.report_id})"
         try:
             draft = self.make_draft(layout, p, reason=reason)
         except PlanningError as e:
-            bus.incr_counter(self.client, self.keys, "scheduler_planning_failed_total")
-            self.refuse(report, f"no feasible plan: {e}")
+            batch = f" (for the state after {len(reports)} reports of one step)"
+            for rep in reports:
+                bus.incr_counter(self.client, self.keys, "scheduler_planning_failed_total")
+                self.refuse(rep, f"no feasible plan: {e}" + (batch if len(reports) > 1 else ""))
             return
         if draft is None:
             bus.incr_counter(self.client, self.keys, "scheduler_plans_skipped_total")
             # what is known now leaves the current layout as the best one: a plan still
             # waiting (e.g. one dropping a device that has just recovered) must not be
             # acknowledged after its grace period
+            after = (
+                f"report {ids[0]} ({reports[0].kind} on ranks {reports[0].ranks[:8]})"
+                if len(reports) == 1
+                else reason
+            )
             self.persist(
-                self.book.withdraw(
-                    f"superseded: after report {report.report_id} ({report.kind} on ranks "
-                    f"{report.ranks[:8]}) the current layout needs no change"
-                )
+                self.book.withdraw(f"superseded: after {after} the current layout needs no change")
             )
             return
         same = self.book.same_as_open(draft)
         if same is not None:
-            # the report changes nothing in the open plan (a re-sent or overlapping
-            # report): keep it, with the operator's acknowledgement if it has one
-            if report.report_id not in same.failure_ids:
-                same.failure_ids.append(report.report_id)
+            # the reports change nothing in the open plan (re-sent or overlapping reports):
+            # keep it, with the operator's acknowledgement if it has one
+            new_ids = [i for i in ids if i not in same.failure_ids]
+            if new_ids:
+                same.failure_ids.extend(new_ids)
                 self.persist(Changes(plans=[same]))
-            log.info("report %s: plan %d already proposes this", report.report_id, same.plan_id)
+            log.info(
+                "report(s) %s: plan %d already proposes this", ", ".join(ids[:8]), same.plan_id
+            )
             return
         ch = self.book.propose(
             draft,
             mode=self.config.mode,
             grace_s=self.config.grace_period_s,
             policy=self.config.policy,
-            failure_ids=[report.report_id],
+            failure_ids=ids,
         )
         self.persist(ch)
         self.plans_total += 1
@@ -563,72 +762,120 @@ class SchedulerService:
                 {k: getattr(self.config, k) for k in changed},
             )
 
+    #: How many failure-stream entries one step reads (and plans for at once).
+    REPORT_BATCH = 100
+
     def run_once(self) -> int:
         if not self._restored:
             self._restore()
+        self._handling = []  # a step cut short by Redis: its messages are handled again
         self._runtime_config()
-        handled = 0
         # Operators' actions and the trainer's confirmations first: they were decided on
         # the plans as they stood, before any report in the same step replaces them.
-        for consumer, kind in ((self.actions, OperatorAction), (self.failures, FailureReport)):
-            block = self.config.block_ms if consumer is self.failures else 0
-            entries = consumer.read(count=100, block_ms=block or None)
-            for entry_id, msgs in entries:
-                for m in msgs:
-                    if isinstance(m, kind):
-                        mid = (
-                            f"report:{m.report_id}"
-                            if kind is FailureReport
-                            else (f"action:{m.action_id}" if m.action_id else None)
-                        )
-                        if mid is not None and self._seen(mid):
-                            # re-delivered after a crash, or sent twice: handled once
-                            self.duplicates_total += 1
-                            bus.incr_counter(self.client, self.keys, "scheduler_duplicates_total")
-                            log.info("skipping %s: already handled", mid)
-                            continue
-                        self._handling = mid
-                        try:
-                            if kind is FailureReport:
-                                self.handle_report(m)
-                            else:
-                                self.handle_action(m)
-                        except (redis.ConnectionError, redis.TimeoutError):
-                            raise  # not acked: re-delivered after reconnect
-                        except Exception as e:  # noqa: BLE001 - a bad message must not stop the service
-                            log.exception("failed to handle %s", type(m).__name__)
-                            bus.dead_letter(
-                                self.client,
-                                self.keys,
-                                consumer.stream,
-                                self.config.consumer,
-                                f"internal error handling {type(m).__name__}: {e!r}",
-                                m.to_dict(),
-                            )
-                            bus.incr_counter(
-                                self.client, self.keys, "scheduler_internal_errors_total"
-                            )
-                        if self._handling is not None:  # handled without a plan change
-                            pipe = self.client.pipeline(transaction=True)
-                            self._mark(pipe)
-                            pipe.execute()
-                        handled += 1
-                    else:
-                        bus.dead_letter(
-                            self.client,
-                            self.keys,
-                            consumer.stream,
-                            self.config.consumer,
-                            f"unexpected message type {type(m).__name__} on {consumer.stream}",
-                            m.to_dict() if hasattr(m, "to_dict") else repr(m),
-                        )
-                # acked entry by entry: planning takes up to seconds per report, and a
-                # crash must not re-deliver a whole batch of handled messages
-                consumer.ack([entry_id])
+        handled = self._handle_actions()
+        if handled:
+            # an override re-plans (seconds at scale): plans due are acknowledged and the
+            # health key refreshed before the reports' planning step, not after it
+            self._pulse()
+        handled += self._handle_failures()
+        self._pulse()
+        return handled
+
+    def _pulse(self) -> None:
+        """Between planning steps: a plan made for a layout the job has left is replaced,
+        one whose grace period is over is auto-acknowledged, the health key refreshed."""
         self._replace_stale()
         self.persist(self.book.tick(self._auto_mode()))
-        self.health.beat("ok", mode=self.config.mode, plans_total=self.plans_total)
+        self._beat()
+
+    def _duplicate(self, mid: str) -> bool:
+        """Whether message ``mid`` was handled already (re-delivered after a crash, or sent
+        twice): it is then skipped, and counted."""
+        if not self._seen(mid):
+            return False
+        self.duplicates_total += 1
+        bus.incr_counter(self.client, self.keys, "scheduler_duplicates_total")
+        log.info("skipping %s: already handled", mid)
+        return True
+
+    def _unexpected(self, consumer: bus.StreamConsumer, m) -> None:
+        bus.dead_letter(
+            self.client,
+            self.keys,
+            consumer.stream,
+            self.config.consumer,
+            f"unexpected message type {type(m).__name__} on {consumer.stream}",
+            m.to_dict() if hasattr(m, "to_dict") else repr(m),
+        )
+
+    def _handle_actions(self) -> int:
+        handled = 0
+        for entry_id, msgs in self.actions.read(count=100, block_ms=None):
+            for m in msgs:
+                if not isinstance(m, OperatorAction):
+                    self._unexpected(self.actions, m)
+                    continue
+                mid = f"action:{m.action_id}" if m.action_id else None
+                if mid is not None and self._duplicate(mid):
+                    continue
+                self._handling = [mid] if mid else []
+                try:
+                    self.handle_action(m)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    raise  # not acked: re-delivered after reconnect
+                except Exception as e:  # noqa: BLE001 - a bad message must not stop the service
+                    log.exception("failed to handle %s", type(m).__name__)
+                    bus.dead_letter(
+                        self.client,
+                        self.keys,
+                        self.actions.stream,
+                        self.config.consumer,
+                        f"internal error handling {type(m).__name__}: {e!r}",
+                        m.to_dict(),
+                    )
+                    bus.incr_counter(self.client, self.keys, "scheduler_internal_errors_total")
+                self._mark_now()  # handled without a plan change
+                handled += 1
+            # acked entry by entry: an override re-plans, a crash must not re-deliver a
+            # whole batch of handled actions
+            self.actions.ack([entry_id])
         return handled
+
+    def _handle_failures(self) -> int:
+        """One batch of failure reports (up to ``REPORT_BATCH`` entries), handled as one
+        change of what is known (:meth:`handle_reports`): one planning step, not one per
+        report. Its entries are acked once the batch's plan and the reports' handled marks
+        are written; a crash before then re-delivers them, and what was already recorded
+        handled (a refusal) is skipped."""
+        entries = self.failures.read(count=self.REPORT_BATCH, block_ms=self.config.block_ms or None)
+        reports: list[FailureReport] = []
+        batch: set[str] = set()
+        for _entry_id, msgs in entries:
+            for m in msgs:
+                if not isinstance(m, FailureReport):
+                    self._unexpected(self.failures, m)
+                    continue
+                mid = f"report:{m.report_id}"
+                if mid in batch:  # sent twice within the batch: handled once
+                    self.duplicates_total += 1
+                    bus.incr_counter(self.client, self.keys, "scheduler_duplicates_total")
+                    continue
+                if self._duplicate(mid):
+                    continue
+                batch.add(mid)
+                reports.append(m)
+        if reports:
+            try:
+                self.handle_reports(reports)
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise  # not acked: re-delivered after reconnect
+            except Exception as e:  # noqa: BLE001 - a bad batch must not stop the service
+                self._handling = []
+                for rep in reports:
+                    if not self._seen(f"report:{rep.report_id}"):
+                        self._internal_error(rep, e)
+        self.failures.ack([entry_id for entry_id, _ in entries])
+        return len(reports)
 
     def _auto_mode(self) -> str:
         """The mode the grace-period tick runs in: ``manual`` while the job is not running.

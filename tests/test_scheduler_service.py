@@ -848,3 +848,239 @@ def test_a_superseded_plan_says_which_plan_superseded_it(r):
     plans = latest_plans(r, keys)
     assert plans[1].state == "superseded"
     assert plans[1].note == "superseded by plan 2 (was: an older note)"
+
+
+# ------------------------------------------------------------ a batch of reports is one change
+
+
+def _handled(r, keys, rid: str) -> bool:
+    return r.zscore(keys.scheduler_handled, f"report:{rid}") is not None
+
+
+def _counter(r, keys, name: str) -> int:
+    return int(r.hget(keys.counters, name) or 0)
+
+
+@pytest.mark.redis
+def test_a_node_that_flaps_within_one_batch_gets_no_plan_excluding_it(r):
+    """A whole-node flap (every rank reported dead, then back, within a second) read in one
+    step was planned report by report: eight plans dropping devices the recoveries right
+    behind had brought back, each superseding the last (and, in auto mode, one of them
+    acknowledged once the long step was over)."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    node1 = list(range(8, 16))
+    for rank in node1:
+        publish(r, keys.failures, _report(ranks=(rank,), nodes=[1], rid=f"down{rank}"))
+    publish(r, keys.failures, _report(ranks=(64,), rid="unknown"))  # refused as ever
+    for rank in node1:
+        sev = {str(rank): 1.0}
+        publish(r, keys.failures, _report("recovery", ranks=(rank,), severity=sev, rid=f"up{rank}"))
+    assert svc.run_once() == 17
+    assert latest_plans(r, keys) == {}  # nothing excludes the node, nothing to withdraw
+    assert _deadletters(r, keys) == [
+        "refused: unknown rank(s) [64]: job has 32 ranks"
+    ]  # the refusal, and only it
+    assert _counter(r, keys, "scheduler_reports_refused_total") == 1
+    assert _counter(r, keys, "scheduler_plans_total") == 0
+    assert _audit(r, keys) == []
+    assert all(_handled(r, keys, f"{k}{n}") for k in ("down", "up") for n in node1)
+    assert _handled(r, keys, "unknown")
+    assert all(svc.speeds(lay)[n] == 1.0 for n in node1)
+    # a plan waiting for its grace period when the node flaps is withdrawn, naming the batch
+    svc = _svc(r, mode="auto", grace_period_s=600)
+    publish(r, keys.failures, _slow_20("slow20"))
+    svc.run_once()
+    assert _plans(r, keys) == {1: "proposed"}
+    publish(r, keys.failures, _report("recovery", ranks=(20,), severity={"20": 1.0}, rid="ok20"))
+    for rank in node1:
+        publish(r, keys.failures, _report(ranks=(rank,), nodes=[1], rid=f"down{rank}b"))
+    for rank in node1:
+        sev = {str(rank): 1.0}
+        publish(
+            r, keys.failures, _report("recovery", ranks=(rank,), severity=sev, rid=f"up{rank}b")
+        )
+    svc.run_once()
+    plans = latest_plans(r, keys)
+    assert _plans(r, keys) == {1: "superseded"}
+    assert "17 reports" in plans[1].note and "needs no change" in plans[1].note, plans[1].note
+    assert len(_deadletters(r, keys)) == 1 and _audit(r, keys) == []
+
+
+@pytest.mark.redis
+def test_a_recovery_then_a_death_in_one_batch_leaves_the_device_dead(r):
+    """The death after a recovery of an excluded device was refused as 'already excluded'
+    and the plan giving it work back stayed open: a dead device put back to work."""
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="auto", grace_period_s=0.0)
+    fol = PlanFollower(r, keys)
+    publish(r, keys.failures, _report(ranks=(5,), rid="stop"))
+    svc.run_once()
+    (p1,) = fol.poll()
+    fol.confirm_applied(p1, Layout.from_dict(p1.after))
+    svc.run_once()
+    assert Layout.from_json(r.get(keys.layout)).dead == [5]
+    svc.config.grace_period_s = 600.0
+    publish(r, keys.failures, _report("recovery", ranks=(5,), severity={"5": 1.0}, rid="back"))
+    publish(r, keys.failures, _report(ranks=(5,), rid="gone-again"))
+    svc.run_once()
+    assert _deadletters(r, keys) == []  # the second death is no 'already excluded' report
+    for p in latest_plans(r, keys).values():
+        if p.state in ("proposed", "acknowledged"):
+            assert 5 not in Layout.from_dict(p.after).coords(), p.after
+    assert svc.speeds(lay)[5] == 0.0
+    assert _handled(r, keys, "back") and _handled(r, keys, "gone-again")
+    # still dead: a third report about it is refused as before
+    publish(r, keys.failures, _report(ranks=(5,), rid="third"))
+    svc.run_once()
+    assert any("already excluded" in x for x in _deadletters(r, keys))
+
+
+@pytest.mark.redis
+def test_a_burst_of_independent_reports_gets_one_plan_answering_them_all(r):
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    burst = [
+        _report(ranks=(5,), rid="s5"),
+        _report("fail_slow_compute", ranks=(10,), severity={"10": 0.5}, rid="w10"),
+        _report(ranks=(20,), rid="s20"),
+        _report("fail_slow_compute", ranks=(27,), severity={"27": 0.4}, rid="w27"),
+        _report(ranks=(5,), rid="s5"),  # the same report twice: handled once
+    ]
+    for rep in burst:
+        publish(r, keys.failures, rep)
+    assert svc.run_once() == 4
+    (plan,) = latest_plans(r, keys).values()
+    assert plan.state == "proposed"
+    assert plan.failure_ids == ["s5", "w10", "s20", "w27"]
+    after = Layout.from_dict(plan.after)
+    assert {5, 20} <= set(after.dead) and not {5, 20} & set(after.coords())
+    assert "4 reports" in plan.reason, plan.reason
+    states = [decode_json(f[b"m"][1:-1]).state for _, f in r.xrange(keys.plans)]
+    assert states == ["proposed"]  # one plan, none proposed and superseded on the way
+    assert _counter(r, keys, "scheduler_plans_total") == 1
+    assert svc.duplicates_total == 1 and _deadletters(r, keys) == []
+    # what a report alone would change nothing in: it joins the open plan's reports
+    publish(r, keys.failures, _report(ranks=(20,), rid="s20-bis"))
+    svc.run_once()
+    assert _plans(r, keys) == {1: "proposed"}
+    assert latest_plans(r, keys)[1].failure_ids == ["s5", "w10", "s20", "w27", "s20-bis"]
+
+
+@pytest.mark.redis
+def test_health_and_the_grace_period_tick_run_between_planning_steps(r, monkeypatch):
+    """The service planned every report of a batch before it ticked (auto-acknowledgement)
+    or beat its health key (TTL 10 s): a 2 s grace period lasted 30-100 s and the busy
+    scheduler was listed DOWN."""
+    import scheduler.service as service
+
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    events: list[str] = []
+    real_plan, real_beat, real_tick = service.plan, svc.health.beat, svc.book.tick
+
+    def spy_plan(*a, **kw):
+        events.append("plan")
+        return real_plan(*a, **kw)
+
+    def spy_beat(*a, **kw):
+        events.append("beat")
+        return real_beat(*a, **kw)
+
+    def spy_tick(*a, **kw):
+        events.append("tick")
+        return real_tick(*a, **kw)
+
+    monkeypatch.setattr(service, "plan", spy_plan)
+    monkeypatch.setattr(svc.health, "beat", spy_beat)
+    monkeypatch.setattr(svc.book, "tick", spy_tick)
+    # one step, two planning steps: an operator's override, then a report
+    publish(r, keys.actions, _act("override", 1, "carol", {"migration": False}))
+    publish(r, keys.failures, _slow_20())
+    svc.run_once()
+    assert events.count("plan") == 2, events
+    first, second = (i for i, e in enumerate(events) if e == "plan")
+    assert "beat" in events[:first]
+    between = events[first + 1 : second]
+    assert "beat" in between and "tick" in between, events
+    after = events[second + 1 :]
+    assert "beat" in after and "tick" in after, events
+    assert _plans(r, keys) == {1: "overridden", 2: "superseded", 3: "proposed"}
+
+
+@pytest.mark.redis
+def test_a_planning_step_longer_than_the_health_ttl_keeps_the_scheduler_up(r, monkeypatch):
+    """At 16k GPUs one plan takes seconds, on a loaded host more than the health key's
+    TTL: the key is refreshed while it runs (and says the scheduler is planning)."""
+    import threading
+
+    import scheduler.service as service
+    from resihp.bus import Health
+
+    keys, lay = _setup(r)
+    svc = _svc(r, mode="manual")
+    svc.health.ttl_s = 0.3  # a short TTL stands in for a long planning step
+    beats: list[dict] = []
+    enough = threading.Event()
+    real_plan, real_beat = service.plan, svc.health.beat
+    seen: list[dict | None] = []
+
+    def spy_beat(status="ok", **extra):
+        beats.append(extra)
+        if sum(b.get("state") == "planning" for b in beats) >= 4:
+            enough.set()
+        return real_beat(status, **extra)
+
+    def slow_plan(*a, **kw):
+        enough.wait(30)  # until the beats while planning are counted (or give up)
+        seen.append(Health.get(r, keys, "scheduler"))
+        return real_plan(*a, **kw)
+
+    monkeypatch.setattr(svc.health, "beat", spy_beat)
+    monkeypatch.setattr(service, "plan", slow_plan)
+    publish(r, keys.failures, _report())
+    svc.run_once()
+    assert enough.is_set(), beats
+    assert seen and seen[0] is not None and seen[0]["state"] == "planning", seen
+    assert seen[0]["status"] == "ok"
+    assert beats[-1].get("state") is None  # the last beat: done planning
+    assert len(latest_plans(r, keys)) == 1
+
+
+@pytest.mark.redis
+def test_plan_state_keeps_open_and_applied_plans_and_the_newest_finished_ones(r):
+    """Retention: ``keys.plan_state`` (read whole by every restarted reader) keeps every
+    open and applied plan and the newest ``TERMINAL_PLANS_KEEP`` finished ones; older
+    snapshots stay in the capped plans stream."""
+    keys, svc, follower, plan = _taken_up(r)
+    svc.TERMINAL_PLANS_KEEP = 3
+    follower.confirm_applied(plan, Layout.from_dict(plan.after))
+    svc.run_once()
+    assert _plans(r, keys) == {1: "applied"}
+    for i in range(6):  # six plans proposed, each rejected
+        publish(r, keys.failures, _slow_20(rid=f"slow{i}"))
+        svc.run_once()
+        pid = max(latest_plans(r, keys))
+        publish(r, keys.actions, _act("reject", pid, "carol"))
+        svc.run_once()
+    publish(r, keys.failures, _slow_20(rid="slow-last"))
+    svc.run_once()  # and one left open
+    states = _plans(r, keys)
+    rejected = sorted(p for p, s in states.items() if s == "rejected")
+    newest = max(states)
+    assert states[1] == "applied" and states[newest] == "proposed"
+    assert len(rejected) == 3 and len(states) == 5
+    assert rejected == sorted(p for p in states if p not in (1, newest))
+    assert rejected[0] > 1 + 3  # the oldest rejected plans went
+    # the history keeps every snapshot; the scheduler's book holds what the hash holds
+    streamed = {decode_json(f[b"m"][1:-1]).plan_id for _, f in r.xrange(keys.plans)}
+    assert streamed == set(range(1, newest + 1))
+    assert sorted(svc.book.plans) == sorted(states)
+    # a restarted scheduler goes on from there, plan ids above every one it knows
+    svc2 = _svc(r, mode="manual")
+    assert sorted(svc2.book.plans) == sorted(states)
+    publish(r, keys.actions, _act("acknowledge", newest, "bob"))
+    svc2.run_once()
+    assert _plans(r, keys)[newest] == "acknowledged"

@@ -209,3 +209,54 @@ def test_trains_through_a_redis_outage():
         tr.close()
     finally:
         srv.cleanup()
+
+
+def test_a_slow_plan_poll_does_not_silence_the_heartbeats(r):
+    """A plan poll that takes 4 s (a long plan history, a slow Redis) holds the main loop
+    up: the live ranks keep beating meanwhile, and the collector declares no node dead."""
+    import dataclasses
+    import threading
+
+    from collector.config import CollectorConfig
+    from collector.service import CollectorService
+    from resihp.schemas import LivenessEvent
+
+    keys = JobKeys("slowpoll")
+    tr = SimTrainer(_cfg(job_id="slowpoll", speed=2.0), r)
+    polls = []
+    real_poll = tr.follower.poll
+
+    def slow_poll():
+        polls.append(time.monotonic())
+        if len(polls) == 3:
+            time.sleep(4.0)
+        return real_poll()
+
+    tr.follower.poll = slow_poll
+    kw = dict(job_id="slowpoll", block_ms=5, layout_poll_s=0.1)
+    if "job_silence_hold_deadlines" in {f.name for f in dataclasses.fields(CollectorConfig)}:
+        kw["job_silence_hold_deadlines"] = 0.0  # judge each silence at once, as before
+    col = CollectorService(CollectorConfig(**kw), r)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=tr.run, args=(stop,), daemon=True),
+        threading.Thread(target=col.run, args=(stop,), daemon=True),
+    ]
+    for th in threads:
+        th.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (len(polls) < 4 or time.monotonic() - polls[2] < 6.0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(polls) >= 4, "the trainer never came back from its slow poll"
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(30)
+    events = []
+    for _id, fields in r.xrange(keys.liveness):
+        good, _bad = decode_entry(fields)
+        events += [e for e in good if isinstance(e, LivenessEvent)]
+    assert [(e.scope, e.node, e.state) for e in events if e.state == "dead"] == []
+    assert tr.keepalive_beats_total > 0  # the keeper beat while the poll slept
+    assert tr.producer.dropped_total == 0

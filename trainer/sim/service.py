@@ -10,6 +10,11 @@ boundary it first applies the newest acknowledged plan (if any), then advances
 the simulation and replays the step's heartbeats at their simulated times
 divided by ``speed``; chunk rows and micro-batch stats are handed over when the
 iteration ends, as a real trainer does.
+
+Heartbeats do not wait for the main loop: while it emits none (a slow plan poll, a
+slow step, a wait for the producer), a thread of its own (:class:`_BeatKeeper`) beats for
+the live ranks, as a real trainer's heartbeat thread does, so that one slow step is
+not taken for every node failing at once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import redis
@@ -35,6 +41,7 @@ from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, register_running
 from resihp.producer import TelemetryProducer
 from resihp.scenario import Scenario, load_scenario
+from resihp.schemas import HEARTBEAT_DTYPE
 from resihp.topology import Layout, LayoutError
 
 from .config import SimConfig
@@ -80,6 +87,9 @@ class SimTrainer:
         self.plans_applied_total = 0
         self.plans_refused_total = 0
         self.last_step: SimStep | None = None
+        #: heartbeats the keeper thread sent while the main loop sent none
+        self.keepalive_beats_total = 0
+        self._keeper = _BeatKeeper(self)
         self._truth = open(config.truth_out, "a") if config.truth_out else None  # noqa: SIM115
 
     # ------------------------------------------------------------ lifecycle
@@ -89,6 +99,7 @@ class SimTrainer:
         if not self.started:
             self.producer.start()
             self.started = True
+            self._keeper.start()
         self._register()
 
     def _register(self) -> bool:
@@ -145,6 +156,7 @@ class SimTrainer:
 
     def close(self, stopped: bool = False) -> None:
         """``stopped``: the run was ended on purpose (a stop signal), not by a crash."""
+        self._keeper.stop()
         self.producer.close()
         if self.done or stopped:
             try:  # ended on purpose: silence is not a failure
@@ -209,6 +221,7 @@ class SimTrainer:
             for a, b in zip(cuts[:-1], cuts[1:], strict=True):
                 self._sleep_until_sim(float(times[a]), stop)
                 self.producer.heartbeat_rows(hb[a:b])
+                self._keeper.sent(hb[b - 1])
                 sent += b - a
         self._sleep_until_sim(step.true_state.t_end_s, stop)
         if len(step.chunk_rows):
@@ -251,6 +264,7 @@ class SimTrainer:
                 log.warning("plan %s refused: %s", plan.plan_id, problem)
                 continue
             step = self.sim.apply_layout(new, base_s=_pause_hint(plan))
+            self._keeper.follow(self.sim)
             self.follower.applied.add(plan.plan_id)
             self._unconfirmed.append(
                 (plan, new, f"sim reconfiguration {step.true_state.reconfig_s:.2f}s")
@@ -283,6 +297,7 @@ class SimTrainer:
             self._check_registration()
         sent = self._follow_plans(stop) if self._registered else 0
         step = self.sim.step()
+        self._keeper.follow(self.sim)
         sent += self._emit(step, stop)
         self.steps_total += 1
         if step.true_state.status == "ok":
@@ -317,6 +332,106 @@ class SimTrainer:
             # parent-death signal), which is its crash, not an operator's stop.
             self.close(stopped=ended and os.getppid() == parent)
         return 0
+
+
+class _BeatKeeper:
+    """Heartbeats of the live ranks while the main loop sends none.
+
+    The main loop replays each step's heartbeats at their simulated times; whatever
+    holds it up (a plan poll, applying a plan, computing a big step, the producer's
+    backpressure) would otherwise silence every rank at once, and the collector declare
+    every node dead.  This thread beats for the ranks alive after the last step once the
+    main loop has sent none for ``max(1.5 x the beat period, MIN_SILENCE_S)`` wall
+    seconds, then once per period, until the main loop beats again.  Its beats carry the
+    last beat's clock reading (the simulated clock stands while the loop is held up),
+    sequence number and iteration, so that they add no tick the simulation did not make.
+    They go through the producer like every beat: its bounded queue and counted drops.
+    """
+
+    #: Silence (wall seconds) the keeper lets pass before it beats: well inside the
+    #: collector's fail-stop deadline (2.5 s by default), long enough that a paced run
+    #: on schedule never needs it.
+    MIN_SILENCE_S = 0.75
+    #: Its beat period is the trainer's, but no shorter than this.
+    MIN_PERIOD_S = 0.5
+
+    def __init__(self, trainer: SimTrainer):
+        cfg = trainer.cfg
+        iv = cfg.heartbeat_interval_s / cfg.speed if cfg.speed > 0 else cfg.heartbeat_interval_s
+        self.period_s = max(iv, self.MIN_PERIOD_S)
+        self.silence_s = max(1.5 * iv, self.MIN_SILENCE_S)
+        self._trainer = weakref.ref(trainer)  # a trainer dropped unclosed stops it too
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_sent = time.monotonic()
+        #: (ranks, nodes, generations, iteration): who beats, as of the last step
+        self._live: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
+        #: (wall_time_s, seq) of the last beat the main loop sent
+        self._clock: tuple[float, int] = (trainer.sim.epoch_s + trainer.sim.t_s, 0)
+        self.follow(trainer.sim)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._last_sent = time.monotonic()
+            self._thread = threading.Thread(
+                target=_BeatKeeper._run, args=(self,), name="sim-heartbeats", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def follow(self, sim: ClusterSim) -> None:
+        """Take the live ranks from the simulation (main loop, after each step)."""
+        live = np.flatnonzero(sim.alive)
+        self._live = (
+            live,
+            live // sim.layout.devices_per_node,
+            np.asarray(sim.generation)[live].copy(),
+            int(sim.iteration),
+        )
+
+    def sent(self, last_row) -> None:
+        """The main loop beat (``last_row``: its newest beat)."""
+        self._clock = (float(last_row["wall_time_s"]), int(last_row["seq"]))
+        self._last_sent = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(self.period_s, self.silence_s) / 4):
+            if time.monotonic() - self._last_sent < self.silence_s:
+                continue
+            trainer = self._trainer()
+            if trainer is None:
+                return
+            try:
+                n = self._beat(trainer)
+            except Exception:  # noqa: BLE001 - the keeper must outlive a bad beat
+                log.exception("heartbeat keeper: beat failed")
+                n = 0
+            del trainer
+            # once per period from now on, until the main loop beats again
+            self._last_sent = time.monotonic() - self.silence_s + self.period_s
+            if n:
+                log.debug("heartbeat keeper: %d beats while the main loop was held up", n)
+
+    def _beat(self, trainer: SimTrainer) -> int:
+        live = self._live
+        if live is None or not len(live[0]):
+            return 0
+        ranks, nodes, gens, iteration = live
+        wall_s, seq = self._clock
+        rows = np.zeros(len(ranks), dtype=HEARTBEAT_DTYPE)
+        rows["rank"] = ranks
+        rows["node"] = nodes
+        rows["iteration"] = iteration
+        rows["generation"] = gens
+        rows["wall_time_s"] = wall_s
+        rows["seq"] = seq
+        n = trainer.producer.heartbeat_rows(rows)
+        trainer.keepalive_beats_total += n
+        return n
 
 
 def _pause_hint(plan) -> float | None:
