@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from resihp.assembly import COMM_WAIT_S
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
+from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES
 
 #: The largest K the collector follows.  The detector validates field ``heartbeat_k``
 #: of the detector_config hash and refuses more (detector/config.py keeps the same
@@ -85,6 +86,22 @@ class CollectorConfig:
     jitter_beats: float = 0.5
     #: How often liveness is judged (seconds); default a quarter interval.
     check_interval_s: float | None = None
+    #: When every node still alive goes quiet together (a stall of the trainer process,
+    #: its host or the path to Redis), the node verdicts wait this many more fail-stop
+    #: deadlines, and the job is said to be silent meanwhile; a silence that outlasts
+    #: them makes the nodes dead as usual.  With the defaults a whole job that dies is
+    #: reported 3 deadlines (7.5 s) after its last beat; a node or a subset of nodes
+    #: dying while another node talks keeps the one-deadline (2.5 s) latency.  0: no hold.
+    job_silence_hold_deadlines: float = JOB_SILENCE_HOLD_DEADLINES
+
+    # --- telemetry retention ---------------------------------------------------------
+    #: The telemetry stream is trimmed behind its slowest consumer group (nothing any
+    #: group has not acknowledged, or not yet read, is removed), keeping at least this
+    #: many seconds of entries before the newest one the collector read, for a
+    #: ``resihp record`` (plain XREAD/XRANGE, no group) started a moment later (seconds).
+    telemetry_keep_s: float = 60.0
+    #: How often the collector trims the telemetry stream (seconds).
+    telemetry_trim_every_s: float = 5.0
 
     # --- iteration assembly -------------------------------------------------------
     #: After every expected rank has started a later iteration, wait this long for
@@ -149,6 +166,7 @@ class CollectorConfig:
             "stall_s",
             "clock_skew_correct_s",
             "iterations_budget_mb",
+            "telemetry_trim_every_s",
         )
         for name in positive:
             v = getattr(self, name)
@@ -172,9 +190,10 @@ class CollectorConfig:
             raise ValueError(
                 f"heartbeat_k: must be an integer <= {MAX_HEARTBEAT_K}, got {self.heartbeat_k!r}"
             )
-        v = self.comm_wait_s
-        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
-            raise ValueError(f"comm_wait_s: must be a finite number >= 0, got {v!r}")
+        for name in ("comm_wait_s", "job_silence_hold_deadlines", "telemetry_keep_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
         if not isinstance(self.jitter_beats, int | float) or not 0 <= self.jitter_beats < 1:
             raise ValueError(f"jitter_beats: must be in [0, 1), got {self.jitter_beats!r}")
         if self.check_interval_s is not None and not (
@@ -218,6 +237,20 @@ class CollectorConfig:
             default=os.environ.get("RESIHP_COLLECTOR_TP_DEDUP", "") in ("1", "true", "yes"),
             help="drop chunk rows of non-zero TP indices on arrival",
         )
+        p.add_argument(
+            "--job-silence-hold-deadlines",
+            type=float,
+            default=cls.job_silence_hold_deadlines,
+            help="when every node goes quiet together, hold the node verdicts this many more "
+            f"fail-stop deadlines ({cls.job_silence_hold_deadlines:g}; 0: no hold)",
+        )
+        p.add_argument(
+            "--telemetry-keep-s",
+            type=float,
+            default=cls.telemetry_keep_s,
+            help="keep at least this many seconds of telemetry when trimming the stream "
+            f"behind its consumer groups ({cls.telemetry_keep_s:g})",
+        )
         p.add_argument("--read-count", type=int, default=cls.read_count)
         p.add_argument("--iterations-maxlen", type=int, default=cls.iterations_maxlen)
         p.add_argument("--iterations-budget-mb", type=float, default=cls.iterations_budget_mb)
@@ -235,6 +268,8 @@ class CollectorConfig:
             comm_wait_s=a.comm_wait_s,
             max_open_iterations=a.max_open_iterations,
             tp_dedup=a.tp_dedup,
+            job_silence_hold_deadlines=a.job_silence_hold_deadlines,
+            telemetry_keep_s=a.telemetry_keep_s,
             read_count=a.read_count,
             iterations_maxlen=a.iterations_maxlen,
             iterations_budget_mb=a.iterations_budget_mb,

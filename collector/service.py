@@ -32,6 +32,17 @@ Wiring only; the decisions live in :mod:`resihp.liveness` and
   (every rank with a fresh deadline) when telemetry comes again.  A collector
   restarted during a live job hears it within a heartbeat, and ranks that died
   while it was down are still judged from the backlog it reads.
+* A job whose every node still alive goes quiet together (a stall of the trainer
+  process, its host or its path to Redis) is silent, not dead: the node verdicts
+  are held for ``job_silence_hold_deadlines`` more deadlines
+  (:mod:`resihp.liveness`), and meanwhile the health payload says the job is silent
+  (``judging_liveness`` false, ``job_silent_since_s``).  Heard again within the
+  hold, nothing is reported; silent past it, the nodes are declared dead.
+* The telemetry stream is trimmed every ``telemetry_trim_every_s`` behind its
+  slowest consumer group (XTRIM MINID: nothing a group has not read or not
+  acknowledged goes), keeping ``telemetry_keep_s`` before the newest entry read for
+  ``resihp record``, which reads without a group.  The producer's MAXLEN stays as
+  the backstop (a group that stops reading holds the trim back).
 """
 
 from __future__ import annotations
@@ -133,7 +144,10 @@ class CollectorService:
             client, self.keys, SERVICE, config.instance, ttl_s=config.health_ttl_s
         )
         self.liveness = LivenessCoordinator(
-            config.heartbeat_interval_s, config.heartbeat_k, config.jitter_beats
+            config.heartbeat_interval_s,
+            config.heartbeat_k,
+            config.jitter_beats,
+            hold_deadlines=config.job_silence_hold_deadlines,
         )
         self.assembler = IterationAssembler(
             grace_s=config.grace_s,
@@ -168,6 +182,11 @@ class CollectorService:
         self._started_s = self._clock()
         self._heard = False  # any telemetry from the job's present (see module doc)
         self._silence_said = False
+        #: when the job was last heard, while a job-wide silence holds the node verdicts
+        self._job_silent_since: float | None = None
+        self._health_now = False  # write the health payload at the next loop
+        self._trim_next = 0.0
+        self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -320,6 +339,9 @@ class CollectorService:
             if self._ack_ready:
                 self.consumer.ack(self._ack_ready)
                 self._ack_ready = []
+            if now >= self._trim_next:
+                self._trim_next = now + self.config.telemetry_trim_every_s
+                self.trim_telemetry()
             if now >= self._stats_next:
                 self._stats_next = now + 1.0
                 self._flush_counters()
@@ -624,12 +646,17 @@ class CollectorService:
         )
 
     def _check_liveness(self, judge_s: float, now: float) -> None:
-        if self._outage or self._job_finished(now):
+        if self._outage:
+            return
+        if self._job_finished(now):
+            self._job_silent_since = None  # ended on purpose: its silence is no news
             return
         if not self._heard:
             self._say_silent(now)
             return
-        for ev in self.liveness.check(judge_s):
+        events = self.liveness.check(judge_s)
+        self._job_silence(judge_s, any(ev.state == "dead" for ev in events))
+        for ev in events:
             ev.detected_at_s = now
             log.warning(
                 "collector: %s %s node=%d ranks=%s", ev.scope, ev.state, ev.node, ev.ranks[:16]
@@ -646,6 +673,101 @@ class CollectorService:
             for n, t in changed.items():
                 self._node_hb_written[int(n)] = float(t)
 
+    def _job_silence(self, judge_s: float, deaths: bool) -> None:
+        """Say when a job-wide silence starts holding the node verdicts, and how it ended."""
+        since = self.liveness.job_silent_since_s
+        was = self._job_silent_since
+        self._job_silent_since = since
+        if (since is None) == (was is None):
+            return
+        self._health_now = True
+        if since is not None:
+            self._count("liveness_job_silences_total")
+            hold_s = self.liveness.hold_deadlines * self.liveness.deadline_s()
+            n = len(self.liveness.alive_nodes())
+            log.warning(
+                "collector: job %s is silent: none of its %d node(s) heard for %.1f s, all "
+                "quiet since the same moment (a stall of the trainer, its host or its path "
+                "to Redis, not %d node failures); node verdicts held up to %.1f s more",
+                self.keys.job_id,
+                n,
+                judge_s - since,
+                n,
+                hold_s,
+            )
+        elif deaths:
+            log.warning(
+                "collector: job %s silent for %.1f s, past the hold: its nodes are declared dead",
+                self.keys.job_id,
+                judge_s - was,
+            )
+        else:
+            log.info(
+                "collector: job %s reports again after %.1f s of silence: no node declared dead",
+                self.keys.job_id,
+                judge_s - was,
+            )
+
+    # ------------------------------------------------------------ retention
+    @staticmethod
+    def _id(raw: bytes | str) -> tuple[int, int]:
+        ms, _, seq = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition("-")
+        return int(ms), int(seq or 0)
+
+    def telemetry_trim_floor(self) -> tuple[str, str] | None:
+        """The id the telemetry stream may be trimmed to (XTRIM MINID: entries below it
+        go) and the group that sets it (``""``: the retention window), or None.
+
+        The oldest entry any consumer group still needs: its oldest pending (delivered,
+        not acknowledged) entry, else the one after its last-delivered id; and never
+        more than ``telemetry_keep_s`` before the newest entry this collector read."""
+        if not self._frontier_s:
+            return None  # nothing read yet: no window to keep from
+        try:
+            groups = self.client.xinfo_groups(self.keys.telemetry)
+        except redis.ResponseError:  # no stream (Redis lost its data): nothing to trim
+            return None
+        if not groups:
+            return None
+        keep_ms = int(round(self.config.telemetry_keep_s * 1000))
+        floor, by = (max(0, int(round(self._frontier_s * 1000)) - keep_ms), 0), ""
+        for g in groups:
+            name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
+            ms, seq = self._id(g["last-delivered-id"])
+            need = (ms, seq + 1)
+            if g["pending"]:
+                summary = self.client.xpending(self.keys.telemetry, name)
+                if summary["pending"] and summary["min"] is not None:
+                    need = min(need, self._id(summary["min"]))
+            if need < floor:
+                floor, by = need, name
+        return f"{floor[0]}-{floor[1]}", by
+
+    def trim_telemetry(self) -> int:
+        """Trim the telemetry stream to :meth:`telemetry_trim_floor`; -> entries removed.
+
+        Exact (not ``~``): every few seconds it removes what arrived since the last trim,
+        and its cost beyond whole macro nodes is one node's entries; an approximate trim
+        keeps up to a node (100 entries) more than the rule says."""
+        got = self.telemetry_trim_floor()
+        if got is None:
+            return 0
+        minid, by = got
+        if by and by != self.consumer.group:
+            behind_s = self._frontier_s - self._id(minid)[0] / 1000.0
+            if behind_s > 2 * self.config.telemetry_keep_s:
+                self._trim_log.warning(
+                    "collector: consumer group %s of %s still needs telemetry from %.0f s "
+                    "before the newest: it holds the trim back (the stream is bounded by its "
+                    "MAXLEN only); delete the group if nobody reads it",
+                    by,
+                    self.keys.telemetry,
+                    behind_s,
+                )
+        removed = int(self.client.xtrim(self.keys.telemetry, minid=minid, approximate=False))
+        self._count("telemetry_trimmed_total", removed)
+        return removed
+
     # ------------------------------------------------------------ loop
     def health_extra(self) -> dict[str, Any]:
         return {
@@ -659,8 +781,13 @@ class CollectorService:
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)
             if self._frontier_s
             else None,
-            # false while the job has been silent since before this collector started
-            bus.JUDGING_LIVENESS: self._heard and not self._finished,
+            # false while the job has been silent since before this collector started,
+            # and while a job-wide silence holds the node verdicts
+            bus.JUDGING_LIVENESS: self._heard
+            and not self._finished
+            and self._job_silent_since is None,
+            # when the job was last heard, during a job-wide silence (else None)
+            "job_silent_since_s": None if self._finished else self._job_silent_since,
             "deadletter_total": self.consumer.stats.deadletter_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
         }
@@ -673,8 +800,9 @@ class CollectorService:
             now = time.monotonic()
             if self._outage:
                 continue
-            if now >= extra_next:
+            if now >= extra_next or self._health_now:
                 extra_next = now + 2.0
+                self._health_now = False
                 self.health.beat(**self.health_extra())
             else:
                 self.health.beat()

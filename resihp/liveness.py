@@ -21,6 +21,28 @@ arrived for ``(K + jitter_beats) * I`` (the half beat of slack absorbs
 scheduling jitter so a beat that is a little late is not a miss).  With the
 defaults (I = 1 s, K = 2) and a check every I/4 the decision comes within
 2.75 I of the failure, inside the 3-interval budget.
+
+Job-wide silence: the same rule one level up.  A device is dead on its own only
+if its node kept talking for more than 1.25 I after it; a node is dead on its
+own only if some other node still alive kept talking for more than 1.25 I after
+it.  When a node reaches its deadline and no node still alive was heard more
+than 1.25 I after it, every node of the job went quiet together: a stall of the
+telemetry source (the trainer process, its host, the path to Redis), not N
+independent node failures.  The coordinator then holds the node verdicts for
+``hold_deadlines`` more deadlines (default :data:`JOB_SILENCE_HOLD_DEADLINES`)
+and says the job is silent (:attr:`LivenessCoordinator.job_silent_since_s`).  A
+job heard again within the hold produces no verdict at all; a silence that
+outlasts it makes each node dead as before, ``(1 + hold_deadlines)`` deadlines
+after its last beat (7.5 I with the defaults).  Nobody is judged on a silence
+that ended within the hold (as after an outage of the bus): every deadline then
+runs from when the job was heard again, so a device beating again at its own
+phase a moment after its peers is not dead, and a node still silent then is
+dead one deadline later.  Partial
+failures (a device, a node, any subset of nodes while one node still alive
+talks) keep the 2.5 I latency exactly: the other nodes beat every I, so by then
+one was heard at least 1.5 I after the failure.  A job whose nodes all died
+already but one (or a one-node job) is that node: its death is a job-wide
+silence.
 """
 
 from __future__ import annotations
@@ -30,6 +52,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from resihp.schemas import LivenessEvent
+
+#: Extra fail-stop deadlines a job-wide silence holds the node verdicts for (see the
+#: module doc): with K=2 and I = 1 s a whole job that stops is reported dead 7.5 s after
+#: its last beat instead of 2.5 s, and a stall of its telemetry shorter than that (the
+#: soak saw 3-4.3 s) is reported as nothing.  0 turns the hold off.
+JOB_SILENCE_HOLD_DEADLINES = 2.0
+#: How much later than a node another one must have been heard for the first node's
+#: silence to be its own (in intervals): the level-1 rule's margin, one level up.
+QUIET_TOGETHER_BEATS = 1.25
 
 
 @dataclass
@@ -62,6 +93,9 @@ class NodeMonitor:
     jitter_beats: float = 0.5
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_heard_s: float = -math.inf
+    #: Deadlines run from here at the earliest: when the job was heard again after a
+    #: job-wide silence, which nobody is judged on (their real last beats stay as heard).
+    judge_from_s: float = -math.inf
 
     def track(self, rank: int, now_s: float, dead: bool = False) -> None:
         if rank in self.ranks:
@@ -106,9 +140,13 @@ class NodeMonitor:
     def deadline_s(self) -> float:
         return (self.k + self.jitter_beats) * self.interval_s
 
+    def quiet_since_s(self) -> float:
+        """Since when the node counts as quiet: its last beat, or a later fresh start."""
+        return max(self.last_heard_s, self.judge_from_s)
+
     def silent(self, now_s: float) -> bool:
         """No device of this node heard for K intervals: the node is down."""
-        return now_s - self.last_heard_s >= self.deadline_s()
+        return now_s - self.quiet_since_s() >= self.deadline_s()
 
     def check(self, now_s: float) -> list[RankDecision]:
         """Devices dead while their node is alive, and devices heard again."""
@@ -118,11 +156,11 @@ class NodeMonitor:
             if st.rejoined:
                 st.rejoined = False
                 out.append(RankDecision(st.rank, "rejoined", st.last_arrival_s, 0))
-            elif st.alive and now_s - st.last_arrival_s >= limit:
+            elif st.alive and now_s - max(st.last_arrival_s, self.judge_from_s) >= limit:
                 # Only a device silent while its node kept talking for more than
                 # a beat after it is this device's failure; otherwise the whole
                 # node is going quiet and the coordinator reports it once.
-                if self.last_heard_s - st.last_arrival_s > 1.25 * self.interval_s:
+                if self.last_heard_s - st.last_arrival_s > QUIET_TOGETHER_BEATS * self.interval_s:
                     st.alive = False
                     out.append(
                         RankDecision(
@@ -153,14 +191,26 @@ class NodeMonitor:
 class LivenessCoordinator:
     """Central coordinator: tracks node monitors only and emits LivenessEvents."""
 
-    def __init__(self, interval_s: float = 1.0, k: int = 2, jitter_beats: float = 0.5):
+    def __init__(
+        self,
+        interval_s: float = 1.0,
+        k: int = 2,
+        jitter_beats: float = 0.5,
+        hold_deadlines: float = JOB_SILENCE_HOLD_DEADLINES,
+    ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if not 0 <= hold_deadlines < math.inf:
+            raise ValueError(f"hold_deadlines must be finite and >= 0, got {hold_deadlines}")
         self.interval_s = float(interval_s)
         self.k = int(k)
         self.jitter_beats = float(jitter_beats)
+        self.hold_deadlines = float(hold_deadlines)
+        #: While node verdicts are held because the whole job went quiet together: when
+        #: any of its nodes still alive was last heard.  None otherwise.
+        self.job_silent_since_s: float | None = None
         self.monitors: dict[int, NodeMonitor] = {}
         self.node_down: set[int] = set()
         self._rank_node: dict[int, int] = {}
@@ -218,6 +268,7 @@ class LivenessCoordinator:
 
     def resume(self, now_s: float) -> None:
         """After an outage of the bus: nobody could be heard, so nobody is judged on it."""
+        self.job_silent_since_s = None
         for m in self.monitors.values():
             if m.node in self.node_down:
                 continue
@@ -246,8 +297,31 @@ class LivenessCoordinator:
         self._monitor(node).observe(rank, arrival_s, seq, iteration, generation)
 
     # ------------------------------------------------------------ level 2 decisions
+    def deadline_s(self) -> float:
+        """The fail-stop deadline: K intervals plus the jitter slack."""
+        return (self.k + self.jitter_beats) * self.interval_s
+
+    def alive_nodes(self) -> list[NodeMonitor]:
+        """Monitors of the nodes not declared down that still have a device alive."""
+        return [
+            m
+            for n, m in self.monitors.items()
+            if n not in self.node_down and any(st.alive for st in m.ranks.values())
+        ]
+
     def check(self, now_s: float) -> list[LivenessEvent]:
         events: list[LivenessEvent] = []
+        alive = self.alive_nodes()
+        # when the job (its nodes still alive) was last heard, and whether to hold at all
+        job_heard_s = max((m.last_heard_s for m in alive), default=-math.inf)
+        hold_s = self.hold_deadlines * self.deadline_s()
+        held = False
+        if self.job_silent_since_s is not None and job_heard_s > self.job_silent_since_s:
+            # heard again after a silence that held the verdicts: as after an outage of
+            # the bus, nobody is judged on it; every deadline runs from now on (devices
+            # of other processes beat again at their own phase, a moment later)
+            for m in alive:
+                m.judge_from_s = max(m.judge_from_s, job_heard_s)
         for node, mon in sorted(self.monitors.items()):
             if node in self.node_down:
                 back = mon.take_rejoined()
@@ -266,6 +340,15 @@ class LivenessCoordinator:
                     )
                 continue
             if mon.silent(now_s) and any(st.alive for st in mon.ranks.values()):
+                if (
+                    hold_s > 0
+                    and job_heard_s - mon.last_heard_s <= QUIET_TOGETHER_BEATS * self.interval_s
+                    and now_s - mon.quiet_since_s() < mon.deadline_s() + hold_s
+                ):
+                    # every node still alive went quiet with this one: a job-wide
+                    # silence, not this node's failure (yet)
+                    held = True
+                    continue
                 mon.mark_all_dead()
                 self.node_down.add(node)
                 events.append(
@@ -292,6 +375,7 @@ class LivenessCoordinator:
                         missed_beats=d.missed_beats,
                     )
                 )
+        self.job_silent_since_s = job_heard_s if held else None
         return events
 
     # ------------------------------------------------------------ views

@@ -199,3 +199,126 @@ def test_a_rank_the_layout_keeps_dead_rejoins_once_not_at_every_layout_rewrite()
         coord.set_expected({0: 0, 1: 0}, {1}, t)
     events = _run(coord, beats, 10, t_start=4.25)
     assert events == []
+
+
+# --- job-wide silence: every node quiet together is a stall, not N node failures ---------
+
+
+def _checks(coord, beats, t_end, t_start=0.0, step=0.25):
+    """Like _run, but also the coordinator's silent state after every check:
+    -> (events, {check time: job_silent_since_s})."""
+    arrivals = sorted((t, r, n) for r, (n, ts) in beats.items() for t in ts)
+    events, silent = [], {}
+    i = 0
+    for q in range(int(round(t_start / step)), int(round(t_end / step)) + 1):
+        t = q * step
+        while i < len(arrivals) and arrivals[i][0] <= t:
+            at, r, n = arrivals[i]
+            coord.observe(r, n, at, seq=i)
+            i += 1
+        events += [(t, ev) for ev in coord.check(t)]
+        silent[t] = coord.job_silent_since_s
+    return events, silent
+
+
+def _four_nodes(coord):
+    coord.set_expected({r: r // 4 for r in range(16)}, set(), 0.0)
+
+
+def test_a_job_silent_for_less_than_the_hold_gets_no_verdict_and_is_said_silent():
+    coord = LivenessCoordinator(IV, k=2, hold_deadlines=2.0)
+    _four_nodes(coord)
+    # every rank beats at its own phase (up to 0.75 interval apart, as separate processes
+    # do); the whole job stalls at 10.02 for 4 s (the soak's longest gap was 4.3 s)
+    beats = {
+        r: (r // 4, _beats(0, 10.02, 0.05 * r) + _beats(14.05, 30, 0.05 * r)) for r in range(16)
+    }
+    events, silent = _checks(coord, beats, 30)
+    assert events == []
+    # node 1 (last beat 9.35) reaches its deadline first, at 11.85: from the next check
+    # the job is said silent since its last beat (rank 0's, at 10.0), until it is heard
+    assert silent[11.75] is None
+    assert all(silent[t] == pytest.approx(10.0) for t in silent if 12.0 <= t <= 14.0)
+    assert all(silent[t] is None for t in silent if t >= 14.25)
+    assert coord.dead_ranks() == [] and coord.node_down == set()
+
+
+def test_a_job_silent_past_the_hold_is_declared_dead_node_by_node():
+    coord = LivenessCoordinator(IV, k=2, hold_deadlines=2.0)
+    _four_nodes(coord)
+    beats = {r: (r // 4, _beats(0, 10.05, 0.05 * r) + _beats(30, 40, 0.05 * r)) for r in range(16)}
+    events, silent = _checks(coord, beats, 40)
+    dead = [(t, e) for t, e in events if e.state == "dead"]
+    assert sorted(e.node for _, e in dead) == [0, 1, 2, 3]
+    assert all(e.scope == "node" for _, e in dead)
+    for t, e in dead:
+        # one deadline (2.5 s) plus the hold of two more after the node's last beat,
+        # at the first check past it
+        assert e.last_seen_s + 3 * 2.5 * IV <= t < e.last_seen_s + 3 * 2.5 * IV + 0.25
+        assert e.ranks == [4 * e.node + i for i in range(4)]
+    assert max(t for t, _ in dead) <= 10.05 + 3 * 2.5 * IV + 0.25
+    assert silent[15.0] is not None
+    assert all(silent[t] is None for t in silent if t >= max(t for t, _ in dead))
+    # and the job coming back is one re-join per node, as after any node failure
+    back = [e for t, e in events if e.state == "rejoined"]
+    assert sorted(e.node for e in back if e.scope == "node") == [0, 1, 2, 3]
+    assert coord.dead_ranks() == []
+
+
+def test_without_a_hold_a_silent_job_is_dead_at_the_plain_deadline():
+    coord = LivenessCoordinator(IV, k=2, hold_deadlines=0)
+    _four_nodes(coord)
+    beats = {r: (r // 4, _beats(0, 10.05)) for r in range(16)}
+    events, silent = _checks(coord, beats, 20)
+    assert [(t, e.node) for t, e in events] == [(12.5, n) for n in range(4)]
+    assert set(silent.values()) == {None}
+    with pytest.raises(ValueError, match="hold_deadlines"):
+        LivenessCoordinator(IV, k=2, hold_deadlines=-1)
+
+
+@pytest.mark.parametrize("dying", [[1], [1, 2, 3]])
+def test_nodes_dying_while_one_talks_are_dead_at_the_plain_deadline(dying):
+    """A node, or every node but one, going silent is reported exactly when it would be
+    without the hold: the job kept talking, so their silence is their own."""
+    got = {}
+    for hold in (0.0, 2.0):
+        coord = LivenessCoordinator(IV, k=2, hold_deadlines=hold)
+        _four_nodes(coord)
+        beats = {r: (r // 4, _beats(0, 30, 0.05 * r)) for r in range(16)}
+        for r in range(16):
+            if r // 4 in dying:  # these nodes die at 8.05 (their last beats differ by phase)
+                beats[r] = (r // 4, _beats(0, 8.05, 0.05 * r))
+        events, silent = _checks(coord, beats, 30)
+        assert set(silent.values()) == {None}
+        got[hold] = [(t, e.scope, e.state, e.node) for t, e in events]
+    assert got[2.0] == got[0.0]
+    assert [(s, st, n) for _, s, st, n in got[2.0]] == [("node", "dead", n) for n in dying]
+    assert all(t <= 8.05 + 2.75 * IV for t, *_ in got[2.0])
+
+
+def test_after_a_silence_every_deadline_runs_from_when_the_job_is_heard_again():
+    """Nobody is judged on a job-wide silence (as on an outage of the bus): a device that
+    beats again at its own phase a moment after its peers is not dead, and a node still
+    silent once the job talks again is dead one deadline after that."""
+    coord = LivenessCoordinator(IV, k=2, hold_deadlines=2.0)
+    _four_nodes(coord)
+    # the whole job stalls at 10.05; all but node 3 are back at 14.05, at their phases
+    beats = {
+        r: (r // 4, _beats(0, 10.05, 0.05 * r) + _beats(14.05, 30, 0.05 * r)) for r in range(12)
+    }
+    beats.update({r: (3, _beats(0, 10.05, 0.05 * r)) for r in range(12, 16)})
+    events, silent = _checks(coord, beats, 30)
+    # heard again at 14.05 (first check 14.25): node 3 dead at 14.05 + 2.5, next check
+    assert [(t, e.scope, e.state, e.node) for t, e in events] == [(16.75, "node", "dead", 3)]
+    assert events[0][1].last_seen_s == pytest.approx(9.75)  # its real last beat
+    assert silent[14.0] is not None and silent[14.25] is None
+
+
+def test_a_device_dying_during_normal_beats_is_unaffected_by_the_hold():
+    coord = LivenessCoordinator(IV, k=2, hold_deadlines=2.0)
+    _two_nodes(coord)
+    beats = {r: (r // 4, _beats(0, 20, phase=0.1 * r)) for r in range(8)}
+    beats[2] = (0, _beats(0, 5.2, phase=0.2))
+    events, silent = _checks(coord, beats, 20)
+    assert [(t, e.scope, e.ranks) for t, e in events] == [(7.75, "rank", [2])]
+    assert set(silent.values()) == {None}

@@ -804,3 +804,226 @@ def test_comm_rows_sent_after_the_compute_rows_are_not_late_after_the_first_iter
     n_chunks = [len(x.chunks["kind"]) for x in recs]
     assert n_chunks[1:] == [n_chunks[1]] * 4 and n_chunks[1] > n_chunks[0]
     assert all(min(x.ranks["comm_s"]) > 0 for x in recs[1:])
+
+
+# --- a job-wide silence, and telemetry retention: the collector on an explicit clock -----
+
+
+def _clocked(r, **kw):
+    """A collector whose clock is ``clock[0]`` (seconds, on Redis's clock) and a function
+    that beats every rank in ``ranks`` with arrival (stream id) ``t``: tests step both."""
+    svc = _service(r, heartbeat_interval_s=1.0, heartbeat_k=2, check_interval_s=0.25, **kw)
+    t0 = float(int(r.time()[0]))  # whole seconds: quarter steps from it are exact
+    clock = [t0]
+    svc._clock = lambda: clock[0]
+    svc._sync_clock = lambda: None
+    svc._started_s = t0
+    read = svc.consumer.read  # no blocking reads: time is the explicit clock's
+    svc.consumer.read = lambda count, block_ms: read(count, None)
+
+    def beat(t, ranks):
+        beats = [
+            Heartbeat(rank=k, node=k // 4, iteration=1, wall_time_s=t, seq=int(t * 4))
+            for k in sorted(ranks)
+        ]
+        r.xadd(KEYS.telemetry, encode_entry(beats), id=f"{int(round(t * 1000))}-0")
+
+    return svc, clock, beat
+
+
+def _drive(svc, clock, beat, t_from, t_to, ranks_at, each=None):
+    """Step the clock by quarter seconds from ``t_from`` to ``t_to``; at whole seconds the
+    ranks ``ranks_at(t)`` beat; the collector runs after each step, then ``each(t)``."""
+    for q in range(int(round(t_from * 4)), int(round(t_to * 4)) + 1):
+        t = q / 4
+        if q % 4 == 0 and ranks_at(t):
+            beat(t, ranks_at(t))
+        clock[0] = t
+        svc.run_once()
+        if each is not None:
+            each(t)
+
+
+@pytest.mark.redis
+def test_a_job_silent_for_less_than_the_hold_is_said_silent_not_dead(r):
+    """The whole job stalls for 4 s (the trainer process or its host): no node is declared
+    dead, the health payload says the job is silent meanwhile, then judging again."""
+    _set_layout(r, _layout())  # 8 ranks, nodes 0 and 1
+    svc, clock, beat = _clocked(r)
+    t0 = clock[0]
+    seen = {}
+
+    def each(t):
+        h = svc.health_extra()
+        seen[t - t0] = (h["judging_liveness"], h["job_silent_since_s"])
+        assert r.xlen(KEYS.liveness) == 0, t - t0
+
+    everyone = lambda t: range(8) if not t0 + 10 < t < t0 + 14 else ()  # noqa: E731
+    _drive(svc, clock, beat, t0, t0 + 25, everyone, each)
+    assert seen[12.25] == (True, None)
+    # the deadline (2.5 s) passed at 12.5: silent since the last beat, no verdict
+    assert all(seen[t] == (False, t0 + 10) for t in seen if 12.5 <= t < 14.0)
+    assert all(seen[t] == (True, None) for t in seen if t >= 14.0)
+    assert svc.stats["liveness_job_silences_total"] == 1
+    assert r.xlen(KEYS.liveness) == 0
+
+
+@pytest.mark.redis
+def test_a_job_silent_past_the_hold_is_declared_dead(r):
+    _set_layout(r, _layout())
+    svc, clock, beat = _clocked(r)
+    t0 = clock[0]
+    first = []
+
+    def each(t):
+        if not first and r.xlen(KEYS.liveness):
+            first.append(t - t0)
+
+    _drive(svc, clock, beat, t0, t0 + 20, lambda t: range(8) if t <= t0 + 10 else (), each)
+    # one deadline and the hold of two more (3 x 2.5 s) after the last beat at 10
+    assert first == [17.5]
+    events = _stream(r, KEYS.liveness, LivenessEvent)
+    assert sorted((e.scope, e.state, e.node) for e in events) == [
+        ("node", "dead", 0),
+        ("node", "dead", 1),
+    ]
+    assert all(e.last_seen_s == t0 + 10 for e in events)
+    h = svc.health_extra()
+    assert h["judging_liveness"] is True and h["job_silent_since_s"] is None
+
+
+@pytest.mark.redis
+def test_one_node_silent_is_dead_at_the_plain_deadline(r):
+    _set_layout(r, _layout())
+    svc, clock, beat = _clocked(r)
+    t0 = clock[0]
+    first, judging = [], set()
+
+    def each(t):
+        judging.add(svc.health_extra()["judging_liveness"])
+        if not first and r.xlen(KEYS.liveness):
+            first.append(t - t0)
+
+    # node 1 (ranks 4-7) dies after its beat at 10; node 0 talks on
+    ranks = lambda t: range(8) if t <= t0 + 10 else range(4)  # noqa: E731
+    _drive(svc, clock, beat, t0, t0 + 20, ranks, each)
+    assert first == [12.5]  # K=2 beats plus half a beat after its last one, not later
+    events = _stream(r, KEYS.liveness, LivenessEvent)
+    assert [(e.scope, e.state, e.node) for e in events] == [("node", "dead", 1)]
+    assert judging == {True} and svc.health_extra()["job_silent_since_s"] is None
+    assert "liveness_job_silences_total" not in svc.stats
+
+
+@pytest.mark.redis
+def test_a_finished_job_is_never_said_silent(r):
+    from resihp.bus import set_job_state
+
+    _set_layout(r, _layout())
+    svc, clock, beat = _clocked(r)
+    t0 = clock[0]
+    set_job_state(r, KEYS, "running")
+
+    def each(t):
+        if t == t0 + 10:
+            set_job_state(r, KEYS, "finished")  # right after its last beat
+        assert svc.health_extra()["job_silent_since_s"] is None
+
+    _drive(svc, clock, beat, t0, t0 + 25, lambda t: range(8) if t <= t0 + 10 else (), each)
+    assert r.xlen(KEYS.liveness) == 0
+    assert "liveness_job_silences_total" not in svc.stats
+
+
+def _ids(r) -> list[int]:
+    """Arrival (ms) of every telemetry entry left."""
+    return [int(i.split(b"-")[0]) for i, _ in r.xrange(KEYS.telemetry)]
+
+
+@pytest.mark.redis
+def test_telemetry_is_trimmed_behind_the_slowest_group_keeping_a_window(r):
+    lay = _layout()
+    _set_layout(r, lay)
+    svc, clock, beat = _clocked(r, telemetry_keep_s=60.0, stale_s=1000.0)
+    t0 = clock[0]
+    ms = lambda t: int(round(t * 1000))  # noqa: E731
+    old = [t0 - 300 + k for k in range(100)]  # acked heartbeats, 200-300 s old
+    later = [t0 - 140 + k for k in range(40)]  # acked too, 100-140 s old
+    recent = [t0 - 30 + k for k in range(31)]  # inside the 60 s window
+    for t in old:
+        beat(t, range(8))
+    # an entry the collector cannot acknowledge: rows of an iteration still open
+    rows = iteration_rows(lay, 0, t0_s=t0 - 150)
+    held = rows["rank"] == 3
+    r.xadd(KEYS.telemetry, encode_entry(None, rows[~held]), id=f"{ms(t0 - 150)}-0")
+    for t in later + recent:
+        beat(t, range(8))
+    group = KEYS.group("collector")
+    svc.run_once()  # reads them all, and trims (first due at once)
+    assert svc.consumer.stats.read_total == 172
+    assert r.xpending(KEYS.telemetry, group)["pending"] == 1
+    # trimmed up to the unacknowledged entry, not past it
+    assert _ids(r) == [ms(t0 - 150)] + [ms(t) for t in later + recent]
+    assert svc.stats["telemetry_trimmed_total"] == 100
+    assert svc.trim_telemetry() == 0
+    # its iteration completes and is published: the entry is acked, and what is left of
+    # the acknowledged entries older than 60 s before the newest one read goes too
+    clock[0] = t0 + 1
+    r.xadd(KEYS.telemetry, encode_entry(None, rows[held]), id=f"{ms(t0 + 1)}-0")
+    assert _pump(svc, lambda: r.xlen(KEYS.iterations) == 1)
+    assert r.xpending(KEYS.telemetry, group)["pending"] == 0
+    svc.trim_telemetry()
+    assert _ids(r) == [ms(t) for t in recent if t >= t0 + 1 - 60] + [ms(t0 + 1)]
+    # a second group (another reader) that lags holds the trim back: first by what it has
+    # not read, then by what it read and did not acknowledge
+    for t in range(2, 80):
+        beat(t0 + t, range(8))
+    r.xgroup_create(KEYS.telemetry, "resihp-other", id=f"{ms(t0 - 20)}-0")
+    clock[0] = t0 + 79
+    svc.run_once()
+    svc.trim_telemetry()
+    # the window alone would keep from 19 (60 s before the newest entry read)
+    assert _ids(r)[0] == ms(t0 - 19)
+    r.xreadgroup("resihp-other", "reader", {KEYS.telemetry: ">"}, count=5)  # -19..-15
+    r.xack(KEYS.telemetry, "resihp-other", f"{ms(t0 - 19)}-0", f"{ms(t0 - 18)}-0")
+    svc.trim_telemetry()
+    assert _ids(r)[0] == ms(t0 - 17)  # read, not acknowledged: kept
+    r.xreadgroup("resihp-other", "reader", {KEYS.telemetry: ">"})
+    r.xack(KEYS.telemetry, "resihp-other", *[i for i, _ in r.xrange(KEYS.telemetry)])
+    svc.trim_telemetry()
+    assert _ids(r)[0] == ms(t0 + 19)  # all caught up: the 60 s window is what is left
+    assert _ids(r)[-1] == ms(t0 + 79)
+    # run_once trims by itself, every telemetry_trim_every_s
+    for t in range(80, 90):
+        beat(t0 + t, range(8))
+    clock[0] = t0 + 89
+    svc.run_once()
+    assert _ids(r)[0] == ms(t0 + 29)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("job_silence_hold_deadlines", -1.0),
+        ("job_silence_hold_deadlines", float("inf")),
+        ("job_silence_hold_deadlines", "2"),
+        ("telemetry_keep_s", -5.0),
+        ("telemetry_keep_s", float("nan")),
+        ("telemetry_trim_every_s", 0.0),
+    ],
+)
+def test_hold_and_retention_settings_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        CollectorConfig(**{field: value})
+
+
+def test_hold_and_retention_settings_from_the_command_line():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    CollectorConfig.add_arguments(p)
+    cfg = CollectorConfig.from_args(p.parse_args([]))
+    assert (cfg.job_silence_hold_deadlines, cfg.telemetry_keep_s) == (2.0, 60.0)
+    a = p.parse_args(["--job-silence-hold-deadlines", "0", "--telemetry-keep-s", "300"])
+    cfg = CollectorConfig.from_args(a)
+    assert (cfg.job_silence_hold_deadlines, cfg.telemetry_keep_s) == (0.0, 300.0)
+    svc = CollectorService(cfg, None)  # the hold reaches the liveness rule
+    assert svc.liveness.hold_deadlines == 0.0
