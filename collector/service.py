@@ -787,7 +787,7 @@ class CollectorService:
             and not self._finished
             and self._job_silent_since is None,
             # when the job was last heard, during a job-wide silence (else None)
-            "job_silent_since_s": None if self._finished else self._job_silent_since,
+            bus.JOB_SILENT_SINCE: None if self._finished else self._job_silent_since,
             "deadletter_total": self.consumer.stats.deadletter_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
         }

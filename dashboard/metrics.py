@@ -148,7 +148,8 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                 "resihp_liveness_judged",
                 "gauge",
                 "1 while the collector judges the job's heartbeats; 0 when the job has been "
-                "silent since before the collector started (or finished): no fail-stop verdicts.",
+                "silent since before the collector started (or finished), or every node went quiet "
+                "at once (verdicts held for a bounded time): no fail-stop verdicts.",
             )
             w.sample("resihp_liveness_judged", _labels(job=job), judging)
         w.family("resihp_failures_total", "counter", "Failure reports by kind.")

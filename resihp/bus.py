@@ -274,8 +274,21 @@ class StreamConsumer:
 
 
 #: Field of the collector's health payload: false while the job has been silent since
-#: before the collector started, or has finished (no liveness verdicts are made then).
+#: before the collector started, has finished, or went quiet as a whole a moment ago
+#: (:data:`JOB_SILENT_SINCE` set): no liveness verdicts are made then.
 JUDGING_LIVENESS = "judging_liveness"
+
+
+#: Collector health field: when every node of a running job went quiet at once (its
+#: trainer or host stalled); set while the collector holds the node verdicts back.
+JOB_SILENT_SINCE = "job_silent_since_s"
+
+
+def job_silent_since(collector_health: dict | None) -> float | None:
+    """When a running job went quiet as a whole (the collector holds its node verdicts for a
+    bounded time), from the collector's health payload; None when it is not."""
+    v = (collector_health or {}).get(JOB_SILENT_SINCE)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def liveness_judged(collector_health: dict | None) -> bool | None:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resihp.bus import Health, list_jobs, liveness_judged
+from resihp.bus import Health, job_silent_since, list_jobs, liveness_judged
 from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
 from resihp.plans import PlanStateReader, read_layout
@@ -764,9 +764,18 @@ def _job_line(js: dict[str, Any]) -> str:
         line += f" ({st['reason']})"
     if st.get("at_s"):
         line += time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(st["at_s"]))
-    judged = liveness_judged(js.get("services", {}).get("collector:0"))
+    col = js.get("services", {}).get("collector:0")
+    judged = liveness_judged(col)
+    silent = job_silent_since(col)
     if judged is False and st.get("state") != "finished":
-        line += (
-            "; silent since before the collector started: no fail-stop verdicts until it reports"
-        )
+        if silent is not None:
+            line += (
+                f"; every node silent since {_clock(silent)} (the trainer or its host "
+                "stalled?): nodes are declared dead if it lasts past the collector's hold"
+            )
+        else:
+            line += (
+                "; silent since before the collector started: no fail-stop verdicts until it "
+                "reports"
+            )
     return line

@@ -892,7 +892,8 @@ class SchedulerService:
             self._state_next = now + 1.0
             idle = bus.job_state(self.client, self.keys) == "finished"
             col = bus.Health.get(self.client, self.keys, "collector")
-            idle = idle or bus.liveness_judged(col) is False
+            # a job quiet as a whole for a moment (its verdicts held) still runs
+            idle = idle or (bus.liveness_judged(col) is False and bus.job_silent_since(col) is None)
             if idle and not self._idle and self.book.open_plans():
                 log.info("job %s is not running: open plans wait for an operator", self.keys.job_id)
             self._idle = idle

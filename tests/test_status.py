@@ -362,3 +362,20 @@ def test_a_service_left_down_or_dead_is_said_to_be_down(redis_server, r):
     # a finished job needs none of them
     set_job_state(r, keys, "finished")
     assert collect_status(redis_server.url, job)["jobs"][job]["missing_services"] == []
+
+
+def test_a_job_quiet_as_a_whole_is_worded_as_a_stall_not_an_old_silence(redis_server, r):
+    """During the collector's hold on a whole-job silence, status said the job had been
+    "silent since before the collector started", which is wrong in the middle of a run."""
+    job = "stall"
+    keys = JobKeys(job)
+    register_job(r, keys)
+    set_job_state(r, keys, "running")
+    _iteration(r, keys, 7, time.time(), iteration_time_s=1.0)
+    t = time.time() - 3
+    Health(r, keys, "collector").beat("ok", judging_liveness=False, job_silent_since_s=t)
+    text = format_status(collect_status(redis_server.url, job))
+    assert "every node silent since" in text and "before the collector started" not in text
+    Health(r, keys, "collector").beat("ok", judging_liveness=False, job_silent_since_s=None)
+    text = format_status(collect_status(redis_server.url, job))
+    assert "silent since before the collector started" in text

@@ -12,7 +12,7 @@ from dashboard import figures, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
 from resihp import status
-from resihp.bus import liveness_judged
+from resihp.bus import job_silent_since, liveness_judged
 
 PATH = "/"
 NAME = "Overview"
@@ -175,6 +175,15 @@ def job_banner(s: dict[str, Any]) -> Any:
     if head:
         # what `resihp status` says first: the last iteration's figures are not current
         return banner(f"Job {head}.", "error")
+    silent = job_silent_since(col)
+    if liveness_judged(col) is False and silent is not None:
+        return banner(
+            "Every node of this job went quiet at "
+            f"{figures._ts(silent).strftime('%H:%M:%S')} (its trainer or host stalled?): "
+            "the collector holds its fail-stop verdicts for a short while, then declares "
+            "the nodes dead if the silence lasts.",
+            "warn",
+        )
     if liveness_judged(col) is False:
         return banner(
             "No telemetry from this job since before the collector started (its trainer "
