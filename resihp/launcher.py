@@ -382,6 +382,26 @@ class RestartPolicy:
         return now + min(self.max_backoff_s, 2.0 ** (len(recent) - 1))
 
 
+def torch_world(args) -> tuple[int, int] | None:
+    """(ranks, devices per node) of the torch trainer this stack would start: tp x pp x dp
+    from TORCH_DEFAULTS and ``--trainer-arg``, as the trainer parses them (the last value
+    of a flag counts); None when they do not parse (the trainer says why when it starts)."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for flag in ("--tp", "--pp", "--dp"):
+        p.add_argument(flag, type=int, default=1)
+    p.add_argument("--devices-per-node", type=int, default=8)
+    argv = [x for pair in TORCH_DEFAULTS for x in pair] + list(args.trainer_arg)
+    try:
+        ns, _ = p.parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit):
+        return None
+    if min(ns.tp, ns.pp, ns.dp, ns.devices_per_node) < 1:
+        return None
+    return ns.tp * ns.pp * ns.dp, ns.devices_per_node
+
+
 def check_up_numbers(args) -> str | None:
     """A ``--duration`` that is not a positive number of seconds, or a ``--grace-period-s``
     the scheduler would refuse (scheduler/config.py: a finite number >= 0) -> the reason."""
@@ -415,7 +435,11 @@ def preflight(args) -> str | None:
         from resihp.scenario import ScenarioError, load_scenario
 
         try:
-            load_scenario(args.scenario)
+            scenario = load_scenario(args.scenario)
+            world = torch_world(args) if args.trainer == "torch" else None
+            if world is not None:
+                # the torch trainer checks its ranks only once the whole stack is up
+                scenario.check(*world)
         except ScenarioError as e:
             return f"scenario: {e}"
     if args.model:

@@ -6,7 +6,7 @@ must be the single-process reference's: nothing lost, nothing trained twice."""
 from __future__ import annotations
 
 import pytest
-from torch_harness import check_loss_curve, run_recovery_job
+from torch_harness import RECOVERY, check_loss_curve, run_recovery_job
 
 pytestmark = pytest.mark.distributed
 
@@ -164,8 +164,6 @@ def test_a_trainer_waiting_on_a_dead_rank_says_so_and_every_layout_gets_its_own_
     import threading
     import time
 
-    from torch_harness import RECOVERY
-
     from resihp.keys import JobKeys
     from resihp.plans import read_layout
     from resihp.schemas import AdaptationPlan
@@ -247,3 +245,348 @@ def test_a_rejoined_rank_parked_as_standby_counts_from_the_fleets_step(tmp_path)
     written = [e for e in tl["events"] if e["what"] == "generation_written"]
     assert any("standby=1" in e["layout"] for e in written), [e["layout"] for e in written]
     assert len(written) >= 4  # launch, death, re-join, death
+
+
+# ------------------------------------------------------------------ the launcher's decisions
+# These drive a JobLauncher against a real TCPStore with stand-in worker processes: the
+# deaths and their timing are exact, and no worker has to start.
+
+
+class _Proc:
+    """A worker process as the launcher sees it; ``die_in_s`` kills it that much later."""
+
+    def __init__(self, die_in_s: float | None = None, exitcode: int | None = None):
+        import time
+
+        self._die_at = None if die_in_s is None else time.monotonic() + die_in_s
+        self._code = exitcode
+
+    @property
+    def exitcode(self):
+        import time
+
+        if self._die_at is not None and time.monotonic() >= self._die_at:
+            return -9
+        return self._code
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self._code = -9
+
+
+class _Follower:
+    def __init__(self, plans):
+        self.plans, self.applied = list(plans), set()
+
+    def poll(self):
+        return [p for p in self.plans if p.plan_id not in self.applied][-1:]
+
+
+def _bare_launcher(tmp_path, procs: dict, **kw):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer.torch_trainer.config import TrainConfig
+    from trainer.torch_trainer.launcher import JobLauncher
+
+    cfg = TrainConfig(**{**RECOVERY, **kw}, out_dir=str(tmp_path)).validate()
+    la = JobLauncher(cfg)
+    la.store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False
+    )
+    la._write_gen(list(range(cfg.world_size)), la.layout, "launch")
+    la.procs = procs
+    return la
+
+
+def _gen(la, g: int) -> dict:
+    import json
+
+    return json.loads(la.store.get(f"gen/{g}"))
+
+
+def test_ranks_dying_moments_apart_make_one_generation_without_either(tmp_path):
+    """Two ranks killed in the same iteration are seen some tens of milliseconds apart: the
+    next generation listed the second one as a member, its survivors blocked in
+    init_process_group for it and died, and the launcher blamed healthy ranks."""
+    procs = {0: _Proc(), 1: _Proc(exitcode=-9), 2: _Proc(die_in_s=0.05), 3: _Proc()}
+    la = _bare_launcher(tmp_path, procs, tp=2, dp=2, microbatches=2)
+    la._on_death({1})
+    deaths = [e["ranks"] for e in la.events if e["what"] == "death_detected"]
+    assert deaths == [[1, 2]]
+    assert _gen(la, 1)["members"] == [0, 3] and la.dead == {1, 2}
+    assert la.layout.dead == [1, 2] and sorted(la.layout.active_ranks()) == [0, 3]
+
+
+def test_a_plan_that_counts_more_ranks_dead_covers_their_exit_too(tmp_path):
+    """The scheduler's plan saw ranks 1 and 2 die; the launcher only rank 1 so far. Rank 2's
+    exit must not be a new death (it waited plan_wait_s for a plan, then, with every rank
+    done, wrote a generation without members and crashed)."""
+    from types import SimpleNamespace
+
+    from trainer.torch_trainer.launcher import local_plan
+
+    procs = {0: _Proc(), 1: _Proc(exitcode=-9), 2: _Proc(die_in_s=3.0), 3: _Proc()}
+    la = _bare_launcher(tmp_path, procs, tp=2, dp=2, microbatches=2, plan_wait_s=5.0)
+    after = local_plan(la.layout, {1, 2})
+    la.follower = _Follower([SimpleNamespace(plan_id=4, after=after.to_dict())])
+    la._on_death({1})
+    assert la.dead == {1, 2} and _gen(la, 1)["members"] == [0, 3]
+    assert 4 in la.follower.applied
+    import time
+
+    time.sleep(3.1)
+    assert la._exited() == set()  # rank 2's exit now: not news
+
+
+def test_a_generation_without_members_ends_the_job_with_a_reason(tmp_path):
+    from trainer.torch_trainer.parallel import UnsupportedLayout
+
+    procs = {0: _Proc(exitcode=-9), 1: _Proc(exitcode=0)}
+    la = _bare_launcher(tmp_path, procs, pp=2)
+    with pytest.raises(UnsupportedLayout, match="no rank is left alive"):
+        la._new_generation(la.layout, "test")
+    # a generation written without members (an older launcher's) confirms nothing, crashes
+    # nothing (it was `min() arg is an empty sequence`)
+    la.gen = 1
+    la._write_gen([], la.layout, "test")
+    la.pending_confirm.append((1, None, la.layout))
+    la._confirm()
+    assert la.pending_confirm == [(1, None, la.layout)]
+    la._write_timeline()
+
+
+def test_a_layout_failing_with_no_death_is_retried_left_then_given_up(tmp_path):
+    """A generation failing without any death was retried with the same layout for ever."""
+    from trainer.torch_trainer.launcher import GiveUp
+
+    la = _bare_launcher(tmp_path, {r: _Proc() for r in range(4)}, pp=2, dp=2, microbatches=2)
+    la.last_good = la.layout  # generation 0 trained
+    other = la.layout.copy()
+    other.microbatches = [3, 1]
+    la._new_generation(other, "test: the trainer's own layout")
+
+    def fail():
+        la.store.set(f"failed_why/{la.gen}", "rank 0: RuntimeError: boom")
+        la._on_failed_generation()
+
+    fail()
+    fail()
+    assert la.gen == 3 and la.layout.microbatches == [3, 1] and la.layout.layout_id == 1
+    fail()  # the third in a row: back to the layout that ran
+    assert la.gen == 4 and la.layout.microbatches == [2, 2] and la.layout.layout_id == 2
+    fail()
+    fail()
+    with pytest.raises(
+        GiveUp, match=r"layout 2 \(DP2xPP2.*failed 3 generation\(s\) in a row.*boom"
+    ):
+        fail()
+
+
+# ------------------------------------------------------------------ real workers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_at_s_runs_on_the_job_clock_fires_once_and_a_late_member_death_is_survived(
+    tmp_path, monkeypatch
+):
+    """Scenario ``at_s`` is training time since the job started (docs/scenario.md): it was
+    counted from each worker's own start (the first kill came seconds early, or late), and
+    a re-joined rank started its clock at 0 and fired its kill again.  Also: rank 3 dies
+    after the generation that follows rank 1's death lists it, before it meets the others
+    (RESIHP_TORCH_INJECT): the survivors left that generation instead of blocking in
+    init_process_group for it and dying, and the next one left both ranks out."""
+
+    sc = tmp_path / "sc.yaml"
+    sc.write_text(
+        "events:\n"
+        "  - {at_s: 1.5, action: kill_device, rank: 1}\n"
+        "  - {at_iteration: 40, action: rejoin, ranks: [1, 3]}\n"
+    )
+    monkeypatch.setenv("RESIHP_TORCH_INJECT", "die-early:3@g1")
+    cfg, rows, tl = run_recovery_job(
+        tmp_path, pp=2, dp=2, microbatches=2, iterations=80, schedule="1f1b",
+        scenario=str(sc), slow_comm_rank=0, slow_comm_s=0.02,
+    )  # fmt: skip
+    check_loss_curve(cfg, rows)
+    t0 = tl["job_t0"]  # the first generation's start of training
+    deaths = [e for e in tl["events"] if e["what"] == "death_detected"]
+    assert [e["ranks"] for e in deaths] == [[1], [3]], deaths  # once each: no second kill
+    # the kill fired at the first iteration that started 1.5 s or more into training
+    before = [x["wall_time_s"] - t0 for x in rows if x["generation"] == 0]
+    assert before and all(t < 1.5 for t in before[:-1]) and before[-1] >= 1.4, before
+    assert deaths[0]["t"] - t0 >= 1.5
+    rejoin = [e for e in tl["events"] if e["what"] == "rejoin"]
+    assert [e["ranks"] for e in rejoin] == [[1, 3]]
+    written = [e for e in tl["events"] if e["what"] == "generation_written"]
+    assert written[-1]["layout"].startswith("DP2xPP2") and "dead=0" in written[-1]["layout"]
+    # generation 1 (listing rank 3) never started; generation 2 ran without ranks 1 and 3
+    assert "1" not in tl["workers"] and written[2]["members"] == [0, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_layout_that_keeps_failing_without_a_death_ends_the_job(tmp_path):
+    """A deterministic worker error (no rank dies) was retried with the same layout for
+    ever; after a few generations in a row the trainer now stops, says why, exits 1."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RESIHP_TORCH_INJECT="raise:0@1,1")
+    cmd = [
+        sys.executable, "-m", "trainer", "torch", "--pp", "2", "--iterations", "3",
+        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
+        "--data-dir", RECOVERY["data_dir"], "--telemetry", "false", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, out
+    assert "giving up: layout 0" in out and "failed 3 generation(s) in a row" in out, out
+    assert "RuntimeError: injected failure" in out and "Traceback" not in out, out
+    assert out.count("retrying layout 0") == 2, out
+
+
+def _launcher_thread(cfg):
+    import threading
+
+    from trainer.torch_trainer.launcher import JobLauncher
+
+    la = JobLauncher(cfg.validate())
+    result: list[int] = []
+    th = threading.Thread(target=lambda: result.append(la.run()), daemon=True)
+    th.start()
+    return la, th, result
+
+
+def _wait_state(r, keys, state: str, timeout_s: float) -> None:
+    import json
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        raw = r.get(keys.health("trainer", "0"))
+        if raw and json.loads(raw).get("state") == state:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the trainer never said {state!r}")
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_server, r):
+    """The survivors gave up after store_timeout_s (120 s) while the launcher waited
+    plan_wait_s (600 s in manual mode): an operator slower than 2 minutes lost the job.
+    The trainer's health says "finished" at the end, not "running" until the key expires."""
+    import json
+
+    from resihp.keys import JobKeys
+    from trainer.torch_trainer.config import TrainConfig
+
+    keys = JobKeys("outwait")
+    cfg = TrainConfig(
+        **{**RECOVERY, "iterations": 5}, dp=2, microbatches=2, kill_rank=1, kill_at_iteration=1,
+        store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url, job_id=keys.job_id,
+        out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
+    )  # fmt: skip
+    la, th, result = _launcher_thread(cfg)
+    th.join(timeout=200)
+    assert result == [0]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    check_loss_curve(cfg, rows)
+    assert json.loads(r.get(keys.health("trainer", "0")))["state"] == "finished"
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_survivors_dying_while_the_launcher_waits_end_the_job_with_a_reason(
+    tmp_path, redis_server, r
+):
+    """The launcher never looked at the survivors while it waited for a plan; when they
+    were gone it wrote a generation without members and crashed (`min() arg is an empty
+    sequence`), leaving the job "running"."""
+    import json
+    import os
+    import signal
+    import time
+
+    from resihp.bus import job_state
+    from resihp.keys import JobKeys
+    from trainer.torch_trainer.config import TrainConfig
+
+    keys = JobKeys("allgone")
+    cfg = TrainConfig(
+        **{**RECOVERY, "iterations": 5}, dp=2, microbatches=2, kill_rank=1, kill_at_iteration=1,
+        plan_wait_s=120.0, redis_url=redis_server.url, job_id=keys.job_id,
+        out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
+    )  # fmt: skip
+    la, th, result = _launcher_thread(cfg)
+    _wait_state(r, keys, "hung", 150)
+    t = time.time()
+    os.kill(la.procs[0].pid, signal.SIGKILL)
+    th.join(timeout=30)
+    assert result == [1] and time.time() - t < 30
+    assert job_state(r, keys) == "finished"
+    st = json.loads(r.get(keys.job_state))
+    assert st["reason"].startswith("trainer gave up: cannot continue after losing [0, 1]")
+    assert json.loads(r.get(keys.health("trainer", "0")))["state"] == "failed"
+    events = [
+        e["what"] for e in json.loads((tmp_path / "run" / "timeline.json").read_text())["events"]
+    ]
+    assert events[-1] == "unrecoverable"
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigterm_while_waiting_for_a_plan_stops_at_once(tmp_path, redis_server, r):
+    """SIGTERM was ignored for up to plan_wait_s while the launcher waited for a plan."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from resihp.bus import job_state
+    from resihp.keys import JobKeys
+
+    keys = JobKeys("sigwait")
+    cmd = [
+        sys.executable, "-m", "trainer", "torch", "--dp", "2", "--iterations", "5",
+        "--num-layers", "2", "--hidden", "32", "--ffn-hidden", "64", "--token-budget", "96",
+        "--data-dir", RECOVERY["data_dir"], "--kill-rank", "1", "--kill-at-iteration", "1",
+        "--plan-wait-s", "300", "--redis-url", redis_server.url, "--job-id", keys.job_id,
+        "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_state(r, keys, "hung", 150)
+        kids = _spawned_workers(proc.pid)
+        t = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and time.time() - t < 15, out
+    assert "stopping on a signal" in out and "applying the trainer's own plan" not in out, out
+    assert job_state(r, keys) == "running"  # an interruption, not the end of the job
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_not_zombie(p) for p in kids):
+        time.sleep(0.1)
+    assert not any(_not_zombie(p) for p in kids)

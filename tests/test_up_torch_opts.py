@@ -201,3 +201,39 @@ def test_a_finished_job_leaves_plans_undecided_and_counts_the_layout_s_dead(redi
     out = format_status(collect_status(redis_server.url, job))
     assert f"decide: resihp act acknowledge|reject --plan-id 3 --job-id {job}" in out
     assert "left undecided" not in out
+
+
+def test_up_checks_a_scenario_s_ranks_against_the_torch_world_before_starting(tmp_path, capsys):
+    """A rank outside the torch trainer's world was refused only once the whole stack ran
+    (sometimes with no reason shown): `resihp up` refuses it first, naming file and line."""
+    from resihp.launcher import preflight
+
+    sc = tmp_path / "far.yaml"
+    sc.write_text("events:\n  - {at_iteration: 3, action: kill_device, rank: 12}\n")
+
+    def check(*argv):
+        return preflight(_up_args("--state-dir", str(tmp_path), "--scenario", str(sc), *argv))
+
+    assert check("--trainer", "torch") == f"scenario: {sc}:2: rank 12 outside the job's 8 ranks"
+    from resihp.launcher import torch_world
+
+    assert torch_world(_up_args("--trainer", "torch")) == (8, 8)
+    # the trainer's own degrees count, the last one given wins
+    assert check("--trainer", "torch", "--trainer-arg=--dp=1", "--trainer-arg=--dp=4") is None
+    assert check("--trainer", "torch", "--trainer-arg=--dp", "--trainer-arg=1") == (
+        f"scenario: {sc}:2: rank 12 outside the job's 4 ranks"
+    )
+    node = tmp_path / "node.yaml"
+    node.write_text("events:\n  - {at_iteration: 3, action: kill_node, node: 2}\n")
+    argv = ("--trainer", "torch", "--trainer-arg=--devices-per-node=4", "--scenario", str(node))
+    assert preflight(_up_args("--state-dir", str(tmp_path), *argv)) == (
+        f"scenario: {node}:2: node 2 outside the job's 2 nodes"
+    )
+    # degrees the trainer will refuse are its to explain
+    assert check("--trainer", "torch", "--trainer-arg=--tp=x") is None
+    # the trainer's own refusal is one whole line
+    from trainer.torch_trainer import main
+
+    assert main(["--scenario", str(sc)]) == 2
+    out = capsys.readouterr().out
+    assert out == f"error: {sc}:2: rank 12 outside the job's 1 ranks\n", out

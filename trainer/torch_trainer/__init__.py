@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
 
             load_scenario(cfg.scenario).check(cfg.world_size, cfg.devices_per_node)
     except ValueError as e:
-        print(f"error: {e}")
+        # one whole line, out before the exit code is (resihp up quotes the log's last line)
+        print(f"error: {e}", flush=True)
         return 2
     return launch(cfg)

@@ -14,6 +14,17 @@ It leaves a generation in two ways:
   store and waits for the launcher's next generation;
 * the commit all-reduce at the end of an iteration says a next generation is
   ready (a plan to apply): everyone switches after the same iteration.
+
+Before building a generation's process group every member waits for the others
+in a store barrier it can leave: a generation the launcher already replaced (a
+member died before arriving) is given up at once instead of blocking in
+``init_process_group``, and a rendezvous that fails or times out is a failed
+generation, not a dead rank.  Between generations a worker waits as long as the
+launcher is alive and says so (``launcher/beat`` changes; ``launcher/shutdown``
+ends the wait), however long the launcher waits for a plan.
+
+Scenario ``at_s`` events run on one job clock: ``job/t0``, the moment the first
+generation started training, every member ready (set once, read by later ranks).
 """
 
 from __future__ import annotations
@@ -83,6 +94,61 @@ def _timeline(store, gen: int, event: str, rank: int) -> None:
     store.set(f"timeline/{gen}/{event}/{rank}", repr(time.time()))
 
 
+#: Tests only: ``KIND:RANK@WHERE`` makes RANK fail in the generations WHERE names: ``gN``
+#: (generation N) or ``L0,L1,...`` (every generation whose layout has that layer split, so
+#: a plan's layout can fail while the others run).  KIND: ``raise`` (a RuntimeError before
+#: the first iteration), ``die`` (SIGKILL there) or ``die-early`` (SIGKILL before meeting
+#: the other members).  Several specs are separated by ``;``.
+INJECT_ENV = "RESIHP_TORCH_INJECT"
+
+
+def _injected(rank: int, gen: int, layout: Layout) -> set[str]:
+    kinds = set()
+    for spec in filter(None, os.environ.get(INJECT_ENV, "").split(";")):
+        kind, _, rest = spec.partition(":")
+        who, _, where = rest.partition("@")
+        if int(who) != rank:
+            continue
+        if where.startswith("g"):
+            hit = int(where[1:]) == gen
+        else:
+            hit = [int(x) for x in where.split(",")] == list(layout.layers)
+        if hit:
+            kinds.add(kind)
+    return kinds
+
+
+class LauncherWatch:
+    """Is the launcher still there?  It refreshes ``launcher/beat`` while it runs (also
+    while it waits for a plan, however long) and sets ``launcher/shutdown`` when it ends.
+    A beat that has not changed for ``limit_s`` of this process's own time means the
+    launcher is stuck or gone (its death alone also ends the workers: exit_with_parent)."""
+
+    def __init__(self, store, limit_s: float):
+        self.store = store
+        self.limit_s = limit_s
+        self.seen: bytes | None = None
+        self.seen_at = time.monotonic()
+        self.next_check = 0.0
+        self.gone = False
+
+    def check(self) -> bool:
+        """True once the launcher ended or stopped beating (checked twice a second)."""
+        now = time.monotonic()
+        if self.gone or now < self.next_check:
+            return self.gone
+        self.next_check = now + 0.5
+        if self.store.check(["launcher/shutdown"]):
+            self.gone = True
+            return True
+        beat = self.store.get("launcher/beat") if self.store.check(["launcher/beat"]) else b""
+        if beat != self.seen:
+            self.seen, self.seen_at = beat, now
+        elif now - self.seen_at > self.limit_s:
+            self.gone = True
+        return self.gone
+
+
 class Worker:
     def __init__(self, rank: int, cfg: TrainConfig, store, watch_store=None, start_gen: int = 0):
         self.rank = rank
@@ -132,7 +198,9 @@ class Worker:
             from resihp.scenario import ScenarioCursor, load_scenario
 
             self.cursor = ScenarioCursor(load_scenario(cfg.scenario))
-        self.t_start = time.time()
+        self.t0: float | None = None  # the job clock's zero (job/t0), once training started
+        # never shorter than 10 s: a launcher busy for a moment is not a launcher gone
+        self.launcher = LauncherWatch(store, max(cfg.store_timeout_s, 10.0))
         self.tel_cost_prev_s = 0.0  # telemetry calls' cost in the previous iteration
         self.scn_compute_stretch = 1.0  # from slow_device events
         self.scn_link_delay_s = 0.0  # from slow_link events
@@ -149,7 +217,10 @@ class Worker:
             if self.rank not in members:
                 return 0
             layout = Layout.from_dict(desc["layout"])
-            if desc.get("prev_layout"):
+            # where the state lies: a rank that holds state knows its layout (the launcher's
+            # prev_layout may name a generation this rank never entered); a fresh one
+            # learns it from the launcher
+            if desc.get("prev_layout") and self.layout is None:
                 self.layout = Layout.from_dict(desc["prev_layout"])
             status = self._run_generation(gen, members, layout)
             if status == "done":
@@ -163,13 +234,69 @@ class Worker:
             gen += 1
 
     def _wait_gen(self, gen: int) -> dict | None:
+        """Generation ``gen``'s description, as soon as the launcher wrote it; None when the
+        launcher ended or stopped beating first.  No deadline of its own: the launcher may
+        wait minutes for an operator's plan, and its survivors must still be there."""
         key = f"gen/{gen}"
-        deadline = time.time() + self.cfg.store_timeout_s
-        while time.time() < deadline:
+        while True:
             if self.store.check([key]):
                 return json.loads(self.store.get(key))
+            if self.launcher.check():
+                print(f"[rank {self.rank}] the launcher is gone or silent; stopping", flush=True)
+                return None
             time.sleep(0.05)
-        return None
+
+    def _superseded(self, gen: int) -> bool:
+        """A member failed in ``gen`` or the launcher replaced it (not at a boundary)."""
+        if ABORT.is_set():
+            return True
+        if self.watch_store is not None:  # the watchdog thread checks the store
+            return False
+        if self.store.add(f"failed/{gen}", 0) > 0:
+            return True
+        nxt = f"gen/{gen + 1}"
+        return self.store.check([nxt]) and not json.loads(self.store.get(nxt)).get("boundary")
+
+    def _fail(self, gen: int, why: str) -> None:
+        """Tell the launcher this generation failed without a death, and why."""
+        self.store.set(f"failed_why/{gen}", f"rank {self.rank}: {why}"[:300])
+        self.store.add(f"failed/{gen}", 1)
+
+    def _rendezvous(self, gen: int, members: list[int]) -> bool:
+        """Wait until every member of ``gen`` arrived; False (leave the generation) when it
+        was abandoned meanwhile or the others did not come in time (then it failed)."""
+        self.store.set(f"arrived/{gen}/{self.rank}", "1")
+        keys = [f"arrived/{gen}/{r}" for r in members]
+        limit_s = max(self.cfg.pg_timeout_s, self.cfg.store_timeout_s)
+        deadline = time.monotonic() + limit_s
+        while not self.store.check(keys):
+            if self._superseded(gen) or self.launcher.check():
+                print(
+                    f"[rank {self.rank}] generation {gen} abandoned before it started", flush=True
+                )
+                return False
+            if time.monotonic() > deadline:
+                late = [r for r in members if not self.store.check([f"arrived/{gen}/{r}"])]
+                why = f"rendezvous timeout: ranks {late} did not arrive within {limit_s:g} s"
+                print(f"[rank {self.rank}] generation {gen} failed: {why}", flush=True)
+                self._fail(gen, why)
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _job_time(self) -> float:
+        """Seconds of training since the job's first generation started training (0 before)."""
+        if self.t0 is None and self.store.check(["job/t0"]):
+            self.t0 = float(self.store.get("job/t0"))
+        return 0.0 if self.t0 is None else time.time() - self.t0
+
+    def _start_job_clock(self) -> None:
+        """Every member is ready to train: the first generation that gets here starts the
+        job clock (a member still building its stage must not find it running already)."""
+        t = torch.tensor([time.time()], dtype=torch.float64, device=self.comm_device)
+        wait_work(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+        if self.t0 is None:  # all propose the same moment; the first generation's stays
+            self.t0 = float(self.store.compare_set("job/t0", "", repr(float(t.item()))))
 
     def _watch(self, gen: int, stop: threading.Event) -> None:
         """Abandon generation ``gen`` as soon as a member failed or the launcher
@@ -205,16 +332,22 @@ class Worker:
     def _generation(self, gen: int, members: list[int], layout: Layout) -> str:
         cfg = self.cfg
         self.tel.generation = gen
+        if "die-early" in _injected(self.rank, gen, layout):
+            self._die()
+        if not self._rendezvous(gen, members):
+            return "failed"
         pg_store = dist.PrefixStore(f"pg/{gen}", self.store)
         timeout = timedelta(seconds=cfg.pg_timeout_s)
-        dist.init_process_group(
-            self.backend,
-            store=pg_store,
-            rank=members.index(self.rank),
-            world_size=len(members),
-            timeout=timeout,
-        )
         try:
+            # inside the try: a member that died after the rendezvous makes this time out,
+            # which fails the generation; the survivors live on to the next one
+            dist.init_process_group(
+                self.backend,
+                store=pg_store,
+                rank=members.index(self.rank),
+                world_size=len(members),
+                timeout=timeout,
+            )
             groups = build_groups(
                 layout, members, self.rank, cfg.pg_timeout_s, stage_cpu=self.backend == "gloo"
             )
@@ -222,10 +355,13 @@ class Worker:
             self._move_state(gen, members, layout, groups)
             _timeline(self.store, gen, "state_moved", self.rank)
             status = self._train(gen, members, layout, groups)
-        except (RuntimeError, dist.DistError, TimeoutError) as e:
-            # A peer died or timed out: keep the last committed state, go to the next generation.
+        except Exception as e:  # noqa: BLE001 - whatever it was, the launcher decides
+            # A peer died or timed out: keep the last committed state, go to the next
+            # generation.  Any other error fails the generation too (it is said, with its
+            # reason, and the launcher retries a layout only a few times): a worker that
+            # dies of it would be reported as a dead rank.
             if not isinstance(e, GenerationAborted):
-                self.store.add(f"failed/{gen}", 1)
+                self._fail(gen, f"{type(e).__name__}: {str(e)[:200]}")
             print(
                 f"[rank {self.rank}] generation {gen} failed: {type(e).__name__}: {str(e)[:200]}",
                 flush=True,
@@ -253,7 +389,7 @@ class Worker:
             if self.fresh:
                 self.state = {}
                 if self.cursor is not None:  # events before this rank re-joined are history
-                    self.cursor.due(step - 1, time.time() - self.t_start)
+                    self.cursor.due(step - 1, self._job_time())
             elif self.steps_done > step:  # committed one step more than a peer: roll back
                 self.state = load_ckpt(cfg.ckpt, step, self.rank)
                 self.steps_done = step
@@ -330,7 +466,7 @@ class Worker:
         """Fire this rank's due scenario events (resihp/scenario.py format)."""
         from resihp.scenario import default_factor
 
-        for ev in self.cursor.due(it, time.time() - self.t_start):
+        for ev in self.cursor.due(it, self._job_time()):
             if self.rank not in ev.targets(self.cfg.devices_per_node):
                 continue
             print(f"[rank {self.rank}] scenario: {ev.describe()}", flush=True)
@@ -376,6 +512,12 @@ class Worker:
         first_done = False
         if cfg.probe_interval_iters and self.probe_ref_s is None and self.device.type == "cuda":
             self.probe_ref_s = probe_seconds(self.device)  # at launch, before any slowdown
+        inject = _injected(self.rank, gen, layout)
+        if "die" in inject:
+            self._die()
+        if "raise" in inject:
+            raise RuntimeError(f"injected failure ({INJECT_ENV})")
+        self._start_job_clock()
         for it in range(self.steps_done, cfg.iterations):
             self.tel.iteration = it
             if self.rank == cfg.kill_rank and it == cfg.kill_at_iteration:
