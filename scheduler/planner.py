@@ -50,7 +50,7 @@ from scheduler.memory import inflight_1f1b
 from scheduler.pp import PartitionError, optimal_partition, partition_moves
 from scheduler.predict import Predictor
 from scheduler.refine import refine_migrations
-from scheduler.tp import adapt_tp, clone_layout, p2p_moves, stage_k_min
+from scheduler.tp import adapt_tp, clone_layout, p2p_moves, stage_k_min, standby_move
 
 
 class PlanningError(ValueError):
@@ -294,29 +294,10 @@ def _group_moves(layout: Layout, after: Layout, p: Mapping[int, float]) -> list[
                         {"what": "exclude", "rank": r, "dp": d, "stage": s, "reason": "fail_stop"}
                     )
                 elif r not in active_after:
-                    out.append(
-                        {
-                            "what": "standby",
-                            "action": "park",
-                            "rank": r,
-                            "node": node,
-                            "dp": d,
-                            "stage": s,
-                            "reason": f"p={p.get(r, 1.0):.2f}",
-                        }
-                    )
+                    out.append(standby_move("park", r, node, d, s, f"p={p.get(r, 1.0):.2f}"))
             for r in new:
                 if r not in grp and r in layout.standby:
-                    out.append(
-                        {
-                            "what": "standby",
-                            "action": "reuse",
-                            "rank": r,
-                            "node": node,
-                            "dp": d,
-                            "stage": s,
-                        }
-                    )
+                    out.append(standby_move("reuse", r, node, d, s))
             out.append(
                 {
                     "what": "tp_regroup",

@@ -611,16 +611,7 @@ class SchedulerService:
                 "report(s) %s: plan %d already proposes this", ", ".join(ids[:8]), same.plan_id
             )
             return
-        ch = self.book.propose(
-            draft,
-            mode=self.config.mode,
-            grace_s=self.config.grace_period_s,
-            policy=self.config.policy,
-            failure_ids=ids,
-        )
-        self.persist(ch)
-        self.plans_total += 1
-        new = ch.plans[-1]
+        new = self._propose(draft, ids)
         log.info(
             "proposed plan %d (%s): %s, predicted %s -> %.3f s",
             new.plan_id,
@@ -629,7 +620,22 @@ class SchedulerService:
             "cannot run" if new.predicted_before_s < 0 else f"{new.predicted_before_s:.3f} s",
             new.predicted_after_s,
         )
+
+    def _propose(self, draft: PlanDraft, ids: list[str], why: str = "") -> AdaptationPlan:
+        """``draft`` proposed in the current mode (superseding the open plans), persisted
+        and counted; returns the new plan."""
+        ch = self.book.propose(
+            draft,
+            mode=self.config.mode,
+            grace_s=self.config.grace_period_s,
+            policy=self.config.policy,
+            failure_ids=ids,
+            why=why,
+        )
+        self.persist(ch)
+        self.plans_total += 1
         bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
+        return ch.plans[-1]
 
     def apply_settings(
         self, d: dict, strict: bool = False, retime: bool = True
@@ -676,18 +682,8 @@ class SchedulerService:
         if draft is None:
             # the book's tick supersedes them, saying why
             return
-        ch = self.book.propose(
-            draft,
-            mode=self.config.mode,
-            grace_s=self.config.grace_period_s,
-            policy=self.config.policy,
-            failure_ids=ids,
-            why=f"re-planned for the running layout: {why}",
-        )
-        self.persist(ch)
-        self.plans_total += 1
-        bus.incr_counter(self.client, self.keys, "scheduler_plans_total")
-        log.info("proposed plan %d in place of stale plan(s): %s", ch.plans[-1].plan_id, why)
+        new = self._propose(draft, ids, why=f"re-planned for the running layout: {why}")
+        log.info("proposed plan %d in place of stale plan(s): %s", new.plan_id, why)
 
     def handle_action(self, action: OperatorAction) -> None:
         if action.action == "set_mode":

@@ -169,6 +169,17 @@ def _unkept_reason(
     )
 
 
+def standby_move(
+    action: str, rank: int, node: int, dp: int, stage: int, reason: str | None = None
+) -> dict:
+    """A plan move of a device to (``park``) or from (``reuse``) its node's standby pool."""
+    move = {"what": "standby", "action": action, "rank": rank, "node": node, "dp": dp}
+    move["stage"] = stage
+    if reason is not None:
+        move["reason"] = reason
+    return move
+
+
 def adapt_tp(
     layout: Layout,
     p: Mapping[int, float],
@@ -247,16 +258,7 @@ def adapt_tp(
         for r in new:
             if r in np_:
                 np_.remove(r)
-                res.moves.append(
-                    {
-                        "what": "standby",
-                        "action": "reuse",
-                        "rank": r,
-                        "node": node,
-                        "dp": d,
-                        "stage": s,
-                    }
-                )
+                res.moves.append(standby_move("reuse", r, node, d, s))
         for r in grp:
             if r in drop_s and r not in dead:
                 # out of service, not a spare: no plan reuses it until an override keeps it
@@ -274,17 +276,7 @@ def adapt_tp(
             if r in new:
                 continue
             np_.append(r)
-            res.moves.append(
-                {
-                    "what": "standby",
-                    "action": "park",
-                    "rank": r,
-                    "node": node,
-                    "dp": d,
-                    "stage": s,
-                    "reason": f"p={p.get(r, 1.0):.2f}",
-                }
-            )
+            res.moves.append(standby_move("park", r, node, d, s, f"p={p.get(r, 1.0):.2f}"))
         res.moves.append(
             {
                 "what": "tp_regroup",
