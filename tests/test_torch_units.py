@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch_harness import CROSS_PLANS, cross_plan
 
 from resihp.topology import Layout, Migration
 from trainer.data.corpus import IGNORE_INDEX, PackedCorpus
@@ -138,39 +139,6 @@ def test_zbh1_defers_w_on_early_stages_only():
 
 
 # ------------------------------------------------ whole-layout orders (migrations)
-
-# Two plans the scheduler made for a TP2 x PP2 x DP2 job (a slow_link and a slow_device
-# recovery) with micro-batches migrating both ways between the replicas: the engine's
-# old per-device order ("own micro-batches first, migrated-in after") hung the job.
-CROSS_PLANS = {
-    "slow-link": dict(
-        layers=[3, 1],
-        microbatches=[2, 6],
-        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 1, 1]],
-    ),
-    "slow-device": dict(
-        layers=[2, 2],
-        microbatches=[4, 4],
-        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 3, 1], [1, 1, 3, 0]],
-    ),
-}
-
-
-def cross_plan(name: str, schedule: str = "1f1b") -> Layout:
-    p = CROSS_PLANS[name]
-    return Layout.from_dict(
-        dict(
-            world_size=8,
-            devices_per_node=8,
-            num_layers=4,
-            groups=[[[0, 1], [4, 5]], [[2, 3], [6, 7]]],
-            layers=p["layers"],
-            microbatches=p["microbatches"],
-            migrations=p["migrations"],
-            layout_id=1,
-            schedule=schedule,
-        )
-    )
 
 
 def legacy_orders(lay: Layout) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from resihp.topology import Layout
 from trainer.torch_trainer.config import TrainConfig
 from trainer.torch_trainer.launcher import launch
 from trainer.torch_trainer.reference import expected_shard, reference_losses, reference_step
@@ -81,3 +82,37 @@ def check_loss_curve(cfg: TrainConfig, rows: list[dict]) -> None:
     want = reference_losses(cfg, cfg.iterations)
     got = [r["loss"] for r in rows]
     assert got == pytest.approx(want, rel=1e-9)
+
+
+# Two plans the scheduler made for a TP2 x PP2 x DP2 job (a slow_link and a slow_device
+# recovery) with micro-batches migrating both ways between the replicas: the engine's
+# old per-device order ("own micro-batches first, migrated-in after") hung the job.
+CROSS_PLANS = {
+    "slow-link": dict(
+        layers=[3, 1],
+        microbatches=[2, 6],
+        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 1, 1]],
+    ),
+    "slow-device": dict(
+        layers=[2, 2],
+        microbatches=[4, 4],
+        migrations=[[0, 1, 2, 0], [0, 1, 3, 0], [1, 0, 0, 1], [1, 0, 3, 1], [1, 1, 3, 0]],
+    ),
+}
+
+
+def cross_plan(name: str, schedule: str = "1f1b") -> Layout:
+    p = CROSS_PLANS[name]
+    return Layout.from_dict(
+        dict(
+            world_size=8,
+            devices_per_node=8,
+            num_layers=4,
+            groups=[[[0, 1], [4, 5]], [[2, 3], [6, 7]]],
+            layers=p["layers"],
+            microbatches=p["microbatches"],
+            migrations=p["migrations"],
+            layout_id=1,
+            schedule=schedule,
+        )
+    )
