@@ -65,6 +65,8 @@ TRAINER_PHASE = "reconfigured by the trainer (no plan)"
 CONTEXT_ITERATIONS = 60
 #: the status of an incident whose plan an operator rejected and that has not recovered
 REJECTED_OPEN = "open, plan rejected"
+#: the status of an incident whose newest plan the trainer could not run, not recovered
+FAILED_OPEN = "open, plan failed on the trainer"
 
 
 class IncidentNotFound(KeyError):
@@ -88,7 +90,7 @@ class Incident:
     actions: list[OperatorAction] = field(default_factory=list)
     iterations: list[dict[str, Any]] = field(default_factory=list)
     throughput: dict[str, float | None] = field(default_factory=dict)
-    #: ``open``, ``open, plan rejected`` (:data:`REJECTED_OPEN`) or ``recovered``
+    #: ``open``, :data:`REJECTED_OPEN`, :data:`FAILED_OPEN` or ``recovered``
     status: str = "open"
     #: the scheduler's verdict on each of ``actions`` (same order), from the audit log
     verdicts: list[dict[str, Any]] = field(default_factory=list)
@@ -715,6 +717,12 @@ def build_incident(
     if rec is not None and (recovered_t is None or rec.detected_at_s < recovered_t):
         recovered_t, recovered_detail = rec.detected_at_s, f"recovery report {rec.report_id}"
 
+    # the newest plan's newest snapshot (an override refused by the scheduler never ran)
+    latest: dict[int, AdaptationPlan] = {p.plan_id: p for p in snaps if p.state != "refused"}
+    newest_plan = latest[max(latest)] if latest else None
+    failed = newest_plan if newest_plan is not None and newest_plan.state == "failed" else None
+    if applied_t is None and failed is not None:
+        applied_detail = f"plan {failed.plan_id} failed on the trainer: {failed.note}"
     phases = [
         Phase("failure", onset, f"{f.kind} on ranks {f.ranks[:16]}"),
         Phase("detected", f.detected_at_s, f"report {f.report_id} ({f.detector_mode})"),
@@ -808,6 +816,8 @@ def build_incident(
         status = "recovered"
     elif decided_name == "rejected":
         status = REJECTED_OPEN
+    elif failed is not None:
+        status = FAILED_OPEN
     else:
         status = "open"
     return Incident(

@@ -21,6 +21,7 @@ from dashboard import figures
 from dashboard.data import DashboardData
 from dashboard.predict import healthy_iteration_time_s
 from resihp.bus import liveness_judged
+from resihp.schemas import AdaptationPlan
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
@@ -162,15 +163,7 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
             w.sample("resihp_failures_total", _labels(job=job, kind=kind), n)
         w.family("resihp_plans", "gauge", "Adaptation plans by current state.")
         states = Counter(p.state for p in data.plans(job).values())
-        for st in (
-            "proposed",
-            "acknowledged",
-            "overridden",
-            "rejected",
-            "applied",
-            "superseded",
-            "refused",
-        ):
+        for st in AdaptationPlan.STATES:
             w.sample("resihp_plans", _labels(job=job, state=st), states.get(st, 0))
         health = data.device_health(job)
         if health:

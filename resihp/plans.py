@@ -5,7 +5,8 @@ hash).  A trainer (simulator or torch) asks :class:`PlanFollower` for plans
 that became ``acknowledged`` and that it has not applied yet, applies them at
 an iteration boundary, then calls :meth:`PlanFollower.confirm_applied`, which
 writes the new layout and publishes ``OperatorAction(action="applied")`` for
-the scheduler to mark the plan applied.
+the scheduler to mark the plan applied.  A plan it will not run is answered with
+:meth:`PlanFollower.report_not_applied` (``action="failed"``, the reason in the comment).
 """
 
 from __future__ import annotations
@@ -382,6 +383,23 @@ class PlanFollower:
                 ready.append(plan)
         ready.sort(key=lambda p: p.plan_id)
         return ready[-1:]
+
+    def report_not_applied(self, plan: AdaptationPlan, reason: str) -> None:
+        """Tell the scheduler this trainer will not run ``plan`` (``failed``, the reason in
+        the comment): without it the plan waits as acknowledged until a newer one comes, and
+        the job looks as if it waited for the trainer.  Never retried here."""
+        self.applied.add(plan.plan_id)
+        publish(
+            self.client,
+            self.keys.actions,
+            OperatorAction(
+                action="failed",
+                plan_id=plan.plan_id,
+                actor=self.actor,
+                at_s=time.time(),
+                comment=reason[:500],
+            ),
+        )
 
     def confirm_applied(self, plan: AdaptationPlan, layout: Layout, comment: str = "") -> None:
         self.applied.add(plan.plan_id)

@@ -528,6 +528,7 @@ class AdaptationPlan(Message):
         "applied",
         "superseded",
         "refused",
+        "failed",
     )
 
     def check(self) -> None:
@@ -542,7 +543,9 @@ class OperatorAction(Message):
     """An operator's (or the trainer's) action on a plan."""
 
     TYPE: ClassVar[str] = "action"
-    action: str  # acknowledge | override | reject | applied | set_mode
+    #: acknowledge | override | reject | set_mode (operators); applied | failed (the trainer:
+    #: it runs the plan's layout now / it did not apply the plan, ``comment`` says why)
+    action: str
     plan_id: int
     actor: str
     at_s: float
@@ -557,6 +560,7 @@ class OperatorAction(Message):
         "reject",
         "applied",
         "set_mode",
+        "failed",
     )
 
     def check(self) -> None:

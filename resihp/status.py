@@ -126,8 +126,9 @@ def redis_now_s(client) -> float:
 #: Plans that still wait for something: the grace period or an operator (proposed), the
 #: trainer (acknowledged). ``overridden`` is final: the override lives on as a new plan.
 AWAITING = ("proposed", "acknowledged")
-#: Plans decided against; the newest ones tell why a failure has not been answered.
-TURNED_DOWN = ("rejected", "refused")
+#: Plans decided against (by an operator, the scheduler's checks, or the trainer that could
+#: not run one); the newest ones tell why a failure has not been answered.
+TURNED_DOWN = ("rejected", "refused", "failed")
 #: A running job whose newest iteration is older than this many of its own iteration times
 #: (and than STALL_MIN_S) is shown as not progressing, whatever its trainer says: a trainer
 #: that went away or cannot tell (the torch trainer reports no state) looks the same.
@@ -566,7 +567,12 @@ def _waiting(js: dict[str, Any]) -> str:
     if missing:
         line += f" but no {' and no '.join(missing)} {'is' if len(missing) == 1 else 'are'} running"
     if turned:
-        line += f"; plan {turned[0]['plan_id']} was {turned[0]['state']}"
+        t = turned[0]
+        line += (
+            f"; plan {t['plan_id']} failed on the trainer"
+            if t["state"] == "failed"
+            else f"; plan {t['plan_id']} was {t['state']}"
+        )
     elif refusals:
         line += f"; the scheduler refused report {refusals[0]['report_id']}"
     return line

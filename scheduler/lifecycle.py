@@ -14,11 +14,18 @@ A new plan (proposed, an override's, or one acknowledged) leaves no other plan o
 the others are superseded with a note naming it, and it answers their reports.  A plan
 whose ``before`` is not the running layout cannot be acknowledged or overridden.
 
+    acknowledged --failed (trainer: it will not run the plan; the reason in ``note``)--> failed
+    failed --override--> overridden (+ a new plan, as above)
+
 ``applied`` is a fact, not a request: the trainer picks a plan up while it is
 acknowledged and may finish applying it after an operator rejected it, an override
 replaced it or a newer plan superseded it.  Its confirmation is then accepted from
 those states too (the audit note says what happened), because the job now runs that
-layout; only a plan that was never acknowledged cannot have been applied.
+layout; only a plan that was never acknowledged cannot have been applied.  ``failed`` is
+the trainer's answer the other way (its layout does not run there, or the ranks it needs
+died first): the job stays on, or goes back to, a layout that ran; the plan is not retried
+(it would fail again) and stays where operators see it, who may override it.  A plan the
+trainer gives up on after it was already closed keeps its state (the audit says so).
 
 In ``auto`` mode a proposed plan is acknowledged by actor ``"auto"`` once its
 grace period (``apply_after_s``) has passed; in ``manual`` mode it waits for an
@@ -43,7 +50,7 @@ from resihp.schemas import AdaptationPlan, OperatorAction
 #: Allowed transitions; anything else is refused with a reason.
 TRANSITIONS: dict[str, set[str]] = {
     "proposed": {"acknowledged", "overridden", "rejected", "superseded"},
-    "acknowledged": {"applied", "overridden", "rejected", "superseded"},
+    "acknowledged": {"applied", "overridden", "rejected", "superseded", "failed"},
     "overridden": {"applied"},
     # an operator who rejected a plan may still put their own in its place (the way on
     # for a job that waits on a fail-stop whose plan was rejected)
@@ -51,6 +58,8 @@ TRANSITIONS: dict[str, set[str]] = {
     "applied": {"superseded"},
     "superseded": {"applied"},
     "refused": set(),
+    # the trainer could not run it: an operator may put their own plan in its place
+    "failed": {"overridden"},
 }
 
 #: States a plan leaves only when the trainer confirms it applied it (see above).
@@ -190,6 +199,11 @@ def check_override_result(ov: dict[str, Any], after: dict[str, Any]) -> None:
 def _superseded_note(by: str, old: AdaptationPlan) -> str:
     """Why ``old`` was superseded (``by``), with what its note said before."""
     return f"{by} (was: {old.note})" if old.note else by
+
+
+def _failed_note(action: OperatorAction) -> str:
+    why = action.comment.strip() or "no reason given"
+    return f"the trainer ({action.actor}) did not apply it: {why}"
 
 
 class PlanBook:
@@ -458,11 +472,21 @@ class PlanBook:
             "reject": "rejected",
             "applied": "applied",
             "override": "overridden",
+            "failed": "failed",
         }.get(action.action)
         if target is None:
             return refuse(f"action {action.action!r} does not change a plan")
-        if action.action == "applied" and plan.state == "proposed":
+        if action.action in ("applied", "failed") and plan.state == "proposed":
             return refuse(f"plan {plan.plan_id} was never acknowledged")
+        if action.action == "failed" and plan.state != "acknowledged":
+            if not plan.acknowledged_at_s:
+                return refuse(f"plan {plan.plan_id} was never acknowledged")
+            # closed since the trainer took it up: nothing waits on it any more
+            rec.note = f"plan {plan.plan_id} was already {plan.state} when the trainer gave it up"
+            return out
+        if action.action == "failed":
+            self._set(plan, "failed", now, out, note=_failed_note(action))
+            return out
         if action.action == "applied" and plan.state in LATE_APPLY:
             if not plan.acknowledged_at_s:
                 return refuse(f"plan {plan.plan_id} was never acknowledged")

@@ -813,3 +813,49 @@ def test_an_acknowledgement_undone_by_a_rejection_is_not_the_decision():
         gap > 0
         and detail == f"plan 1 by dave (after plan 1 was rejected by carol, {gap:.1f} s earlier)"
     )
+
+
+@pytest.mark.redis
+def test_an_incident_whose_plan_failed_on_the_trainer_stays_open_saying_so(r):
+    """The trainer refused the acknowledged plan (its ranks died first): the incident said
+    "open" with the plan acknowledged, as if the trainer were about to apply it."""
+    import time
+
+    from resihp.bus import publish
+    from resihp.keys import JobKeys
+    from resihp.plans import PlanFollower, latest_plans, write_layout
+    from resihp.schemas import FailureReport, OperatorAction
+    from resihp.status import turned_down_plans
+    from resihp.topology import Layout
+    from scheduler.config import SchedulerConfig
+    from scheduler.service import SchedulerService
+
+    keys = JobKeys("job-f")
+    write_layout(r, keys, Layout.uniform(tp=4, pp=4, dp=2, num_layers=40, num_microbatches=8))
+    cfg = SchedulerConfig(job_id="job-f", model="llama2-13b", block_ms=10, mode="manual")
+    svc = SchedulerService(cfg, r)
+    publish(r, keys.failures, FailureReport(report_id="fs-9", kind="fail_stop", ranks=[9],
+            nodes=[1], detected_at_s=time.time(), iteration=4))  # fmt: skip
+    svc.run_once()
+    publish(r, keys.actions, OperatorAction(action="acknowledge", plan_id=1, actor="bob",
+            at_s=time.time()))  # fmt: skip
+    svc.run_once()
+    follower = PlanFollower(r, keys)
+    (plan,) = follower.poll()
+    follower.report_not_applied(plan, "ranks [12] died before it was applied")
+    svc.run_once()
+    d = DashboardData(r)
+    inc = incidents.build_incident("job-f", "fs-9", d.failures("job-f"),
+                                   d.plan_history("job-f"), d.actions("job-f"), [],
+                                   audit=d.audit("job-f"))  # fmt: skip
+    assert inc.status == incidents.FAILED_OPEN and inc.is_open
+    ph = {p.name: p for p in inc.phases}
+    why = "the trainer (trainer) did not apply it: ranks [12] died before it was applied"
+    assert (
+        ph["applied"].at_s is None
+        and ph["applied"].detail == f"plan 1 failed on the trainer: {why}"
+    )
+    assert [(a.action, a.actor) for a in inc.actions][-1] == ("failed", "trainer")
+    assert why in incidents.to_markdown(inc)
+    (td,) = turned_down_plans(r, keys, latest_plans(r, keys))
+    assert (td["plan_id"], td["state"], td["why"]) == (1, "failed", why)

@@ -512,5 +512,31 @@ def test_a_hung_job_says_so_on_the_overview_and_in_metrics(r, redis_server):
     assert 'resihp_last_iteration_age_seconds{job="job-a"}' in metrics
 
 
+@pytest.mark.redis
+def test_a_plan_the_trainer_could_not_run_is_said_on_the_plans_page_overview_and_metrics(
+    r, redis_server
+):
+    """A plan the trainer refused stayed "acknowledged": the job looked as if it waited for
+    the trainer to apply it."""
+    from dashboard_scenario import publish_plan
+
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12, plan_state="failed")
+    plan = sc["plan"]
+    plan.note = "the trainer (trainer) did not apply it: assigns work to dead ranks [5]"
+    publish_plan(r, sc["keys"], plan)
+    bus.Health(r, sc["keys"], "trainer").beat("ok", state="hung", iteration=19)
+    app = _app(r, redis_server)
+    vals = {"tick.n_intervals": 1, "job.value": "job-a", "pl-plan.value": None}
+    out = dash_call(app, "pl-summary", vals, "tick.n_intervals")
+    status = json.dumps(out["pl-status"])
+    assert "plan 1 failed on the trainer and no plan replaces it yet" in status, status
+    assert "Failed on the trainer: the trainer (trainer) did not apply it" in json.dumps(
+        out["pl-summary"]
+    )
+    text = json.dumps(_overview(app)["ov-status"])
+    assert "trainer HUNG" in text and "plan 1 failed on the trainer" in text, text
+    assert 'resihp_plans{job="job-a",state="failed"} 1.0' in _metrics(app)
+
+
 def _metrics(app) -> str:
     return app.server.test_client().get("/metrics").get_data(as_text=True)

@@ -465,6 +465,45 @@ def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhi
 
 
 @pytest.mark.redis
+def test_a_plan_the_trainer_cannot_run_is_marked_failed_and_can_be_overridden(r):
+    keys, svc, follower, plan = _taken_up(r)
+    follower.report_not_applied(plan, "its layout does not run here: deadlock")
+    svc.run_once()
+    failed = latest_plans(r, keys)[1]
+    assert failed.state == "failed"
+    assert failed.note == (
+        "the trainer (trainer) did not apply it: its layout does not run here: deadlock"
+    )
+    assert follower.poll() == []  # not offered again
+    last = _audit(r, keys)[-1]
+    assert (last.actor, last.action, last.result) == ("trainer", "failed", "ok")
+    # nothing waits on it, and the operator may put their own plan in its place
+    publish(r, keys.actions, _act("acknowledge", 1, "bob"))
+    svc.run_once()
+    assert _audit(r, keys)[-1].result == "refused" and _plans(r, keys) == {1: "failed"}
+    publish(r, keys.actions, _act("override", 1, "bob", override={"migration": False}))
+    svc.run_once()
+    assert _plans(r, keys) == {1: "overridden", 2: "acknowledged"}
+    # a "failed" for a plan closed since it was taken up changes nothing but is audited
+    (plan2,) = follower.poll()
+    publish(r, keys.actions, _act("reject", 2, "carol"))
+    svc.run_once()
+    follower.report_not_applied(plan2, "rank 9 died first")
+    svc.run_once()
+    assert _plans(r, keys) == {1: "overridden", 2: "rejected"}
+    last = _audit(r, keys)[-1]
+    assert (last.action, last.result) == ("failed", "ok")
+    assert last.note == "plan 2 was already rejected when the trainer gave it up"
+    # and a plan nobody acknowledged cannot have failed on the trainer
+    publish(r, keys.failures, _slow_20("r3"))
+    svc.run_once()
+    (p3,) = [p for p in latest_plans(r, keys).values() if p.state == "proposed"]
+    publish(r, keys.actions, _act("failed", p3.plan_id, "trainer"))
+    svc.run_once()
+    assert _audit(r, keys)[-1].note == f"plan {p3.plan_id} was never acknowledged"
+
+
+@pytest.mark.redis
 def test_actions_are_handled_before_reports_of_the_same_step(r):
     keys, svc, follower, plan = _taken_up(r)
     follower.confirm_applied(plan, Layout.from_dict(plan.after))  # applied first ...

@@ -115,7 +115,12 @@ def test_follows_acknowledged_plans_and_refuses_impossible_ones(r):
     assert tr.sim.layout.layout_id == 8
     assert read_layout(r, keys).layout_id == 8
     acts = [json.loads(f[b"m"])[0] for _i, f in r.xrange(keys.actions)]
-    assert [(a["action"], a["plan_id"], a["actor"]) for a in acts] == [("applied", 2, "trainer")]
+    # the refusal reached the scheduler with its reason, then the confirmation
+    assert [(a["action"], a["plan_id"], a["actor"]) for a in acts] == [
+        ("failed", 1, "trainer"),
+        ("applied", 2, "trainer"),
+    ]
+    assert "dead" in acts[0]["comment"]
     assert tr.last_step.true_state.status == "ok" and tr.sim.iteration == 2
     tr.run_once()  # the plan is not applied twice
     assert tr.plans_applied_total == 1

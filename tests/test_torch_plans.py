@@ -212,7 +212,15 @@ def test_a_plan_whose_layout_keeps_failing_is_refused_and_the_job_goes_back(
         reference_losses(cfg, cfg.iterations), rel=1e-9
     )
     assert int(r.hget(keys.counters, "trainer_plans_refused_total")) == 1
-    assert _actions(r, keys) == []  # never said to be applied
+    # never said to be applied; the scheduler is told it failed, with why
+    assert _actions(r, keys) == [("failed", 3)]
+    (comment,) = [
+        m.comment
+        for _, f in r.xrange(keys.actions)
+        for m in decode_entry(f)[0]
+        if isinstance(m, OperatorAction)
+    ]
+    assert comment.startswith("its layout does not run here: layout")
     final = read_layout(r, keys)
     assert final.layers == [2, 2] and final.layout_id > 1
     tl = json.loads((tmp_path / "run" / "timeline.json").read_text())

@@ -19,7 +19,6 @@ from resihp.schemas import AdaptationPlan, OperatorAction
 
 PATH = "/plans"
 NAME = "Plans"
-ACTIONABLE = ("proposed", "acknowledged")
 
 
 def layout(ctx: AppContext) -> html.Div:
@@ -194,6 +193,10 @@ def _audit_cell(value) -> str:
     return "" if text in ("0", "{}") else text
 
 
+#: plans that will not run: an override refused by the scheduler, a plan the trainer refused
+_NOT_RUN = ("refused", "failed")
+
+
 def _plan_label(p: AdaptationPlan) -> str:
     return f"#{p.plan_id} {p.state} · {p.reason[:60]}"
 
@@ -217,14 +220,10 @@ def _summary(p: AdaptationPlan, plans: dict[int, AdaptationPlan]) -> list:
         ),
     ]
     if p.note:
-        out.append(
-            banner(
-                f"{'Refused' if p.state == 'refused' else 'Note'}: {p.note}",
-                "error" if p.state == "refused" else "info",
-            )
-        )
+        title = {"refused": "Refused", "failed": "Failed on the trainer"}.get(p.state, "Note")
+        out.append(banner(f"{title}: {p.note}", "error" if p.state in _NOT_RUN else "info"))
     for c in children:
-        kind = "error" if c.state == "refused" else "ok"
+        kind = "error" if c.state in _NOT_RUN else "ok"
         out.append(
             html.Div(
                 banner(
@@ -311,15 +310,22 @@ def register(app, ctx: AppContext) -> None:
             selected = selected.plan_id if selected else None
             auto = selected
         waiting = [p.plan_id for p in pending if p.plan_id != selected]
-        status = (
-            banner(
+        newest = next((p for p in ordered if p.state != "refused"), None)
+        if waiting:
+            status = banner(
                 f"plan {waiting[0]} is proposed and waits for a decision "
                 f"(this page shows plan {selected}): select it to act on it",
                 "warn",
             )
-            if waiting
-            else ""
-        )
+        elif newest is not None and newest.state == "failed":
+            # the job did not take the newest plan: nothing waits, and nothing else says so
+            status = banner(
+                f"plan {newest.plan_id} failed on the trainer and no plan replaces it yet: "
+                f"{newest.note}. Override it, or wait for the scheduler's next plan.",
+                "error",
+            )
+        else:
+            status = ""
         # Re-render only on change: a redraw every tick would reset the tables' paging.
         sig = hashlib.sha1(
             json.dumps(

@@ -80,7 +80,8 @@ class SimTrainer:
         self.health = Health(client, self.keys, "trainer", ttl_s=config.health_ttl_s)
         self.started = False
         self._registered = False
-        self._unconfirmed: list[tuple] = []  # (plan, layout, comment) applied but not yet confirmed
+        # (plan, layout, comment) applied, or (plan, None, reason) refused, the scheduler not told yet
+        self._unconfirmed: list[tuple] = []
         self.redis_errors_total = 0
         self.steps_total = 0
         self.iterations_total = 0
@@ -257,11 +258,12 @@ class SimTrainer:
                 # Never retried: a plan that cannot run is the scheduler's to replace.
                 self.follower.applied.add(plan.plan_id)
                 self.plans_refused_total += 1
+                log.warning("plan %s refused: %s", plan.plan_id, problem)
+                self._unconfirmed.append((plan, None, problem))
                 try:
-                    incr_counter(self.client, self.keys, "trainer_plans_refused_total")
+                    self._confirm_pending()
                 except redis.RedisError:
                     self.redis_errors_total += 1
-                log.warning("plan %s refused: %s", plan.plan_id, problem)
                 continue
             step = self.sim.apply_layout(new, base_s=_pause_hint(plan))
             self._keeper.follow(self.sim)
@@ -281,11 +283,16 @@ class SimTrainer:
         return sent
 
     def _confirm_pending(self) -> None:
-        """Write the layout and the ``applied`` action of plans applied while Redis was away."""
+        """Tell the scheduler, in order, what became of the plans taken up while Redis was
+        away: applied (the layout and the ``applied`` action) or refused (``failed``)."""
         while self._unconfirmed:
             plan, layout, comment = self._unconfirmed[0]
-            self.follower.confirm_applied(plan, layout, comment=comment)
-            incr_counter(self.client, self.keys, "trainer_plans_applied_total")
+            if layout is None:
+                self.follower.report_not_applied(plan, comment)
+                incr_counter(self.client, self.keys, "trainer_plans_refused_total")
+            else:
+                self.follower.confirm_applied(plan, layout, comment=comment)
+                incr_counter(self.client, self.keys, "trainer_plans_applied_total")
             self._unconfirmed.pop(0)
 
     # ------------------------------------------------------------ loop

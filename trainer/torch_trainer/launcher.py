@@ -238,6 +238,7 @@ class JobLauncher:
         self.follower = None
         self.client = None
         self.pending_confirm: list[tuple[int, object, Layout]] = []
+        self._to_refuse: list[tuple[object, str]] = []  # (plan, reason) the scheduler awaits
         self.events: list[dict] = []
         self.max_layout_id = self.layout.layout_id
         self.state, self.state_since_s = "starting", time.time()
@@ -347,11 +348,8 @@ class JobLauncher:
         self._event("plan_refused", plan_id=plan.plan_id, reason=reason)
         if self.follower is not None:
             self.follower.applied.add(plan.plan_id)
-        if self.client is not None:
-            try:
-                incr_counter(self.client, self.keys, "trainer_plans_refused_total")
-            except redis.RedisError:
-                pass  # the log line stays
+            self._to_refuse.append((plan, reason))
+            self._send_refusals()
         if self.cur_plan is plan:
             self.cur_plan = None
         self.pending_confirm = [e for e in self.pending_confirm if e[1] is not plan]
@@ -767,7 +765,24 @@ class JobLauncher:
             lay, f"ranks {sorted(ranks)} re-joined", boundary=True, publish_now=False
         )
 
+    def _send_refusals(self) -> None:
+        """Tell the scheduler about refused plans (``failed``), in order; what Redis does
+        not take now goes at the next tick."""
+        while self._to_refuse:
+            plan, reason = self._to_refuse[0]
+            try:
+                self.follower.report_not_applied(plan, reason)
+                incr_counter(self.client, self.keys, "trainer_plans_refused_total")
+            except redis.RedisError as e:
+                self._redis_warn.warning(
+                    "[launcher] cannot report refused plan %d yet (%s)", plan.plan_id, e
+                )
+                return
+            self._to_refuse.pop(0)
+
     def _confirm(self) -> None:
+        if self._to_refuse:
+            self._send_refusals()
         still = []
         for plan, layout, comment in self._to_confirm:
             try:
