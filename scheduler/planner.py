@@ -480,6 +480,10 @@ def _plan(
                 continue
             if cand.idle_host_migrations():  # valid, but the torch trainer cannot run it
                 continue
+            # a replica given more micro-batches holds more in flight: a structure that
+            # overflows must not win and then sink the plan at the final memory check
+            if memory_violations(cand, predictor):
+                continue
             structs.append((predictor.iteration_s(cand, p), cand, mig.moves()))
 
     # On small jobs (few chunks per DAG) the DP step searches wider: more count options,
