@@ -231,8 +231,15 @@ class FailSlowDetector:
                         # a group reported as a whole (a slow TP collective names every
                         # member) keeps being followed when the plan swapped out a minority
                         # of it: the culprit is likelier still in it, and if it left, the
-                        # group's recovery is reported, which is then true
-                        and 2 * at.count(g) >= len(st.ranks)
+                        # group's recovery speaks only for the ranks that ran (_recovery).
+                        # One detached by an earlier plan attaches only with every rank in
+                        # the group: else it would attach to the part the next plan keeps,
+                        # whose healthy speed says nothing about the ranks set aside
+                        and (
+                            2 * at.count(g) >= len(st.ranks)
+                            if st.group is not None
+                            else at.count(g) == len(st.ranks)
+                        )
                         and old_size.get(g) == len(self.group_ranks[g])
                         and g in self.pred.scale
                         and g in self.mu
@@ -1304,6 +1311,17 @@ class FailSlowDetector:
                 st.streak_shifts.clear()
             if st.healthy_streak >= self.cfg.recovery_iters:
                 del self.slow[key]
+                aside = (
+                    [r for r in st.ranks if self.rank_group.get(r) != st.group]
+                    if st.group is not None
+                    else []
+                )
+                for r in aside:
+                    # a group reported as a whole recovered without the ranks the plan set
+                    # aside: nothing measured them, so they stay slow (their probes judge
+                    # them) and only the ranks that ran are said recovered
+                    self.slow[("aside", r)] = SlowState(st.kind, [r], st.since_iteration, st.factor)
+                ranks = [r for r in st.ranks if r not in aside]
                 if st.group is not None and st.group in self.pred.scale:
                     # The scale it kept while slow was learned under another layout or
                     # fit: a recovered group reading far below its baseline would pull
@@ -1323,11 +1341,12 @@ class FailSlowDetector:
                 }
                 if probed is not None:
                     ev["probe_throughput"] = round(probed, 4)
-                out.append(
-                    Finding(
-                        "recovery", v.iteration, list(st.ranks), {r: 1.0 for r in st.ranks}, [], ev
+                if aside:
+                    ev["still_slow_set_aside"] = aside
+                if ranks:
+                    out.append(
+                        Finding("recovery", v.iteration, ranks, {r: 1.0 for r in ranks}, [], ev)
                     )
-                )
         return out
 
     # -------------------------------------------------- healthy fit updates

@@ -564,3 +564,70 @@ def test_a_slow_link_whose_slot_gets_new_ranks_is_not_reported_recovered():
     det.set_layout(lay2)
     reps = _run(det, job, 60)
     assert [r for r in reps if r.kind == "recovery"] == []  # nothing says the link healed
+
+
+class _NoComputeJob(SyntheticJob):
+    """A job whose ranks report no own compute time (``compute_s`` -1: the torch trainer on
+    GPUs): a slow device can only be blamed with its whole TP group."""
+
+    def next_record(self):
+        rec = super().next_record()
+        rec.ranks["compute_s"] = [-1.0] * len(rec.ranks["rank"])
+        return rec
+
+
+def _group_reported_slow(lay, victim, seed=11):
+    job = _NoComputeJob(lay, seed=seed)
+    det = Detector(DetectorConfig(), layout=lay)
+    reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 2.5})})
+    grp = next(g for st in lay.groups for g in st if victim in g)
+    assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [sorted(grp)]
+    return job, det, grp
+
+
+def test_a_group_reported_whole_is_not_said_recovered_by_the_half_a_later_plan_keeps():
+    """Without per-rank compute times the whole TP4 group was reported; the plan kept two
+    of its ranks as TP2 and set the other two (the culprit among them) aside.  The next plan
+    (another group lost a rank) re-attached the report to those two healthy ranks, and the
+    whole group, culprit included, was reported recovered at p = 1.0."""
+    lay = Layout.uniform(tp=4, pp=2, dp=2, num_layers=16, num_microbatches=8)
+    victim = lay.groups[1][0][0]
+    job, det, grp = _group_reported_slow(lay, victim)
+    lay1 = copy.deepcopy(lay)
+    lay1.groups[1][0] = grp[1:3]
+    lay1.standby = [grp[0], grp[3]]
+    lay1.layout_id = 1
+    _switch(job, det, lay1)
+    _run(det, job, 20)
+    lay2 = copy.deepcopy(lay1)
+    gone = lay2.groups[0][1][2:]
+    lay2.groups[0][1] = lay2.groups[0][1][:2]
+    lay2.dead, lay2.layout_id = gone, 2
+    _switch(job, det, lay2)
+    reps = _run(det, job, 40)
+    assert [r for r in reps if r.kind == "recovery" and victim in r.ranks] == [], [
+        (r.kind, r.ranks, r.iteration) for r in reps
+    ]
+    assert det.health[victim]["state"] == "slow"
+
+
+def test_a_group_reported_whole_recovers_without_the_rank_swapped_out():
+    """The plan swapped one rank of a group reported as a whole for a spare (TP degree
+    kept): the group's recovery then speaks for the ranks that ran, not for the one set
+    aside, which stays slow until its own probes say otherwise."""
+    lay = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8, devices_per_node=32)
+    lay.world_size = 17
+    lay.standby = [16]
+    lay.validate()
+    victim = lay.groups[0][1][1]
+    job, det, grp = _group_reported_slow(lay, victim, seed=23)
+    lay2 = copy.deepcopy(lay)
+    lay2.groups[0][1] = [grp[0], 16]
+    lay2.standby = [victim]
+    lay2.layout_id = 1
+    _switch(job, det, lay2)
+    reps = _run(det, job, 40)
+    keep = [r for r in grp if r != victim]
+    assert [(r.kind, r.ranks) for r in reps] == [("recovery", keep)]
+    assert reps[0].evidence["still_slow_set_aside"] == [victim]
+    assert det.health[victim]["state"] == "slow"
