@@ -264,6 +264,32 @@ def _comm_direction(dp, stage, src, mb, kind, start) -> np.ndarray:
     return out
 
 
+#: A chunk this many times off its prediction (or, before the first fit, off the median of
+#: its kind on its stage in the same iteration) is not folded into the fit when it is one of
+#: a minority: one row with an hour's clock step poisoned the least squares for hundreds of
+#: iterations.  A shift most rows share is the model's to learn (a whole stage changed).
+GROSS_FACTOR = 4.0
+
+
+def _not_gross(
+    y: np.ndarray, x: np.ndarray, sel: np.ndarray, coef: tuple[float, float] | None
+) -> np.ndarray:
+    """Of the rows ``sel`` picks, the ones not grossly off (``sel`` when most are off)."""
+    ys = y[sel]
+    if coef is not None:
+        ref = coef[0] * x[sel, 0] + coef[1] * x[sel, 1]
+    else:
+        ref = np.full(len(ys), float(np.median(ys)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = ys / ref
+    ok = (ratio <= GROSS_FACTOR) & (ratio >= 1.0 / GROSS_FACTOR)
+    if not (np.isfinite(ref) & (ref > 0)).all() or 2 * ok.sum() <= len(ys):
+        return sel
+    out = sel.copy()
+    out[sel] = ok
+    return out
+
+
 class _RLS2:
     """Least squares on two features with exponential forgetting (normal equations)."""
 
@@ -375,9 +401,13 @@ class ChunkPredictor:
             x = np.stack([v.tokens_n[cm] / N_UNIT, v.sum_sq[cm] / SQ_UNIT], axis=1)
             st, kd = v.stage[cm], v.kind[cm]
             keys = st.astype(np.int64) * 16 + kd
+            coef = self.coef
             for key in np.unique(keys):
                 sel = keys == key
                 k = (int(key // 16), int(key % 16))
+                sel &= _not_gross(y, x, sel, coef.get(k))
+                if not sel.any():
+                    continue
                 fit = self.fits.get(k)
                 if fit is None:
                     fit = self.fits[k] = _RLS2()

@@ -271,6 +271,32 @@ def test_rank_stops_sending_timings_but_keeps_heartbeat():
     assert reps == []
 
 
+@pytest.mark.parametrize("at", [5, 60])
+def test_one_chunk_an_hour_long_is_not_learned_as_healthy(at):
+    """One rank's clock stepped by an hour inside one F chunk (NTP): the row is finite and
+    ordered, so it passes every check, and it was folded into the stage's eq.-1 least
+    squares as a healthy sample (alpha x700, beta 0 for hundreds of iterations); on a real
+    trace whose replicas ran different TP degrees and mixes a healthy job then got a
+    fail-slow / recovery report every few iterations.  In the warm-up (``at`` 5) or after
+    it (60), one absurd row must leave the fit where a twin without it has it."""
+    lay = Layout.uniform(tp=2, pp=4, dp=1, num_layers=16, num_microbatches=8)
+    job = SyntheticJob(lay, seed=7)
+    det, twin = Detector(DetectorConfig(), layout=lay), Detector(DetectorConfig(), layout=lay)
+    reps = []
+    for i in range(120):
+        rec = job.next_record()
+        twin.handle(copy.deepcopy(rec))
+        if i == at:
+            ch = rec.chunks
+            ch["duration_s"][ch["kind"].index("F")] = 3600.0
+        reps += det.handle(rec)
+    assert reps == [], [(r.kind, r.ranks, r.iteration) for r in reps]
+    got, want = det.failslow.pred.coef, twin.failslow.pred.coef
+    assert set(got) == set(want)
+    for k, (a, b) in want.items():
+        assert got[k] == pytest.approx((a, b), rel=0.05), k
+
+
 def test_clock_skew_between_nodes_no_false_report():
     job = SyntheticJob(LAY, seed=21)
     det = Detector(DetectorConfig(), layout=LAY)
