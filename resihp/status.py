@@ -687,6 +687,8 @@ def format_status(st: dict[str, Any]) -> str:
             shown = f", state {state}" if state and state != h.get("status") else ""
             if h.get("pid_alive") is False:
                 shown += ", but its process is gone (the key expires in seconds)"
+            if h.get("mode"):  # the scheduler's: whether waiting plans apply by themselves
+                shown += f", mode {h['mode']}"
             lines.append(f"  service {name}: {h.get('status')}{shown} (pid {h.get('pid')})")
         for name in js.get("missing_services", []):
             lines.append(
@@ -694,8 +696,9 @@ def format_status(st: dict[str, Any]) -> str:
                 "crashes, or not reporting; failures go unanswered)"
             )
         finished = (js.get("job_state") or {}).get("state") == "finished"
+        mode = (js["services"].get("scheduler:0") or {}).get("mode")
         for p in js.get("awaiting_plans", []):
-            lines.append("  " + _plan_line(js["job_id"], p, finished, st.get("act_args", "")))
+            lines.append("  " + _plan_line(js["job_id"], p, finished, st.get("act_args", ""), mode))
         for p in js.get("turned_down_plans", []):
             lines.append("  " + _turned_down_line(p))
         if stalled:
@@ -723,10 +726,17 @@ def _plan_prediction(p: dict[str, Any]) -> str:
     )
 
 
-def _plan_line(job_id: str, p: dict[str, Any], finished: bool = False, act_args: str = "") -> str:
+def _plan_line(
+    job_id: str,
+    p: dict[str, Any],
+    finished: bool = False,
+    act_args: str = "",
+    mode: str | None = None,
+) -> str:
     """One plan that waits, what it predicts, and the command that decides it (with
     ``act_args``, how it reaches this Redis); of a job whose trainer said it finished, that
-    nothing will come of it."""
+    nothing will come of it.  ``mode``: the scheduler's mode now (the plan's own ``mode``
+    is the one it was proposed in; an operator may have switched since)."""
     line = f"plan {p['plan_id']} {p['state']}: {p['reason']} {_plan_prediction(p)}"
     if finished:
         if p["state"] == "proposed":
@@ -735,11 +745,14 @@ def _plan_line(job_id: str, p: dict[str, Any], finished: bool = False, act_args:
             line += "; never applied (the job finished)"
         return line
     if p["state"] == "proposed":
-        if p["mode"] == "auto" and p["apply_after_s"]:
+        mode = mode or p["mode"]
+        if mode == "auto" and p["apply_after_s"]:
             wait_s = p["apply_after_s"] - time.time()
             line += (
                 f"; applies by itself in {wait_s:.0f} s" if wait_s > 0 else "; grace period over"
             )
+        elif mode == "manual":
+            line += "; manual mode: waits for an operator"
         line += (
             f"; decide: resihp act acknowledge|reject --plan-id {p['plan_id']} --job-id {job_id}"
             + (f" {act_args}" if act_args else "")

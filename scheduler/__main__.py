@@ -169,7 +169,13 @@ def _no_redis_url() -> str:
         if state_dir
         else "no `resihp up` stack runs from the state dir (--state-dir, default .resihp)"
     )
-    return f"act: {where}: start it with `resihp up`, or pass --redis-url / set REDIS_URL"
+    how = (
+        "pass --redis-url / set REDIS_URL"
+        if state_dir
+        else "pass --redis-url / set REDIS_URL (`resihp act ... --state-dir DIR` finds a "
+        "stack's Redis from its state dir)"
+    )
+    return f"act: {where}: start it with `resihp up`, or {how}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         elif not isinstance(override, dict):
             print("--override must be a JSON object", file=sys.stderr)
+            return 2
+        elif args.action in ("acknowledge", "reject") and override:
+            # it was sent, accepted and audited beside the override, which nothing applied
+            print(
+                f"--override is for `override` (a plan of your own) and `set_mode`; "
+                f"{args.action} takes none: run `act override --plan-id {args.plan_id} "
+                f"--override ...` instead",
+                file=sys.stderr,
+            )
             return 2
         elif args.action == "set_mode" and not override:
             print(

@@ -201,6 +201,10 @@ def _superseded_note(by: str, old: AdaptationPlan) -> str:
     return f"{by} (was: {old.note})" if old.note else by
 
 
+def _hms(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
 def _failed_note(action: OperatorAction) -> str:
     why = action.comment.strip() or "no reason given"
     return f"the trainer ({action.actor}) did not apply it: {why}"
@@ -464,6 +468,12 @@ class PlanBook:
             rec.note = reason
             return out
 
+        if action.override and action.action in ("acknowledge", "reject"):
+            # audited beside "ok", it read as an override the scheduler had taken
+            return refuse(
+                f"{action.action} takes no override (an override is a plan of its own: "
+                "action override)"
+            )
         plan = self.plans.get(action.plan_id)
         if plan is None:
             return refuse(f"unknown plan {action.plan_id}")
@@ -557,6 +567,11 @@ class PlanBook:
             out.plans.append(new)
             rec.new_plan_id = new.plan_id
             return out
+        if action.action == "reject" and plan.state == "acknowledged":
+            rec.note = (
+                f"plan {plan.plan_id} was acknowledged at {_hms(plan.acknowledged_at_s)}: a "
+                "trainer that already took it up still applies it (recorded applied then)"
+            )
         if action.action == "acknowledge":
             # the acknowledged plan is the one to run: none other stays open beside it
             answered = self._supersede_open(plan, now, out, f"acknowledged by {action.actor}")

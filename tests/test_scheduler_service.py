@@ -323,6 +323,23 @@ def test_cli_act_and_check_health(r, redis_server):
         timeout=60,
     )
     assert bad.returncode == 2 and "not JSON" in bad.stderr
+    # an acknowledgement carrying an override was sent, accepted and audited beside it,
+    # and nothing applied the override: refused in the shell ...
+    ack = subprocess.run(
+        [*base, "act", "acknowledge", "--plan-id", "1", "--override", '{"layers": [2, 38]}', *url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ack.returncode == 2 and "acknowledge takes none" in ack.stderr, ack.stderr
+    # ... and by the scheduler, from any other client
+    publish(r, keys.actions, _act("acknowledge", max(plans), override={"layers": [2, 38]}))
+    svc.run_once()
+    last = _audit(r, keys)[-1]
+    assert (last.result, last.note) == (
+        "refused",
+        "acknowledge takes no override (an override is a plan of its own: action override)",
+    )
 
 
 @pytest.mark.redis
@@ -450,6 +467,9 @@ def test_a_plan_the_trainer_applied_is_recorded_applied_even_if_rejected_meanwhi
     publish(r, keys.actions, _act("reject", 1, "carol"))  # carol rejects it meanwhile
     svc.run_once()
     assert _plans(r, keys) == {1: "rejected"}
+    # her verdict says the trainer may already run it (a bare "accepted" let her believe
+    # she had stopped a plan the trainer applied 2 s later)
+    assert "a trainer that already took it up still applies it" in _audit(r, keys)[-1].note
     follower.confirm_applied(plan, Layout.from_dict(plan.after))
     svc.run_once()
     assert _plans(r, keys) == {1: "applied"}  # the job runs it: the record says so

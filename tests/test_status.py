@@ -59,8 +59,8 @@ def _fail_stop(rank: int, rid: str = "fs-1") -> FailureReport:
     )
 
 
-def _scheduler(r, job: str) -> SchedulerService:
-    cfg = SchedulerConfig(job_id=job, model="llama2-7b", block_ms=10, mode="manual")
+def _scheduler(r, job: str, **kw) -> SchedulerService:
+    cfg = SchedulerConfig(job_id=job, model="llama2-7b", block_ms=10, **{"mode": "manual", **kw})
     return SchedulerService(cfg, r)
 
 
@@ -379,3 +379,34 @@ def test_a_job_quiet_as_a_whole_is_worded_as_a_stall_not_an_old_silence(redis_se
     Health(r, keys, "collector").beat("ok", judging_liveness=False, job_silent_since_s=None)
     text = format_status(collect_status(redis_server.url, job))
     assert "silent since before the collector started" in text
+
+
+def test_whether_a_waiting_plan_applies_by_itself_follows_the_schedulers_mode_now(redis_server, r):
+    """The plan proposed in auto mode read "applies by itself in 51 s", then "grace period
+    over", after an operator had switched the scheduler to manual: nothing would apply it
+    and the job stayed hung.  And the other way round, no countdown was shown."""
+    job = "modes"
+    keys = JobKeys(job)
+    tr = _hung_trainer(r, job)
+    try:
+        svc = _scheduler(r, job, mode="auto", grace_period_s=60.0)
+        publish(r, keys.failures, _fail_stop(DEAD))
+        svc.run_once()
+        ((pid, plan),) = latest_plans(r, keys).items()
+        assert (plan.state, plan.mode) == ("proposed", "auto")
+
+        def status_after(mode: str) -> str:
+            publish(r, keys.actions, OperatorAction(action="set_mode", plan_id=0, actor="ops",
+                    at_s=time.time(), override={"mode": mode}))  # fmt: skip
+            svc.run_once()
+            js = collect_status(redis_server.url, job)["jobs"][job]
+            return format_status({"redis_url": "x", "jobs": {job: js}})
+
+        out = status_after("manual")
+        assert f"plan {pid} proposed: " in out and "manual mode: waits for an operator" in out
+        assert "applies by itself" not in out and "grace period over" not in out
+        assert "service scheduler:0: ok, mode manual" in out, out
+        out = status_after("auto")  # a fresh grace period of 60 s starts now
+        assert re.search(r"applies by itself in (59|60) s", out), out
+    finally:
+        tr.close()
