@@ -378,6 +378,39 @@ def _status_plans(client, keys: JobKeys) -> tuple[dict[int, AdaptationPlan], dic
     return plans, by_state
 
 
+def layout_origin(
+    client, keys: JobKeys, layout: Layout | None, plans: dict[int, AdaptationPlan]
+) -> dict[str, Any] | None:
+    """Where the running layout came from: ``{"by": "launch"}`` (the run's first), ``{"by":
+    "plan", "plan_id": N}`` (a plan the trainer applied), or ``{"by": "trainer", "since_s":
+    T}``: the trainer chose it without a plan (its own after a rejected or late plan, its
+    fallback from a plan it could not run).  None without a layout history."""
+    if layout is None:
+        return None
+    lid = layout.layout_id
+    brought = [
+        p.plan_id
+        for p in plans.values()
+        if p.acknowledged_at_s
+        and p.state in ("applied", "superseded")
+        and int(p.after.get("layout_id", -1)) == lid
+    ]
+    if brought:
+        return {"by": "plan", "plan_id": max(brought)}
+    first = client.xrange(keys.layouts, count=1)
+    last = client.xrevrange(keys.layouts, count=1)
+    if not first:
+        return None
+    try:
+        first_id = json.loads(first[0][1].get(b"layout", b"{}")).get("layout_id")
+    except (ValueError, AttributeError):
+        return None
+    if first_id == lid:
+        return {"by": "launch"}
+    eid = last[0][0].decode() if isinstance(last[0][0], bytes) else last[0][0]
+    return {"by": "trainer", "since_s": int(eid.split("-", 1)[0]) / 1000.0}
+
+
 def job_status(client, job_id: str) -> dict[str, Any]:
     keys = JobKeys(job_id)
     now_s = redis_now_s(client)
@@ -421,6 +454,7 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         else [n for n in REQUIRED_SERVICES if not any(k.startswith(n + ":") for k in services)],
         "layout": layout.to_dict() if layout else None,
         "layout_summary": layout.summary() if layout else layout_error,
+        "layout_origin": layout_origin(client, keys, layout, plans),
         "last_iteration": None
         if it is None
         else {
@@ -680,7 +714,14 @@ def format_status(st: dict[str, Any]) -> str:
                 )
                 + f" ({it['iteration_time_s']:.3f} s, {it['samples_per_s']:.2f} samples/s)"
             )
-        lines.append(f"  layout: {js['layout_summary']}")
+        origin = js.get("layout_origin") or {}
+        by = {
+            "plan": f" (plan {origin.get('plan_id')})",
+            # an operator who rejected the plan reads here that the job moved all the same
+            "trainer": f" (chosen by the trainer without a plan, since "
+            f"{_clock(origin.get('since_s') or 0)})",
+        }.get(origin.get("by"), "")
+        lines.append(f"  layout: {js['layout_summary']}{by}")
         lines.append(f"  job: {_job_line(js)}")
         for name, h in sorted(js["services"].items()):
             state = h.get("state")

@@ -410,3 +410,50 @@ def test_whether_a_waiting_plan_applies_by_itself_follows_the_schedulers_mode_no
         assert re.search(r"applies by itself in (59|60) s", out), out
     finally:
         tr.close()
+
+
+def test_the_layout_says_whether_a_plan_or_the_trainer_chose_it(redis_server, r):
+    """The operator rejected the plan for a dead rank; the torch trainer applied its own when
+    its wait ran out.  Status still showed only "plan 1 rejected", nothing said the job had
+    moved without a plan."""
+    from resihp.plans import PlanFollower, write_layout
+    from resihp.topology import Layout
+
+    job = "origin"
+    keys = JobKeys(job)
+    register_job(r, keys)
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=8, num_microbatches=4)
+    write_layout(r, keys, lay)
+
+    def status() -> tuple[dict, str]:
+        js = collect_status(redis_server.url, job)["jobs"][job]
+        return js["layout_origin"], format_status({"redis_url": "x", "jobs": {job: js}})
+
+    assert status()[0] == {"by": "launch"}
+    svc = _scheduler(r, job)
+    publish(r, keys.failures, _fail_stop(3))
+    svc.run_once()
+    publish(r, keys.actions, OperatorAction(action="reject", plan_id=1, actor="alice",
+            at_s=time.time()))  # fmt: skip
+    svc.run_once()
+    own = lay.copy()
+    own.groups[1][0] = [x for x in own.groups[1][0] if x != 3][:1]
+    own.dead, own.standby, own.layout_id = [3], [x for x in lay.groups[1][0] if x != 3][1:], 1
+    t = time.time()
+    write_layout(r, keys, own)
+    origin, out = status()
+    assert origin["by"] == "trainer" and origin["since_s"] == pytest.approx(t, abs=1.0)
+    assert "(chosen by the trainer without a plan, since " in out and "plan 1 rejected" in out
+    # a plan applied afterwards is named as the layout's origin
+    publish(r, keys.failures, _fail_stop(5, rid="fs-2"))
+    svc.run_once()
+    (pid,) = [p.plan_id for p in latest_plans(r, keys).values() if p.state == "proposed"]
+    publish(r, keys.actions, OperatorAction(action="acknowledge", plan_id=pid, actor="alice",
+            at_s=time.time()))  # fmt: skip
+    svc.run_once()
+    follower = PlanFollower(r, keys)
+    (plan,) = follower.poll()
+    follower.confirm_applied(plan, Layout.from_dict(plan.after))
+    svc.run_once()
+    origin, out = status()
+    assert origin == {"by": "plan", "plan_id": pid} and f"(plan {pid})" in out
