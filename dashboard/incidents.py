@@ -556,6 +556,11 @@ def build_incident(
         key=lambda p: p.updated_at_s or p.created_at_s,
     )
     acts = [a for a in actions if a.plan_id in plan_ids] + _scheduler_acts(audit, plan_ids)
+    if snaps:
+        # mode switches while its plans waited: they decide whether a plan applies by itself
+        lo = min(p.created_at_s for p in snaps)
+        hi = max(p.updated_at_s or p.created_at_s for p in snaps)
+        acts += [a for a in actions if a.action == "set_mode" and lo <= a.at_s <= hi]
     acts.sort(key=lambda a: a.at_s)
     verdicts = _join_audit(acts, audit)
     # A refused action changed nothing, so it cannot mark a phase.
@@ -852,14 +857,44 @@ def build_incident(
     )
 
 
+def plan_state_rows(snaps: list[AdaptationPlan]) -> list[tuple[AdaptationPlan, str]]:
+    """Each snapshot with what it changed: its state, or, for a plan whose state stayed, that
+    it was re-timed (an operator's set_mode moved its grace period) or updated (it read as
+    the plan proposed twice)."""
+    out = []
+    last: dict[int, AdaptationPlan] = {}
+    for p in snaps:
+        before = last.get(p.plan_id)
+        last[p.plan_id] = p
+        if before is None or before.state != p.state:
+            out.append((p, p.state))
+        elif p.apply_after_s != before.apply_after_s:
+            out.append((p, f"{p.state}, re-timed: applies by itself after {_iso(p.apply_after_s)}"))
+        else:
+            out.append((p, f"{p.state} (updated)"))
+    return out
+
+
 def _chronological(phases: list[Phase]) -> list[Phase]:
-    """Reached phases in time order, each in one of the reached slots (unreached phases keep
-    their place); a phase that moved ahead says which phases it came before."""
-    slots = [i for i, p in enumerate(phases) if p.at_s is not None]
-    placed = sorted((phases[i] for i in slots), key=lambda p: p.at_s)  # stable: ties keep order
-    out = list(phases)
-    for i, p in zip(slots, placed, strict=True):
-        out[i] = p
+    """Reached phases in time order; each unreached phase right after the reached phase that
+    precedes it in the canonical order (it stood between two reached phases that may have
+    swapped: "recovered, not reached, not reached, plan proposed" read as out of order); a
+    phase that moved ahead says which phases it came before."""
+    reached = sorted((p for p in phases if p.at_s is not None), key=lambda p: p.at_s)  # stable
+    after: dict[int, list[Phase]] = {}  # id of the reached phase before -> unreached after it
+    lead: list[Phase] = []
+    prev = None
+    for p in phases:
+        if p.at_s is not None:
+            prev = p
+        elif prev is None:
+            lead.append(p)
+        else:
+            after.setdefault(id(prev), []).append(p)
+    out = list(lead)
+    for p in reached:
+        out.append(p)
+        out += after.get(id(p), [])
     for k, p in enumerate(phases):
         if p.at_s is None:
             continue
@@ -1018,7 +1053,8 @@ def to_markdown(inc: Incident) -> str:
         out.append("No plan was proposed.")
     else:
         out += [
-            f"Plan {plan.plan_id} ({plan.policy}, {plan.mode}): state **{state}**. {plan.reason}",
+            f"Plan {plan.plan_id} (policy {plan.policy}, proposed with the scheduler in "
+            f"{plan.mode} mode): state **{state}**. {plan.reason}",
             "",
             _predicted(plan) + (f" Note: {plan.note}" if plan.note else ""),
             "",
@@ -1029,9 +1065,9 @@ def to_markdown(inc: Incident) -> str:
             mark = " **changed**" if r["changed"] else ""
             out.append(f"| {r['what']}{mark} | {r['before']} | {r['after']} |")
         out += ["", "Plan states:", ""]
-        for p in inc.plans:
+        for p, what in plan_state_rows(inc.plans):
             out.append(
-                f"- {_iso(p.updated_at_s or p.created_at_s)} plan {p.plan_id}: {p.state}"
+                f"- {_iso(p.updated_at_s or p.created_at_s)} plan {p.plan_id}: {what}"
                 + (f" ({p.note})" if p.note else "")
             )
     out += ["", "## Operator actions", ""]
@@ -1116,7 +1152,8 @@ def to_html(inc: Incident) -> str:
     else:
         diff = figures.plan_diff_rows(plan.before, plan.after)
         parts += [
-            f"<p>Plan {plan.plan_id} ({esc(plan.policy)}, {esc(plan.mode)}): state <b>{esc(state)}</b>. "
+            f"<p>Plan {plan.plan_id} (policy {esc(plan.policy)}, proposed with the scheduler in "
+            f"{esc(plan.mode)} mode): state <b>{esc(state)}</b>. "
             f"{esc(plan.reason)}<br>{esc(_predicted(plan))} {esc(plan.note)}</p>",
             _table(
                 ["what", "before", "after"],
@@ -1126,8 +1163,8 @@ def to_html(inc: Incident) -> str:
             _table(
                 ["at (UTC)", "plan", "state", "note"],
                 [
-                    [_iso(p.updated_at_s or p.created_at_s), p.plan_id, p.state, p.note]
-                    for p in inc.plans
+                    [_iso(p.updated_at_s or p.created_at_s), p.plan_id, what, p.note]
+                    for p, what in plan_state_rows(inc.plans)
                 ],
             ),
         ]
