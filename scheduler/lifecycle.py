@@ -196,6 +196,27 @@ def check_override_result(ov: dict[str, Any], after: dict[str, Any]) -> None:
         )
 
 
+def _benched_for(ov: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Working ranks an override's ``keep_ranks`` sends to standby ('' when none): a TP
+    group holds a power of two, so keeping a spare in a full group benches a healthy rank,
+    which the operator who asked to keep one should read in the verdict."""
+    keep = set(ov.get("keep_ranks", []))
+    if not keep:
+        return ""
+
+    def active(lay: dict[str, Any]) -> set[int]:
+        return {int(r) for st in lay.get("groups", []) for g in st for r in g}
+
+    gone = active(before) - active(after) - set(ov.get("drop_ranks", []))
+    benched = sorted(gone & set(after.get("standby", [])))
+    if not benched:
+        return ""
+    return (
+        f"to keep rank(s) {sorted(keep)} working, rank(s) {benched} go to standby "
+        "(a TP group holds a power of two devices)"
+    )
+
+
 def _superseded_note(by: str, old: AdaptationPlan) -> str:
     """Why ``old`` was superseded (``by``), with what its note said before."""
     return f"{by} (was: {old.note})" if old.note else by
@@ -540,6 +561,10 @@ class PlanBook:
                 out.plans.append(refused)
                 rec.new_plan_id = refused.plan_id
                 return refuse(reason)
+            benched = _benched_for(action.override, plan.before, draft.after)
+            if benched:
+                draft.note = (f"{draft.note}; " if draft.note else "") + benched
+                rec.note = benched
             draft.reason = draft.reason or f"override of plan {plan.plan_id} by {action.actor}"
             new = self._new(
                 draft,

@@ -706,6 +706,10 @@ def test_a_keep_override_that_cannot_keep_the_ranks_is_refused_naming_them(r):
     svc.run_once()
     new = latest_plans(r, keys)[3]
     assert new.state == "acknowledged" and {8, 11} <= set(Layout.from_dict(new.after).coords())
+    # the healthy rank that makes room is named (a kept spare benched a working GPU with
+    # nothing but "accepted" said)
+    benched = "to keep rank(s) [8, 11] working, rank(s) [10] go to standby"
+    assert _audit(r, keys)[-1].note.startswith(benched) and benched in new.note
 
 
 def test_every_accepted_override_is_checked_against_what_it_asked():
