@@ -19,8 +19,11 @@ import redis
 from dashboard.config import SERVERS
 from resihp import entry
 
+#: --job-id of the dashboard; report export's is in _report_parser.
+JOB_HELP = "job shown first (default $RESIHP_JOB_ID, else the first job in Redis)"
 
-def _common(p: argparse.ArgumentParser) -> None:
+
+def _common(p: argparse.ArgumentParser, job_help: str = JOB_HELP) -> None:
     p.add_argument(
         "--redis-url",
         default=os.environ.get("REDIS_URL"),
@@ -29,7 +32,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--job-id",
         default=os.environ.get("RESIHP_JOB_ID"),
-        help="job shown first (default $RESIHP_JOB_ID, else the first job in Redis)",
+        help=job_help,
     )
 
 
@@ -58,7 +61,11 @@ def _report_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser(
         "export", help="write one incident as html, md or json", epilog=entry.stack_epilog()
     )
-    _common(ex)
+    _common(
+        ex,
+        "job of the incident (default $RESIHP_JOB_ID, else the job in Redis that has this "
+        "incident id: refused when several jobs have it)",
+    )
     ex.add_argument("--incident", required=True, help="incident id (the failure report id)")
     ex.add_argument("--format", choices=["html", "md", "json"], required=True)
     ex.add_argument("--out", required=True, help="output file ('-' for stdout)")
@@ -73,7 +80,7 @@ def report_main(argv: list[str]) -> int:
     from resihp.redis_client import connect
 
     try:
-        if args.job_id:  # empty ($RESIHP_JOB_ID=""): the first job in Redis
+        if args.job_id:  # empty ($RESIHP_JOB_ID=""): the job that holds the incident
             validate_job_id(args.job_id)
         client = connect(args.redis_url)
     except ValueError as e:
@@ -81,9 +88,8 @@ def report_main(argv: list[str]) -> int:
         return 2
     data = DashboardData(client, history=100_000)
     try:
-        job = args.job_id or next(iter(data.jobs()), None)
+        job = args.job_id or _job_of_incident(data, args.incident)
         if job is None:
-            print("report export: no job in this Redis; pass --job-id", file=sys.stderr)
             return 2
         inc = incidents.build_incident(
             job,
@@ -111,8 +117,39 @@ def report_main(argv: list[str]) -> int:
         except OSError as e:
             print(f"report export: cannot write {args.out}: {e.strerror}", file=sys.stderr)
             return 2
-        print(f"wrote {args.out} ({len(body)} bytes, incident {inc.incident_id}, {inc.status})")
+        print(
+            f"wrote {args.out} ({len(body)} bytes, incident {inc.incident_id} of job {job}, "
+            f"{inc.status})"
+        )
     return 0
+
+
+def _job_of_incident(data, incident_id: str) -> str | None:
+    """The job whose failure reports hold ``incident_id``, for an export without --job-id.
+
+    Report ids are unique within a job only (two jobs that fail alike both get
+    ``resihp-fail_slow_compute-i26-r4-1``), so every job is searched rather than the first
+    one taken: one holds it, that job; several, None after naming them (the caller must
+    pass --job-id); none, IncidentNotFound naming the jobs searched."""
+    from dashboard.incidents import IncidentNotFound
+
+    jobs = list(data.jobs())
+    if not jobs:
+        print("report export: no job in this Redis; pass --job-id", file=sys.stderr)
+        return None
+    having = [j for j in jobs if any(f.report_id == incident_id for f in data.failures(j))]
+    if len(having) > 1:
+        print(
+            f"report export: incident {incident_id!r} is in {len(having)} jobs "
+            f"({', '.join(having)}); pass --job-id to say which",
+            file=sys.stderr,
+        )
+        return None
+    if not having:
+        raise IncidentNotFound(
+            f"no failure report {incident_id!r} in any job of this Redis ({', '.join(jobs)})"
+        )
+    return having[0]
 
 
 def main(argv: list[str] | None = None) -> int:

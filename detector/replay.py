@@ -14,6 +14,14 @@ service streams) go to the detector directly; a ``{"type": "layout",
 "layout": {...}}`` line sets the layout.  A bad line is reported with its
 line number and skipped; it never stops the replay.
 
+A recorded trace is in arrival order; a merged or hand-edited one may not be, and one
+line ahead of the rest would move the liveness clock past every other rank's beats.
+So lines are replayed in arrival order (:class:`ArrivalOrder`): a line whose
+``arrival_s`` lies far from its neighbours' is named and replayed at its neighbours'
+time, and lines out of order are held back and put in order.  Traces carry no job id:
+iterations or layout ids that go back (two jobs' traces concatenated) are named too
+(:class:`TraceContinuity`).  docs/trace-format.md, "Order of lines", has the rules.
+
 Assembly and liveness come from the shared core (:mod:`resihp.assembly`,
 :mod:`resihp.liveness`), the same pure modules (no Redis) the live collector
 runs, so there is one definition of each and the detector never imports the
@@ -22,12 +30,18 @@ collector service.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
+import re
+import statistics
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
+
+import numpy as np
 
 from detector.config import DetectorConfig
 from detector.engine import Detector
@@ -52,6 +66,22 @@ from resihp.topology import Layout, LayoutError
 CHECK_EVERY_S = 0.25
 #: Errors printed by the command; the rest are counted on one line.
 MAX_ERRORS_SHOWN = 20
+#: Seconds a line's arrival_s may lie from its neighbours' (the median of the lines on
+#: either side) before it is taken for a wrong clock: a recorded trace's lines are
+#: milliseconds apart, and a real pause in the job is seen by the lines after it too.
+ARRIVAL_OUTLIER_S = 60.0
+#: Lines on each side of a line that its arrival_s is compared with.
+ARRIVAL_NEIGHBOURS = 8
+#: Trace seconds a line is held back so that lines recorded out of order are replayed
+#: in arrival order; a line later than that is replayed where it stands in the file.
+REORDER_S = 10.0
+#: At most this many lines are held back (memory), whatever their times.
+REORDER_MAX_LINES = 50_000
+#: Iterations a trace's work may go back before replay says so (a trainer's rollback to
+#: its checkpoint goes back one or two; another job's trace starts again at 0).
+ITERATION_RESTART = 100
+#: Out-of-order lines (and continuity breaks) named one by one; the rest are counted.
+MAX_NAMED = 5
 
 
 @dataclass
@@ -63,6 +93,12 @@ class ReplayStats:
     reports_total: int = 0
     #: chunk rows the assembler refused (as the live collector would dead-letter them)
     rejected_rows_total: int = 0
+    #: lines whose arrival_s was ignored (not a number, or far from their neighbours')
+    arrival_ignored_total: int = 0
+    #: lines whose arrival_s is before the previous line's (replayed in arrival order)
+    out_of_order_total: int = 0
+    #: of those, lines too far behind to put in order (replayed where they stand)
+    late_total: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -212,11 +248,48 @@ def _layout_fields_missing(lay: object) -> str | None:
     )
 
 
+def _number_layout(
+    layout: Layout,
+    declared: int | None,
+    prev: tuple[Layout, int | None] | None,
+    top_id: int,
+    no: int,
+    stats: ReplayStats,
+) -> None:
+    """Give ``layout`` (line ``no``, ``declared``: its own layout_id or None) the id replay
+    uses; ``prev``: the previous layout line's (as numbered, and its own id)."""
+    same = prev is not None and _content(layout) == _content(prev[0])
+    if declared is None:
+        # every layout of such a trace read as id 0: the detector never saw the plan's
+        # layout replace the old one and measured the new one against the old fit
+        layout.layout_id = prev[0].layout_id if prev is not None and same else top_id + 1
+    elif prev is not None and declared == prev[1] and not same:
+        stats.errors.append(
+            f"line {no}: layout_id {layout.layout_id} repeats the previous layout's with "
+            f"other content: replayed as a new layout (id {top_id + 1})"
+        )
+        layout.layout_id = top_id + 1
+
+
+def _content(layout: Layout) -> dict:
+    d = layout.to_dict()
+    d.pop("layout_id")
+    return d
+
+
 def read_trace(
     lines: Iterable[str], stats: ReplayStats
 ) -> Iterator[tuple[int, object, float | None]]:
-    """(line number, decoded message, arrival_s or None); bad lines are counted and named."""
+    """(line number, decoded message, arrival_s or None); bad lines are counted and named.
+
+    A layout line without ``layout_id`` gets the highest id so far + 1 (0 for the first)
+    unless it repeats the previous layout; one that repeats the previous layout's id with
+    other content is named and gets a new id: the detector re-fits on a new id only."""
+    prev: tuple[Layout, int | None] | None = None  # the last layout, and the id it gave
+    top_id = -1
     for no, line in enumerate(lines, 1):
+        if no == 1:
+            line = line.removeprefix("\ufeff")  # a BOM (an editor's UTF-8): not part of the JSON
         line = line.strip()
         if not line:
             continue
@@ -232,10 +305,15 @@ def read_trace(
             why = _layout_fields_missing(lay)
             if why is None:
                 try:
-                    yield no, Layout.from_dict(lay), None
-                    continue
+                    layout = Layout.from_dict(lay)
                 except LayoutError as e:
                     why = str(e)
+                else:
+                    declared = layout.layout_id if "layout_id" in lay else None
+                    _number_layout(layout, declared, prev, top_id, no, stats)
+                    prev, top_id = (layout, declared), max(top_id, layout.layout_id)
+                    yield no, layout, None
+                    continue
             stats.bad_lines_total += 1
             stats.errors.append(f"line {no}: bad layout: {why}")
             continue
@@ -246,6 +324,7 @@ def read_trace(
             or not math.isfinite(arrival)
         ):
             # not a bad line (the message is still used), but its clock is gone
+            stats.arrival_ignored_total += 1
             stats.errors.append(
                 f"line {no}: arrival_s is not a number ({arrival!r}); the sender's own "
                 "times stand in for it"
@@ -256,6 +335,239 @@ def read_trace(
         except SchemaError as e:
             stats.bad_lines_total += 1
             stats.errors.append(f"line {no}: {e.reason}")
+
+
+#: (line number, decoded message or Layout, arrival_s or None), as read_trace yields them.
+Item = tuple[int, object, float | None]
+
+
+class ArrivalOrder:
+    """Hands trace lines on in arrival order; see docs/trace-format.md, "Order of lines".
+
+    ``push`` each line as read (file order), then ``finish``; both yield lines ready to
+    replay.  A line's ``arrival_s`` is judged against the :data:`ARRIVAL_NEIGHBOURS` lines
+    on either side: farther than :data:`ARRIVAL_OUTLIER_S` from the median of each side
+    that has lines, it is a wrong clock (a typo, another job's line): named, and the line
+    is replayed at the previous line's time.  A real pause in the job is seen by the lines
+    after it, so the first line after a pause is not taken for one.  Lines are then held
+    back for :data:`REORDER_S` trace seconds and handed on in arrival order (file order
+    among equal times); a line later than that behind the lines already handed on is
+    named and replayed at the replay's clock.  Lines without ``arrival_s`` (layouts,
+    traces without it) keep their place after the line before them.
+    """
+
+    def __init__(self, stats: ReplayStats):
+        self.stats = stats
+        self._ahead: deque[Item] = deque()  # read, not yet judged
+        self._before: deque[float] = deque(maxlen=ARRIVAL_NEIGHBOURS)  # judged arrivals
+        self._last: tuple[int, float] | None = None  # line and arrival of the last judged
+        self._key = float("-inf")  # sort time of the last judged line
+        self._held: list[tuple[float, int, Item]] = []  # heap by (time, line)
+        self._newest = float("-inf")
+        self._replayed = float("-inf")  # sort time of the last line handed on
+
+    def push(self, item: Item) -> Iterator[Item]:
+        self._ahead.append(item)
+        if len(self._ahead) > ARRIVAL_NEIGHBOURS:
+            yield from self._judge(self._ahead.popleft())
+
+    def finish(self) -> Iterator[Item]:
+        while self._ahead:
+            yield from self._judge(self._ahead.popleft())
+        while self._held:
+            yield heapq.heappop(self._held)[2]
+        st = self.stats
+        if st.out_of_order_total > MAX_NAMED:
+            st.errors.append(
+                f"arrival_s goes back on {st.out_of_order_total} lines in all (the first "
+                f"{MAX_NAMED} named): replayed in arrival order"
+            )
+        if st.late_total > MAX_NAMED:
+            st.errors.append(
+                f"{st.late_total} lines in all came more than {REORDER_S:g} s of arrival_s after "
+                f"lines already replayed (the first {MAX_NAMED} named): replayed where they "
+                "stand in the file"
+            )
+
+    def _judge(self, item: Item) -> Iterator[Item]:
+        no, msg, arrival = item
+        st = self.stats
+        if arrival is not None:
+            sides = []
+            if self._before:
+                sides.append(statistics.median(self._before))
+            after = [a for _n, _m, a in self._ahead if a is not None]
+            if after:
+                sides.append(statistics.median(after))
+            if sides and all(abs(arrival - m) > ARRIVAL_OUTLIER_S for m in sides):
+                # its messages are still good: replay them beside the lines around them
+                stand = self._last[1] if self._last is not None else sides[0]
+                st.arrival_ignored_total += 1
+                st.errors.append(
+                    f"line {no}: arrival_s {arrival!r} is {abs(arrival - sides[0]):.3g} s from "
+                    f"its neighbours' ({sides[0]:.3f}), more than {ARRIVAL_OUTLIER_S:g} s: "
+                    f"ignored, the line is replayed at {stand:.3f}"
+                )
+                arrival = stand
+            else:
+                self._before.append(arrival)
+            if self._last is not None and arrival < self._last[1]:
+                st.out_of_order_total += 1
+                if st.out_of_order_total <= MAX_NAMED:
+                    st.errors.append(
+                        f"line {no}: arrival_s {arrival:.3f} is {self._last[1] - arrival:.3g} s "
+                        f"before line {self._last[0]}'s: lines are replayed in arrival order"
+                    )
+            self._last = (no, arrival)
+            key = arrival
+        else:
+            key = self._key
+        if key < self._replayed:
+            # too late to put in its place: it keeps its place in the file instead (the
+            # second of two concatenated traces is replayed after the first, as it stands)
+            stand = max(self._key, self._replayed)
+            if arrival is not None:
+                st.late_total += 1
+                if st.late_total <= MAX_NAMED:
+                    st.errors.append(
+                        f"line {no}: arrival_s {arrival:.3f} is {self._replayed - arrival:.3g} s "
+                        f"behind lines already replayed (held back {REORDER_S:g} s at most): "
+                        f"replayed where it stands in the file, at {stand:.3f}"
+                    )
+                arrival = stand
+            key = stand
+        self._key = key
+        heapq.heappush(self._held, (key, no, (no, msg, arrival)))
+        self._newest = max(self._newest, key)
+        while self._held and (
+            self._held[0][0] <= self._newest - REORDER_S or len(self._held) > REORDER_MAX_LINES
+        ):
+            key, _no, out = heapq.heappop(self._held)
+            self._replayed = key
+            yield out
+
+
+class TraceContinuity:
+    """Names where a trace looks like two jobs' (traces carry no job id).
+
+    Work (chunk rows, micro-batch stats, records) whose iteration is more than
+    :data:`ITERATION_RESTART` below the trace's highest so far, a rank's heartbeats going
+    back as far, and a layout_id lower than the previous layout's: each is named with its
+    line (the first :data:`MAX_NAMED`, the rest counted).  It only warns: what replay
+    makes of such lines is unchanged (a second job's iterations that the first already
+    published are dropped as late; a foreign heartbeat counts as a beat of that rank).
+    """
+
+    def __init__(self, stats: ReplayStats):
+        self.stats = stats
+        self._high: int | None = None  # highest work iteration so far
+        self._beat_high = np.full(0, -1, dtype=np.int64)  # per rank
+        self._beat_gen = np.full(0, -1, dtype=np.int64)  # per rank: its highest generation
+        self._layout_id: int | None = None
+        self._named = 0
+
+    def check(self, no: int, msg: object) -> None:
+        if isinstance(msg, Layout):
+            if self._layout_id is not None and msg.layout_id < self._layout_id:
+                self._say(
+                    f"line {no}: layout_id {msg.layout_id} after {self._layout_id}: two jobs' "
+                    "traces concatenated?"
+                )
+            self._layout_id = msg.layout_id
+            return
+        if isinstance(msg, HeartbeatBatch | Heartbeat):
+            if isinstance(msg, Heartbeat):
+                rows = np.array(
+                    [(msg.rank, msg.iteration, msg.generation)],
+                    dtype=[("rank", "<i8"), ("iteration", "<i8"), ("generation", "<i8")],
+                )
+            else:
+                rows = msg.rows
+            self._beats(
+                no,
+                rows["rank"].astype(np.int64),
+                rows["iteration"].astype(np.int64),
+                rows["generation"].astype(np.int64),
+            )
+            return
+        if isinstance(msg, ChunkBatch):
+            if not len(msg.rows):
+                return
+            it = int(msg.rows["iteration"].max())
+        elif isinstance(msg, ChunkTiming | MicroBatchStats | IterationRecord):
+            it = msg.iteration
+        else:
+            return
+        if self._high is not None and it < self._high - ITERATION_RESTART:
+            self._say(
+                f"line {no}: iterations restart at {it} after {self._high}: two jobs' traces "
+                "concatenated?"
+            )
+            self._restart()
+        self._high = it if self._high is None else max(self._high, it)
+
+    def _restart(self) -> None:
+        """After a restart the new numbers are the normal: say it once, not on every line
+        (or every rank's heartbeat) of the second job."""
+        self._high = None
+        self._beat_high[:] = -1
+
+    def _beats(self, no: int, ranks: np.ndarray, its: np.ndarray, gens: np.ndarray) -> None:
+        if not len(ranks):
+            return
+        n = int(ranks.max()) + 1
+        if n > len(self._beat_high):
+            self._beat_high = np.concatenate(
+                [self._beat_high, np.full(n - len(self._beat_high), -1)]
+            )
+            self._beat_gen = np.concatenate([self._beat_gen, np.full(n - len(self._beat_gen), -1)])
+        # per rank, this line's highest iteration and generation
+        high = np.full(len(self._beat_high), -1, dtype=np.int64)
+        gen = np.full(len(self._beat_high), -1, dtype=np.int64)
+        np.maximum.at(high, ranks, its)
+        np.maximum.at(gen, ranks, gens)
+        seen = high >= 0
+        # a relaunched trainer (a new generation) beats from iteration 0 until it restores
+        # its checkpoint: that is the same job
+        back = (
+            seen
+            & (self._beat_high >= 0)
+            & (high < self._beat_high - ITERATION_RESTART)
+            & (gen <= self._beat_gen)
+        )
+        if back.any():
+            r = int(np.flatnonzero(back)[0])
+            more = int(back.sum()) - 1
+            self._say(
+                f"line {no}: rank {r}'s heartbeats go back to iteration {int(high[r])} after "
+                f"{int(self._beat_high[r])}"
+                + (f" (and {more} more ranks')" if more else "")
+                + ": another job's heartbeats?"
+            )
+            self._restart()
+        self._beat_high = np.where(seen, np.maximum(self._beat_high, high), self._beat_high)
+        self._beat_gen = np.maximum(self._beat_gen, gen)
+
+    def _say(self, text: str) -> None:
+        self._named += 1
+        if self._named <= MAX_NAMED:
+            self.stats.errors.append(text)
+
+    def finish(self) -> None:
+        if self._named > MAX_NAMED:
+            self.stats.errors.append(
+                f"{self._named} places in all where iterations, heartbeats or layout ids go "
+                f"back (the first {MAX_NAMED} named): two jobs' traces concatenated?"
+            )
+
+
+_LINE_NO = re.compile(r"line (\d+):")
+
+
+def _by_line(error: str) -> float:
+    """Sort key of an error: its line number (messages about the whole trace go last)."""
+    m = _LINE_NO.match(error)
+    return int(m.group(1)) if m else math.inf
 
 
 def replay(
@@ -274,12 +586,23 @@ def replay(
             if out is not None:
                 out.write(r.to_json() + "\n")
 
-    for no, msg, arrival in read_trace(lines, rp.stats):
-        if isinstance(msg, Layout):
-            rp.set_layout(msg)
-            continue
-        emit(rp.feed(msg, arrival, no))
+    def play(items: Iterable[Item]) -> None:
+        for no, msg, arrival in items:
+            if isinstance(msg, Layout):
+                rp.set_layout(msg)
+                continue
+            emit(rp.feed(msg, arrival, no))
+
+    order = ArrivalOrder(rp.stats)
+    continuity = TraceContinuity(rp.stats)
+    for item in read_trace(lines, rp.stats):
+        continuity.check(item[0], item[1])
+        play(order.push(item))
+    play(order.finish())
+    continuity.finish()
     emit(rp.finish())
+    # lines are judged when read and replayed once in order: list what went wrong by line
+    rp.stats.errors.sort(key=_by_line)
     return reports, rp.stats
 
 
@@ -313,6 +636,9 @@ def main(
     print(
         f"replayed {st.lines_total} lines ({st.bad_lines_total} bad"
         + (f", {st.rejected_rows_total} chunk rows refused" if st.rejected_rows_total else "")
+        + (f", {st.arrival_ignored_total} arrival_s ignored" if st.arrival_ignored_total else "")
+        + (f", {st.out_of_order_total} out of order" if st.out_of_order_total else "")
+        + (f", {st.late_total} too late to reorder" if st.late_total else "")
         + f"): {st.records_total} iterations, "
         f"{st.liveness_total} liveness events -> {len(reports)} reports {by_kind} "
         f"[mode {config.mode}]",

@@ -441,7 +441,10 @@ class IterationAssembler:
             unknown = view.without_work(rows["rank"])
             if unknown.any():
                 res.rejected.append(
-                    (f"chunk rows: rank not in layout {view.layout_id}", rows[unknown])
+                    (
+                        f"chunk rows: rank not in the layout (layout_id {view.layout_id})",
+                        rows[unknown],
+                    )
                 )
                 rows = rows[~unknown]
             if self.tp_dedup and len(rows):

@@ -179,9 +179,23 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - report any connection problem plainly
             print(f"resihp status: cannot read {redact(url)}: {e}", file=sys.stderr)
             return 1
-        print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
-        return 0
+        return _print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 2
+
+
+def _print(text: str) -> int:
+    """Print ``text`` to stdout; a reader that went away (``resihp status | head -3``) is
+    not an error: the rest of the output is not wanted, so exit quietly."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the interpreter flushes stdout again at exit: point it at /dev/null so that
+        # flush does not print a second BrokenPipeError
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 0
 
 
 if __name__ == "__main__":

@@ -163,6 +163,14 @@ def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def _compute_s_bound(duration_s):
+    """The largest ``compute_s`` a chunk of ``duration_s`` can report: the time computing
+    inside a chunk is part of it.  The slack (1 ms, 1%) absorbs a producer that times its
+    compute with another clock and the rounding of epoch-sized start/end times; anything
+    beyond it (1e308) is not a timing, and would overflow the detector's sums."""
+    return duration_s * 1.01 + 1e-3
+
+
 def _nonneg(cls_name: str, **values: float) -> None:
     for k, v in values.items():
         if v < 0:
@@ -270,6 +278,16 @@ class ChunkTiming(Message):
             raise SchemaError(
                 f"ChunkTiming: negative duration (start {self.start_s}, end {self.end_s})"
             )
+        if self.compute_s > _compute_s_bound(self.end_s - self.start_s):
+            raise SchemaError(
+                f"ChunkTiming.compute_s {self.compute_s} is longer than the chunk "
+                f"({self.end_s - self.start_s} s from start_s to end_s)"
+            )
+
+
+#: The largest token budget (N) of one micro-batch: 128x the simulator's largest
+#: ``--seq-len`` (131072), far past any packed micro-batch a GPU holds.
+MAX_TOKEN_BUDGET = 1 << 24
 
 
 @dataclass
@@ -296,6 +314,18 @@ class MicroBatchStats(Message):
         )
         if self.token_budget <= 0 or self.num_docs <= 0:
             raise SchemaError("MicroBatchStats: token_budget and num_docs must be > 0")
+        if self.token_budget > MAX_TOKEN_BUDGET:
+            # eq. (1) is fitted over N and sum l^2: one 10^20-token micro-batch within the
+            # consistency bounds below still wrecks the fit for every iteration after it
+            raise SchemaError(
+                f"MicroBatchStats.token_budget {self.token_budget} is beyond the "
+                f"{MAX_TOKEN_BUDGET} tokens a micro-batch may hold"
+            )
+        if self.num_docs > self.token_budget:
+            raise SchemaError(
+                f"MicroBatchStats.num_docs {self.num_docs} exceeds token_budget "
+                f"{self.token_budget} (every document holds at least one token)"
+            )
         if self.max_len > self.token_budget or self.max_len <= 0:
             raise SchemaError("MicroBatchStats.max_len: must be in (0, token_budget]")
         # sum l^2 is bounded by N^2 (one document) and N^2/k (k equal documents).
@@ -607,6 +637,10 @@ def _json_column(type_name: str, name: str, values: Any, n: int, dtype: np.dtype
         raise SchemaError(f"{type_name}: column {name}: expected a flat list of numbers")
     if dtype.kind in "iu":
         if arr.dtype.kind not in "iu":
+            # integers past 64 bits (10**30, or 2**63 beside a negative) come back as
+            # objects or floats: they are out of range, not "not integers"
+            if all(type(v) is int for v in values):
+                raise SchemaError(f"{type_name}: column {name}: value out of range for {dtype}")
             raise SchemaError(f"{type_name}: column {name}: expected integers")
         info = np.iinfo(dtype)
         if arr.min() < info.min or arr.max() > info.max:
@@ -716,6 +750,8 @@ class ChunkBatch(PackedBatch):
         # compute_s is -1 when unknown, but never NaN/inf
         if not np.isfinite(rows["compute_s"]).all():
             raise SchemaError("chunk_batch: non-finite compute_s")
+        if (rows["compute_s"] > _compute_s_bound(rows["end_s"] - rows["start_s"])).any():
+            raise SchemaError("chunk_batch: compute_s longer than the chunk (end_s - start_s)")
 
     def iter_messages(self):
         for r in self.rows:

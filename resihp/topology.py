@@ -37,6 +37,11 @@ class Migration:
         return [self.stage, self.src_dp, self.microbatch, self.dst_dp]
 
 
+#: Pipeline schedules a layout may name: ``resihp.pipeline.schedule.SCHEDULE_KINDS`` (kept
+#: here so the core need not import the pipeline engine; a test holds the two equal).
+#: Which of them a trainer runs is the trainer's check, not the layout's.
+SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved")
+
 #: The largest job a layout may describe (64x the 16,384-GPU jobs the stack is sized for).
 MAX_WORLD_SIZE = 1 << 20
 
@@ -165,6 +170,10 @@ class Layout:
             raise LayoutError(
                 f"world_size {self.world_size} is beyond the {MAX_WORLD_SIZE} ranks ResiHP handles"
             )
+        if self.schedule not in SCHEDULES:
+            # a typo ('ZBH1', '1f1b' with a fullwidth digit) would be planned and predicted
+            # as 1F1B while the ranks run something else
+            raise LayoutError(f"unknown schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}")
         if not self.groups or not self.layers:
             raise LayoutError("layout has no replicas or no stages")
         if any(len(stages) != self.pp for stages in self.groups):

@@ -367,3 +367,31 @@ def test_act_names_an_unknown_job_and_a_state_dir_without_a_stack(
     assert main(["act", "acknowledge", "--plan-id", "2", "--actor", "fay"]) == 2
     err = capsys.readouterr().err
     assert "no `resihp up` stack runs from the state dir (--state-dir, default .resihp)" in err
+
+
+# --------------------------------------------------------------- resihp status | head
+
+
+@pytest.mark.redis
+def test_status_into_a_closed_pipe_exits_quietly(r, redis_server):
+    """`resihp status ... | head -3` ended with a BrokenPipeError traceback once head had
+    read its lines: a reader that goes away is not an error."""
+    import os
+    import subprocess
+    import sys
+
+    r.sadd(JOBS_SET, "job-a")
+    r.set(JobKeys("job-a").layout, json.dumps(LAY16.to_dict()))
+    rd, wr = os.pipe()
+    os.close(rd)  # the reader (head) has gone before the first line
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "resihp.cli", "status", "--redis-url", redis_server.url],
+            stdout=wr,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(wr)
+    assert p.returncode == 0 and p.stderr == "", p.stderr

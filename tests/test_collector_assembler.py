@@ -227,7 +227,7 @@ def test_bad_rows_are_rejected_with_reasons():
     reasons = {reason: len(r) for reason, r in res.rejected}
     assert reasons == {
         "chunk rows: field out of range or absurd timing": 3,
-        "chunk rows: rank not in layout 0": 2,
+        "chunk rows: rank not in the layout (layout_id 0)": 2,
     }
     assert res.accepted_total == 11
 

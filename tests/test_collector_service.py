@@ -227,7 +227,7 @@ def test_layout_change_is_reread_and_unknown_ranks_refused(r):
     assert p.flush()
     assert _pump(svc, lambda: r.xlen(KEYS.deadletter) == 1)
     ((_, f),) = r.xrange(KEYS.deadletter)
-    assert b"rank not in layout 1" in f[b"reason"]
+    assert b"rank not in the layout (layout_id 1)" in f[b"reason"]
     assert json.loads(f[b"raw"])["ranks"] == [7]
     p.close()
 

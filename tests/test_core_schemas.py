@@ -277,3 +277,69 @@ def test_bad_packed_record_chunks_are_reported_and_the_record_kept(mangle, reaso
     good, bad = S.decode_entry(fields)
     assert good and all(isinstance(m, S.IterationRecord) and m.chunks == {} for m in good)
     assert len(bad) == 1 and reason in bad[0][0]
+
+
+def _mbstats(**kw):
+    d = {"type": "mbstats", "schema_version": 1, "iteration": 0, "dp": 0, "microbatch": 0}
+    d.update({"token_budget": 4096, "num_docs": 2, "sum_sq_len": 2048.0**2 * 2, "max_len": 2048})
+    d.update(kw)
+    return d
+
+
+def test_a_micro_batch_beyond_2_24_tokens_is_refused():
+    """10^20 tokens with a matching max_len and sum l^2 passed every consistency bound and
+    wrecked the predictor's eq. (1) fit: 5 false fail-slow reports in a replay."""
+    huge = _mbstats(token_budget=10**20, num_docs=2, max_len=10**20, sum_sq_len=1e40)
+    with pytest.raises(S.SchemaError, match="beyond the 16777216 tokens"):
+        S.decode_message(huge)
+    with pytest.raises(S.SchemaError, match="beyond"):
+        S.decode_message(_mbstats(token_budget=2**24 + 1, num_docs=1, max_len=1))
+    n = 2**24  # the bound itself is a micro-batch
+    ok = S.decode_message(_mbstats(token_budget=n, num_docs=1, max_len=n, sum_sq_len=float(n) ** 2))
+    assert ok.token_budget == n
+    # documents hold at least one token each
+    with pytest.raises(S.SchemaError, match="num_docs 5000 exceeds token_budget 4096"):
+        S.decode_message(_mbstats(num_docs=5000, sum_sq_len=4096.0, max_len=1))
+
+
+def _chunk_batch_json(**col):
+    d = S.ChunkBatch(_rows(2)).to_dict()
+    for c, (i, v) in col.items():
+        d["chunks"][c][i] = v
+    return json.loads(json.dumps(d))
+
+
+def test_integers_too_large_for_a_column_are_out_of_range_not_non_integers():
+    with pytest.raises(S.SchemaError, match="column iteration: value out of range for int32"):
+        S.decode_message(_chunk_batch_json(iteration=(0, 10**30)))
+    hb = S.HeartbeatBatch(
+        S.heartbeats_to_rows(
+            [S.Heartbeat(rank=r, node=0, iteration=1, wall_time_s=1.0) for r in (0, 1)]
+        )
+    ).to_dict()
+    hb["heartbeats"]["seq"] = [2**63, 1]  # numpy makes floats of these
+    with pytest.raises(S.SchemaError, match="column seq: value out of range for int64"):
+        S.decode_message(hb)
+    with pytest.raises(S.SchemaError, match="column iteration: expected integers"):
+        S.decode_message(_chunk_batch_json(iteration=(0, 1.5)))
+
+
+def test_compute_s_longer_than_its_chunk_is_refused(recwarn):
+    """compute_s 1e308 (the time computing inside a 0.5 s chunk) was accepted and overflowed
+    the detector's sums: a numpy RuntimeWarning on stderr, and no line named."""
+    with pytest.raises(S.SchemaError, match="compute_s longer than the chunk"):
+        S.decode_message(_chunk_batch_json(compute_s=(1, 1e308)))
+    rows = _rows(3)
+    rows["compute_s"] = [0.4, -1.0, 0.6]  # 0.6 s inside a 0.5 s chunk
+    assert "compute_s longer" in S.decode_entry({b"c": rows.tobytes(), b"cv": b"1"})[1][0][0]
+    one = {"type": "chunk", "schema_version": 1, "rank": 0, "iteration": 0, "dp": 0, "stage": 0}
+    one.update({"microbatch": 0, "kind": "F", "start_s": 1.0, "end_s": 1.5, "compute_s": 9.0})
+    with pytest.raises(S.SchemaError, match="compute_s 9.0 is longer than the chunk"):
+        S.decode_message(one)
+    # a compute_s equal to the duration survives epoch-sized times' rounding
+    rows = _rows(2)
+    rows["start_s"] += 1.7e9
+    rows["end_s"] = rows["start_s"] + 0.1
+    rows["compute_s"] = 0.1
+    assert len(S.decode_message(S.ChunkBatch(rows).to_dict())) == 2
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

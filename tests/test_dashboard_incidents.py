@@ -859,3 +859,38 @@ def test_an_incident_whose_plan_failed_on_the_trainer_stays_open_saying_so(r):
     assert why in incidents.to_markdown(inc)
     (td,) = turned_down_plans(r, keys, latest_plans(r, keys))
     assert (td["plan_id"], td["state"], td["why"]) == (1, "failed", why)
+
+
+@pytest.mark.redis
+def test_report_export_without_a_job_finds_the_one_job_with_the_incident(r, redis_server, tmp_path):
+    """Report ids repeat across jobs, and an export without --job-id took the first job
+    in Redis: its incident, or a 'not found' for an incident another job holds."""
+    import os
+
+    from resihp.keys import JobKeys
+
+    publish_job(r, "job-a", iterations=45, slow_from=40)
+    publish_job(r, "job-b", iterations=45, slow_from=40)
+    base = [sys.executable, "-m", "dashboard", "report", "export", "--format", "json"]
+    base += ["--redis-url", redis_server.url, "--out", str(tmp_path / "inc.json")]
+    env = {k: v for k, v in os.environ.items() if k != "RESIHP_JOB_ID"}
+
+    def export(incident):
+        return subprocess.run(
+            [*base, "--incident", incident], capture_output=True, text=True, timeout=60, env=env
+        )
+
+    # both jobs hold fr-slow-1: which one is meant is for the operator to say
+    res = export("fr-slow-1")
+    assert res.returncode == 2, res.stderr
+    assert "incident 'fr-slow-1' is in 2 jobs (job-a, job-b); pass --job-id" in res.stderr
+    assert not (tmp_path / "inc.json").exists()
+    # only job-b holds it: job-b's, and the console line says so
+    r.delete(JobKeys("job-a").failures)
+    res = export("fr-slow-1")
+    assert res.returncode == 0, res.stderr
+    assert "incident fr-slow-1 of job job-b" in res.stdout, res.stdout
+    assert json.loads((tmp_path / "inc.json").read_text())["job_id"] == "job-b"
+    res = export("missing")
+    assert res.returncode == 1
+    assert "no failure report 'missing' in any job of this Redis (job-a, job-b)" in res.stderr

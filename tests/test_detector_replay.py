@@ -157,7 +157,7 @@ def test_replay_names_the_line_of_refused_rows_and_counts_what_it_does_not_print
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     # an assembler refusal came without its line, and errors past the 20th vanished
     assert err[0] == (
-        "detector replay: line 2: chunk rows: rank not in layout 0 (1 of 1 rows skipped)"
+        "detector replay: line 2: chunk rows: rank not in the layout (layout_id 0) (1 of 1 rows skipped)"
     ), err
     assert err[20] == "detector replay: ... and 7 more", err
     assert "25 chunk rows refused" in err[-1] and "(1 bad" in err[-1], err[-1]
@@ -517,3 +517,174 @@ def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
     rec = [g for g in got if g[0] == "recovery"]
     assert rec and rec[0][1] == [5] and 60 <= rec[0][2] <= 66, got
     assert rp.detector.health[5]["state"] == "healthy"
+
+
+# ------------------------------------------------------------ traces not in arrival order
+
+
+def _key(reports):
+    return [(r.kind, r.ranks, r.iteration) for r in reports]
+
+
+@pytest.fixture(scope="module")
+def baseline(trace):
+    lines = trace.read_text().splitlines()
+    reports, st = replay(lines, CFG)
+    assert st.errors == [] and st.out_of_order_total == 0 and st.arrival_ignored_total == 0
+    return lines, _key(reports)
+
+
+def _heartbeat_at(lines, iteration):
+    """Index of the first heartbeat line of ``iteration``."""
+    for i, text in enumerate(lines):
+        d = json.loads(text)
+        if d["type"] == "heartbeat" and d["iteration"] == iteration:
+            return i
+    raise AssertionError(iteration)
+
+
+def test_a_line_moved_ahead_of_its_time_kills_no_rank(baseline):
+    """A heartbeat line moved 5 s earlier in the file moved replay's clock 5 s forward:
+    every rank not in it had missed K beats, 15 false fail-stops and recoveries."""
+    lines, want = baseline
+    i = _heartbeat_at(lines, 20)
+    t = json.loads(lines[i])["arrival_s"]
+    j = next(k for k, x in enumerate(lines) if json.loads(x).get("arrival_s", 0) >= t - 5)
+    moved = lines[:j] + [lines[i]] + lines[j:i] + lines[i + 1 :]
+    reports, st = replay(moved, CFG)
+    assert _key(reports) == want
+    assert st.out_of_order_total == 1 and st.late_total == 0 and st.bad_lines_total == 0
+    assert st.errors[0].startswith(f"line {j + 2}: arrival_s ") and st.errors[0].endswith(
+        f"s before line {j + 1}'s: lines are replayed in arrival order"
+    ), st.errors
+
+
+@pytest.mark.parametrize("wrong", [1e300, "+1e6", -1e4])
+def test_an_arrival_s_far_from_its_neighbours_is_named_and_ignored(baseline, wrong):
+    lines, want = baseline
+    i = _heartbeat_at(lines, 20)
+    d = json.loads(lines[i])
+    d["arrival_s"] = d["arrival_s"] + 1e6 if wrong == "+1e6" else wrong
+    reports, st = replay([*lines[:i], json.dumps(d), *lines[i + 1 :]], CFG)
+    assert _key(reports) == want
+    assert st.arrival_ignored_total == 1 and st.out_of_order_total == 0
+    prev = json.loads(lines[i - 1])["arrival_s"]
+    assert st.errors == [
+        f"line {i + 1}: arrival_s {d['arrival_s']!r} is "
+        f"{abs(d['arrival_s'] - st_median(lines, i)):.3g} s from its neighbours' "
+        f"({st_median(lines, i):.3f}), more than 60 s: ignored, the line is replayed at {prev:.3f}"
+    ]
+
+
+def st_median(lines, i):
+    import statistics
+
+    from detector.replay import ARRIVAL_NEIGHBOURS
+
+    return statistics.median(json.loads(x)["arrival_s"] for x in lines[i - ARRIVAL_NEIGHBOURS : i])
+
+
+def test_a_pause_in_the_job_is_not_a_wrong_clock(baseline):
+    """The first line after a real pause is far from the lines before it, but the lines
+    after it agree with it: only a line far from both sides is ignored."""
+    lines, _ = baseline
+    i = _heartbeat_at(lines, 20)
+    paused = []
+    for k, text in enumerate(lines):
+        d = json.loads(text)
+        if k >= i and "arrival_s" in d:
+            d["arrival_s"] += 120.0
+        paused.append(json.dumps(d))
+    _, st = replay(paused, CFG)
+    assert st.arrival_ignored_total == 0 and st.out_of_order_total == 0, st.errors
+
+
+def _shift_iterations(text, by):
+    d = json.loads(text)
+    if "chunks" in d:
+        d["chunks"]["iteration"] = [x + by for x in d["chunks"]["iteration"]]
+    elif "iteration" in d:
+        d["iteration"] += by
+    return json.dumps(d)
+
+
+TYPES = ("heartbeat", "mbstats")
+
+
+def test_two_jobs_traces_concatenated_are_named(baseline):
+    """`cat a.jsonl b.jsonl`: the second job's iterations were dropped as late without a
+    word; one heartbeat line of another job 'revived' a dead rank silently."""
+    lines, _ = baseline
+    first = [_shift_iterations(x, 1000) for x in lines]  # a job 1000 iterations in
+    _, st = replay(first + lines, CFG)
+    n = len(lines)
+    last = {t: max(json.loads(x)["iteration"] for x in first if f'"{t}"' in x) for t in TYPES}
+    # the second trace starts with its layout and heartbeats: said once, not per rank
+    named = [e for e in st.errors if "go back" in e or "restart" in e]
+    assert named == [
+        f"line {n + 2}: rank 0's heartbeats go back to iteration 0 after {last['heartbeat']}: "
+        "another job's heartbeats?"
+    ], st.errors
+    # its first work alone (no heartbeats) says the same
+    work = [x for x in lines if json.loads(x)["type"] != "heartbeat"]
+    _, st = replay(first + work, CFG)
+    restart = (
+        f"line {n + 2}: iterations restart at 0 after {last['mbstats']}: two jobs' traces "
+        "concatenated?"
+    )
+    assert [e for e in st.errors if "restart" in e] == [restart], st.errors
+    # the second trace's times are before the first's end: too late to put in order
+    assert st.late_total > 0 and st.out_of_order_total == 1
+    # one heartbeat line of another job in the middle of this one
+    i = _heartbeat_at(first, 1020)
+    foreign = json.loads(first[i])
+    foreign.update(rank=DEAD_RANK, node=DEAD_RANK // 8, iteration=3)
+    had = max(
+        d["iteration"]
+        for d in map(json.loads, first[: i + 1])
+        if d["type"] == "heartbeat" and d["rank"] == DEAD_RANK
+    )
+    _, st = replay([*first[: i + 1], json.dumps(foreign), *first[i + 1 :]], CFG)
+    assert st.errors == [
+        f"line {i + 2}: rank {DEAD_RANK}'s heartbeats go back to iteration 3 after {had}: "
+        "another job's heartbeats?"
+    ]
+    # a relaunched trainer (next generation) beats from 0 again: the same job
+    foreign["generation"] = 1
+    _, st = replay([*first[: i + 1], json.dumps(foreign), *first[i + 1 :]], CFG)
+    assert st.errors == []
+
+
+def test_layouts_without_layout_id_are_numbered_in_order():
+    """Without layout_id every layout read as id 0: the detector never saw the plan's
+    layout replace the old one and reported the reshaped TP group's healthy ranks slow."""
+    from detector.replay import ReplayStats, read_trace
+    from resihp.topology import Layout
+
+    a = Layout.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4).to_dict()
+    b = {**a, "layers": [1, 3]}
+    c = {**a, "layers": [3, 1]}
+    for d in (a, b, c):
+        d.pop("layout_id")
+
+    def ids(*layouts):
+        st = ReplayStats()
+        text = [json.dumps({"type": "layout", "layout": x}) for x in layouts]
+        return [m.layout_id for _no, m, _a in read_trace(text, st)], st.errors
+
+    assert ids(a, b, c) == ([0, 1, 2], [])
+    assert ids(a, a, b) == ([0, 0, 1], [])  # the same layout again keeps its id
+    assert ids({**a, "layout_id": 4}, b) == ([4, 5], [])
+    # an id repeated with other content is named and taken as a new layout
+    got, errors = ids({**a, "layout_id": 2}, {**b, "layout_id": 2}, {**c, "layout_id": 2})
+    assert got == [2, 3, 4]
+    assert errors[0] == (
+        "line 2: layout_id 2 repeats the previous layout's with other content: replayed as a "
+        "new layout (id 3)"
+    )
+
+
+def test_a_byte_order_mark_on_the_first_line_keeps_the_layout(baseline):
+    lines, want = baseline
+    reports, st = replay(["\ufeff" + lines[0], *lines[1:]], CFG)
+    assert st.errors == [] and _key(reports) == want

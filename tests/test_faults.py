@@ -99,7 +99,7 @@ def test_bad_telemetry_is_dead_lettered_and_the_service_keeps_going(r):
         "negative chunk duration",
         "non-finite compute_s",
         "unknown rank",
-        "rank not in layout",
+        "rank not in the layout",
         "unknown replica dp=5",
         "unexpected message type 'liveness'",
         "Heartbeat: unknown rank 9999",

@@ -62,3 +62,24 @@ def test_migrations_into_a_replica_without_micro_batches_are_flagged():
     lay.microbatches = [3, 1]
     lay.migrations = [Migration(1, 0, 2, 1)]
     assert lay.idle_host_migrations() == []
+
+
+@pytest.mark.parametrize("schedule", ["bogus", "", "ZBH1", "\uff11f1b", "1F1B", "zbh"])
+def test_a_layout_with_an_unknown_schedule_is_refused(schedule):
+    """from_dict took any string ('bogus', '', a fullwidth digit): a ZB-H1 trace with a
+    typo was predicted as 1F1B without a word."""
+    d = Layout.uniform(tp=1, pp=2, dp=1, num_layers=2, num_microbatches=2).to_dict()
+    d["schedule"] = schedule
+    with pytest.raises(LayoutError, match=f"unknown schedule {schedule!r}: one of gpipe, 1f1b"):
+        Layout.from_dict(d)
+
+
+def test_the_schedules_a_layout_may_name_are_the_pipeline_engines():
+    from resihp.pipeline import SCHEDULE_KINDS
+    from resihp.topology import SCHEDULES
+
+    assert SCHEDULES == SCHEDULE_KINDS
+    for s in SCHEDULES:
+        d = Layout.uniform(tp=1, pp=2, dp=1, num_layers=2, num_microbatches=2).to_dict()
+        d["schedule"] = s
+        assert Layout.from_dict(d).schedule == s
