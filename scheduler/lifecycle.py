@@ -526,7 +526,14 @@ class PlanBook:
                 f"{plan.state}: the job runs it now"
             )
         elif target not in TRANSITIONS[plan.state]:
-            return refuse(f"plan {plan.plan_id} is {plan.state}; cannot {action.action}")
+            why = f"plan {plan.plan_id} is {plan.state}; cannot {action.action}"
+            now_open = [p for p in self.open_plans() if p.plan_id != plan.plan_id]
+            if now_open and action.action in ("acknowledge", "reject", "override"):
+                # plans churn while a failure develops: the id an operator read a few
+                # seconds ago is stale; say which one to act on instead
+                latest = now_open[-1]
+                why += f" (plan {latest.plan_id}, {latest.state}, is the one open now)"
+            return refuse(why)
         if action.action in ("acknowledge", "override"):
             why = self.stale(plan)
             if why:

@@ -298,6 +298,8 @@ def test_cli_act_and_check_health(r, redis_server):
     # the verdict of a refused action is printed, and the exit code says so
     rc, out, err = act("acknowledge", "--plan-id", str(p1.plan_id))
     assert rc == 1 and f"refused: plan {p1.plan_id} is overridden; cannot acknowledge" in err
+    # the plan an operator read a moment ago is stale: the verdict names the open one
+    assert f"(plan {max(plans)}, acknowledged, is the one open now)" in err, err
     rc, out, err = act("override", "--plan-id", str(max(plans)), "--override", '{"layers": [1, 2]}')  # fmt: skip
     assert rc == 1 and "refused: " in err and "layers" in err, err
     # a payload of the wrong shape never leaves the shell (the scheduler drops it unheard)
