@@ -265,3 +265,57 @@ def test_a_slow_plan_poll_does_not_silence_the_heartbeats(r):
     assert [(e.scope, e.node, e.state) for e in events if e.state == "dead"] == []
     assert tr.keepalive_beats_total > 0  # the keeper beat while the poll slept
     assert tr.producer.dropped_total == 0
+
+
+def test_a_restarted_trainer_resumes_the_job_it_finds_in_redis(r):
+    """A trainer container restarted by compose began the job again at iteration 0: the
+    collector had published those numbers and dropped a minute of the new run as late,
+    unseen, and the job read as stalled.  It resumes after the job's newest iteration, on
+    the layout the job ran, with the scenario's past events (a slowed GPU) still in force."""
+    from resihp.bus import publish
+    from resihp.plans import write_layout
+    from resihp.scenario import parse_scenario
+    from resihp.schemas import IterationRecord
+
+    sc = "events:\n  - {at_iteration: 2, action: slow_device, rank: 5, factor: 0.5}\n"
+    cfg = _cfg(job_id="again")
+    keys = JobKeys("again")
+    first = SimTrainer(cfg, r, scenario=parse_scenario(sc))
+    for _ in range(5):
+        first.run_once()
+    t0_s, end_s = first.sim.epoch_s, first.sim.epoch_s + first.sim.t_s
+    first.close()  # a crash: the job stays "running"
+    for it, (a, b) in ((0, (t0_s, t0_s + 1.0)), (4, (end_s - 1.0, end_s))):  # the collector's
+        publish(r, keys.iterations, IterationRecord(iteration=it, iteration_time_s=1.0,
+                start_s=a, end_s=b, samples=4, tokens=4 * 4096, num_ranks_reporting=16))  # fmt: skip
+    # a plan the first run applied: the job's layout is no longer the launch one
+    moved = first.sim.layout.copy()
+    moved.layout_id = 4
+    write_layout(r, keys, moved)
+    r.delete(keys.telemetry)
+
+    again = SimTrainer(cfg, r, scenario=parse_scenario(sc))
+    again.run_once()
+    assert again.sim.layout.layout_id == 4
+    assert again.sim.compute_speed[5] == 0.5  # the slowdown of iteration 2 holds
+    again.close()  # flushes its telemetry
+    _msgs, rows = _drain(r, keys)
+    assert set(rows["iteration"].tolist()) == {5}  # after the 5 iterations (0-4) run
+    assert rows["start_s"].min() >= end_s  # the job's clock does not go back
+
+    # no trainer health left (it expired): the newest published record decides
+    r.delete(keys.telemetry, keys.health("trainer", "0"))
+    publish(r, keys.iterations, IterationRecord(iteration=41, iteration_time_s=1.0,
+            start_s=end_s + 9.0, end_s=end_s + 10.0, samples=4, tokens=4 * 4096,
+            num_ranks_reporting=16))  # fmt: skip
+    third = SimTrainer(cfg, r)
+    third.run_once()
+    third.close()
+    _msgs, rows = _drain(r, keys)
+    assert set(rows["iteration"].tolist()) == {42} and rows["start_s"].min() >= end_s + 10.0
+    # a new job starts at 0
+    fresh = SimTrainer(_cfg(job_id="new-one"), r)
+    fresh.run_once()
+    fresh.close()
+    _msgs, rows = _drain(r, JobKeys("new-one"))
+    assert set(rows["iteration"].tolist()) == {0}

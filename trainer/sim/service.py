@@ -11,6 +11,13 @@ the simulation and replays the step's heartbeats at their simulated times
 divided by ``speed``; chunk rows and micro-batch stats are handed over when the
 iteration ends, as a real trainer does.
 
+A job whose history is already in Redis (the trainer restarted: a crash, a container
+restarted by compose) is resumed, as a real trainer resumes from its checkpoint: after
+the newest iteration the job published, on the layout it ran, with the scenario's events
+up to then taken as having happened (:meth:`SimTrainer._resume`).  Started from 0 instead,
+its first minute of iterations repeated numbers the collector had published and was
+dropped as late, unseen.
+
 Heartbeats do not wait for the main loop: while it emits none (a slow plan poll, a
 slow step, a wait for the producer), a thread of its own (:class:`_BeatKeeper`) beats for
 the live ranks, as a real trainer's heartbeat thread does, so that one slow step is
@@ -38,10 +45,11 @@ from resihp.bus import (
     set_job_state,
 )
 from resihp.keys import JobKeys
-from resihp.plans import PlanFollower, register_running
+from resihp.plans import PlanFollower, read_layout, register_running
 from resihp.producer import TelemetryProducer
 from resihp.scenario import Scenario, load_scenario
-from resihp.schemas import HEARTBEAT_DTYPE
+from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, SchemaError, decode_entry
+from resihp.status import last_iteration_entry
 from resihp.topology import Layout, LayoutError
 
 from .config import SimConfig
@@ -98,10 +106,82 @@ class SimTrainer:
         """Start the producer and register the job (retried each step while Redis is down;
         a Redis that refuses the password raises ``resihp.entry.RedisRefused``)."""
         if not self.started:
+            try:
+                self._resume()
+            except redis.RedisError as e:  # down now: a fresh run, as before Redis had one
+                log.warning("cannot tell whether the job ran before (%s): starting at 0", e)
             self.producer.start()
             self.started = True
             self._keeper.start()
         self._register()
+
+    def _resume(self) -> None:
+        """Continue the job Redis holds a history of (see the module doc); nothing to do
+        for a new job (no record, no trainer health)."""
+        if self.sim.iteration or self.sim.t_s:
+            return
+        last, _ = last_iteration_entry(self.client, self.keys)
+        beat = Health.all(self.client, self.keys).get("trainer:0") or {}
+        beat_it = beat.get("iteration")
+        newest = max(
+            last.iteration if last is not None else -1,
+            # the trainer's own last word: it may be ahead of what the collector published
+            int(beat_it) - 1 if isinstance(beat_it, int) else -1,
+        )
+        if newest < 0:
+            return
+        first = self.client.xrange(self.keys.iterations, count=1)
+        first_rec = None
+        if first:
+            try:
+                good, _ = decode_entry(first[0][1])
+            except SchemaError:
+                good = []
+            first_rec = next((m for m in good if isinstance(m, IterationRecord)), None)
+        # training time the job had run: scenario times are on it
+        prev_t = (
+            max(0.0, last.end_s - first_rec.start_s)
+            if last is not None and first_rec is not None
+            else 0.0
+        )
+        sim = self.sim
+        try:
+            layout = read_layout(self.client, self.keys)
+        except (LayoutError, ValueError) as e:
+            log.warning("the job's layout in Redis is unreadable (%s): resuming on our own", e)
+            layout = None
+        if layout is not None:
+            # checked before the past events kill anyone: a layout still holding a rank that
+            # died (no plan applied yet) is where the job hangs, and resumes hung
+            problem = sim.check_layout(layout) if layout != sim.layout else None
+            if problem:
+                log.warning("not resuming on the job's layout in Redis: %s", problem)
+            else:
+                sim.layout, sim._ctx = layout, None
+        sim.iteration = newest + 1
+        sim.t_s = prev_t
+        # the events of the first run happened: the devices they killed or slowed stay so
+        while True:
+            due = sim.cursor.due(newest, prev_t)
+            if not due:
+                break
+            for ev in due:
+                sim._apply_event(ev)
+        now = time.time()
+        # the trainer's clock goes on from the first run's (never back before its last
+        # record); the wall pacing from now
+        sim.epoch_s = max(now, last.end_s if last is not None else now) - prev_t
+        self.wall0 = now - prev_t / self.cfg.speed if self.cfg.speed > 0 else now
+        sim._next_hb_s = prev_t
+        log.warning(
+            "job %s already ran to iteration %d (its history is in Redis: a restart): resuming "
+            "at iteration %d on layout %d, scenario events up to then taken as happened "
+            "(a new --job-id, or `resihp up --fresh`, starts over)",
+            self.keys.job_id,
+            newest,
+            sim.iteration,
+            sim.layout.layout_id,
+        )
 
     def _register(self) -> bool:
         if self._registered:
@@ -361,6 +441,9 @@ class _BeatKeeper:
     MIN_SILENCE_S = 0.75
     #: Its beat period is the trainer's, but no shorter than this.
     MIN_PERIOD_S = 0.5
+    #: It looks at the main loop's silence at least this often (wall seconds), however long
+    #: the period: a long wait must stay within what ``Event.wait`` takes.
+    MAX_WAIT_S = 60.0
 
     def __init__(self, trainer: SimTrainer):
         cfg = trainer.cfg
@@ -406,7 +489,7 @@ class _BeatKeeper:
         self._last_sent = time.monotonic()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(self.period_s, self.silence_s) / 4):
+        while not self._stop.wait(min(self.period_s / 4, self.silence_s / 4, self.MAX_WAIT_S)):
             if time.monotonic() - self._last_sent < self.silence_s:
                 continue
             trainer = self._trainer()
