@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from dashboard.config import SERVERS
+from dashboard.config import SERVERS, suspect_operators
 from resihp import entry
 
 #: --job-id of the dashboard; report export's is in _report_parser.
@@ -152,6 +152,48 @@ def _job_of_incident(data, incident_id: str) -> str | None:
     return having[0]
 
 
+def _check_redis(url: str) -> int:
+    """0 when the dashboard may serve: Redis answers, or cannot be reached yet (the pages
+    say "Redis unavailable" and recover when it comes back).  2 after one line on stderr
+    when waiting cannot help, as the other services do: a bad URL, a refused password, a
+    database number the server does not have."""
+    from resihp.redis_client import connect
+
+    try:
+        client = connect(url)
+    except ValueError as e:
+        print(f"dashboard: {e}", file=sys.stderr)
+        return 2
+    try:
+        if not entry.try_redis(client.ping, "dashboard", client):
+            logging.warning(
+                "dashboard: Redis at %s cannot be reached yet; serving, pages say so until it answers",
+                entry.redis_where(client),
+            )
+    except entry.RedisRefused:  # a wrong or missing password: said on stderr already
+        return 2
+    except redis.ResponseError as e:  # "DB index is out of range"
+        print(f"dashboard: cannot use Redis at {entry.redis_where(client)}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+    return 0
+
+
+def _warn_about_operators(operators: dict[str, str], spec: str) -> None:
+    """Log what about the operators is legal but likely a mistake: none at all, or a
+    password in ``$RESIHP_OPERATORS`` (``spec``) with ';' or ':' (a wrong separator
+    between entries, as in "alice:pw;bob:x", makes one operator of two)."""
+    if not operators:
+        logging.warning("no operators configured (RESIHP_OPERATORS): plans are view-only")
+    for name in suspect_operators(spec):
+        logging.warning(
+            "RESIHP_OPERATORS: the password of operator %r contains ';' or ':'; did you mean ',' "
+            'between operators (RESIHP_OPERATORS="alice:pw,bob:pw")?',
+            name,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "report":
@@ -185,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     entry.setup_logging(args.log_level)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # "task queue depth" chatter
-    if not config.operators:
-        logging.warning("no operators configured (RESIHP_OPERATORS): plans are view-only")
+    code = _check_redis(config.redis_url)
+    if code:
+        return code
+    _warn_about_operators(config.operators, os.environ.get("RESIHP_OPERATORS", ""))
     from dashboard.app import serve
 
     serve(config)

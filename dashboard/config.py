@@ -25,7 +25,8 @@ class DashboardConfig:
     secret_key: Flask session signing key (``$RESIHP_DASHBOARD_SECRET``, else random
         per process, so sessions end when the process restarts).
     operators: operator name -> password, from ``$RESIHP_OPERATORS`` ("alice:pw,bob:pw")
-        and/or ``$RESIHP_OPERATOR_USER`` / ``$RESIHP_OPERATOR_PASSWORD``.
+        and/or ``$RESIHP_OPERATOR_USER`` / ``$RESIHP_OPERATOR_PASSWORD`` (whitespace around
+        names and passwords dropped; a name given twice refused).
     server: ``"waitress"`` (default: a production WSGI server, one process with a
         thread pool, so sessions and the health thread need no sharing) or
         ``"dev"`` (Flask's development server, for debugging only).
@@ -78,29 +79,53 @@ class DashboardConfig:
                 raise ValueError(f"operators: operator {name!r} has an empty password")
 
 
+#: Characters that, in a password of ``$RESIHP_OPERATORS``, suggest a wrong separator
+#: ("alice:pw;bob:x" is one operator whose password is "pw;bob:x"): warned about, not refused.
+SUSPECT_PASSWORD_CHARS = (";", ":")
+
+
 def parse_operators(spec: str) -> dict[str, str]:
-    """``"alice:secret,bob:pw"`` -> {"alice": "secret", "bob": "pw"}; ValueError naming the entry."""
+    """``"alice:secret,bob:pw"`` -> {"alice": "secret", "bob": "pw"}; ValueError naming the entry.
+
+    Whitespace around names and passwords is dropped (``"bob : pw "`` is bob with "pw");
+    a name given twice is refused rather than the last one silently winning."""
     out: dict[str, str] = {}
     for i, item in enumerate(p.strip() for p in spec.split(",")):
         if not item:
             continue
-        name, sep, pw = item.partition(":")
-        if not sep or not name.strip() or not pw:
-            raise ValueError(
-                f"operators: entry {i + 1} ({name.strip() or '?'}) must be 'name:password'"
-            )
-        out[name.strip()] = pw
+        name, sep, pw = (x.strip() for x in item.partition(":"))
+        if not sep or not name or not pw:
+            raise ValueError(f"operators: entry {i + 1} ({name or '?'}) must be 'name:password'")
+        if name in out:
+            raise ValueError(f"operators: operator {name!r} is given twice in RESIHP_OPERATORS")
+        out[name] = pw
     return out
+
+
+def suspect_operators(spec: str) -> list[str]:
+    """Names in ``$RESIHP_OPERATORS`` whose password holds ';' or ':', as when entries are
+    separated by something other than ',' (the dashboard logs a warning for each)."""
+    try:
+        ops = parse_operators(spec)
+    except ValueError:
+        return []
+    return [n for n, pw in ops.items() if any(c in pw for c in SUSPECT_PASSWORD_CHARS)]
 
 
 def operators_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
     env = os.environ if env is None else env
     ops = parse_operators(env.get("RESIHP_OPERATORS", ""))
-    user, pw = env.get("RESIHP_OPERATOR_USER"), env.get("RESIHP_OPERATOR_PASSWORD")
+    user = (env.get("RESIHP_OPERATOR_USER") or "").strip()
+    pw = (env.get("RESIHP_OPERATOR_PASSWORD") or "").strip()
     if user or pw:
         if not (user and pw):
             raise ValueError(
                 "operators: RESIHP_OPERATOR_USER and RESIHP_OPERATOR_PASSWORD must be set together"
+            )
+        if user in ops:
+            raise ValueError(
+                f"operators: operator {user!r} is given in both RESIHP_OPERATORS and "
+                "RESIHP_OPERATOR_USER"
             )
         ops[user] = pw
     return ops

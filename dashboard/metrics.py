@@ -4,7 +4,8 @@ One scrape covers every job in ``resihp:jobs``: latest iteration time,
 predicted healthy time, throughput, the latest iteration's age, whether the job runs, hangs
 or stalls and its services are up,
 whether its liveness is being judged, failures by kind, plans by state, per-device
-p_i and node heartbeat age, plus the job's ``*_total`` counters hash.
+p_i and node heartbeat age, plus the job's ``*_total`` counters hash (those in
+``ZERO_COUNTERS`` at 0 before their first increment).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from resihp.schemas import AdaptationPlan
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 PROGRESS_STATES = ("running", "hung", "stalled", "finished")
+#: Counters of the job's counters hash that are written at 0 before their first increment:
+#: the alert rules watch them with ``increase(...) > 0``, which needs a sample before the
+#: first burst (a series that appears at 3 shows no increase, and the alert never fires).
+ZERO_COUNTERS = ("deadletter_total", "producer_dropped_total")
 
 
 def _esc(v: object) -> str:
@@ -196,12 +201,12 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                     _labels(job=job, node=node),
                     max(0.0, now_s - hb[node]),
                 )
-        for name, val in sorted(counters.items()):
+        for name in sorted(set(counters) | set(ZERO_COUNTERS)):
             if not name.endswith("_total"):
                 continue
             metric = "resihp_" + _NAME_RE.sub("_", name)
             w.family(metric, "counter", f"Job counter {name}.")
-            w.sample(metric, _labels(job=job), val)
+            w.sample(metric, _labels(job=job), counters.get(name, 0))
     return w.text()
 
 

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 
 from resihp.lifetime import exit_with_parent
 
 DEFAULT_URL_ENV = "REDIS_URL"
+#: The database part of a URL's path: ``/0``, ``/12`` or nothing (``/0``); redis-py reads
+#: ``/abc`` as no database at all and ``/1/2`` as 12, so anything else is refused.
+_DB_PATH_RE = re.compile(r"/?([0-9]*)/?")
 
 
 def redact(url: str) -> str:
@@ -34,11 +39,30 @@ def redact(url: str) -> str:
     return f"{scheme}://{user + ':***' if colon else '***'}@{host}"
 
 
+def check_db(url: str) -> None:
+    """ValueError unless the database ``url`` names (its path, or ``?db=``) is a
+    non-negative integer or absent: redis-py silently uses db 0 for ``redis://host/abc``."""
+    parts = urlsplit(url)
+    where = f"Redis URL {redact(url)}"
+    if parts.scheme in ("redis", "rediss"):
+        m = _DB_PATH_RE.fullmatch(unquote(parts.path))
+        if m is None:
+            raise ValueError(
+                f"{where}: database {unquote(parts.path).strip('/')!r} must be a non-negative "
+                "integer (as in redis://host:6379/0)"
+            )
+    for db in parse_qs(parts.query, keep_blank_values=True).get("db", []):
+        if not re.fullmatch(r"[0-9]+", db):
+            raise ValueError(f"{where}: database db={db!r} must be a non-negative integer")
+
+
 def connect(url: str | None = None, *, decode_responses: bool = False, **kwargs) -> redis.Redis:
-    """A client for ``url`` (default: $REDIS_URL). Raises ValueError when neither is set."""
+    """A client for ``url`` (default: $REDIS_URL). Raises ValueError when neither is set,
+    or when the URL's database is not a non-negative integer."""
     url = url or os.environ.get(DEFAULT_URL_ENV)
     if not url:
         raise ValueError("no Redis URL: pass --redis-url or set REDIS_URL")
+    check_db(url)
     if "password" not in kwargs and os.environ.get("REDIS_PASSWORD") and "@" not in url:
         kwargs["password"] = os.environ["REDIS_PASSWORD"]
     kwargs.setdefault("socket_timeout", 10)

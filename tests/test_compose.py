@@ -1,6 +1,9 @@
 """docker-compose.yml structure (Docker cannot run on our machines, so its shape is checked)."""
 
+import ast
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 import yaml
@@ -54,6 +57,48 @@ def test_dashboard_port_published_on_host_loopback_and_all_interfaces_inside_con
     assert d["command"][d["command"].index("--host") + 1] == "0.0.0.0"
 
 
+def _env_vars_read(path: Path) -> set[str]:
+    """Names of the environment variables a module reads: ``X.get("NAME", ...)`` and
+    ``X["NAME"]`` with an all-caps literal, where X is ``os.environ`` or the ``env`` mapping
+    the dashboard's config functions take in its place."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner, key = node.func.value, node.args[0] if node.args else None
+            if node.func.attr not in ("get", "getenv"):
+                continue
+        elif isinstance(node, ast.Subscript):
+            owner, key = node.value, node.slice
+        else:
+            continue
+        text = ast.unparse(owner)
+        if text in ("env", "os.environ", "os") and isinstance(key, ast.Constant):
+            if isinstance(key.value, str) and re.fullmatch(r"[A-Z][A-Z0-9_]+", key.value):
+                names.add(key.value)
+    return names
+
+
+def test_compose_passes_every_env_var_the_dashboard_reads():
+    read = set()
+    for module in ("config.py", "__main__.py"):
+        read |= _env_vars_read(ROOT / "dashboard" / module)
+    # the list comes from the code: a new setting the dashboard reads fails here until
+    # compose passes it (as operators and the session secret once were not)
+    assert {"RESIHP_OPERATORS", "RESIHP_OPERATOR_USER", "RESIHP_DASHBOARD_SECRET"} <= read
+    env = _compose()["services"]["dashboard"]["environment"]
+    missing = read - set(env)
+    assert not missing, f"docker-compose.yml does not pass {sorted(missing)} to the dashboard"
+    for name in read - {"REDIS_URL"}:  # the URL is built from REDIS_PASSWORD
+        assert env[name].startswith("${" + name), (name, env[name])
+
+
+def test_prometheus_has_its_own_bind_address_on_host_loopback():
+    # Prometheus has no authentication: opening the dashboard must not open it too
+    prom = _compose()["services"]["prometheus"]
+    assert prom["ports"] == ["${RESIHP_PROMETHEUS_BIND:-127.0.0.1}:9090:9090"]
+    assert "RESIHP_PROMETHEUS_BIND" in (ROOT / "README.md").read_text()
+
+
 def test_optional_prometheus_scrapes_the_dashboard_with_the_alert_rules():
     c = _compose()
     prom = c["services"]["prometheus"]
@@ -77,3 +122,98 @@ def test_dockerfile_copies_every_package_and_pins_cpu_torch():
     for pkg in ["resihp", *SERVICE_PACKAGES]:
         assert f"COPY {pkg} ./{pkg}" in text
     assert "torch==2.13.0" in text and "whl/cpu" in text
+
+
+def test_dockerfile_compiles_the_dag_kernel_into_a_baked_cache():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "--no-install-recommends gcc libc6-dev" in text
+    assert "rm -rf /var/lib/apt/lists/*" in text  # the image stays lean
+    cache = re.search(r"RESIHP_CACHE_DIR=(\S+)", text).group(1)
+    assert not cache.startswith(("~", "/home", "/root"))  # the resihp user reads it
+    # compiled as root after `pip install .`, before the image switches user
+    build = text.index("_kernel.available()")
+    assert text.index("RUN pip install .") < build < text.index("USER resihp")
+
+
+def _dockerignore_patterns() -> list[tuple[bool, re.Pattern]]:
+    """(exception, regex) per .dockerignore line, as Docker reads them: comments and blank
+    lines skipped, a leading '/' dropped, '**' any number of directories, '*' and '?'
+    within one path segment, '!' an exception; the last matching line wins."""
+    out = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        neg = line.startswith("!")
+        pat = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
+        rx = ""
+        i = 0
+        while i < len(pat):
+            if pat.startswith("**/", i):
+                rx, i = rx + "(?:.*/)?", i + 3
+            elif pat.startswith("**", i):
+                rx, i = rx + ".*", i + 2
+            elif pat[i] == "*":
+                rx, i = rx + "[^/]*", i + 1
+            elif pat[i] == "?":
+                rx, i = rx + "[^/]", i + 1
+            else:
+                rx, i = rx + re.escape(pat[i]), i + 1
+        out.append((neg, re.compile(rx)))
+    return out
+
+
+def _dockerignored(rel: str, patterns) -> bool:
+    """Whether the build context leaves out ``rel``: a pattern matching the path or a
+    directory above it excludes it."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for neg, rx in patterns:
+        if any(rx.fullmatch(p) for p in prefixes):
+            excluded = not neg
+    return excluded
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies_and_drops_local_state():
+    patterns = _dockerignore_patterns()
+    copies = [
+        line.split()[1:-1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+    ]
+    sources = [src for srcs in copies for src in srcs]
+    assert {"pyproject.toml", "README.md", "resihp", "dashboard"} <= set(sources)
+    for src in sources:
+        path = ROOT / src
+        assert path.exists(), src
+        files = (
+            [path]
+            if path.is_file()
+            else [
+                Path(d) / f
+                for d, dirs, names in os.walk(path)
+                if "__pycache__" not in Path(d).parts
+                for f in names
+                if not f.endswith((".pyc", ".so"))
+            ]
+        )
+        assert files, src
+        for f in files:
+            rel = f.relative_to(ROOT).as_posix()
+            assert not _dockerignored(rel, patterns), f"{rel} (COPY {src}) is in .dockerignore"
+    # local state, virtualenvs and build leftovers never go to the daemon
+    for rel in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        ".resihp/stack.json",
+        "runs/r1/metrics.jsonl",
+        "artifacts/x.json",
+        ".whl/redis-8.1.0-py3-none-any.whl",
+        "torch-2.13.0-cp311-none-linux_x86_64.whl",
+        "resihp/__pycache__/bus.cpython-311.pyc",
+        "dashboard/pages/__pycache__/plans.cpython-311.pyc",
+        "resihp.egg-info/PKG-INFO",
+        ".env",
+    ):
+        assert _dockerignored(rel, patterns), rel

@@ -416,3 +416,29 @@ def test_overview_says_when_the_job_finished_or_went_silent_before_the_collector
     metrics = app.server.test_client().get("/metrics").get_data(as_text=True)
     assert 'resihp_job_running{job="job-a"} 0.0' in metrics
     r.delete(keys.job_state, keys.health("collector", "0"))
+
+
+@pytest.mark.redis
+def test_counters_the_alert_rules_watch_are_exposed_at_zero_before_the_first_count(app, r):
+    """``increase(x[5m]) > 0`` needs a sample before the first burst: a counter that
+    first appears at 3 shows no increase, and ResiHPDeadLetters never fired for it."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    bus.register_job(r, JobKeys("job-new"))  # listed, nothing counted yet
+    app.resihp_ctx.data.hash_ttl_s = 0  # each scrape reads the counters afresh
+    path = Path(__file__).resolve().parents[1] / "deploy/prometheus/resihp-alerts.yml"
+    rules = [x for g in yaml.safe_load(path.read_text())["groups"] for x in g["rules"]]
+    watched = {m for x in rules for m in re.findall(r"resihp_[a-z_]+_total", x["expr"])}
+    assert {"resihp_deadletter_total", "resihp_producer_dropped_total"} <= watched
+    text = app.server.test_client().get("/metrics").get_data(as_text=True)
+    for metric in watched:
+        samples = [ln for ln in text.splitlines() if ln.startswith(metric + '{job="job-new"')]
+        assert samples and all(ln.endswith(" 0.0") for ln in samples), (metric, samples)
+        assert f"# TYPE {metric} counter" in text
+    # the first count then moves it from 0
+    r.hincrby(JobKeys("job-new").counters, "deadletter_total", 2)
+    text = app.server.test_client().get("/metrics").get_data(as_text=True)
+    assert 'resihp_deadletter_total{job="job-new"} 2.0' in text

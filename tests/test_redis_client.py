@@ -47,3 +47,37 @@ def test_no_url_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     with pytest.raises(ValueError, match="REDIS_URL"):
         connect()
+
+
+@pytest.mark.parametrize("path", ["/abc", "/-1", "/1/2", "/%20", "/0x1", "/1?db=abc", "/?db=-2"])
+def test_a_database_that_is_not_a_non_negative_integer_is_refused(path):
+    # redis-py reads /abc as no database (db 0) and /1/2 as db 12: said, not guessed
+    with pytest.raises(ValueError, match=r"Redis URL redis://:\*\*\*@h:1.*database") as e:
+        connect(f"redis://:pw@h:1{path}")
+    assert "pw" not in str(e.value)  # the message never shows the password
+
+
+@pytest.mark.parametrize(
+    "url,db",
+    [
+        ("redis://h:1", None),
+        ("redis://h:1/", None),
+        ("redis://h:1/0", 0),
+        ("rediss://h:1/15/", 15),
+        ("redis://h:1/%31", 1),
+        ("redis://h:1/?db=3", 3),
+        ("unix:///tmp/r.sock?db=2", 2),
+    ],
+)
+def test_a_database_number_or_none_is_accepted(url, db):
+    assert connect(url).connection_pool.connection_kwargs.get("db") == db
+
+
+@pytest.mark.redis
+def test_the_database_in_the_url_is_the_one_used(secured):
+    base = f"redis://:s3cret@127.0.0.1:{secured.port}"
+    connect(f"{base}/0").flushall()
+    connect(f"{base}/3").set("k", "v")
+    assert connect(f"{base}/3").get("k") == b"v" and connect(f"{base}/0").get("k") is None
+    with pytest.raises(ValueError, match="'abc'"):
+        connect(f"{base}/abc")  # before: silently db 0

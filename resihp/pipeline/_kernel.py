@@ -5,14 +5,17 @@ overhead per topological level, about 1 ms for a 256-GPU ZB-H1 layout.  A
 ten-line C loop over the level-ordered vertices does the same work in tens of
 microseconds.  It is compiled once with the system C compiler into a cache
 directory (``$RESIHP_CACHE_DIR`` or ``~/.cache/resihp``) and loaded with
-ctypes; if no compiler is present, or ``RESIHP_PURE_NUMPY=1`` is set, the
-engine silently uses the numpy path, which gives identical results.
+ctypes; if no compiler is present the engine uses the numpy path, which gives
+identical results about ten times slower, and logs one warning saying so (the first
+time the kernel is asked for, not per call); ``RESIHP_PURE_NUMPY=1`` chooses the numpy
+path without a warning.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import tempfile
@@ -41,6 +44,8 @@ void longest_path(int64_t n, int64_t rows, const int64_t *p0, const int64_t *p1,
     }
 }
 """
+
+log = logging.getLogger(__name__)
 
 _lib = None
 _tried = False
@@ -91,8 +96,16 @@ def _load():
             ctypes.c_void_p,
         ]
         _lib = fn
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as e:
         _lib = None
+        # the compiler's first error line when it ran, else why it could not (no cc)
+        detail = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip()
+        why = detail.splitlines()[0] if detail else str(e) or type(e).__name__
+        log.warning(
+            "DAG kernel unavailable (%s); using the numpy path: same results, about 10x "
+            "slower. Install a C compiler ($CC, default cc) or set RESIHP_PURE_NUMPY=1",
+            why[:200],
+        )
     return _lib
 
 
