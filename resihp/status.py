@@ -245,10 +245,18 @@ def turned_down_plans(
     client, keys: JobKeys, plans: dict[int, AdaptationPlan], count: int = 3
 ) -> list[dict[str, Any]]:
     """The newest rejected / refused plans since the last applied one, newest first, with
-    who turned each down and why. One older than the applied plan explains nothing now."""
-    applied = max((p.plan_id for p in plans.values() if p.state == "applied"), default=0)
+    who turned each down and why. One decided before the applied plan was applied explains
+    nothing now (by time: an override refused before it has a higher id)."""
+    applied_s = max(
+        (p.updated_at_s or p.created_at_s for p in plans.values() if p.state == "applied"),
+        default=0.0,
+    )
     newest = sorted(
-        (p for p in plans.values() if p.state in TURNED_DOWN and p.plan_id > applied),
+        (
+            p
+            for p in plans.values()
+            if p.state in TURNED_DOWN and (p.updated_at_s or p.created_at_s) > applied_s
+        ),
         key=lambda p: p.plan_id,
         reverse=True,
     )[:count]

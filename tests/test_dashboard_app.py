@@ -30,7 +30,10 @@ def app(r, redis_server):
     return create_app(cfg, client=r)
 
 
-def _action_request(button: str, layers="9,5,9,9"):
+def _action_request(button: str, layers="9,5,9,9", shown=None):
+    """A click on ``button`` with plan 1 of job-a selected; ``shown``: the (job, plan) the
+    page has on screen (by default that same plan)."""
+    shown = {"job": "job-a", "plan_id": 1} if shown is None else shown
     return {
         "output": "..pl-action-result.children...pl-last-action.data..",
         "outputs": [
@@ -50,6 +53,7 @@ def _action_request(button: str, layers="9,5,9,9"):
             {"id": "pl-ov-keep", "property": "value", "value": ""},
             {"id": "pl-ov-migration", "property": "value", "value": []},
             {"id": "pl-comment", "property": "value", "value": "move it"},
+            {"id": "pl-shown", "property": "data", "value": shown},
         ],
     }
 
@@ -153,6 +157,13 @@ def test_action_callback_refuses_anonymous_and_publishes_for_operator(app, r):
     assert msgs[1]["comment"] == "move it"
     res = c.post("/_dash-update-component", json=_action_request("pl-override", layers="9,x"))
     assert "nothing was sent" in res.get_data(as_text=True) and r.xlen(keys.actions) == 2
+    # a click right after switching jobs: the new job with the old job's plan id, never on
+    # screen (it acknowledged a plan of the other job nobody had looked at)
+    for shown in ({"job": "job-b", "plan_id": 1}, {"job": "job-a", "plan_id": 2}, {}):
+        res = c.post("/_dash-update-component", json=_action_request("pl-ack", shown=shown))
+        text = res.get_data(as_text=True)
+        assert "Refused (nothing was sent): plan 1 of job job-a is not on screen yet" in text
+    assert r.xlen(keys.actions) == 2
 
 
 @pytest.mark.redis

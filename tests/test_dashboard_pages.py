@@ -455,10 +455,14 @@ def test_the_plans_page_follows_the_job_and_newer_proposals(r, redis_server):
     publish_plan(r, b["keys"], b["plan"])
     app = _app(r, redis_server)
 
+    shown: dict = {}
+
     def refresh(job, selected, auto, trigger="tick.n_intervals"):
         vals = {"tick.n_intervals": 1, "job.value": job, "pl-plan.value": selected}
         vals["pl-auto.data"] = auto
+        vals["pl-shown.data"] = shown.get("now")  # what the last refresh put on screen
         out = dash_call(app, "pl-summary", vals, trigger)
+        shown["now"] = out["pl-shown"]["data"]
         return out
 
     out = refresh("job-a", None, None)
@@ -483,6 +487,14 @@ def test_the_plans_page_follows_the_job_and_newer_proposals(r, redis_server):
     out = refresh("job-a", 1, 2, trigger="pl-plan.value")
     assert out.get("pl-plan", {}).get("value", 1) == 1  # no_update or 1
     assert "plan 2 is proposed and waits for a decision" in json.dumps(out["pl-status"])
+    assert shown["now"] == {"job": "job-a", "plan_id": 1}
+    # job-b gets a plan 2 of its own; a switch that does not reach the page as a "job"
+    # trigger (it came with the tick) kept job-a's pick, plan 1, on job-b
+    nb = dataclasses.replace(b["plan"])
+    nb.plan_id, nb.state = 2, "proposed"
+    publish_plan(r, b["keys"], nb)
+    out = refresh("job-b", 1, 2)
+    assert out["pl-plan"]["value"] == 2 and shown["now"] == {"job": "job-b", "plan_id": 2}
 
 
 @pytest.mark.redis
@@ -540,3 +552,41 @@ def test_a_plan_the_trainer_could_not_run_is_said_on_the_plans_page_overview_and
 
 def _metrics(app) -> str:
     return app.server.test_client().get("/metrics").get_data(as_text=True)
+
+
+@pytest.mark.redis
+def test_a_refused_override_before_the_applied_plan_is_not_the_latest_news(r, redis_server):
+    """Plan 2, an override refused at t+1, then plan 1 applied at t+2: the overview said
+    "latest #2: refused" for the rest of the job, the plans page opened on the refusal and
+    resihp status listed it as why nothing happened.  And the slow GPU the plan set aside
+    vanished from the slow-devices card (all green) although it had not recovered."""
+    import dataclasses
+
+    from dashboard_scenario import publish_plan
+
+    from resihp.status import turned_down_plans
+
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12, plan_state="acknowledged")
+    keys, plan = sc["keys"], sc["plan"]
+    t = plan.created_at_s
+    refused = dataclasses.replace(plan, plan_id=2, state="refused", parent_plan_id=1,
+                                  created_at_s=t + 1, updated_at_s=t + 1, note="layers [1, 31]")  # fmt: skip
+    publish_plan(r, keys, refused)
+    applied = dataclasses.replace(plan, state="applied", updated_at_s=t + 2)
+    publish_plan(r, keys, applied)
+    aside = Layout.from_dict(plan.after)
+    aside.standby = [5]
+    aside.groups = [[[x for x in g if x != 5] or g for g in st] for st in aside.groups]
+    r.set(keys.layout, json.dumps(aside.to_dict()))
+    r.hset(keys.device_health, "5", json.dumps({"p": 0.37, "state": "standby", "since": t}))
+    app = _app(r, redis_server)
+    cards = _cards(_overview(app))
+    assert cards["plans"][1] == "latest #1: applied", cards["plans"]
+    value, sub, cls = cards["slow devices (p<0.9)"]
+    assert value == "0" and "set aside, still slow: 5" in sub, (value, sub)
+    vals = {"tick.n_intervals": 1, "job.value": "job-a", "pl-plan.value": None}
+    out = dash_call(app, "pl-summary", vals, "tick.n_intervals")
+    assert out["pl-plan"]["value"] == 1
+    from resihp.plans import latest_plans
+
+    assert turned_down_plans(r, keys, latest_plans(r, keys)) == []

@@ -248,14 +248,22 @@ def register(app, ctx: AppContext) -> None:
             )
         else:
             cards.append(card("layout", "unknown", "no layout key yet", "warn"))
-        cards.append(
-            card(
-                "slow devices (p<0.9)",
-                len(slow),
-                ", ".join(map(str, slow[:6])),
-                "warn" if slow else "ok",
-            )
+        # a slow GPU the plan set aside costs the job nothing, but it has not recovered:
+        # an all-green card read as if it had
+        aside = sorted(
+            int(r)
+            for r, v in s["device_health"].items()
+            if isinstance(v.get("p"), int | float)
+            and v["p"] < figures.SLOW_P
+            and int(r) not in dead
+            and (v.get("state") == "standby" or (lay is not None and int(r) in lay.standby))
         )
+        sub = ", ".join(map(str, slow[:6]))
+        if aside:
+            sub += ("; " if sub else "") + "set aside, still slow: " + ", ".join(
+                map(str, aside[:6])
+            )
+        cards.append(card("slow devices (p<0.9)", len(slow), sub, "warn" if slow else "ok"))
         if rows:
             last = rows[-1]
             pr = s["progress"]
@@ -281,7 +289,13 @@ def register(app, ctx: AppContext) -> None:
                 )
             )
         pending = [p for p in s["plans"].values() if p.state == "proposed"]
-        latest = max(s["plans"].values(), key=lambda p: p.plan_id, default=None)
+        # the newest change, not the highest id: an override refused before the plan that
+        # was then applied has a higher id, and stayed "latest #3: refused" for good
+        latest = max(
+            s["plans"].values(),
+            key=lambda p: (p.updated_at_s or p.created_at_s, p.plan_id),
+            default=None,
+        )
         cards.append(
             card(
                 "plans",

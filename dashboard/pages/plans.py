@@ -94,6 +94,8 @@ def layout(ctx: AppContext) -> html.Div:
                     dcc.Store(id="pl-sig"),
                     # the plan the page picked itself (not the operator): it follows newer plans
                     dcc.Store(id="pl-auto"),
+                    # the (job, plan) whose summary is on screen: an action goes to it only
+                    dcc.Store(id="pl-shown"),
                 ],
                 className="panel",
             ),
@@ -281,6 +283,7 @@ def register(app, ctx: AppContext) -> None:
         Output("pl-action-outcome", "children"),
         Output("pl-sig", "data"),
         Output("pl-auto", "data"),
+        Output("pl-shown", "data"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
         Input("pl-plan", "value"),
@@ -288,25 +291,34 @@ def register(app, ctx: AppContext) -> None:
         State("pl-plan", "options"),
         State("pl-sig", "data"),
         State("pl-auto", "data"),
+        State("pl-shown", "data"),
     )
-    @redis_safe(10)
-    def refresh(_n, job, selected, last_action, options, last_sig, auto):
+    @redis_safe(11)
+    def refresh(_n, job, selected, last_action, options, last_sig, auto, shown):
         if not job:
-            return banner("no job selected", "info"), [], None, "", "", "", "", "", None, None
+            return (banner("no job selected", "info"), [], None) + ("",) * 5 + (None,) * 3
         orig = selected
         plans = ctx.data.plans(job)
         ordered = sorted(plans.values(), key=lambda p: p.plan_id, reverse=True)
         audit_all = ctx.data.audit(job)
         acts_all = ctx.data.actions(job)
         pending = [p for p in ordered if p.state == "proposed"]
-        if dash_ctx.triggered_id == "job" or selected not in plans:
-            # another job's plan 1 is not this job's plan 1: choose again
+        if (
+            dash_ctx.triggered_id == "job"
+            or (shown or {}).get("job") != job
+            or selected not in plans
+        ):
+            # another job's plan 1 is not this job's plan 1: choose again (the page knows
+            # the job of the plan it showed; a switch does not always trigger as "job")
             selected = None
         elif selected == auto and pending and pending[0].plan_id != selected:
             # the page chose the plan shown, not the operator: a newer proposal comes into view
             selected = None
         if selected is None:
-            selected = (pending or ordered or [None])[0]
+            # a refused override is a record of the refusal (shown under Refusals), not a
+            # plan: the newest plan that is one opens, unless there is nothing else
+            real = [p for p in ordered if p.state != "refused"]
+            selected = (pending or real or ordered or [None])[0]
             selected = selected.plan_id if selected else None
             auto = selected
         waiting = [p.plan_id for p in pending if p.plan_id != selected]
@@ -341,8 +353,9 @@ def register(app, ctx: AppContext) -> None:
                 default=str,
             ).encode()
         ).hexdigest()
+        now_shown = {"job": job, "plan_id": selected}
         if sig == last_sig:
-            return (status,) + (no_update,) * 7 + (sig, auto)
+            return (status,) + (no_update,) * 7 + (sig, auto, now_shown)
         opts = [{"label": _plan_label(p), "value": p.plan_id} for p in ordered]
         summary = (
             _summary(plans[selected], plans)
@@ -411,6 +424,7 @@ def register(app, ctx: AppContext) -> None:
             _outcome(audit, last_action),
             sig,
             auto,
+            now_shown,
         )
 
     @app.callback(
@@ -448,16 +462,25 @@ def register(app, ctx: AppContext) -> None:
         State("pl-ov-keep", "value"),
         State("pl-ov-migration", "value"),
         State("pl-comment", "value"),
+        State("pl-shown", "data"),
         prevent_initial_call=True,
     )
     @redis_safe(2)
-    def act(_a, _r, _o, job, plan_id, layers, drop, keep, migration, comment):
+    def act(_a, _r, _o, job, plan_id, layers, drop, keep, migration, comment, shown):
         trig = dash_ctx.triggered_id
         action = {"pl-ack": "acknowledge", "pl-reject": "reject", "pl-override": "override"}.get(
             trig
         )
         if action is None:
             return no_update, no_update
+        if shown != {"job": job, "plan_id": plan_id}:
+            # a click right after switching jobs carried the new job with the old plan's id:
+            # a plan of that job nobody had looked at was acknowledged
+            return banner(
+                f"Refused (nothing was sent): plan {plan_id} of job {job} is not on screen yet "
+                "(the page is switching); look at it, then act",
+                "error",
+            ), None
         override = None
         if action == "override":
             try:
