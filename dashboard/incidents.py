@@ -695,6 +695,19 @@ def build_incident(
             if promised < baseline:
                 target = recovery_fraction * promised
                 what = f"the rate plan {applied_snap.plan_id} predicted"
+        elif (
+            applied_snap is not None
+            and applied_snap.predicted_before_s <= 0 < applied_snap.predicted_after_s
+        ):
+            # a fail-stop's plan: the old layout could not run at all, so its promise is
+            # against the healthy job (its iteration time before the onset); without this
+            # every fail-stop whose plan costs > 10 % stayed open for good, though the job
+            # ran exactly as the plan said
+            healthy_s = float(np.median(_column(rows, "iteration_time_s")[wend <= onset][-50:]))
+            promised = baseline * healthy_s / applied_snap.predicted_after_s
+            if promised < baseline:
+                target = recovery_fraction * promised
+                what = f"the rate plan {applied_snap.plan_id} predicted"
         idx = np.flatnonzero(wstart >= start)
         if idx.size >= 3:
             a = rate[idx]

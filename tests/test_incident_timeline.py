@@ -58,3 +58,36 @@ def test_a_mode_switch_while_the_plan_waited_is_in_the_report_and_its_re_timing_
     assert "| set_mode | 0 | alice |" in md and "changed ['mode', 'grace_period_s']" in md
     assert "(policy resihp, proposed with the scheduler in manual mode)" in md
     assert "re-timed: applies by itself after" in incidents.to_html(inc)
+
+
+def test_a_fail_stop_whose_plan_runs_as_predicted_is_recovered_though_slower():
+    """A rank died; the plan (cannot run -> 1.604 s, 88 % of the healthy 1.42 s) was
+    applied and the job ran at 1.58-1.62 s: the incident stayed open for good, because a
+    fail-stop plan's promise ("cannot run" before) was never used."""
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=8, num_microbatches=4).to_dict()
+    rows, t = [], T0
+    for i in range(80):
+        dt = 1.42 if i < 40 else (30.0 if i == 40 else 1.60 + 0.02 * (i % 3 - 1))
+        rows.append({"iteration": i, "start_s": t, "end_s": t + dt, "iteration_time_s": dt,
+                     "samples_per_s": 16 / dt, "samples": 16,
+                     "wall_start_s": t, "wall_end_s": t + dt})  # fmt: skip
+        t += dt
+    onset = rows[40]["start_s"]
+    f = FailureReport(report_id="fs", kind="fail_stop", ranks=[9], nodes=[1],
+                      detected_at_s=onset + 3, iteration=40)  # fmt: skip
+    p = AdaptationPlan(plan_id=1, state="proposed", created_at_s=onset + 4, reason="rank 9 dead",
+                       before=lay, after=lay, predicted_before_s=-1.0, predicted_after_s=1.604,
+                       failure_ids=["fs"], updated_at_s=onset + 4)  # fmt: skip
+    acked = dataclasses.replace(p, state="acknowledged", updated_at_s=onset + 5,
+                                acknowledged_at_s=onset + 5)  # fmt: skip
+    applied = dataclasses.replace(acked, state="applied", updated_at_s=onset + 29)
+    inc = incidents.build_incident("j", "fs", [f], [p, acked, applied], [], rows)
+    assert inc.status == "recovered", [(x.name, x.at_s, x.detail) for x in inc.phases]
+    rec = next(x for x in inc.phases if x.name == "throughput recovered")
+    assert "of the rate plan 1 predicted" in rec.detail
+    # a plan that did not deliver (the job ran at 2.5 s, 57 %) stays open
+    slow = [
+        {**r, "iteration_time_s": 2.5, "samples_per_s": 16 / 2.5} if r["iteration"] > 40 else r
+        for r in rows
+    ]
+    assert incidents.build_incident("j", "fs", [f], [p, acked, applied], [], slow).is_open
