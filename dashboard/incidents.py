@@ -698,13 +698,13 @@ def build_incident(
         elif (
             applied_snap is not None
             and applied_snap.predicted_before_s <= 0 < applied_snap.predicted_after_s
+            and applied_snap.predicted_healthy_s > 0
         ):
             # a fail-stop's plan: the old layout could not run at all, so its promise is
-            # against the healthy job (its iteration time before the onset); without this
-            # every fail-stop whose plan costs > 10 % stayed open for good, though the job
-            # ran exactly as the plan said
-            healthy_s = float(np.median(_column(rows, "iteration_time_s")[wend <= onset][-50:]))
-            promised = baseline * healthy_s / applied_snap.predicted_after_s
+            # against the healthy job, both in the scheduler's model; without this every
+            # fail-stop whose plan costs > 10 % stayed open for good, though the job ran
+            # exactly as the plan said
+            promised = baseline * applied_snap.predicted_healthy_s / applied_snap.predicted_after_s
             if promised < baseline:
                 target = recovery_fraction * promised
                 what = f"the rate plan {applied_snap.plan_id} predicted"

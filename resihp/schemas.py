@@ -549,6 +549,9 @@ class AdaptationPlan(Message):
     note: str = ""
     #: when it was first acknowledged (0: never); a plan is applied only after that
     acknowledged_at_s: float = 0.0
+    #: ``before``'s predicted iteration time with every device healthy (0: not given): what
+    #: a plan from a layout that cannot run (``predicted_before_s`` -1) is measured against
+    predicted_healthy_s: float = 0.0
 
     STATES: ClassVar[tuple[str, ...]] = (
         "proposed",

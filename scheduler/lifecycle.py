@@ -83,6 +83,8 @@ class PlanDraft:
     moves: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
     note: str = ""
+    #: ``before`` with every device healthy (see AdaptationPlan.predicted_healthy_s)
+    predicted_healthy_s: float = 0.0
 
 
 @dataclass
@@ -355,6 +357,7 @@ class PlanBook:
             apply_after_s=now + grace_s,
             note=draft.note,
             acknowledged_at_s=now if state == "acknowledged" else 0.0,
+            predicted_healthy_s=float(draft.predicted_healthy_s),
         )
         plan.check()
         self.plans[plan.plan_id] = plan

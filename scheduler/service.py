@@ -398,7 +398,15 @@ class SchedulerService:
     ) -> PlanDraft | None:
         """A plan for ``layout`` under speeds ``p``; None when nothing would improve."""
         with self._planning(reason):
-            return self._make_draft(layout, p, options, reason)
+            return self._with_healthy(self._make_draft(layout, p, options, reason), layout)
+
+    def _with_healthy(self, draft: PlanDraft | None, layout: Layout) -> PlanDraft | None:
+        """``draft`` with the layout's healthy predicted time when the layout cannot run:
+        what an incident measures the plan's promise against (a fail-stop's plan promised
+        nothing, and every fail-stop costing over 10 % stayed open)."""
+        if draft is not None and draft.predicted_before_s <= 0:
+            draft.predicted_healthy_s = float(self.predictor.iteration_s(layout, {}))
+        return draft
 
     def _make_draft(
         self, layout: Layout, p: dict[int, float], options: PlanOptions | None, reason: str
@@ -444,7 +452,7 @@ class SchedulerService:
                 "migration off is infeasible: stage(s) "
                 f"{sorted({(m.src_dp, m.stage) for m in res.after.migrations})} have no devices and must migrate"
             )
-        return res.draft(before, f"override of plan {plan_.plan_id}")
+        return self._with_healthy(res.draft(before, f"override of plan {plan_.plan_id}"), before)
 
     def refuse(self, report: FailureReport | dict, reason: str) -> None:
         raw = report.to_dict() if isinstance(report, FailureReport) else report

@@ -77,7 +77,8 @@ def test_a_fail_stop_whose_plan_runs_as_predicted_is_recovered_though_slower():
                       detected_at_s=onset + 3, iteration=40)  # fmt: skip
     p = AdaptationPlan(plan_id=1, state="proposed", created_at_s=onset + 4, reason="rank 9 dead",
                        before=lay, after=lay, predicted_before_s=-1.0, predicted_after_s=1.604,
-                       failure_ids=["fs"], updated_at_s=onset + 4)  # fmt: skip
+                       failure_ids=["fs"], updated_at_s=onset + 4,
+                       predicted_healthy_s=1.415)  # fmt: skip
     acked = dataclasses.replace(p, state="acknowledged", updated_at_s=onset + 5,
                                 acknowledged_at_s=onset + 5)  # fmt: skip
     applied = dataclasses.replace(acked, state="applied", updated_at_s=onset + 29)
@@ -91,3 +92,6 @@ def test_a_fail_stop_whose_plan_runs_as_predicted_is_recovered_though_slower():
         for r in rows
     ]
     assert incidents.build_incident("j", "fs", [f], [p, acked, applied], [], slow).is_open
+    # a plan of an older scheduler (no healthy prediction) promises nothing, as before
+    old = [dataclasses.replace(x, predicted_healthy_s=0.0) for x in (p, acked, applied)]
+    assert incidents.build_incident("j", "fs", [f], old, [], rows).is_open

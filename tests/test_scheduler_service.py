@@ -69,6 +69,8 @@ def test_fail_stop_report_yields_persisted_plan_auto_acknowledged(r):
     after = Layout.from_dict(plan.after)
     assert 5 in after.dead and 5 not in after.coords()
     assert plan.predicted_before_s == -1.0 and plan.predicted_after_s > 0
+    # what the incident measures the plan's promise against: the job with rank 5 alive
+    assert 0 < plan.predicted_healthy_s < plan.predicted_after_s
     assert any(m["what"] == "tp_regroup" for m in plan.moves)
     assert plan.failure_ids == ["r1"]
     # the plans stream carries a snapshot per state change
