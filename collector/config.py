@@ -51,6 +51,24 @@ def parse_heartbeat_k(raw: str | bytes) -> int:
     return k
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def parse_bool(text: str, name: str) -> bool:
+    """A yes/no setting from the environment: 1/true/yes/on or 0/false/no/off, any case
+    (empty: no); ValueError naming ``name`` for anything else (``ture`` must not pass
+    for no)."""
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}: must be one of 1/true/yes/on or 0/false/no/off (any case), got {text!r}"
+    )
+
+
 @dataclass
 class CollectorConfig:
     """All collector settings.  Units are in the names."""
@@ -234,8 +252,9 @@ class CollectorConfig:
         p.add_argument(
             "--tp-dedup",
             action="store_true",
-            default=os.environ.get("RESIHP_COLLECTOR_TP_DEDUP", "") in ("1", "true", "yes"),
-            help="drop chunk rows of non-zero TP indices on arrival",
+            default=None,  # not given: $RESIHP_COLLECTOR_TP_DEDUP, read by from_args
+            help="drop chunk rows of non-zero TP indices on arrival "
+            "(default $RESIHP_COLLECTOR_TP_DEDUP: 1/true/yes/on or 0/false/no/off)",
         )
         p.add_argument(
             "--job-silence-hold-deadlines",
@@ -257,6 +276,10 @@ class CollectorConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> CollectorConfig:
+        tp_dedup = a.tp_dedup
+        if tp_dedup is None:
+            env = os.environ.get("RESIHP_COLLECTOR_TP_DEDUP", "")
+            tp_dedup = parse_bool(env, "tp_dedup (RESIHP_COLLECTOR_TP_DEDUP)")
         return cls(
             redis_url=a.redis_url,
             job_id=a.job_id,
@@ -267,7 +290,7 @@ class CollectorConfig:
             stale_s=a.stale_s,
             comm_wait_s=a.comm_wait_s,
             max_open_iterations=a.max_open_iterations,
-            tp_dedup=a.tp_dedup,
+            tp_dedup=tp_dedup,
             job_silence_hold_deadlines=a.job_silence_hold_deadlines,
             telemetry_keep_s=a.telemetry_keep_s,
             read_count=a.read_count,

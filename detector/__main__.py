@@ -76,7 +76,7 @@ def _config(args: argparse.Namespace) -> int:
     import redis
 
     from detector import tune
-    from resihp.redis_client import connect
+    from resihp.redis_client import connect, redact
 
     if args.action == "set" and not args.assignments:
         print("detector config set: give FIELD=VALUE ...", file=sys.stderr)
@@ -94,7 +94,8 @@ def _config(args: argparse.Namespace) -> int:
         print(f"detector config: {e}", file=sys.stderr)
         return 2
     except redis.RedisError as e:
-        print(f"detector config: cannot reach Redis at {args.redis_url}: {e}", file=sys.stderr)
+        where = redact(args.redis_url) if args.redis_url else "(no URL)"
+        print(f"detector config: cannot use Redis at {where}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from resihp.keys import validate_job_id
+
 MODES = ("resihp", "greyhound")
 
 #: The largest ``heartbeat_k`` accepted.  The collector, which acts on K, keeps the same
@@ -162,6 +164,10 @@ class DetectorConfig:
         def bad(name: str, why: str) -> None:
             raise ConfigFieldError(name, f"{why} (got {getattr(self, name)!r})")
 
+        try:
+            validate_job_id(self.job_id)
+        except ValueError as e:
+            raise ConfigFieldError("job_id", str(e)) from None
         if self.mode not in MODES:
             bad("mode", f"must be one of {MODES}")
 

@@ -344,14 +344,26 @@ class Health:
         return d if isinstance(d, dict) else None
 
     @staticmethod
-    def check(client: redis.Redis, keys: JobKeys, service: str, instance: str = "0") -> bool:
+    def check(
+        client: redis.Redis, keys: JobKeys, service: str, instance: str = "0", *, quiet: bool = True
+    ) -> bool:
+        """Whether the service's health key is present and says ``ok``.
+
+        A Redis that cannot be read is unhealthy (False); with ``quiet=False`` its
+        ``RedisError`` is raised instead, for a caller that says why (``--check-health``)."""
         try:
             raw = client.get(keys.health(service, instance))
         except redis.RedisError:
+            if not quiet:
+                raise
             return False
         if not raw:
             return False
-        return json.loads(raw).get("status") == "ok"
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            return False
+        return isinstance(d, dict) and d.get("status") == "ok"
 
     @staticmethod
     def all(client: redis.Redis, keys: JobKeys) -> dict[str, dict]:

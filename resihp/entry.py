@@ -5,7 +5,8 @@ things: set up logging, build its config object (a bad value exits 2 naming the
 setting), answer ``--check-health`` from the service's health key (exit 0/1, for
 compose healthchecks), wait for Redis at start (a service started before its
 Redis, or during an outage, waits instead of crashing; a Redis that refuses its
-password ends it with one line and exit code 2), and run until SIGTERM/SIGINT.
+password, or has no such database, ends it with one line and exit code 2), and run
+until SIGTERM/SIGINT.
 Those steps live here so they behave the same in every service.
 """
 
@@ -65,18 +66,51 @@ def open_output(path: str, who: str):
         return None
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """``text`` as a logging level (any case); ValueError naming the levels otherwise."""
+    level = str(text).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(
+            f"log_level: {text!r} is not a log level (--log-level or RESIHP_LOG_LEVEL); "
+            f"use one of {', '.join(LOG_LEVELS)}"
+        )
+    return level
+
+
 def add_entry_arguments(p: argparse.ArgumentParser, service: str) -> None:
-    """``--check-health`` and ``--log-level`` (default ``$RESIHP_LOG_LEVEL``, else INFO)."""
+    """``--check-health`` and ``--log-level`` (default ``$RESIHP_LOG_LEVEL``, else INFO).
+
+    A bad level (``verbose``, given or from the environment) ends the parse with
+    ``<service>: bad setting: log_level: ...`` and exit code 2, before anything runs
+    (``--check-health`` too), instead of the traceback ``logging`` raises for it."""
     p.add_argument(
         "--check-health",
         action="store_true",
         help=f"exit 0 if the {service}'s health key is present and ok, 1 otherwise",
     )
-    p.add_argument("--log-level", default=os.environ.get("RESIHP_LOG_LEVEL", "INFO"))
+
+    def level(text: str) -> str:
+        try:
+            return log_level(text)
+        except ValueError as e:
+            print(f"{service}: bad setting: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    # a string default goes through ``type`` too: a bad $RESIHP_LOG_LEVEL is refused alike
+    p.add_argument(
+        "--log-level",
+        type=level,
+        default=os.environ.get("RESIHP_LOG_LEVEL") or "INFO",
+        help=f"one of {', '.join(LOG_LEVELS)} (default $RESIHP_LOG_LEVEL, else INFO)",
+    )
 
 
 def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    """Log to stderr at ``level`` (ValueError naming the levels when unknown)."""
+    logging.basicConfig(level=log_level(level), format=LOG_FORMAT)
 
 
 def load_config(service: str, build: Callable[[], T]) -> T | None:
@@ -91,21 +125,29 @@ def load_config(service: str, build: Callable[[], T]) -> T | None:
 def health_exit_code(redis_url: str | None, job_id: str, service: str, instance: str = "0") -> int:
     """0 if ``service``'s health key for ``job_id`` is present and ok, else 1.
 
-    An unreachable or misconfigured Redis is unhealthy too (said on stderr), never a crash.
+    An unreachable or misconfigured Redis (no URL, refused password, database out of
+    range) is unhealthy too, said in one line on stderr (without the password), never a
+    crash.
     """
     from resihp.bus import Health
     from resihp.keys import JobKeys
     from resihp.redis_client import connect
 
     try:
+        keys = JobKeys(job_id)
         client = connect(redis_url)
-        try:
-            return 0 if Health.check(client, JobKeys(job_id), service, instance) else 1
-        finally:
-            client.close()
-    except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+    except ValueError as e:
         print(f"{service}: unhealthy: {e}", file=sys.stderr)
         return 1
+    try:
+        return 0 if Health.check(client, keys, service, instance, quiet=False) else 1
+    except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+        print(
+            f"{service}: unhealthy: cannot use Redis at {redis_where(client)}: {e}", file=sys.stderr
+        )
+        return 1
+    finally:
+        client.close()
 
 
 def stop_on_signals() -> threading.Event:
@@ -117,7 +159,8 @@ def stop_on_signals() -> threading.Event:
 
 
 class RedisRefused(SystemExit):
-    """Redis answered but refused this client (wrong or missing password): waiting cannot
+    """Redis answered but refused this client (wrong or missing password, a database
+    number past the server's ``databases``, a command its ACL forbids): waiting cannot
     help.  A SystemExit with code 2, a bad setting, as ``resihp up`` says for the same
     case: the entry point ends with the one line already said, never with a traceback."""
 
@@ -148,6 +191,8 @@ def _attempt(fn: Callable[[], object], who: str, client) -> Exception | None:
     try:
         fn()
     except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
+        raise _refused(who, client, e) from None
+    except redis.ResponseError as e:  # e.g. "DB index is out of range" (SELECT at connect)
         raise _refused(who, client, e) from None
     except (redis.ConnectionError, redis.TimeoutError) as e:
         return e

@@ -125,17 +125,17 @@ class Scenario:
 
 def _line_map(
     text: str,
-) -> tuple[int, list[int], list[dict[str, int]], tuple[int, str] | None]:
-    """(top line, per-event line, per-event {key: line}, first duplicated key as
-    (line, key) or None) from the YAML node tree (1-based).  YAML and JSON loaders keep
-    the last of two equal keys without a word; a scenario must not lose an event's
-    first ``at_s`` that way."""
+) -> tuple[int, dict[str, int], list[int], list[dict[str, int]], tuple[int, str] | None]:
+    """(top line, top-level {key: line}, per-event line, per-event {key: line}, first
+    duplicated key as (line, key) or None) from the YAML node tree (1-based).  YAML and
+    JSON loaders keep the last of two equal keys without a word; a scenario must not lose
+    an event's first ``at_s`` that way."""
     try:
         root = yaml.compose(text.replace("\t", " "), Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return 1, [], [], None
+        return 1, {}, [], [], None
     if root is None:
-        return 1, [], [], None
+        return 1, {}, [], [], None
     dup: tuple[int, str] | None = None
 
     def keys_of(node) -> dict[str, int]:
@@ -149,10 +149,11 @@ def _line_map(
         return out
 
     seq = None
+    top_keys: dict[str, int] = {}
     if isinstance(root, yaml.SequenceNode):
         seq = root
     elif isinstance(root, yaml.MappingNode):
-        keys_of(root)
+        top_keys = keys_of(root)
         for k, v in root.value:
             if getattr(k, "value", None) == "events" and isinstance(v, yaml.SequenceNode):
                 seq = v
@@ -162,7 +163,7 @@ def _line_map(
         for item in seq.value:
             ev_lines.append(item.start_mark.line + 1)
             key_lines.append(keys_of(item) if isinstance(item, yaml.MappingNode) else {})
-    return root.start_mark.line + 1, ev_lines, key_lines, dup
+    return root.start_mark.line + 1, top_keys, ev_lines, key_lines, dup
 
 
 def _empty(source: str) -> ScenarioError:
@@ -172,8 +173,36 @@ def _empty(source: str) -> ScenarioError:
     )
 
 
+def _load_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        problem = getattr(e, "problem", None) or str(e)
+        raise ScenarioError(f"{source}:{line}: invalid YAML: {problem}") from None
+    except (ValueError, RecursionError) as e:
+        raise ScenarioError(f"{source}:1: invalid YAML: {type(e).__name__}: {e}") from None
+
+
+def _load_json_or_yaml(text: str, source: str) -> Any:
+    """Text that looks like JSON (a ``.json`` file, or text opening with ``{`` or ``[``):
+    JSON, else YAML (a flow-style YAML list or mapping, ``[{at_iteration: 5, ...}]``,
+    opens the same way).  When both fail the JSON error is the one said."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        json_err = ScenarioError(f"{source}:{e.lineno}: invalid JSON: {e.msg}")
+    except (ValueError, RecursionError) as e:  # e.g. an integer of 5,000 digits
+        json_err = ScenarioError(f"{source}:1: invalid JSON: {e}")
+    try:
+        return _load_yaml(text, source)
+    except ScenarioError:
+        raise json_err from None
+
+
 def parse_scenario(text: str, source: str = "<scenario>", allow_empty: bool = True) -> Scenario:
-    """Parse scenario text (YAML, or JSON when it looks like JSON).
+    """Parse scenario text (YAML, or JSON when it looks like JSON and parses as JSON).
 
     Text with no content (blank, or YAML comments only) is a scenario without events
     unless ``allow_empty`` is False (a scenario *file*: see :func:`load_scenario`). A
@@ -181,28 +210,14 @@ def parse_scenario(text: str, source: str = "<scenario>", allow_empty: bool = Tr
     stripped = text.lstrip()
     if not stripped and not allow_empty:
         raise _empty(source)  # before JSON, which would call it invalid
-    is_json = source.endswith(".json") or stripped.startswith(("{", "["))
-    if is_json:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ScenarioError(f"{source}:{e.lineno}: invalid JSON: {e.msg}") from None
-        except (ValueError, RecursionError) as e:  # e.g. an integer of 5,000 digits
-            raise ScenarioError(f"{source}:1: invalid JSON: {e}") from None
+    if source.endswith(".json") or stripped.startswith(("{", "[")):
+        data = _load_json_or_yaml(text, source)
     else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = mark.line + 1 if mark is not None else 1
-            problem = getattr(e, "problem", None) or str(e)
-            raise ScenarioError(f"{source}:{line}: invalid YAML: {problem}") from None
-        except (ValueError, RecursionError) as e:
-            raise ScenarioError(f"{source}:1: invalid YAML: {type(e).__name__}: {e}") from None
+        data = _load_yaml(text, source)
     try:
-        top_line, ev_lines, key_lines, dup = _line_map(text)
+        top_line, top_keys, ev_lines, key_lines, dup = _line_map(text)
     except RecursionError:
-        top_line, ev_lines, key_lines, dup = 1, [], [], None
+        top_line, top_keys, ev_lines, key_lines, dup = 1, {}, [], [], None
     if dup is not None:
         raise ScenarioError(f"{source}:{dup[0]}: duplicate key {dup[1]!r}")
     if data is None:
@@ -219,8 +234,12 @@ def parse_scenario(text: str, source: str = "<scenario>", allow_empty: bool = Tr
             )
         name = str(data.get("name", ""))
         seed = data.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ScenarioError(f"{source}:{top_line}: seed must be an integer, got {seed!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            # the simulator's random generator takes no negative seed (numpy refuses it)
+            raise ScenarioError(
+                f"{source}:{top_keys.get('seed', top_line)}: seed must be an integer >= 0, "
+                f"got {seed!r}{_text_number_hint(seed, integer=True)}"
+            )
         if "events" not in data:
             raise ScenarioError(
                 f"{source}:{top_line}: no events: the scenario has no 'events' list "
@@ -234,13 +253,40 @@ def parse_scenario(text: str, source: str = "<scenario>", allow_empty: bool = Tr
             f"{source}:{top_line}: a scenario is a mapping with 'events' or a list of events"
         )
     if not isinstance(items, list):
-        raise ScenarioError(f"{source}:{top_line}: 'events' must be a list")
+        raise ScenarioError(f"{source}:{top_keys.get('events', top_line)}: 'events' must be a list")
     events = []
     for i, item in enumerate(items):
         line = ev_lines[i] if i < len(ev_lines) else 0
         keys = key_lines[i] if i < len(key_lines) else {}
         events.append(_parse_event(item, source, line, keys))
     return Scenario(events=events, name=name, seed=seed, source=source)
+
+
+def _text_number_hint(v: Any, integer: bool = False) -> str:
+    """For a number YAML read as text (YAML 1.1 takes ``1e3`` for a string: a float
+    needs a dot and a signed exponent), how to write it; else ''."""
+    if not isinstance(v, str):
+        return ""
+    try:
+        x = float(v.strip())
+    except ValueError:
+        return ""
+    if not math.isfinite(x):
+        return ""
+    plain = repr(int(x)) if x.is_integer() and abs(x) < 1e16 else repr(x)
+    if integer:
+        return f" (YAML reads {v} as text: write {plain})" if x.is_integer() else ""
+    mant, e, exp = v.strip().lower().partition("e")
+    forms = []
+    if e:
+        if "." not in mant:
+            mant += ".0"
+        if exp[:1] not in ("+", "-"):
+            exp = "+" + exp
+        forms.append(f"{mant}e{exp}")
+    if "e" not in plain:
+        forms.append(plain)
+    return f" (YAML reads {v} as text: write {' or '.join(forms)})" if forms else ""
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -275,7 +321,8 @@ def _parse_event(item: Any, source: str, line: int, keys: dict[str, int]) -> Sce
         if v is None:
             return None
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            raise fail(f"{key} must be an integer >= {minimum}, got {v!r}", key)
+            hint = _text_number_hint(v, integer=True)
+            raise fail(f"{key} must be an integer >= {minimum}, got {v!r}{hint}", key)
         return v
 
     def number(key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
@@ -283,7 +330,7 @@ def _parse_event(item: Any, source: str, line: int, keys: dict[str, int]) -> Sce
         if v is None:
             return None
         if not isinstance(v, int | float) or isinstance(v, bool):
-            raise fail(f"{key} must be a number, got {v!r}", key)
+            raise fail(f"{key} must be a number, got {v!r}{_text_number_hint(v)}", key)
         v = float(v)
         if not math.isfinite(v):
             raise fail(f"{key} must be a finite number, got {v}", key)

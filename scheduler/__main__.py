@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -312,15 +313,32 @@ def main(argv: list[str] | None = None) -> int:
     cfg = entry.load_config("scheduler", lambda: SchedulerConfig.from_args(args))
     if cfg is None:
         return 2
+    duration = getattr(args, "duration", None)
+    if duration is not None and not 0 <= duration < math.inf:
+        print(
+            f"scheduler: bad setting: duration: must be a finite number of seconds >= 0 "
+            f"(0: until stopped), got {duration}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         client = connect(cfg.redis_url or None)
     except ValueError as e:
-        print(str(e), file=sys.stderr)
+        print(f"scheduler: {e}", file=sys.stderr)
         return 2
     svc = SchedulerService(cfg, client)
     stop = entry.stop_on_signals()
-    if args.duration:
-        threading.Timer(args.duration, stop.set).start()
+    if duration:
+        timer = threading.Timer(duration, stop.set)
+        timer.daemon = True  # a run stopped sooner by a signal does not wait for it
+        timer.start()
+    logging.getLogger("scheduler").info(
+        "scheduler: job %s, mode %s, policy %s, cost model %s",
+        cfg.job_id,
+        cfg.mode,
+        cfg.policy,
+        cfg.model or "inferred from the layout",
+    )
     svc.run(stop)
     return 0
 

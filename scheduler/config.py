@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, fields
 
 from resihp.keys import validate_job_id
+from resihp.pipeline.models import get_preset
 
 MODES = ("auto", "manual")
 #: The fields an operator's ``set_mode`` (and the ``keys.scheduler_config`` hash) may set.
@@ -40,8 +41,9 @@ class SchedulerConfig:
     grace_period_s: seconds a proposed plan waits in auto mode.
     policy: planning policy (``resihp`` or a baseline, see ``scheduler.policies``).
     delta: Algorithm 1's progress-imbalance threshold (micro-batches).
-    model: model preset of the cost model (``resihp.pipeline.models``); empty
-        means a generic layer cost.
+    model: model preset of the cost model (``resihp.pipeline.models``; an unknown
+        name is refused); empty means the preset with the running layout's layer
+        count, else a generic layer cost.
     seq_len: tokens per packed micro-batch (the token budget).
     device_mem_gb: memory per device used by the feasibility checks.
     min_gain: a plan that is not a failure response is only proposed when it
@@ -67,7 +69,17 @@ class SchedulerConfig:
         self.validate()
 
     def validate(self) -> None:
-        validate_job_id(self.job_id)
+        try:
+            validate_job_id(self.job_id)
+        except ValueError as e:
+            raise ValueError(f"job_id: {e}") from None
+        if self.model:
+            # an unknown name must not pass for the generic cost model: plans would be
+            # priced for a model nobody runs (trainer sim and `resihp up` refuse it too)
+            try:
+                self.model = get_preset(self.model).name
+            except ValueError as e:
+                raise ValueError(f"model: {e}") from None
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
         for name, lo in (("delta", 0), ("seq_len", 1), ("block_ms", 0)):

@@ -260,9 +260,29 @@ def run_timeline(
     return res
 
 
+def _bad_option(args) -> str | None:
+    """Why an option of ``simulate`` cannot be used (None: all can); each used to end in a
+    traceback (``--microbatches 0``) or a result of nothing (``--duration-s nan``)."""
+    if not args.microbatches >= 1:
+        return f"--microbatches: must be an integer >= 1, got {args.microbatches}"
+    if not args.seq_len >= 1:
+        return f"--seq-len: must be an integer >= 1 (tokens per micro-batch), got {args.seq_len}"
+    for opt, v in (
+        ("--duration-s", args.duration_s),
+        ("--fault-free-samples-per-s", args.fault_free_samples_per_s),
+    ):
+        if v is not None and not 0 < v < math.inf:
+            return f"{opt}: must be a finite number > 0, got {v}"
+    return None
+
+
 def main_simulate(args) -> int:
     import sys
 
+    bad = _bad_option(args)
+    if bad is not None:
+        print(f"simulate: bad setting: {bad}", file=sys.stderr)
+        return 2
     try:
         sc = load_scenario(args.scenario)
     except ScenarioError as e:

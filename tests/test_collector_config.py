@@ -64,3 +64,39 @@ def test_from_args():
     )
     with pytest.raises(ValueError, match="heartbeat_k"):
         CollectorConfig.from_args(p.parse_args(["--heartbeat-k", "-2"]))
+
+
+@pytest.mark.parametrize(
+    "env,want",
+    [
+        ("1", True),
+        ("true", True),
+        ("True", True),
+        ("TRUE", True),
+        ("on", True),
+        ("Yes", True),
+        (" yes ", True),
+        ("0", False),
+        ("false", False),
+        ("OFF", False),
+        ("No", False),
+        ("", False),
+    ],
+)
+def test_tp_dedup_env_is_read_in_any_case(monkeypatch, env, want):
+    # "True", "on" and "Yes" used to read as false
+    monkeypatch.setenv("RESIHP_COLLECTOR_TP_DEDUP", env)
+    p = argparse.ArgumentParser()
+    CollectorConfig.add_arguments(p)
+    assert CollectorConfig.from_args(p.parse_args([])).tp_dedup is want
+    assert CollectorConfig.from_args(p.parse_args(["--tp-dedup"])).tp_dedup is True
+
+
+def test_tp_dedup_env_refuses_what_is_not_a_yes_or_no(monkeypatch, capsys):
+    from collector.__main__ import main
+
+    monkeypatch.setenv("RESIHP_COLLECTOR_TP_DEDUP", "ture")
+    assert main(["--check-health"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("collector: bad setting: tp_dedup (RESIHP_COLLECTOR_TP_DEDUP): ")
+    assert "'ture'" in err and "1/true/yes/on or 0/false/no/off" in err and err.count("\n") == 1

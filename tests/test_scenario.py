@@ -196,3 +196,50 @@ def test_the_scenarios_the_docs_ship_load():
     assert files
     for f in files:
         assert load_scenario(str(f)).events, f
+
+
+def test_seed_must_be_a_non_negative_integer_named_on_its_line():
+    # -1 passed `scenario check` and `resihp up`, then the simulator died in numpy
+    text = "name: x\n# a comment\nseed: -1\nevents: []\n"
+    with pytest.raises(ScenarioError, match=r"^bad.yaml:3: seed must be an integer >= 0, got -1$"):
+        parse_scenario(text, "bad.yaml")
+    assert parse_scenario("seed: 0\nevents: []\n").seed == 0
+
+
+def test_flow_style_yaml_is_read_as_yaml_when_it_is_not_json(tmp_path):
+    ev = "{at_iteration: 5, action: kill_device, rank: 1}"
+    for text in (f"[{ev}]", f"{{events: [{ev}]}}", f"{{name: flow,\n events: [\n  {ev}]}}"):
+        sc = parse_scenario(text, "flow.yaml")
+        assert [(e.action, e.at_iteration, e.ranks) for e in sc.events] == [
+            ("kill_device", 5, (1,))
+        ], text
+    p = tmp_path / "flow.json"  # a .json name does not stop the YAML reading either
+    p.write_text(f"[{ev}]\n")
+    assert load_scenario(p).events[0].ranks == (1,)
+    # neither JSON nor YAML: the JSON error, with its line
+    with pytest.raises(ScenarioError, match=r"^bad.yaml:2: invalid JSON: "):
+        parse_scenario('{"events": [\n  {"at_s": 1,, "action": "x"}]}', "bad.yaml")
+    # flow YAML errors past the parse still name the event's line
+    with pytest.raises(ScenarioError, match=r"^bad.yaml:3: action must be one of"):
+        parse_scenario("{events: [\n  " + ev + ",\n  {at_s: 2, action: explode}]}", "bad.yaml")
+
+
+@pytest.mark.parametrize(
+    "text,msg,fixed",
+    [
+        ("{at_s: 1e3, action: kill_device, rank: 1}", "write 1.0e+3 or 1000)", "1.0e+3"),
+        ("{at_s: 25e-4, action: kill_device, rank: 1}", "write 25.0e-4 or 0.0025)", "25.0e-4"),
+        ("{at_iteration: 1e3, action: kill_device, rank: 1}", "write 1000)", "1000"),
+        (
+            "{at_iteration: 1, action: slow_device, rank: 1, factor: 5e-1}",
+            "factor must be a number, got '5e-1' (YAML reads 5e-1 as text: write 5.0e-1 or 0.5)",
+            "5.0e-1",
+        ),
+    ],
+)
+def test_exponent_numbers_yaml_reads_as_text_say_how_to_write_them(text, msg, fixed):
+    with pytest.raises(ScenarioError) as ei:
+        parse_scenario(f"events:\n  - {text}\n", "bad.yaml")
+    assert str(ei.value).startswith("bad.yaml:2: ") and msg in str(ei.value), str(ei.value)
+    bad = next(w for w in ("1e3", "25e-4", "5e-1") if w in text)
+    assert parse_scenario(f"events:\n  - {text.replace(bad, fixed)}\n").events  # the advice works

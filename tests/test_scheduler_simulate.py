@@ -178,3 +178,26 @@ def test_greyhound_style_detection_pays_its_false_alarm_validations(setup):
     for name in ("resihp", "recycle", "oobleck", "adaptra"):
         pol = get_policy(name)
         assert pol.iteration_s(pol.initial_state(lay), {}, pred) == pytest.approx(healthy, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "opt,value,msg",
+    [
+        ("--microbatches", "0", "--microbatches: must be an integer >= 1, got 0"),  # ZeroDivision
+        ("--seq-len", "0", "--seq-len: must be an integer >= 1"),  # ValueError traceback
+        ("--duration-s", "nan", "--duration-s: must be a finite number > 0, got nan"),
+        ("--duration-s", "-5", "--duration-s: must be a finite number > 0, got -5.0"),
+        ("--fault-free-samples-per-s", "-1", "--fault-free-samples-per-s: must be a finite"),
+    ],
+)
+def test_simulate_refuses_bad_options_in_one_line(tmp_path, capsys, opt, value, msg):
+    from scheduler.__main__ import main
+
+    sc = tmp_path / "s.yaml"
+    sc.write_text("events:\n  - {at_s: 10, action: kill_device, rank: 1}\n")
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--scenario", str(sc), "--policy", "resihp", "--out", str(out)]
+    assert main([*argv, opt, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"simulate: bad setting: {msg}") and err.count("\n") == 1, err
+    assert not out.exists()  # nothing simulated or written

@@ -260,8 +260,8 @@ def register(app, ctx: AppContext) -> None:
         )
         sub = ", ".join(map(str, slow[:6]))
         if aside:
-            sub += ("; " if sub else "") + "set aside, still slow: " + ", ".join(
-                map(str, aside[:6])
+            sub += (
+                ("; " if sub else "") + "set aside, still slow: " + ", ".join(map(str, aside[:6]))
             )
         cards.append(card("slow devices (p<0.9)", len(slow), sub, "warn" if slow else "ok"))
         if rows:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
+
+from redis.connection import parse_url
 
 from resihp.keys import validate_job_id
 from resihp.pipeline.models import (
@@ -95,7 +98,15 @@ class SimConfig:
 
     # ------------------------------------------------------------ checks
     def validate(self) -> SimConfig:
-        validate_job_id(self.job_id)
+        try:
+            validate_job_id(self.job_id)
+        except ValueError as e:
+            raise ValueError(f"job_id: {e}") from None
+        if self.redis_url is not None:
+            try:  # the client's own parse, so that `connect` cannot fail on it later
+                parse_url(self.redis_url)
+            except ValueError as e:
+                raise ValueError(f"redis_url: {e}") from None
         try:
             pre = get_preset(self.model)
         except ValueError as e:
@@ -127,15 +138,23 @@ class SimConfig:
         self.schedule = kind
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ValueError(f"devices_per_node: must be >= 1, got {self.devices_per_node!r}")
-        if not self.efficiency >= 0:
-            raise ValueError(f"efficiency: must be > 0, or 0 for Table 6, got {self.efficiency!r}")
+        if not 0 <= self.efficiency < math.inf:
+            raise ValueError(
+                f"efficiency: must be a finite number > 0, or 0 for Table 6, got {self.efficiency!r}"
+            )
         if self.efficiency == 0 and pre.name not in TABLE6_SAMPLES_PER_S:
             raise ValueError(f"efficiency: 0 (Table 6) is not available for {pre.name}")
+        # finite: an infinite heartbeat period crashed the heartbeat thread (the run went
+        # on without heartbeats), an infinite speed or cost is no simulation
         for name in ("heartbeat_interval_s", "health_ttl_s", "plan_poll_s", "probe_reference_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
-        if not self.speed >= 0:
-            raise ValueError(f"speed: must be >= 0 (0 = unpaced), got {self.speed!r}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"{name}: must be a finite number > 0, got {getattr(self, name)!r}"
+                )
+        if not 0 <= self.speed < math.inf:
+            raise ValueError(
+                f"speed: must be a finite number >= 0 (0 = unpaced), got {self.speed!r}"
+            )
         if not 0 <= self.noise <= 1:
             raise ValueError(f"noise: must be in [0, 1], got {self.noise!r}")
         if not isinstance(self.max_rank_report, int) or self.max_rank_report < 0:
@@ -149,8 +168,14 @@ class SimConfig:
                 f"fail_stop_policy: must be wait or drop_replica, got {self.fail_stop_policy!r}"
             )
         for name in ("reconfig_base_s", "reconfig_migration_s", "state_bytes_per_param"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"{name}: must be a finite number >= 0, got {getattr(self, name)!r}"
+                )
+        if self.truth_out:
+            why = _unwritable(self.truth_out)
+            if why:
+                raise ValueError(f"truth_out: cannot write {self.truth_out}: {why}")
         tp, dp, pp = self.parallel()
         if pp > pre.num_layers:
             raise ValueError(f"pp: {pp} stages exceed the {pre.num_layers} layers of {pre.name}")
@@ -239,6 +264,22 @@ class SimConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimConfig:
+        """From the CLI's arguments; a run (not ``--check-health``, which answers
+        'unhealthy' itself) needs a Redis URL."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in vars(args).items() if k in names}
+        if not kwargs.get("redis_url") and not getattr(args, "check_health", False):
+            raise ValueError("redis_url: no Redis URL: pass --redis-url or set REDIS_URL")
         return cls(**kwargs).validate()
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be opened for appending (None: it can), without creating it."""
+    if os.path.isdir(path):
+        return "it is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "permission denied"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"no directory {parent}"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"permission denied in {parent}"
