@@ -309,3 +309,13 @@ def test_detector_config_hides_the_password(locked_redis, capsys):
         f"detector config: cannot use Redis at redis://:***@127.0.0.1:{locked_redis.port}/99"
     )
     assert PASSWORD not in err
+
+
+def test_trainer_sim_refuses_a_redis_db_that_is_no_number(monkeypatch, capsys):
+    """redis-py reads redis://host/abc as db 0; the project's client refuses it, which the
+    simulator's entry point turned into a traceback."""
+    monkeypatch.setenv("REDIS_URL", "redis://:pw@127.0.0.1:1/abc")
+    assert _sim([]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith("trainer sim: bad setting: redis_url: ") and "'abc'" in err, err
+    assert "pw" not in err

@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from resihp.redis_client import connect
 
-    client = connect(cfg.redis_url)
+    try:
+        client = connect(cfg.redis_url)
+    except ValueError as e:  # a URL redis-py takes but we refuse (a db that is no number)
+        print(f"{SERVICE}: bad setting: redis_url: {e}", file=sys.stderr)
+        return 2
     # A wrong password is said once (exit 2) before anything starts.  A Redis that
     # cannot be reached yet is no reason to wait: the simulator trains on, queues its
     # telemetry and registers the job once Redis answers.
@@ -53,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         except ScenarioError as e:
             print(f"{SERVICE}: bad scenario: {e}", file=sys.stderr)
             return 2
-    trainer = SimTrainer(cfg, client, scenario=scenario)
+    try:
+        trainer = SimTrainer(cfg, client, scenario=scenario)
+    except OSError as e:  # --truth-out became unwritable since it was checked
+        print(f"{SERVICE}: cannot open --truth-out {cfg.truth_out}: {e.strerror}", file=sys.stderr)
+        return 2
     stop = entry.stop_on_signals()
     logging.getLogger("trainer.sim").info(
         "simulating %s %s on %d ranks (speed %s)",
