@@ -388,27 +388,21 @@ class PlanFollower:
         """Tell the scheduler this trainer will not run ``plan`` (``failed``, the reason in
         the comment): without it the plan waits as acknowledged until a newer one comes, and
         the job looks as if it waited for the trainer.  Never retried here."""
-        self.applied.add(plan.plan_id)
-        publish(
-            self.client,
-            self.keys.actions,
-            OperatorAction(
-                action="failed",
-                plan_id=plan.plan_id,
-                actor=self.actor,
-                at_s=time.time(),
-                comment=reason[:500],
-            ),
-        )
+        self._answer(plan, "failed", reason[:500])
 
     def confirm_applied(self, plan: AdaptationPlan, layout: Layout, comment: str = "") -> None:
         self.applied.add(plan.plan_id)
         write_layout(self.client, self.keys, layout)
+        self._answer(plan, "applied", comment)
+
+    def _answer(self, plan: AdaptationPlan, action: str, comment: str) -> None:
+        """The trainer's word on ``plan`` (``applied`` / ``failed``); it is not offered again."""
+        self.applied.add(plan.plan_id)
         publish(
             self.client,
             self.keys.actions,
             OperatorAction(
-                action="applied",
+                action=action,
                 plan_id=plan.plan_id,
                 actor=self.actor,
                 at_s=time.time(),
