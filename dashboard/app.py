@@ -3,6 +3,12 @@
 Pages (``dashboard.pages.*``) render into ``#page`` and refresh on the shared
 ``tick`` interval (<= 1 s by default) and on the job selector.  The Flask
 server also serves ``/metrics`` (Prometheus) and ``/auth/*``.
+
+The layout is built per page load, so the job selector starts with the jobs of
+Redis as its options: Dash 4's Dropdown clears, on mount, a value its options
+lack, and that clearing raced the server's first answer (the selector then
+showed its placeholder while the pages showed the job).  A ``?job=`` that names
+no job of this Redis gets a notice above the page naming the job shown instead.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ body{font-family:system-ui,-apple-system,sans-serif;margin:0;background:#f6f7f9;
 .header a.active{color:#fff;font-weight:bold;border-bottom:2px solid #fff}
 .brand{font-weight:bold;font-size:18px;margin-right:12px}
 .job-select{width:190px;color:#222}
+.job-notice:empty{display:none}.job-notice{padding:6px 18px 0}
 .auth-box{margin-left:auto;font-size:13px;flex-shrink:0;white-space:nowrap}
 .auth-box form{display:flex;gap:4px;align-items:center}
 .auth-box .dash-input-container{flex:0 0 96px;width:96px}
@@ -71,7 +78,38 @@ def _index_string() -> str:
     )
 
 
+def job_names(ctx: AppContext) -> list[str]:
+    """The selector's jobs: every job of ``resihp:jobs``, plus ``--job-id`` (it may not
+    have registered yet).  Raises ``redis.RedisError``."""
+    names = ctx.data.jobs()
+    if ctx.config.job_id and ctx.config.job_id not in names:
+        names = sorted([*names, ctx.config.job_id])
+    return names
+
+
+def job_options(names: list[str]) -> list[dict[str, str]]:
+    return [{"label": j, "value": j} for j in names]
+
+
+def job_notice(search: str | None, names: list[str], shown: str | None) -> str:
+    """What to say when ``?job=`` names a job this Redis does not have ("" otherwise)."""
+    wanted = parse_qs((search or "").lstrip("?")).get("job", [None])[0]
+    if not wanted or not names or wanted in names:
+        return ""
+    asked = wanted if len(wanted) <= 80 else wanted[:77] + "..."
+    where = f"showing '{shown}'" if shown else "no job selected"
+    return f"job '{asked}' is not in this Redis; {where}"
+
+
 def _header(ctx: AppContext) -> html.Div:
+    # Options with the value from the start: a Dropdown whose value is not among its
+    # options clears it when it mounts, racing the job callback's first answer, and
+    # when that answer named the same job the selector stayed on its placeholder.
+    try:
+        names = job_names(ctx)
+    except redis.RedisError:
+        names = [ctx.config.job_id] if ctx.config.job_id else []
+    value = ctx.config.job_id or (names[0] if names else None)
     return html.Div(
         [
             html.Span("ResiHP", className="brand"),
@@ -86,7 +124,8 @@ def _header(ctx: AppContext) -> html.Div:
                 className="job-select",
                 clearable=False,
                 placeholder="job",
-                value=ctx.config.job_id,
+                options=job_options(names),
+                value=value,
             ),
             html.Span(id="live-status", className="live"),
             html.Div(id="auth-box", className="auth-box"),
@@ -163,15 +202,20 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
     metrics.install(server, data)
     app.resihp_ctx = ctx  # for tests and the CLI
 
-    app.layout = html.Div(
-        [
-            dcc.Location(id="url"),
-            dcc.Store(id="url-job-sync"),
-            dcc.Interval(id="tick", interval=int(config.refresh_interval_s * 1000)),
-            _header(ctx),
-            html.Div(id="page", className="page"),
-        ]
-    )
+    def serve_layout() -> html.Div:
+        # a function: each page load gets the jobs Redis has now (see _header)
+        return html.Div(
+            [
+                dcc.Location(id="url"),
+                dcc.Store(id="url-job-sync"),
+                dcc.Interval(id="tick", interval=int(config.refresh_interval_s * 1000)),
+                _header(ctx),
+                html.Div(id="job-notice", className="job-notice"),
+                html.Div(id="page", className="page"),
+            ]
+        )
+
+    app.layout = serve_layout
     by_path = {p.PATH: p for p in PAGES}
     for p in PAGES:
         p.register(app, ctx)
@@ -235,12 +279,10 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
     )
     def jobs(_n, search, current, options):
         try:
-            names = data.jobs()
+            names = job_names(ctx)
         except redis.RedisError as e:
             return no_update, no_update, f"Redis unavailable ({type(e).__name__})"
-        if config.job_id and config.job_id not in names:
-            names = sorted([*names, config.job_id])
-        opts = [{"label": j, "value": j} for j in names]
+        opts = job_options(names)
         wanted = parse_qs((search or "").lstrip("?")).get("job", [None])[0]
         if wanted in names and (current is None or dash.ctx.triggered_id == "url"):
             current = None  # an explicit ?job= wins on page load
@@ -255,6 +297,19 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
             value if value != current else no_update,
             status,
         )
+
+    @app.callback(
+        Output("job-notice", "children"),
+        Input("url", "search"),
+        Input("job", "options"),
+        Input("job", "value"),
+    )
+    def notice(search, options, job):
+        # An unknown ?job= is answered with the default job (and the URL follows it):
+        # say so, or the page silently shows another job than the link asked for.
+        names = [o["value"] for o in options or [] if isinstance(o, dict) and "value" in o]
+        text = job_notice(search, names, job)
+        return html.Div(text, id="job-notice-text", className="banner banner-warn") if text else ""
 
     return app
 

@@ -905,8 +905,26 @@ def recurrence_figure(failures: list[FailureReport], devices_per_node: int) -> g
         height=280,
         margin={"l": 50, "r": 20, "t": 50, "b": 40},
         yaxis_title="rank",
+        # ranks are whole numbers: no 3.5 tick, whatever the span
+        yaxis={"tickformat": "d", "rangemode": "tozero"},
+        xaxis={"tickformat": "%H:%M:%S"},
     )
+    ranks = [r for _, r in pts]
+    lo, hi = min(ranks), max(ranks)
+    if hi - lo <= 10:
+        # few ranks: a tick per rank, with a rank of room either side
+        fig.update_yaxes(dtick=1, tick0=0, range=[max(lo - 1, 0) - 0.5, hi + 1.5])
+    times = [f.detected_at_s for f, _ in pts]
+    t_lo, t_hi = min(times), max(times)
+    if t_hi - t_lo < _MIN_SPAN_S:
+        # one report (or a burst): plotly would zoom to a millisecond around it
+        pad = (_MIN_SPAN_S - (t_hi - t_lo)) / 2
+        fig.update_xaxes(range=[_ts(t_lo - pad), _ts(t_hi + pad)])
     return fig
+
+
+#: The narrowest time range "culprits over time" shows (seconds).
+_MIN_SPAN_S = 120.0
 
 
 # ---------------------------------------------------------------- failures

@@ -177,7 +177,10 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
             w.family(
                 "resihp_device_throughput_ratio",
                 "gauge",
-                "Normalized throughput p_i of each device (1 = healthy, 0 = dead).",
+                "Normalized throughput p_i (1 = healthy, 0 = dead) of each device the "
+                "detector has given a verdict (slow, dead, or healthy again after one); a "
+                "device without a series was never reported: p = 1, healthy. Count or "
+                "average these and you count judged devices, not the job's GPUs.",
             )
             for rank in sorted(health):
                 d = health[rank]

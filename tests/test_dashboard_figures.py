@@ -416,3 +416,24 @@ def test_a_plan_from_a_layout_that_cannot_run_draws_no_bar():
     )
     fig = figures.plan_layers_figure(before, after, (2.5, 1.83))
     assert "cannot run" not in [a.text for a in fig.layout.annotations]
+
+
+def test_culprits_over_time_has_whole_rank_ticks_and_a_readable_time_range():
+    # One report: plotly zoomed to a millisecond around it (08:27:56.0175, .018, ...) and
+    # ticked the rank axis at 3, 3.5, 4.
+    t = 1_790_000_000.0175
+    fig = figures.recurrence_figure([_failure("fr-1", "fail_slow_compute", [3], t)], 8)
+    y, x = fig.layout.yaxis, fig.layout.xaxis
+    assert y.dtick == 1 and y.tickformat == "d"
+    lo, hi = y.range
+    assert lo < 3 < hi and hi - lo <= 6  # the rank with a rank of room either side
+    x0, x1 = (figures._ts(0).fromisoformat(str(v)) for v in x.range)
+    assert (x1 - x0).total_seconds() >= 60 and x0 < figures._ts(t) < x1
+    assert x.tickformat == "%H:%M:%S"
+    # Many ranks over a long time: plotly's own range and tick spacing, still whole ranks.
+    many = [
+        _failure(f"fr-{i}", "fail_slow_compute", [i * 7], t + 3600 * i, it=i) for i in range(10)
+    ]
+    fig = figures.recurrence_figure(many, 8)
+    assert fig.layout.yaxis.tickformat == "d" and fig.layout.yaxis.dtick is None
+    assert fig.layout.xaxis.range is None

@@ -1,10 +1,15 @@
-"""Failures: history table with filters (kind, rank, node, time); a row opens its evidence."""
+"""Failures: history table with filters (kind, rank, node, time); a row opens its evidence.
+
+The evidence panel follows the table: when a filter (or another job) takes the selected
+report out of the rows, the panel says so and the selection is cleared, rather than
+keeping the evidence of a report the table no longer lists."""
 
 from __future__ import annotations
 
 import json
 import time
 
+import dash
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
 from dashboard import figures
@@ -90,7 +95,11 @@ def layout(ctx: AppContext) -> html.Div:
                 ),
                 className="panel",
             ),
-            html.Div(id="fl-evidence", className="panel"),
+            html.Div(
+                html.Div("Click a row to see its evidence."), id="fl-evidence", className="panel"
+            ),
+            # the report the evidence panel shows: {"job", "report_id"}
+            dcc.Store(id="fl-selected"),
         ]
     )
 
@@ -127,21 +136,48 @@ def register(app, ctx: AppContext) -> None:
 
     @app.callback(
         Output("fl-evidence", "children"),
+        Output("fl-selected", "data"),
+        Output("fl-table", "active_cell"),
+        Output("fl-table", "selected_cells"),
         Input("fl-table", "active_cell"),
+        Input("fl-table", "data"),
         State("fl-table", "derived_viewport_data"),
         State("job", "value"),
+        State("fl-selected", "data"),
     )
-    @redis_safe(1)
-    def evidence(cell, viewport, job):
+    @redis_safe(4)
+    def evidence(cell, rows, viewport, job, selected):
+        if "fl-table.active_cell" not in dash.ctx.triggered_prop_ids and dash.ctx.triggered_id:
+            # the rows changed (filters, new reports, another job): keep the evidence only
+            # while its report is still listed
+            if not isinstance(selected, dict):
+                return no_update, no_update, no_update, no_update
+            rid = selected.get("report_id")
+            if selected.get("job") == job and rid in {x.get("report_id") for x in rows or []}:
+                return no_update, no_update, no_update, no_update
+            if selected.get("job") != job:
+                return html.Div("Click a row to see its evidence."), None, None, []
+            return (
+                html.Div(
+                    f"Report {rid} is hidden by the filters, so its evidence is closed. "
+                    "Click a row to see a report's evidence.",
+                    id="fl-evidence-hidden",
+                ),
+                None,
+                None,
+                [],
+            )
         if not cell or not viewport or not job:
-            return html.Div("Click a row to see its evidence.")
+            return html.Div("Click a row to see its evidence."), None, no_update, no_update
         row = viewport[cell["row"]] if cell["row"] < len(viewport) else None
         if row is None:
-            return no_update
+            return no_update, no_update, no_update, no_update
+        shown = {"job": job, "report_id": row["report_id"]}
         f = next((x for x in ctx.data.failures(job) if x.report_id == row["report_id"]), None)
         if f is None:
-            return banner(f"report {row['report_id']} no longer available", "warn")
-        return html.Div(
+            gone = banner(f"report {row['report_id']} no longer available", "warn")
+            return gone, None, no_update, no_update
+        body = html.Div(
             [
                 html.H4(f"{f.kind} · {f.report_id} · iteration {f.iteration}"),
                 html.Div(
@@ -171,3 +207,4 @@ def register(app, ctx: AppContext) -> None:
             ],
             id="fl-evidence-body",
         )
+        return body, shown, no_update, no_update

@@ -1,5 +1,10 @@
 """Pipeline timeline: Gantt of F/B/W chunks per (DP replica, stage), observed beside predicted,
-bubble ratio per stage, migrated micro-batches marked; Perfetto trace download."""
+bubble ratio per stage, migrated micro-batches marked; Perfetto trace download.
+
+The iteration box is wide enough for six digits beside Dash 4's two stepper buttons, and
+has no ``min``: a browser turns an out-of-range number into "no value", which showed the
+latest iteration as if nothing had been typed; a negative or fractional entry reaches the
+callback and is refused with a banner instead."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from dashboard.predict import predicted_chunks
 
 PATH = "/timeline"
 NAME = "Pipeline timeline"
+#: The iteration box: 2 stepper buttons (64 px) + padding and border (18 px) + six digits.
+ITERATION_BOX_PX = 170
 
 
 def layout(ctx: AppContext) -> html.Div:
@@ -24,10 +31,9 @@ def layout(ctx: AppContext) -> html.Div:
                     dcc.Input(
                         id="tl-iteration",
                         type="number",
-                        min=0,
                         placeholder="latest",
                         debounce=True,
-                        style={"width": "110px"},
+                        style={"width": f"{ITERATION_BOX_PX}px", "flex": "0 0 auto"},
                     ),
                     html.Label(" DP replicas "),
                     dcc.Dropdown(
@@ -88,6 +94,13 @@ def load(ctx: AppContext, job: str, iteration: int | None, entry_id: str | None 
     return rec, lay, pred
 
 
+def _valid_iteration(v) -> bool:
+    """A whole number >= 0 (the box sends -3, 2.5 as they are: it has no ``min``)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return v >= 0 and float(v).is_integer()
+
+
 def register(app, ctx: AppContext) -> None:
     @app.callback(
         Output("tl-status", "children"),
@@ -127,20 +140,21 @@ def register(app, ctx: AppContext) -> None:
             target = rows[-1]
         else:
             # the newest: after a restart from a checkpoint the number repeats
-            target = next((r for r in reversed(rows) if r.iteration == int(iteration)), None)
+            target = (
+                next((r for r in reversed(rows) if r.iteration == int(iteration)), None)
+                if _valid_iteration(iteration)
+                else None
+            )
             if target is None:
-                return (
-                    banner(
-                        f"iteration {iteration} is not in the last {len(rows)} iterations "
-                        f"({rows[0].iteration}-{rows[-1].iteration})",
-                        "warn",
-                    ),
-                    no_update,
-                    no_update,
-                    no_update,
-                    no_update,
-                    rendered,
+                why = (
+                    f"iteration {iteration} is not in the last {len(rows)} iterations "
+                    f"({rows[0].iteration}-{rows[-1].iteration})"
+                    if _valid_iteration(iteration)
+                    else f"iteration {iteration} is not valid: iterations are numbered 0, 1, "
+                    "2, ... (clear the box for the latest)"
                 )
+                # the chart stays as it was
+                return (banner(why, "warn"), no_update, no_update, no_update, no_update, rendered)
         key = [job, target.entry_id, sorted(dps or []), target.iteration]
         if rendered == key:
             return no_update, no_update, no_update, no_update, no_update, no_update
