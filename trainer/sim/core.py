@@ -360,6 +360,27 @@ class ClusterSim:
             return f"assigns work to dead ranks {dead[:8]}"
         return None
 
+    def resume(
+        self, iteration: int, t_s: float, epoch_s: float, layout: Layout | None = None
+    ) -> str | None:
+        """Continue a job that ran before (a restarted trainer): at ``iteration`` and
+        training time ``t_s``, on ``layout`` (the job's, when it can run here), with every
+        scenario event due by then applied to the devices.  Returns why ``layout`` was not
+        taken (None when it was, or none was given)."""
+        problem = None
+        if layout is not None and layout != self.layout:
+            # checked before the past events kill anyone: a layout still holding a rank that
+            # died (no plan applied yet) is where the job hangs, and resumes hung
+            problem = self.check_layout(layout)
+            if problem is None:
+                self.layout, self._ctx = layout, None
+        self.iteration, self.t_s, self.epoch_s = iteration, t_s, epoch_s
+        self._next_hb_s = t_s
+        while due := self.cursor.due(iteration - 1, t_s):
+            for ev in due:
+                self._apply_event(ev)
+        return problem
+
     # ------------------------------------------------------------ events
     def _apply_event(self, ev: ScenarioEvent) -> None:
         tg = ev.targets(self.layout.devices_per_node)

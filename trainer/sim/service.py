@@ -150,29 +150,18 @@ class SimTrainer:
         except (LayoutError, ValueError) as e:
             log.warning("the job's layout in Redis is unreadable (%s): resuming on our own", e)
             layout = None
-        if layout is not None:
-            # checked before the past events kill anyone: a layout still holding a rank that
-            # died (no plan applied yet) is where the job hangs, and resumes hung
-            problem = sim.check_layout(layout) if layout != sim.layout else None
-            if problem:
-                log.warning("not resuming on the job's layout in Redis: %s", problem)
-            else:
-                sim.layout, sim._ctx = layout, None
-        sim.iteration = newest + 1
-        sim.t_s = prev_t
-        # the events of the first run happened: the devices they killed or slowed stay so
-        while True:
-            due = sim.cursor.due(newest, prev_t)
-            if not due:
-                break
-            for ev in due:
-                sim._apply_event(ev)
         now = time.time()
         # the trainer's clock goes on from the first run's (never back before its last
         # record); the wall pacing from now
-        sim.epoch_s = max(now, last.end_s if last is not None else now) - prev_t
+        problem = sim.resume(
+            newest + 1,
+            prev_t,
+            epoch_s=max(now, last.end_s if last is not None else now) - prev_t,
+            layout=layout,
+        )
+        if problem:
+            log.warning("not resuming on the job's layout in Redis: %s", problem)
         self.wall0 = now - prev_t / self.cfg.speed if self.cfg.speed > 0 else now
-        sim._next_hb_s = prev_t
         log.warning(
             "job %s already ran to iteration %d (its history is in Redis: a restart): resuming "
             "at iteration %d on layout %d, scenario events up to then taken as happened "
