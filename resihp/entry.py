@@ -192,8 +192,12 @@ def _attempt(fn: Callable[[], object], who: str, client) -> Exception | None:
         fn()
     except (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError) as e:
         raise _refused(who, client, e) from None
-    except redis.ResponseError as e:  # e.g. "DB index is out of range" (SELECT at connect)
-        raise _refused(who, client, e) from None
+    except redis.ResponseError as e:
+        # a database past the server's ``databases`` (SELECT at connect), or a command its
+        # ACL forbids, is a setting; any other error reply (OOM, a busy script) is not
+        if isinstance(e, redis.exceptions.NoPermissionError) or "DB index" in str(e):
+            raise _refused(who, client, e) from None
+        raise
     except (redis.ConnectionError, redis.TimeoutError) as e:
         return e
     return None
