@@ -50,7 +50,14 @@ from scheduler.memory import inflight_1f1b
 from scheduler.pp import PartitionError, optimal_partition, partition_moves
 from scheduler.predict import Predictor
 from scheduler.refine import refine_migrations
-from scheduler.tp import adapt_tp, clone_layout, p2p_moves, stage_k_min, standby_move
+from scheduler.tp import (
+    adapt_tp,
+    clone_layout,
+    p2p_moves,
+    stage_k_min,
+    standby_move,
+    tp_regroup_move,
+)
 
 
 class PlanningError(ValueError):
@@ -298,17 +305,7 @@ def _group_moves(layout: Layout, after: Layout, p: Mapping[int, float]) -> list[
             for r in new:
                 if r not in grp and r in layout.standby:
                     out.append(standby_move("reuse", r, node, d, s))
-            out.append(
-                {
-                    "what": "tp_regroup",
-                    "dp": d,
-                    "stage": s,
-                    "from": list(grp),
-                    "to": list(new),
-                    "k_from": len(grp),
-                    "k_to": len(new),
-                }
-            )
+            out.append(tp_regroup_move(d, s, grp, new))
     return out + p2p_moves(after)
 
 

@@ -169,6 +169,19 @@ def _unkept_reason(
     )
 
 
+def tp_regroup_move(dp: int, stage: int, old: list[int], new: list[int]) -> dict:
+    """A plan move of a TP group from ranks ``old`` to ``new`` (its degree with them)."""
+    return {
+        "what": "tp_regroup",
+        "dp": dp,
+        "stage": stage,
+        "from": list(old),
+        "to": list(new),
+        "k_from": len(old),
+        "k_to": len(new),
+    }
+
+
 def standby_move(
     action: str, rank: int, node: int, dp: int, stage: int, reason: str | None = None
 ) -> dict:
@@ -277,17 +290,7 @@ def adapt_tp(
                 continue
             np_.append(r)
             res.moves.append(standby_move("park", r, node, d, s, f"p={p.get(r, 1.0):.2f}"))
-        res.moves.append(
-            {
-                "what": "tp_regroup",
-                "dp": d,
-                "stage": s,
-                "from": list(grp),
-                "to": list(new),
-                "k_from": len(grp),
-                "k_to": len(new),
-            }
-        )
+        res.moves.append(tp_regroup_move(d, s, grp, new))
     for r in drop_s:
         if r not in dead:
             for lst in pool.values():
