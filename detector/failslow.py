@@ -282,7 +282,13 @@ class FailSlowDetector:
         return self._inferred
 
     def _learn_ranks(self, v: IterationView) -> None:
-        if self.layout is not None and self.layout.layout_id == v.layout_id:
+        """Where ranks work, from a record of a layout nobody published (yet)."""
+        if self.layout is not None and v.layout_id <= self.layout.layout_id:
+            # The published layout's own records, or late ones of a layout it replaced
+            # (the collector publishes them after the switch): the published map stands.
+            # Learned from those, a rank the plan set aside went back to its old group,
+            # which then spoke for it: its slowness followed a group it had left and the
+            # group's speed without it read as its recovery.
             return
         for r, d, s in zip(v.rank, v.rank_dp, v.rank_stage, strict=True):
             g = (int(d), int(s))

@@ -519,6 +519,63 @@ def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
     assert rp.detector.health[5]["state"] == "healthy"
 
 
+def test_a_gpu_set_aside_is_judged_by_its_probes_though_old_records_come_after_the_layout():
+    """TP2 PP2 DP2, rank 3 at 0.3x from iteration 25, healthy again at 45; the plan sets it
+    aside.  Live, the detector reads the new layout before the collector has published the
+    last records of the old one (it assembles them while the trainer switches).  Learning
+    where ranks work from those put rank 3 back in its old group, whose speed without it
+    then stood for its own: CI saw it "recovered" at iteration 39, still slow."""
+    from detector.config import DetectorConfig
+    from detector.replay import TraceReplayer
+    from resihp.scenario import parse_scenario
+    from scheduler.planner import plan
+    from scheduler.predict import Predictor
+    from trainer.sim.config import SimConfig
+    from trainer.sim.core import ClusterSim
+
+    cfg = SimConfig(
+        model="llama2-7b", tp=2, pp=2, dp=2, seq_len=4096, microbatches=4, schedule="1f1b",
+        speed=0.0, iterations=70, seed=1, noise=0.05, heartbeat_interval_s=1.0,
+    )  # fmt: skip
+    events = [
+        "{at_iteration: 25, action: slow_device, rank: 3, factor: 0.3}",
+        "{at_iteration: 45, action: recover, rank: 3, what: compute}",
+    ]
+    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
+    rp = TraceReplayer(DetectorConfig(), layout=cfg.initial_layout())
+    pred = Predictor(cfg.model, cfg.seq_len, 80.0)
+    feed_step = _compound().feed_step
+
+    def feed(st):
+        if not hasattr(st, "chunk_rows"):  # the collector switching to the new layout
+            rp.assembler.set_layout(st)
+            return []
+        out = feed_step(rp, st)
+        for p in st.probes:
+            out += rp.feed(p, float(st.chunk_rows["end_s"].max()))
+        return out
+
+    reports, lagging, aside = [], [], None
+    while sim.iteration < cfg.iterations:
+        lagging.append(sim.step())
+        if len(lagging) > 1:  # the collector publishes each record one iteration late
+            reports += feed(lagging.pop(0))
+        if aside is None and any(r.kind == "fail_slow_compute" for r in reports):
+            p = {r: h["p"] for r, h in rp.detector.health.items()}
+            aside = plan(sim.layout, p, pred).after
+            assert 3 in aside.standby, aside.standby
+            rp.detector.set_layout(aside)  # the detector reads it at once ...
+            lagging += [aside, sim.apply_layout(aside)]  # ... the collector after its record
+    for st in lagging:
+        reports += feed(st)
+    reports += rp.finish()
+    got = [(r.kind, r.ranks, r.iteration) for r in reports]
+    assert got[0][:2] == ("fail_slow_compute", [3]), got
+    back = [r for r in reports if r.kind == "recovery"]
+    assert back and back[0].ranks == [3] and back[0].iteration >= 45, got
+    assert back[0].evidence["reason"] == "standby_probe", back[0].evidence
+
+
 # ------------------------------------------------------------ traces not in arrival order
 
 
