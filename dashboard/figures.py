@@ -124,8 +124,13 @@ def throughput_figure(
     failures: list[FailureReport] = (),
     phases: list[tuple[str, float]] = (),
     title: str = "Throughput",
+    stopped: tuple[float, float] | None = None,
 ) -> go.Figure:
-    """samples/s over wall time; failures and recovery phases as vertical markers."""
+    """samples/s over wall time; failures and recovery phases as vertical markers.
+
+    ``stopped``: (since_s, now_s) of a job that makes no progress (hung or stalled), drawn
+    as a zero-rate segment up to now: without it the line ended at the last iteration's
+    rate, which read as the job still training at that rate."""
     if not rows:
         return empty_figure("no iterations yet")
     ends = [wall_end(r) for r in rows]
@@ -143,6 +148,19 @@ def throughput_figure(
             hovertemplate="iteration %{customdata}<br>%{y:.2f} samples/s<extra></extra>",
         )
     )
+    if stopped is not None and stopped[1] > stopped[0]:
+        since_s, now_s = stopped
+        fig.add_trace(
+            go.Scatter(
+                x=[_ts(since_s), _ts(now_s)],
+                y=[0.0, 0.0],
+                mode="lines",
+                name="no progress",
+                line={"color": "#E45756", "dash": "dot", "width": 3},
+                hovertemplate=f"no iteration since {_ts(since_s).strftime('%H:%M:%S')}"
+                f" ({now_s - since_s:.0f} s)<extra></extra>",
+            )
+        )
     marks = [
         (_ts(f.detected_at_s), FAILURE_COLORS.get(f.kind, "black"), "dot", None) for f in failures
     ]

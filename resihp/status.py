@@ -360,6 +360,7 @@ def job_progress(
         # the dead ranks the layout still gives work: these stop the job
         "dead_working_ranks": dead_working,
         "last_iteration_age_s": age_s,
+        "now_s": now_s,
     }
 
 

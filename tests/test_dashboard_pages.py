@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import datetime
 
 import numpy as np
 import pytest
@@ -510,6 +511,7 @@ def test_a_hung_job_says_so_on_the_overview_and_in_metrics(r, redis_server):
     out = _overview(app)
     assert out["ov-status"]["children"] == ""
     assert _cards(out)["iteration"][2] == "card"
+    assert [t["name"] for t in out["ov-throughput"]["figure"]["data"]] == ["samples/s"]
     assert 'resihp_job_progress{job="job-a",state="running"} 1.0' in _metrics(app)
 
     bus.Health(r, keys, "trainer").beat("ok", state="hung", iteration=19)
@@ -518,6 +520,13 @@ def test_a_hung_job_says_so_on_the_overview_and_in_metrics(r, redis_server):
     assert "trainer HUNG" in text and "plan 1 was rejected" in text, text
     value, sub, cls = _cards(out)["iteration"]
     assert "published" in sub and cls == "card bad", (sub, cls)
+    # the throughput line went on at the last rate as if the job trained: it drops to
+    # zero from when the job stopped up to now
+    stop = out["ov-throughput"]["figure"]["data"][-1]
+    assert stop["name"] == "no progress" and stop["y"] == [0.0, 0.0], stop
+    at = datetime.fromisoformat
+    last_end = at(out["ov-throughput"]["figure"]["data"][0]["x"][-1])
+    assert last_end <= at(stop["x"][0]) < at(stop["x"][1]), (stop["x"], last_end)
     metrics = _metrics(app)
     assert 'resihp_job_progress{job="job-a",state="hung"} 1.0' in metrics
     assert 'resihp_job_progress{job="job-a",state="running"} 0.0' in metrics

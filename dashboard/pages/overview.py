@@ -317,7 +317,15 @@ def register(app, ctx: AppContext) -> None:
         healthy = healthy_iteration_time_s(
             lay, ctx.data.iteration_record(job) if rows else None, s["device_health"]
         )
-        thr = figures.throughput_figure(rows, s["failures"][-100:], title="Throughput (samples/s)")
+        pr = s["progress"]
+        stopped = (
+            (pr["since_s"], pr.get("now_s") or pr["since_s"])
+            if pr.get("state") in ("hung", "stalled") and pr.get("since_s") is not None
+            else None
+        )
+        thr = figures.throughput_figure(
+            rows, s["failures"][-100:], title="Throughput (samples/s)", stopped=stopped
+        )
         itf = figures.iteration_time_figure(
             rows, s["failures"][-200:], healthy, lay.layout_id if lay is not None else None
         )
