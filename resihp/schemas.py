@@ -638,6 +638,9 @@ def _json_column(type_name: str, name: str, values: Any, n: int, dtype: np.dtype
         return arr.astype(dtype)
     if arr.ndim != 1:
         raise SchemaError(f"{type_name}: column {name}: expected a flat list of numbers")
+    if arr.dtype.kind in "iuf" and any(v is True or v is False for v in values):
+        # beside numbers a JSON true became 1 (rank 1, a 1 s start)
+        raise SchemaError(f"{type_name}: column {name}: true/false where a number belongs")
     if dtype.kind in "iu":
         if arr.dtype.kind not in "iu":
             # integers past 64 bits (10**30, or 2**63 beside a negative) come back as

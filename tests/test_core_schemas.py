@@ -324,6 +324,16 @@ def test_integers_too_large_for_a_column_are_out_of_range_not_non_integers():
         S.decode_message(_chunk_batch_json(iteration=(0, 1.5)))
 
 
+def test_a_json_true_among_numbers_is_not_read_as_1():
+    for col, i in (("rank", 1), ("start_s", 0)):
+        with pytest.raises(S.SchemaError, match=f"column {col}: true/false where a number"):
+            S.decode_message(_chunk_batch_json(**{col: (i, True)}))
+    d = _chunk_batch_json()
+    d["chunks"]["iteration"] = [False, True]
+    with pytest.raises(S.SchemaError, match="column iteration: expected integers"):
+        S.decode_message(d)
+
+
 def test_compute_s_longer_than_its_chunk_is_refused(recwarn):
     """compute_s 1e308 (the time computing inside a 0.5 s chunk) was accepted and overflowed
     the detector's sums: a numpy RuntimeWarning on stderr, and no line named."""
