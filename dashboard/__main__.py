@@ -212,15 +212,32 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             client = connect(config.redis_url)
-            jobs = [config.job_id] if config.job_id else list_jobs(client)
-            ok = bool(jobs) and all(
-                Health.check(client, JobKeys(j), "dashboard", str(config.port)) for j in jobs
-            )
-        except (ValueError, redis.RedisError) as e:
-            print(f"dashboard: {e}", file=sys.stderr)
+        except ValueError as e:
+            print(f"dashboard: unhealthy: {e}", file=sys.stderr)
             return 1
-        print("dashboard: healthy" if ok else "dashboard: not healthy")
-        return 0 if ok else 1
+        where = entry.redis_where(client)
+        try:
+            jobs = [config.job_id] if config.job_id else list_jobs(client)
+            stale = [
+                j
+                for j in jobs
+                if not Health.check(client, JobKeys(j), "dashboard", str(config.port), quiet=False)
+            ]
+        except redis.RedisError as e:
+            print(f"dashboard: unhealthy: cannot use Redis at {where}: {e}", file=sys.stderr)
+            return 1
+        if not jobs:
+            print(f"dashboard: not healthy: no job registered in Redis at {where}")
+            return 1
+        if stale:
+            print(
+                f"dashboard: not healthy: no fresh health key of port {config.port} for "
+                f"job(s) {', '.join(stale[:8])}{' ...' if len(stale) > 8 else ''} in Redis "
+                f"at {where} (is it serving, on that port?)"
+            )
+            return 1
+        print("dashboard: healthy")
+        return 0
     if not config.redis_url:
         print("dashboard: no Redis URL: pass --redis-url or set REDIS_URL", file=sys.stderr)
         return 2

@@ -244,7 +244,11 @@ def test_check_health_cli(redis_server, r):
         "job-h",
         "--check-health",
     ]
-    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 1
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    # the one line says what is missing and where it looked (no password)
+    where = redis_server.url.split("@")[-1].split("://")[-1]
+    assert first.returncode == 1 and "job(s) job-h" in first.stdout, first.stdout
+    assert where in first.stdout, (where, first.stdout)
     stop = threading.Event()
     t = start_health_thread(DashboardConfig(redis_url=redis_server.url, job_id="job-h"), stop)
     try:
@@ -254,8 +258,8 @@ def test_check_health_cli(redis_server, r):
             stop.wait(0.1)
         assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
         # another dashboard (another port) on the same Redis is not vouched for by this one
-        other = subprocess.run([*cmd, "--port", "8051"], capture_output=True, timeout=60)
-        assert other.returncode == 1
+        other = subprocess.run([*cmd, "--port", "8051"], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 1 and "port 8051" in other.stdout, other.stdout
         h = json.loads(r.get(JobKeys("job-h").health("dashboard", "8050")))
         assert h["port"] == 8050 and not r.exists(JobKeys("job-h").health("dashboard", "0"))
     finally:
