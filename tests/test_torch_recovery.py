@@ -590,3 +590,45 @@ def test_sigterm_while_waiting_for_a_plan_stops_at_once(tmp_path, redis_server, 
     while time.time() < deadline and any(_not_zombie(p) for p in kids):
         time.sleep(0.1)
     assert not any(_not_zombie(p) for p in kids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_restarted_job_resumes_its_checkpoint_in_the_layout_it_was_saved_under(tmp_path):
+    """TP2 x PP2; rank 1 dies at iteration 2 and stage 0 shrinks to TP1.  The job, stopped
+    after 4 iterations, is started again for 7: it went back to iteration 0 on the launch
+    layout (its checkpoints deleted).  It now resumes at step 4, on the layout without
+    rank 1, every shard read from the checkpoint, and the loss curve of the two runs
+    together is the single-process reference's."""
+    import json
+
+    from trainer.torch_trainer.config import TrainConfig
+    from trainer.torch_trainer.launcher import launch
+
+    job = {"tp": 2, "pp": 2, "microbatches": 2}
+    _, rows, _ = run_recovery_job(tmp_path, **job, kill_rank=1, kill_at_iteration=2)
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    saved_layout = rows[-1]["layout_id"]
+    base = {**RECOVERY, **job, "out_dir": str(tmp_path / "run")}
+
+    cfg = TrainConfig(**{**base, "iterations": 7})
+    assert launch(cfg) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    check_loss_curve(cfg, rows)  # iterations 0-6, each once, the reference's losses
+    resumed = rows[4:]
+    assert {r["generation"] for r in resumed} == {0}
+    assert {r["layout_id"] for r in resumed} == {saved_layout}
+    tl = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    moved = tl["workers"]["0"]["moved"]
+    assert moved["from_disk"] > 0 and moved["kept"] == 0 and moved["from_replica"] == 0, moved
+    written = [e for e in tl["events"] if e["what"] == "generation_written"]
+    assert written[0]["reason"] == "resume" and 1 not in written[0]["members"], written[0]
+
+    # trained out: nothing to do; another model's checkpoints are not resumed
+    assert launch(cfg) == 0
+    assert launch(TrainConfig(**{**base, "iterations": 9, "hidden": 64, "ffn_hidden": 128})) == 2
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 7
+    # --fresh starts over on the launch layout
+    assert launch(TrainConfig(**{**base, "iterations": 1, "fresh": True})) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["layout_id"]) for r in rows] == [(0, 0)]

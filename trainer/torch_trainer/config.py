@@ -48,6 +48,9 @@ class TrainConfig:
     pg_timeout_s: float = 30.0
     store_timeout_s: float = 120.0
     ckpt_dir: str = ""  # empty: <out_dir>/ckpt
+    # a job restarted on its own checkpoints resumes from the newest complete step, in the
+    # layout it was saved under; True deletes them and starts over
+    fresh: bool = False
     out_dir: str = "runs/torch"
     telemetry: bool = True
     heartbeat_interval_s: float = 0.5
@@ -226,6 +229,9 @@ HELP = {
     "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl",
     "pg_timeout_s": "timeout of every process group, subgroups included",
     "out_dir": "metrics.jsonl, timeline.json and checkpoints go here",
+    "ckpt_dir": "per-iteration checkpoints (default <out-dir>/ckpt); a restarted job resumes "
+    "from the newest complete one, in the layout it was saved under",
+    "fresh": "delete the checkpoints and start over instead of resuming them",
     "follow_plans": "apply acknowledged scheduler plans (needs --redis-url)",
     "plan_wait_s": "after a rank dies, wait this long for the scheduler's plan before "
     "applying the local one (default 30 s: past the scheduler's 10 s grace period)",
@@ -239,6 +245,15 @@ HELP = {
     "slow_comm_s": "... by this many seconds per operation",
     "scenario": "failure scenario file (resihp/scenario.py format)",
 }
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         if isinstance(default, bool):
             p.add_argument(
                 flag,
-                type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                type=_bool,
+                nargs="?",
+                const=True,  # a bare --fresh is --fresh true
                 default=default,
                 metavar="BOOL",
                 help=HELP.get(f.name),

@@ -46,6 +46,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -61,7 +62,14 @@ from resihp.topology import Layout, Migration
 
 from .config import TrainConfig
 from .parallel import UnsupportedLayout, check_runnable
-from .state import clear_ckpts
+from .state import (
+    MANIFEST,
+    check_manifest,
+    ckpt_manifest,
+    clear_ckpts,
+    latest_complete_ckpt,
+    write_json,
+)
 from .worker import worker_entry
 
 
@@ -252,6 +260,7 @@ class JobLauncher:
         self._redis_warn = ThrottledWarning(logging.getLogger("trainer.torch.launcher"))
         self._skip_prior_plans = False
         self._done_gens: set[int] = set()
+        self.resume_step: int | None = None  # set by run() when a checkpoint is resumed
         # config field when there is one (the CLI flag), else the argument, else 3
         self.max_failed_generations = max(
             1,
@@ -280,13 +289,16 @@ class JobLauncher:
     ) -> None:
         # boundary=True: members switch after a committed iteration (a plan);
         # False: members abandon the running iteration (a failure).
+        resuming = self.gen == 0 and self.resume_step is not None
         desc = {
             "members": members,
             "layout": layout.to_dict(),
-            "prev_layout": self.layout.to_dict() if self.gen > 0 else None,
+            "prev_layout": self.layout.to_dict() if self.gen > 0 or resuming else None,
             "reason": reason,
             "boundary": boundary,
         }
+        if resuming:
+            desc["resume_step"] = self.resume_step
         self.store.set(f"gen/{self.gen}", json.dumps(desc))
         self.gen_layouts[self.gen] = layout
         self._event("generation_written", members=members, reason=reason, layout=layout.summary())
@@ -669,6 +681,29 @@ class JobLauncher:
                 pass
         return 1
 
+    def _resume_point(self) -> tuple[int, Layout] | None | str:
+        """The checkpoint a restarted job continues from: (step, layout), None to start
+        afresh (``--fresh``, or nothing saved), "refused" when the checkpoints there are
+        another job's (said in one line: resuming them would train a different model)."""
+        cfg = self.cfg
+        if cfg.fresh:
+            return None
+        found = latest_complete_ckpt(cfg.ckpt)
+        if found is None:
+            return None
+        why = check_manifest(cfg.ckpt, ckpt_manifest(cfg))
+        if why is None and found[1].world_size != cfg.world_size:
+            why = f"their layout has {found[1].world_size} ranks, this job {cfg.world_size}"
+        if why is not None:
+            print(
+                f"[launcher] will not resume the checkpoints in {cfg.ckpt}: {why}; pass "
+                "--fresh to start over (it deletes them) or --ckpt-dir for another directory",
+                file=sys.stderr,
+                flush=True,
+            )
+            return "refused"
+        return found
+
     def _spawn(self, rank: int, start_gen: int) -> None:
         p = self.ctx.Process(
             target=worker_entry,
@@ -832,10 +867,36 @@ class JobLauncher:
     def run(self) -> int:
         cfg = self.cfg
         os.makedirs(cfg.out_dir, exist_ok=True)
+        resume = self._resume_point()
+        if resume == "refused":
+            return 2
         metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        clear_ckpts(cfg.ckpt)
+        _keep_metrics_before(metrics, resume[0] if resume else 0)
+        if resume is None:
+            clear_ckpts(cfg.ckpt)
+        write_json(os.path.join(cfg.ckpt, MANIFEST), ckpt_manifest(cfg))
+        if resume is not None:
+            step, layout = resume
+            if step >= cfg.iterations:
+                print(
+                    f"[launcher] the checkpoint in {cfg.ckpt} is at step {step}, which already "
+                    f"reaches --iterations {cfg.iterations}: nothing to train (raise "
+                    "--iterations to train on, or pass --fresh to start over)",
+                    flush=True,
+                )
+                return 0
+            self.layout, self.resume_step = layout, step
+            self.max_layout_id = max(self.max_layout_id, layout.layout_id)
+            self.dead = set(layout.dead)
+            print(
+                f"[launcher] resuming from the checkpoint of step {step} in {cfg.ckpt} "
+                f"(layout {layout.layout_id}: {layout.summary()}"
+                + (f"; ranks {sorted(self.dead)} stay out, dead" if self.dead else "")
+                + "); --fresh starts over",
+                flush=True,
+            )
+            if self.cursor is not None:  # the events before the restart are history
+                self.cursor.due(step - 1, 0.0)
         self.store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -845,8 +906,9 @@ class JobLauncher:
         )
         self._connect_redis()
         self._store_beat()
-        self._write_gen(list(range(cfg.world_size)), self.layout, "launch")
-        for r in range(cfg.world_size):
+        members = [r for r in range(cfg.world_size) if r not in self.dead]
+        self._write_gen(members, self.layout, "launch" if resume is None else "resume")
+        for r in members:
             self._spawn(r, 0)
         last_poll = 0.0
         return_code = 0
@@ -985,6 +1047,24 @@ class JobLauncher:
             out["error"] = repr(e)
         with open(os.path.join(self.cfg.out_dir, "timeline.json"), "w") as f:
             json.dump(out, f, indent=1)
+
+
+def _keep_metrics_before(path: str, step: int) -> None:
+    """Keep the loss rows of the iterations before ``step`` (a resumed job trains the
+    rest again; 0: a fresh job, none kept)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    if step > 0:
+        with open(path) as f:
+            for line in f:
+                try:
+                    if int(json.loads(line)["iteration"]) < step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 def launch(cfg: TrainConfig, **kw) -> int:

@@ -158,6 +158,76 @@ def clear_ckpts(ckpt_dir) -> None:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
+#: Which job wrote a checkpoint directory (:func:`check_manifest`), and per step which
+#: layout the ranks' files follow (:func:`write_ckpt_layout`).
+MANIFEST = "job.json"
+STEP_LAYOUT = "layout.json"
+
+
+def write_ckpt_layout(ckpt_dir, step: int, layout: Layout, keep: int = 2) -> None:
+    """Record the layout the state of ``step`` was saved under (atomic); it is what a
+    restarted job resumes (:func:`latest_complete_ckpt`).  Pruned like the ranks' files."""
+    p = Path(ckpt_dir) / f"step_{step:06d}" / STEP_LAYOUT
+    p.parent.mkdir(parents=True, exist_ok=True)
+    write_json(p, layout.to_dict())
+    old = Path(ckpt_dir) / f"step_{step - keep:06d}" / STEP_LAYOUT
+    if old.exists():
+        old.unlink()
+        try:
+            old.parent.rmdir()
+        except OSError:
+            pass
+
+
+def latest_complete_ckpt(ckpt_dir) -> tuple[int, Layout] | None:
+    """The newest step every rank of its layout saved, with that layout; None if none.
+
+    A step some rank had not finished saving when the job stopped is skipped (its
+    predecessor is kept until every rank saved the next one)."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    steps = []
+    for d in root.glob("step_*"):
+        try:
+            steps.append((int(d.name[5:]), d))
+        except ValueError:
+            continue
+    for step, d in sorted(steps, reverse=True):
+        try:
+            layout = Layout.from_json((d / STEP_LAYOUT).read_text())
+        except (OSError, ValueError):
+            continue
+        if all(ckpt_path(root, step, r).exists() for r in active_coords(layout)):
+            return step, layout
+    return None
+
+
+def ckpt_manifest(cfg) -> dict:
+    """What must match for a checkpoint to be resumed by ``cfg``'s job: the model, the
+    ranks and the data (a different corpus or budget would train another job)."""
+    names = (
+        "num_layers", "hidden", "num_heads", "ffn_hidden", "dtype", "token_budget",
+        "token_budgets", "microbatches", "seed", "data_dir", "data_pattern", "tp", "pp", "dp",
+        "devices_per_node",
+    )  # fmt: skip
+    return {n: getattr(cfg, n) for n in names}
+
+
+def check_manifest(ckpt_dir, want: dict) -> str | None:
+    """Why the checkpoints in ``ckpt_dir`` are not this job's (None: they are, or there
+    is no manifest to go by because nothing was saved yet)."""
+    p = Path(ckpt_dir) / MANIFEST
+    if not p.exists():
+        return None
+    try:
+        have = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        return f"{p} cannot be read ({e})"
+    diff = [f"{k} {have.get(k)!r} != {v!r}" for k, v in want.items() if have.get(k) != v]
+    return f"they were written by another job ({', '.join(diff)})" if diff else None
+
+
 # ---------------------------------------------------------- redistribution
 
 
@@ -249,9 +319,13 @@ def redistribute(
     step: int,
     dtype=torch.float32,
     device=None,
+    holders: set[int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Collective over the new generation's default group. Returns my new state."""
-    survivors = set(members)
+    """Collective over the new generation's default group. Returns my new state.
+
+    ``holders``: the members that hold their old state (default: all); a job restarted
+    from its checkpoint has none, and reads every shard from ``ckpt_dir``."""
+    survivors = set(members) if holders is None else set(holders)
     pieces, counts = plan_pieces(cfg, old, new, survivors)
     pg = {r: members.index(r) for r in members}
     works = []

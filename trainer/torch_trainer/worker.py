@@ -61,6 +61,7 @@ from .state import (
     redistribute,
     save_ckpt,
     stage_layers,
+    write_ckpt_layout,
 )
 from .telemetry import RankTelemetry, probe_seconds
 
@@ -205,6 +206,8 @@ class Worker:
         self.scn_compute_stretch = 1.0  # from slow_device events
         self.scn_link_delay_s = 0.0  # from slow_link events
         self.probe_ref_s: float | None = None  # this device's probe time while healthy
+        # a restarted job's generation 0: the checkpointed step it continues from
+        self.resume_step: int | None = None
 
     # ---------------------------------------------------------------- main
     def run(self) -> int:
@@ -222,6 +225,7 @@ class Worker:
             # learns it from the launcher
             if desc.get("prev_layout") and self.layout is None:
                 self.layout = Layout.from_dict(desc["prev_layout"])
+            self.resume_step = desc.get("resume_step")
             status = self._run_generation(gen, members, layout)
             if status == "done":
                 self.tel.drain()
@@ -383,7 +387,27 @@ class Worker:
         t = torch.tensor([mine], device=self.comm_device)
         wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
         step = int(t.item())
-        if gen == 0:
+        if gen == 0 and self.resume_step is not None:
+            # A restarted job: nobody holds state; every shard comes from the checkpoint
+            # of ``resume_step``, saved under the layout ``self.layout`` (prev_layout)
+            step = int(self.resume_step)
+            if self.cursor is not None:  # the events before the restart are history
+                self.cursor.due(step - 1, self._job_time())
+            self.state, info = redistribute(
+                self.mcfg,
+                self.layout,
+                layout,
+                members,
+                self.rank,
+                {},
+                cfg.ckpt,
+                step,
+                self.dtype,
+                self.comm_device,
+                holders=set(),
+            )
+            self.store.set(f"moved/{gen}/{self.rank}", json.dumps(info))
+        elif gen == 0:
             self.steps_done = step
         else:
             if self.fresh:
@@ -429,10 +453,10 @@ class Worker:
             tp=groups.tp,
             store=self.store_wg,
             dtype=self.dtype,
-            init=gen == 0 or not self.state,
+            init=not self.state,
         ).to(self.device)
         self.opt = make_optimizer(self.module, cfg.lr, cfg.weight_decay)
-        if gen > 0:
+        if self.state:
             load_state(self.module, self.opt, self.state, step)
         self.steps_done = step
         self.tel.dp, self.tel.stage = d, s
@@ -565,6 +589,9 @@ class Worker:
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
                 save_ckpt(cfg.ckpt, it + 1, self.rank, local_state(self.module, self.opt))
+            if pg0:
+                # the layout those files follow: what a restarted job resumes from
+                write_ckpt_layout(cfg.ckpt, it + 1, layout)
             self.steps_done = it + 1
             if engine is not None:
                 self.tel.flush()
