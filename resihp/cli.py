@@ -85,6 +85,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "trainer would start (--trainer none shows such a job's history)",
     )
     up.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue this job's run where it stopped (the simulator from the job's "
+        "history in Redis, the torch trainer from its checkpoints) instead of refusing a job "
+        "that holds a run; its layout, plans and failures carry on",
+    )
+    up.add_argument(
         "--trainer",
         choices=["sim", "torch", "none"],
         default="sim",

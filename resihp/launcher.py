@@ -194,9 +194,13 @@ def service_commands(args, url: str) -> list[tuple[str, list[str]]]:
                 if flag not in given:
                     argv += [flag, value]
             if "--out-dir" not in given:
-                # with the stack's other state, one folder per job: the trainer clears its
-                # checkpoints at start, and another job's loss curve and timeline stay
+                # with the stack's other state, one folder per job: another job's
+                # checkpoints, loss curve and timeline stay
                 argv += ["--out-dir", str(Path(args.state_dir) / "torch" / resolve_job(args))]
+            if args.fresh and "--fresh" not in given:
+                # the job's Redis data is gone: its checkpoints go too, or the trainer
+                # would resume them under a history that starts over
+                argv += ["--fresh", "true"]
             if "--plan-wait-s" not in given:
                 argv += ["--plan-wait-s", f"{torch_plan_wait_s(args):g}"]
         argv += list(args.trainer_arg)
@@ -237,29 +241,58 @@ class JobInUse(RuntimeError):
 DEMO_JOB_ID = "demo"
 
 
-def prepare_job(client, job_id: str, fresh: bool, new_run: bool = True) -> str | None:
-    """Before any service starts: clear the job (``fresh``), or check it may be used as is.
+def prepare_job(
+    client, job_id: str, fresh: bool, new_run: bool = True, resume: bool = False
+) -> str | None:
+    """Before any service starts: clear the job (``fresh``), let its run go on
+    (``resume``), or check it may be used as is.
 
-    Every trainer start is a new run from iteration 0 (neither trainer resumes a job), so
-    a new run under a job id that holds another run's iterations, failures and plans would
-    mix the two on the dashboard and in incident reports, and the services would act on
-    the old run's state (its layout, dead ranks, pending plans).  ``new_run`` (a trainer
-    will start): such a job is refused unless ``fresh``; without a trainer the stack just
-    shows the job's history.  -> the line to print, if any.
+    A trainer started under a job id that holds a run would either start a new run from
+    iteration 0, mixed with the old one's iterations, failures and plans on the dashboard
+    and in incident reports while the services act on the old run's state (its layout,
+    dead ranks, pending plans), or continue it (the simulator from the job's history,
+    the torch trainer from its checkpoints).  ``new_run`` (a trainer will start): such a
+    job is refused unless ``fresh`` (start over) or ``resume`` (continue); without a
+    trainer the stack just shows the job's history.  -> the line to print, if any.
     """
     keys = JobKeys(job_id)
-    if fresh:
+    if fresh or resume:
         # health keys expire: these are running now (a dashboard only reads, and one
         # dashboard beats for every job in the Redis: it does not hold a job)
         live = sorted(s for s in Health.all(client, keys) if not s.startswith("dashboard:"))
         if live:
             raise JobInUse(
                 f"job {job_id!r} has running services ({', '.join(live)}): stop them before "
-                "--fresh deletes its data, or use another --job-id"
+                + ("--fresh deletes its data" if fresh else "--resume starts the job again")
+                + ", or use another --job-id"
             )
+    if fresh:
         n = clear_job(client, keys)
         gone = f" ({n} keys of its previous runs deleted)" if n else ""
         return f"resihp: job {job_id!r} starts fresh{gone}"
+    held = _held_run(client, job_id)
+    if resume:
+        if held is None:
+            return (
+                f"resihp: job {job_id!r} holds no run in this Redis: its trainer starts it "
+                "(the torch trainer from its checkpoints, if it has some)"
+            )
+        return f"resihp: resuming {held}"
+    if held is None:
+        return None
+    what = f"{held} already holds a run in this Redis"
+    if new_run:
+        raise JobInUse(
+            f"{what}; a new run would be mixed with it. --resume carries it on, --fresh "
+            "deletes it first, --job-id NAME runs beside it, --trainer none shows it "
+            "without a new run"
+        )
+    return f"resihp: {what}; no trainer started: showing it"
+
+
+def _held_run(client, job_id: str) -> str | None:
+    """ "job 'X' (last iteration N, F failure reports, P plans)" when the job holds a run
+    in this Redis (iterations, failures or plans), else None."""
     if job_id not in list_jobs(client):
         return None
     st = job_status(client, job_id)
@@ -267,17 +300,10 @@ def prepare_job(client, job_id: str, fresh: bool, new_run: bool = True) -> str |
     if not (c["iterations_total"] or c["failures_total"] or c["plans_total"]):
         return None
     last = st["last_iteration"]
-    what = (
-        f"job {job_id!r} already holds a run in this Redis (last iteration "
-        f"{last['iteration'] if last else '-'}, {c['failures_total']} failure reports, "
-        f"{c['plans_total']} plans)"
+    return (
+        f"job {job_id!r} (last iteration {last['iteration'] if last else '-'}, "
+        f"{c['failures_total']} failure reports, {c['plans_total']} plans)"
     )
-    if new_run:
-        raise JobInUse(
-            f"{what}; a new run would be mixed with it. --fresh deletes it first, "
-            "--job-id NAME runs beside it, --trainer none shows it without a new run"
-        )
-    return f"resihp: {what}; no trainer started: showing it"
 
 
 def _with_redis(url: str, fn, what: str) -> bool:
@@ -425,6 +451,10 @@ def preflight(args) -> str | None:
         resolve_job(args)
     except ValueError as e:
         return str(e)
+    if getattr(args, "resume", False) and args.fresh:
+        return "--resume continues the job's run and --fresh deletes it: choose one" + (
+            " (--demo starts its job fresh; --job-id NAME resumes another)" if args.demo else ""
+        )
     if args.demo and not args.scenario:
         args.scenario = str(DEMO_SCENARIO)
     try:
@@ -557,7 +587,13 @@ def _run_stack(args, stop: threading.Event) -> int:
     try:
         client = connect(url)
         try:
-            note = prepare_job(client, args.job_id, args.fresh, new_run=args.trainer != "none")
+            note = prepare_job(
+                client,
+                args.job_id,
+                args.fresh,
+                new_run=args.trainer != "none",
+                resume=getattr(args, "resume", False),
+            )
         finally:
             client.close()
     except Exception as e:  # noqa: BLE001 - a job or a Redis we cannot use stops here, with the reason

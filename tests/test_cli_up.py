@@ -137,6 +137,8 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     from resihp.bus import job_state
     from resihp.keys import JobKeys
     from resihp.redis_client import EmbeddedRedis
+    from resihp.schemas import decode_entry
+    from resihp.status import job_status
 
     srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
     try:
@@ -144,6 +146,7 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
         assert job_state(client, JobKeys("default")) == "finished"
         # and the stopped services' health keys are gone (a --fresh right after may go on)
         assert list(client.scan_iter(match=JobKeys("default").health_pattern())) == []
+        stopped_at = job_status(client, "default")["last_iteration"]["iteration"]
         client.close()
     finally:
         srv.stop()
@@ -151,7 +154,32 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     up = [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path), "--no-summary"]
     again = subprocess.run([*up, "--duration", "5"], capture_output=True, text=True, env=env)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
-    assert "--fresh" in again.stderr
+    assert "--fresh" in again.stderr and "--resume" in again.stderr
+    # --resume carries the run on: the simulator continues after its last iteration, and
+    # the restart is no failure
+    res = subprocess.run(
+        [*up, "--resume", "--duration", "15", "--trainer-arg=--speed=20"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert f"resuming job 'default' (last iteration {stopped_at}," in res.stdout, res.stdout
+    srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
+    try:
+        client = srv.client()
+        st = job_status(client, "default")
+        assert st["last_iteration"]["iteration"] > stopped_at + 5, (stopped_at, st)
+        its = [
+            m.iteration
+            for _, f in client.xrange(JobKeys("default").iterations)
+            for m in decode_entry(f)[0]
+        ]
+        assert its == sorted(its) and len(its) == len(set(its)), its  # one run, in order
+        assert st["counts"]["failures_total"] == 0, st["latest_failures"]
+        client.close()
+    finally:
+        srv.stop()
 
 
 def _up(tmp_path, *argv, timeout=120):
@@ -286,11 +314,18 @@ def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(
     note = prepare_job(r, "prod", fresh=False, new_run=False)
     assert "already holds a run" in note and "showing it" in note
     assert r.xlen(old.failures) == 1  # nothing deleted
+    # --resume: the trainer carries the run on; a job without one is just started
+    note = prepare_job(r, "prod", fresh=False, resume=True)
+    assert note.startswith("resihp: resuming job 'prod' (last iteration -,"), note
+    assert "holds no run" in prepare_job(r, "new-one", fresh=False, resume=True)
+    assert r.xlen(old.failures) == 1
 
     # services of the job still running: --fresh refuses instead of deleting under them
     bus.Health(r, old, "detector").beat()
     with pytest.raises(JobInUse, match="detector"):
         prepare_job(r, "prod", fresh=True)
+    with pytest.raises(JobInUse, match="detector.*--resume starts the job again"):
+        prepare_job(r, "prod", fresh=False, resume=True)
     assert r.xlen(old.failures) == 1
     r.delete(old.health("detector", "0"))
     bus.Health(r, old, "dashboard").beat()  # a dashboard only reads: it does not hold the job

@@ -51,6 +51,17 @@ def test_each_torch_job_writes_its_artefacts_to_its_own_folder(tmp_path):
     assert "--out-dir" not in own and own[-1] == f"--out-dir={tmp_path}/x"
 
 
+def test_a_fresh_stack_starts_the_torch_job_over_and_a_plain_one_lets_it_resume(tmp_path):
+    """The torch trainer resumes its checkpoints when started again; `up --fresh` (and
+    --demo) deletes the job's Redis data, so its checkpoints must not be resumed either."""
+    st = ("--state-dir", str(tmp_path))
+    assert _value(_trainer_argv(*st, "--fresh"), "--fresh") == "true"
+    assert _value(_trainer_argv(*st, "--demo"), "--fresh") == "true"
+    assert "--fresh" not in _trainer_argv(*st)
+    own = _trainer_argv(*st, "--fresh", "--trainer-arg=--fresh=false")
+    assert own.count("--fresh") == 0 and own[-1] == "--fresh=false"
+
+
 def test_the_torch_trainer_waits_for_the_plan_the_stack_s_mode_will_give():
     from resihp.launcher import SCHEDULER_GRACE_S
     from scheduler.config import SchedulerConfig
