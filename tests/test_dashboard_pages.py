@@ -332,6 +332,29 @@ def test_a_past_iteration_is_drawn_and_exported_on_the_layout_it_ran_under(r, re
 
 
 @pytest.mark.redis
+def test_the_timeline_timer_follows_how_long_a_render_takes(r, redis_server):
+    """The timeline ticked every 2 s whatever the job: a 256-GPU job's new iteration
+    reached the screen up to 2.5 s after Redis had it.  A fast render now gets the
+    refresh interval; a slow one (a 16k-GPU iteration) keeps a timer Dash can keep up
+    with (a result comes back before the next tick, or Dash drops it)."""
+    from dashboard.pages.timeline import SLOW_TICK_MS, tick_after_render_ms
+
+    publish_job(r, "job-a", iterations=8, slow_from=5)
+    app = _app(r, redis_server)
+    out = _timeline(app, None)
+    assert out["tl-tick"]["interval"] == 1000 and out["tl-status"]["children"] == ""
+    # the device-skew page likewise; a timer already at its period is left alone
+    vals = {"sk-tick.n_intervals": 1, "job.value": "job-a", "sk-drill.data": []}
+    out = dash_call(app, "sk-where", {**vals, "sk-tick.interval": 2000}, "sk-tick.n_intervals")
+    assert out["sk-tick"]["interval"] == 1000, out.get("sk-tick")
+    out = dash_call(app, "sk-where", {**vals, "sk-tick.interval": 1000}, "sk-tick.n_intervals")
+    assert "sk-tick" not in out and "devices on" in json.dumps(out["sk-where"])
+    assert tick_after_render_ms(0.05, 1.0) == 1000 and tick_after_render_ms(0.05, 0.5) == 500
+    assert tick_after_render_ms(0.8, 1.0) == SLOW_TICK_MS == 2000
+    assert tick_after_render_ms(1.6, 1.0) == 4000 and tick_after_render_ms(30.0, 1.0) == 10_000
+
+
+@pytest.mark.redis
 def test_the_perfetto_download_is_the_iteration_on_screen(r, redis_server):
     sc = publish_job(r, "job-a", iterations=60, slow_from=40)
     app = _app(r, redis_server)

@@ -60,3 +60,22 @@ def redis_safe(n_outputs: int):
         return inner
 
     return wrap
+
+
+#: A heavy page's own timer (timeline, device skew) before its first render, and after a
+#: slow one.
+SLOW_TICK_MS = 2000
+#: The timer is at least this many times the last render: a result must come back well
+#: before the next tick, on a host busier than when it was measured.
+TICK_PER_RENDER = 2.5
+
+
+def tick_after_render_ms(render_s: float, refresh_s: float) -> int:
+    """A heavy page's timer period after a render that took ``render_s``.
+
+    Dash drops a callback's result when its next tick fires first, so a render longer
+    than the period would never reach the screen (each tick starting it again).  A
+    fixed 2 s kept that safe at 16k GPUs but put a 256-GPU job's new iteration on the
+    timeline up to 2.3 s after it reached Redis: the period is now ``TICK_PER_RENDER``
+    times the last render, never below the refresh interval nor above 10 s."""
+    return int(min(10_000, max(refresh_s * 1000, TICK_PER_RENDER * 1000 * render_s)))

@@ -12,7 +12,7 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dash import ctx as dash_ctx
 
 from dashboard import figures
-from dashboard.pages import AppContext, banner, redis_safe
+from dashboard.pages import SLOW_TICK_MS, AppContext, banner, redis_safe, tick_after_render_ms
 
 PATH = "/skew"
 NAME = "Device skew"
@@ -74,10 +74,10 @@ def layout(ctx: AppContext) -> html.Div:
             dcc.Store(id="sk-drill", data=[]),
             dcc.Store(id="sk-selected-node"),
             dcc.Store(id="sk-signature"),
-            # Its own, slower timer (still within the 2 s the issue allows): a 16k-GPU refresh
-            # can take longer than 1 s on a busy host, and Dash drops a callback's result when
-            # the next tick fires before it returns.
-            dcc.Interval(id="sk-tick", interval=2000),
+            # Its own timer, paced by the last refresh (tick_after_render_ms): a 16k-GPU
+            # refresh can take longer than 1 s on a busy host, and Dash drops a callback's
+            # result when the next tick fires before it returns.
+            dcc.Interval(id="sk-tick", interval=SLOW_TICK_MS),
         ]
     )
 
@@ -166,14 +166,22 @@ def register(app, ctx: AppContext) -> None:
         Output("sk-where", "children"),
         Output("sk-node-detail", "children"),
         Output("sk-signature", "data"),
+        Output("sk-tick", "interval"),
         Input("sk-tick", "n_intervals"),
         Input("job", "value"),
         Input("sk-drill", "data"),
         Input("sk-selected-node", "data"),
         State("sk-signature", "data"),
+        State("sk-tick", "interval"),
     )
-    @redis_safe(9)
-    def refresh(_n, job, stack, node, last_sig):
+    @redis_safe(10)
+    def refresh(_n, job, stack, node, last_sig, tick_ms):
+        t0 = time.perf_counter()
+        out = _refresh(job, stack, node, last_sig)
+        tick = tick_after_render_ms(time.perf_counter() - t0, ctx.config.refresh_interval_s)
+        return (*out, no_update if tick == tick_ms else tick)
+
+    def _refresh(job, stack, node, last_sig):
         empty = figures.empty_figure("no job")
         if not job:
             return banner("no job selected", "info"), empty, empty, empty, empty, "", "", "", None

@@ -8,11 +8,13 @@ callback and is refused with a banner instead."""
 
 from __future__ import annotations
 
+import time
+
 import redis
 from dash import Input, Output, State, dcc, html, no_update
 
 from dashboard import figures, perfetto
-from dashboard.pages import AppContext, banner, redis_safe
+from dashboard.pages import SLOW_TICK_MS, AppContext, banner, redis_safe, tick_after_render_ms
 from dashboard.predict import predicted_chunks
 
 PATH = "/timeline"
@@ -59,9 +61,9 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(dcc.Graph(id="tl-graph", config={"displaylogo": False}), className="panel"),
             html.Div(id="tl-bubbles", className="panel"),
             dcc.Store(id="tl-rendered"),
-            # Its own 2 s timer: a 16k-GPU iteration takes about a second to draw, and Dash
-            # drops a result when the next tick fires first.
-            dcc.Interval(id="tl-tick", interval=2000),
+            # Its own timer, paced by the last render (tick_after_render_ms): it starts at
+            # 2 s, safe for a 16k-GPU iteration that takes about a second to build.
+            dcc.Interval(id="tl-tick", interval=SLOW_TICK_MS),
         ]
     )
 
@@ -109,13 +111,14 @@ def register(app, ctx: AppContext) -> None:
         Output("tl-info", "children"),
         Output("tl-dps", "options"),
         Output("tl-rendered", "data"),
+        Output("tl-tick", "interval"),
         Input("tl-tick", "n_intervals"),
         Input("job", "value"),
         Input("tl-iteration", "value"),
         Input("tl-dps", "value"),
         State("tl-rendered", "data"),
     )
-    @redis_safe(6)
+    @redis_safe(7)
     def refresh(_n, job, iteration, dps, rendered):
         if not job:
             return (
@@ -125,6 +128,7 @@ def register(app, ctx: AppContext) -> None:
                 "",
                 [],
                 None,
+                no_update,
             )
         rows = ctx.data.iterations(job)
         if not rows:
@@ -135,6 +139,7 @@ def register(app, ctx: AppContext) -> None:
                 "",
                 [],
                 None,
+                no_update,
             )
         if iteration is None:
             target = rows[-1]
@@ -154,10 +159,19 @@ def register(app, ctx: AppContext) -> None:
                     "2, ... (clear the box for the latest)"
                 )
                 # the chart stays as it was
-                return (banner(why, "warn"), no_update, no_update, no_update, no_update, rendered)
+                return (
+                    banner(why, "warn"),
+                    no_update,
+                    no_update,
+                    no_update,
+                    no_update,
+                    rendered,
+                    no_update,
+                )
         key = [job, target.entry_id, sorted(dps or []), target.iteration]
         if rendered == key:
-            return no_update, no_update, no_update, no_update, no_update, no_update
+            return (no_update,) * 7
+        t0 = time.perf_counter()
         rec, _lay, pred = load(ctx, job, target.iteration, target.entry_id)
         if rec is None:
             return (
@@ -167,6 +181,7 @@ def register(app, ctx: AppContext) -> None:
                 no_update,
                 no_update,
                 rendered,
+                no_update,
             )
         chunks = rec.get("chunks") or {}
         all_dps = sorted(set(chunks.get("dp", [])))
@@ -196,7 +211,8 @@ def register(app, ctx: AppContext) -> None:
             f"{moved} migrated · predicted {'shown' if pred else 'not available'}"
         )
         opts = [{"label": f"dp{d}", "value": d} for d in all_dps]
-        return "", fig, bubbles, info, opts, key
+        tick = tick_after_render_ms(time.perf_counter() - t0, ctx.config.refresh_interval_s)
+        return "", fig, bubbles, info, opts, key, tick
 
     @app.callback(
         Output("tl-download", "data"),
