@@ -472,18 +472,27 @@ def test_a_gpu_slow_since_inside_the_warm_up_is_costed_against_the_healthy_time(
     assert a.evidence["throughput_loss"] == pytest.approx(b.evidence["throughput_loss"], abs=0.06)
 
 
+def _sim_detector_planner(cfg, events: list[str]):
+    """The simulator with ``events``, the offline detector on its launch layout, and the
+    planner's predictor: what the scheduler and trainer stand for in these tests."""
+    from detector.config import DetectorConfig
+    from detector.replay import TraceReplayer
+    from resihp.scenario import parse_scenario
+    from scheduler.predict import Predictor
+    from trainer.sim.core import ClusterSim
+
+    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
+    rp = TraceReplayer(DetectorConfig(), layout=cfg.initial_layout())
+    return sim, rp, Predictor(cfg.model, cfg.seq_len, 80.0)
+
+
 def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
     """Rank 5 slows inside the warm-up (so the first fit is inflated by it), an override
     keeps it in service and moves layers, then it recovers. Its scale was kept from the old
     fit across the re-warm: back to full speed it read 1.5x its prediction and was never
     reported recovered (800 iterations live)."""
-    from detector.config import DetectorConfig
-    from detector.replay import TraceReplayer
-    from resihp.scenario import parse_scenario
     from scheduler.planner import PlanOptions, plan
-    from scheduler.predict import Predictor
     from trainer.sim.config import SimConfig
-    from trainer.sim.core import ClusterSim
 
     cfg = SimConfig(
         model="llama2-7b", seq_len=4096, microbatches=8, schedule="1f1b", speed=0.0,
@@ -493,9 +502,7 @@ def test_a_slow_gpu_an_override_keeps_is_seen_recovering_after_the_replan():
         "{at_iteration: 15, action: slow_device, rank: 5, severity: medium}",
         "{at_iteration: 60, action: recover, rank: 5}",
     ]
-    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
-    rp = TraceReplayer(DetectorConfig(), layout=cfg.initial_layout())
-    pred = Predictor(cfg.model, cfg.seq_len, 80.0)
+    sim, rp, pred = _sim_detector_planner(cfg, events)
 
     feed_step = _compound().feed_step
 
@@ -525,13 +532,8 @@ def test_a_gpu_set_aside_is_judged_by_its_probes_though_old_records_come_after_t
     last records of the old one (it assembles them while the trainer switches).  Learning
     where ranks work from those put rank 3 back in its old group, whose speed without it
     then stood for its own: CI saw it "recovered" at iteration 39, still slow."""
-    from detector.config import DetectorConfig
-    from detector.replay import TraceReplayer
-    from resihp.scenario import parse_scenario
     from scheduler.planner import plan
-    from scheduler.predict import Predictor
     from trainer.sim.config import SimConfig
-    from trainer.sim.core import ClusterSim
 
     cfg = SimConfig(
         model="llama2-7b", tp=2, pp=2, dp=2, seq_len=4096, microbatches=4, schedule="1f1b",
@@ -541,9 +543,7 @@ def test_a_gpu_set_aside_is_judged_by_its_probes_though_old_records_come_after_t
         "{at_iteration: 25, action: slow_device, rank: 3, factor: 0.3}",
         "{at_iteration: 45, action: recover, rank: 3, what: compute}",
     ]
-    sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
-    rp = TraceReplayer(DetectorConfig(), layout=cfg.initial_layout())
-    pred = Predictor(cfg.model, cfg.seq_len, 80.0)
+    sim, rp, pred = _sim_detector_planner(cfg, events)
     feed_step = _compound().feed_step
 
     def feed(st):

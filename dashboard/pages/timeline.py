@@ -120,6 +120,10 @@ def register(app, ctx: AppContext) -> None:
     )
     @redis_safe(7)
     def refresh(_n, job, iteration, dps, rendered):
+        def keep_chart(status):
+            """``status`` above the chart, which stays as it was."""
+            return status, no_update, no_update, no_update, no_update, rendered, no_update
+
         if not job:
             return (
                 banner("no job selected", "info"),
@@ -158,31 +162,14 @@ def register(app, ctx: AppContext) -> None:
                     else f"iteration {iteration} is not valid: iterations are numbered 0, 1, "
                     "2, ... (clear the box for the latest)"
                 )
-                # the chart stays as it was
-                return (
-                    banner(why, "warn"),
-                    no_update,
-                    no_update,
-                    no_update,
-                    no_update,
-                    rendered,
-                    no_update,
-                )
+                return keep_chart(banner(why, "warn"))
         key = [job, target.entry_id, sorted(dps or []), target.iteration]
         if rendered == key:
             return (no_update,) * 7
         t0 = time.perf_counter()
         rec, _lay, pred = load(ctx, job, target.iteration, target.entry_id)
         if rec is None:
-            return (
-                banner("record no longer in Redis", "warn"),
-                no_update,
-                no_update,
-                no_update,
-                no_update,
-                rendered,
-                no_update,
-            )
+            return keep_chart(banner("record no longer in Redis", "warn"))
         chunks = rec.get("chunks") or {}
         all_dps = sorted(set(chunks.get("dp", [])))
         fig = figures.timeline_figure(

@@ -138,7 +138,12 @@ def save_ckpt(ckpt_dir, step: int, rank: int, state: dict, keep: int = 2) -> Non
     torch.save(state, tmp)
     os.replace(tmp, p)
     # Keep the last ``keep`` steps; older ones can no longer be the rollback target.
-    old = ckpt_path(ckpt_dir, step - keep, rank)
+    _prune(ckpt_path(ckpt_dir, step - keep, rank))
+
+
+def _prune(old: Path) -> None:
+    """Delete one file of a step no longer kept, and its step folder once it is empty
+    (whoever deletes the step's last file removes it)."""
     if old.exists():
         old.unlink()
         try:
@@ -170,13 +175,7 @@ def write_ckpt_layout(ckpt_dir, step: int, layout: Layout, keep: int = 2) -> Non
     p = Path(ckpt_dir) / f"step_{step:06d}" / STEP_LAYOUT
     p.parent.mkdir(parents=True, exist_ok=True)
     write_json(p, layout.to_dict())
-    old = Path(ckpt_dir) / f"step_{step - keep:06d}" / STEP_LAYOUT
-    if old.exists():
-        old.unlink()
-        try:
-            old.parent.rmdir()
-        except OSError:
-            pass
+    _prune(Path(ckpt_dir) / f"step_{step - keep:06d}" / STEP_LAYOUT)
 
 
 def latest_complete_ckpt(ckpt_dir) -> tuple[int, Layout] | None:
