@@ -594,13 +594,14 @@ def test_sigterm_while_waiting_for_a_plan_stops_at_once(tmp_path, redis_server, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_restarted_job_resumes_its_checkpoint_in_the_layout_it_was_saved_under(tmp_path):
+def test_a_restarted_job_resumes_its_checkpoint_in_the_layout_it_was_saved_under(tmp_path, capfd):
     """TP2 x PP2; rank 1 dies at iteration 2 and stage 0 shrinks to TP1.  The job, stopped
     after 4 iterations, is started again for 7: it went back to iteration 0 on the launch
     layout (its checkpoints deleted).  It now resumes at step 4, on the layout without
     rank 1, every shard read from the checkpoint, and the loss curve of the two runs
     together is the single-process reference's."""
     import json
+    import zipfile
 
     from trainer.torch_trainer.config import TrainConfig
     from trainer.torch_trainer.launcher import launch
@@ -623,11 +624,36 @@ def test_a_restarted_job_resumes_its_checkpoint_in_the_layout_it_was_saved_under
     assert moved["from_disk"] > 0 and moved["kept"] == 0 and moved["from_replica"] == 0, moved
     written = [e for e in tl["events"] if e["what"] == "generation_written"]
     assert written[0]["reason"] == "resume" and 1 not in written[0]["members"], written[0]
+    assert written[0]["resume_step"] == 4, written[0]
+
+    # the newest step cut short (a crash, a full disk): the one before it is resumed, and
+    # retried generations resume it too (they started from step 0 with no state)
+    newest = tmp_path / "run" / "ckpt" / "step_000007" / "rank_00000.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    cfg = TrainConfig(**{**base, "iterations": 9})
+    assert launch(cfg) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    check_loss_curve(cfg, rows)
+    tl = json.loads((tmp_path / "run" / "timeline.json").read_text())
+    assert tl["events"][0]["what"] == "generation_written", tl["events"][0]
+    assert tl["events"][0]["resume_step"] == 6, tl["events"][0]
+    # a dead rank's old files go with their step (it saves no newer one to prune them)
+    steps = sorted(p.name for p in (tmp_path / "run" / "ckpt").glob("step_*"))
+    assert steps == ["step_000008", "step_000009"], steps
 
     # trained out: nothing to do; another model's checkpoints are not resumed
     assert launch(cfg) == 0
-    assert launch(TrainConfig(**{**base, "iterations": 9, "hidden": 64, "ffn_hidden": 128})) == 2
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 7
+    assert launch(TrainConfig(**{**base, "iterations": 12, "hidden": 64, "ffn_hidden": 128})) == 2
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 9
+    # a file that reads as an archive but not as a checkpoint: every retry resumes that
+    # step again (they looked for step 0) and the job gives up naming the file
+    bad = tmp_path / "run" / "ckpt" / "step_000009" / "rank_00000.pt"
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr("x", "y")
+    capfd.readouterr()
+    assert launch(TrainConfig(**{**base, "iterations": 10})) == 1
+    out = capfd.readouterr().out
+    assert f"cannot read the checkpoint {bad}" in out and "step_000000" not in out, out
     # --fresh starts over on the launch layout
     assert launch(TrainConfig(**{**base, "iterations": 1, "fresh": True})) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

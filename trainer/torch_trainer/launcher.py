@@ -38,6 +38,14 @@ Failures around that:
   never entered it, and the next layout derives from what the workers hold;
 * a job that cannot go on is marked finished with the reason, exit 1; the
   trainer's health says finished, failed or stopped when the launcher ends.
+
+Started again on its out dir (a stopped or crashed job, ``resihp up --resume``), the
+launcher resumes the newest step whose every rank saved its state
+(``state.latest_complete_ckpt``), in the layout that step was saved under: ranks that
+layout holds dead are not started, generation 0 reads every shard from disk, the loss
+rows of later iterations are dropped and trained again.  Checkpoints of another model,
+data or world size (``state.check_manifest``) are refused, exit 2; ``--fresh`` deletes
+them and starts over.
 """
 
 from __future__ import annotations
@@ -56,20 +64,14 @@ import torch.distributed as dist
 
 from resihp import entry
 from resihp.bus import Health, ThrottledWarning, incr_counter, set_job_state
+from resihp.checkpoints import MANIFEST, check_manifest, latest_complete_ckpt
 from resihp.keys import JobKeys
 from resihp.plans import register_running, write_layout
 from resihp.topology import Layout, Migration
 
 from .config import TrainConfig
 from .parallel import UnsupportedLayout, check_runnable
-from .state import (
-    MANIFEST,
-    check_manifest,
-    ckpt_manifest,
-    clear_ckpts,
-    latest_complete_ckpt,
-    write_json,
-)
+from .state import ckpt_manifest, clear_ckpts, write_json
 from .worker import worker_entry
 
 
@@ -289,7 +291,15 @@ class JobLauncher:
     ) -> None:
         # boundary=True: members switch after a committed iteration (a plan);
         # False: members abandon the running iteration (a failure).
-        resuming = self.gen == 0 and self.resume_step is not None
+        # until a generation trained an iteration, every generation (a retry after a
+        # failed start too) resumes from the checkpoint: nobody holds state yet
+        if self.resume_step is not None and any(
+            self.store.check([f"timeline/{g}/first_iteration_done/{r}"])
+            for g in range(self.gen)
+            for r in self._members(g)
+        ):
+            self.resume_step = None  # the workers hold the state now
+        resuming = self.resume_step is not None
         desc = {
             "members": members,
             "layout": layout.to_dict(),
@@ -301,7 +311,13 @@ class JobLauncher:
             desc["resume_step"] = self.resume_step
         self.store.set(f"gen/{self.gen}", json.dumps(desc))
         self.gen_layouts[self.gen] = layout
-        self._event("generation_written", members=members, reason=reason, layout=layout.summary())
+        self._event(
+            "generation_written",
+            members=members,
+            reason=reason,
+            layout=layout.summary(),
+            **({"resume_step": self.resume_step} if resuming else {}),
+        )
 
     def _store_beat(self) -> None:
         """Tell the workers the launcher is there (they wait for the next generation as long
@@ -696,8 +712,9 @@ class JobLauncher:
             why = f"their layout has {found[1].world_size} ranks, this job {cfg.world_size}"
         if why is not None:
             print(
-                f"[launcher] will not resume the checkpoints in {cfg.ckpt}: {why}; pass "
-                "--fresh to start over (it deletes them) or --ckpt-dir for another directory",
+                f"[launcher] will not resume the checkpoints in {cfg.ckpt}: {why}; --fresh "
+                "true starts over and deletes them (under `resihp up`: --fresh, which deletes "
+                "the job's Redis data too), --ckpt-dir DIR keeps them and uses another folder",
                 file=sys.stderr,
                 flush=True,
             )

@@ -32,6 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from resihp.checkpoints import (
+    STEP_LAYOUT,
+    ckpt_path,
+    step_dir,
+    working_coords,
+)
 from resihp.topology import Layout
 
 from .model import ModelConfig, StageModule, shard_dim
@@ -63,9 +69,8 @@ def stage_param_names(cfg: ModelConfig, layout: Layout, stage: int) -> list[str]
     return names
 
 
-def active_coords(layout: Layout) -> dict[int, tuple[int, int, int]]:
-    """rank -> (dp, stage, tp_index) for ranks of replicas that run micro-batches."""
-    return {r: c for r, c in layout.coords().items() if layout.microbatches[c[0]] > 0}
+#: rank -> (dp, stage, tp_index) for ranks of replicas that run micro-batches
+active_coords = working_coords
 
 
 # ----------------------------------------------------------------- extract
@@ -126,16 +131,16 @@ def load_state(module: StageModule, opt, state: dict[str, torch.Tensor], step: i
 # -------------------------------------------------------------- checkpoint
 
 
-def ckpt_path(ckpt_dir: str | Path, step: int, rank: int) -> Path:
-    return Path(ckpt_dir) / f"step_{step:06d}" / f"rank_{rank:05d}.pt"
-
-
 def save_ckpt(ckpt_dir, step: int, rank: int, state: dict, keep: int = 2) -> None:
-    """Persist this rank's state after ``step`` optimizer steps (atomic rename)."""
+    """Persist this rank's state after ``step`` optimizer steps: on disk (fsync) before
+    the atomic rename, so a crash or power loss leaves the old file or the whole new one."""
     p = ckpt_path(ckpt_dir, step, rank)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, p)
     # Keep the last ``keep`` steps; older ones can no longer be the rollback target.
     _prune(ckpt_path(ckpt_dir, step - keep, rank))
@@ -144,62 +149,36 @@ def save_ckpt(ckpt_dir, step: int, rank: int, state: dict, keep: int = 2) -> Non
 def _prune(old: Path) -> None:
     """Delete one file of a step no longer kept, and its step folder once it is empty
     (whoever deletes the step's last file removes it)."""
-    if old.exists():
-        old.unlink()
-        try:
-            old.parent.rmdir()
-        except OSError:
-            pass
+    old.unlink(missing_ok=True)
+    try:
+        old.parent.rmdir()
+    except OSError:
+        pass
 
 
 def load_ckpt(ckpt_dir, step: int, rank: int) -> dict:
     p = ckpt_path(ckpt_dir, step, rank)
     if not p.exists():
         raise FileNotFoundError(f"no persistent state for rank {rank} at step {step}: {p}")
-    return torch.load(p, weights_only=True)
+    try:
+        return torch.load(p, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: say which
+        raise RuntimeError(f"cannot read the checkpoint {p}: {str(e)[:200]}") from e
 
 
 def clear_ckpts(ckpt_dir) -> None:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
-#: Which job wrote a checkpoint directory (:func:`check_manifest`), and per step which
-#: layout the ranks' files follow (:func:`write_ckpt_layout`).
-MANIFEST = "job.json"
-STEP_LAYOUT = "layout.json"
-
-
 def write_ckpt_layout(ckpt_dir, step: int, layout: Layout, keep: int = 2) -> None:
     """Record the layout the state of ``step`` was saved under (atomic); it is what a
-    restarted job resumes (:func:`latest_complete_ckpt`).  Pruned like the ranks' files."""
-    p = Path(ckpt_dir) / f"step_{step:06d}" / STEP_LAYOUT
+    restarted job resumes (``resihp.checkpoints.latest_complete_ckpt``)."""
+    p = step_dir(ckpt_dir, step) / STEP_LAYOUT
     p.parent.mkdir(parents=True, exist_ok=True)
     write_json(p, layout.to_dict())
-    _prune(Path(ckpt_dir) / f"step_{step - keep:06d}" / STEP_LAYOUT)
-
-
-def latest_complete_ckpt(ckpt_dir) -> tuple[int, Layout] | None:
-    """The newest step every rank of its layout saved, with that layout; None if none.
-
-    A step some rank had not finished saving when the job stopped is skipped (its
-    predecessor is kept until every rank saved the next one)."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return None
-    steps = []
-    for d in root.glob("step_*"):
-        try:
-            steps.append((int(d.name[5:]), d))
-        except ValueError:
-            continue
-    for step, d in sorted(steps, reverse=True):
-        try:
-            layout = Layout.from_json((d / STEP_LAYOUT).read_text())
-        except (OSError, ValueError):
-            continue
-        if all(ckpt_path(root, step, r).exists() for r in active_coords(layout)):
-            return step, layout
-    return None
+    # the whole step no longer kept: ranks that died or were set aside since saved there
+    # last and prune nothing themselves (every rank saved a newer step before this one)
+    shutil.rmtree(step_dir(ckpt_dir, step - keep), ignore_errors=True)
 
 
 def ckpt_manifest(cfg) -> dict:
@@ -211,20 +190,6 @@ def ckpt_manifest(cfg) -> dict:
         "devices_per_node",
     )  # fmt: skip
     return {n: getattr(cfg, n) for n in names}
-
-
-def check_manifest(ckpt_dir, want: dict) -> str | None:
-    """Why the checkpoints in ``ckpt_dir`` are not this job's (None: they are, or there
-    is no manifest to go by because nothing was saved yet)."""
-    p = Path(ckpt_dir) / MANIFEST
-    if not p.exists():
-        return None
-    try:
-        have = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        return f"{p} cannot be read ({e})"
-    diff = [f"{k} {have.get(k)!r} != {v!r}" for k, v in want.items() if have.get(k) != v]
-    return f"they were written by another job ({', '.join(diff)})" if diff else None
 
 
 # ---------------------------------------------------------- redistribution

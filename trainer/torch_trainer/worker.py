@@ -226,6 +226,8 @@ class Worker:
             if desc.get("prev_layout") and self.layout is None:
                 self.layout = Layout.from_dict(desc["prev_layout"])
             self.resume_step = desc.get("resume_step")
+            if self.resume_step is not None:  # the checkpoint's layout, whatever was tried
+                self.layout = Layout.from_dict(desc["prev_layout"])
             status = self._run_generation(gen, members, layout)
             if status == "done":
                 self.tel.drain()
@@ -387,7 +389,7 @@ class Worker:
         t = torch.tensor([mine], device=self.comm_device)
         wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
         step = int(t.item())
-        if gen == 0 and self.resume_step is not None:
+        if self.resume_step is not None:
             # A restarted job: nobody holds state; every shard comes from the checkpoint
             # of ``resume_step``, saved under the layout ``self.layout`` (prev_layout)
             step = int(self.resume_step)
