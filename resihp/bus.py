@@ -71,10 +71,27 @@ JOB_STATES = ("running", "finished")
 
 
 def set_job_state(client: redis.Redis, keys: JobKeys, state: str, **extra: Any) -> None:
-    """The trainer says the job is running, or finished on purpose (no liveness alarms)."""
+    """The trainer says the job is running, or finished on purpose (no liveness alarms).
+
+    The kind of trainer the job runs on (``trainer``, given at registration) stays across
+    later states: ``resihp up --resume`` checks that the same kind carries the run on."""
     if state not in JOB_STATES:
         raise ValueError(f"job state must be one of {JOB_STATES}, got {state!r}")
+    if "trainer" not in extra:
+        kind = job_trainer(client, keys)
+        if kind:
+            extra["trainer"] = kind
     client.set(keys.job_state, json.dumps({"state": state, "at_s": time.time(), **extra}))
+
+
+def job_trainer(client: redis.Redis, keys: JobKeys) -> str | None:
+    """The kind of trainer (sim, torch) that registered the job; None if unknown."""
+    try:
+        d = json.loads(client.get(keys.job_state) or b"{}")
+    except ValueError:
+        return None
+    kind = d.get("trainer") if isinstance(d, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def job_state(client: redis.Redis, keys: JobKeys) -> str | None:

@@ -10,6 +10,7 @@ period) so no process is orphaned.  Logs go to ``<state-dir>/logs/``.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import redis
 
-from resihp.bus import Health, clear_job, list_jobs, set_job_state
+from resihp.bus import Health, clear_job, job_trainer, list_jobs, set_job_state
+from resihp.checkpoints import latest_complete_ckpt
 from resihp.keys import JobKeys, validate_job_id
 from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
 from resihp.redis_client import EmbeddedRedis, connect, redact
@@ -33,6 +35,7 @@ from resihp.status import (
     STACK_FILE,
     UnknownJob,
     collect_status,
+    health_pid_gone,
     job_status,
     running_stack,
     summary_line,
@@ -241,8 +244,29 @@ class JobInUse(RuntimeError):
 DEMO_JOB_ID = "demo"
 
 
+def torch_ckpt_dir(args) -> str | None:
+    """Where the torch trainer of this stack keeps its checkpoints (None: another trainer):
+    ``--ckpt-dir``, else ``<--out-dir>/ckpt``, from ``--trainer-arg`` or the defaults."""
+    if args.trainer != "torch":
+        return None
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--out-dir")
+    p.add_argument("--ckpt-dir")
+    given, _ = p.parse_known_args(list(args.trainer_arg))
+    if given.ckpt_dir:
+        return given.ckpt_dir
+    out = given.out_dir or str(Path(args.state_dir) / "torch" / resolve_job(args))
+    return str(Path(out) / "ckpt")
+
+
 def prepare_job(
-    client, job_id: str, fresh: bool, new_run: bool = True, resume: bool = False
+    client,
+    job_id: str,
+    fresh: bool,
+    new_run: bool = True,
+    resume: bool = False,
+    trainer: str | None = None,
+    ckpt_dir: str | None = None,
 ) -> str | None:
     """Before any service starts: clear the job (``fresh``), let its run go on
     (``resume``), or check it may be used as is.
@@ -254,12 +278,22 @@ def prepare_job(
     the torch trainer from its checkpoints).  ``new_run`` (a trainer will start): such a
     job is refused unless ``fresh`` (start over) or ``resume`` (continue); without a
     trainer the stack just shows the job's history.  -> the line to print, if any.
+
+    ``trainer``: the kind that will start; a run is resumed only by the kind that trained
+    it.  ``ckpt_dir``: the torch trainer's checkpoints, a run of their own: resumed or
+    deleted on purpose, never picked up unannounced, and a run in Redis they cannot
+    carry on (none there) is refused rather than restarted from iteration 0 under it.
     """
     keys = JobKeys(job_id)
     if fresh or resume:
         # health keys expire: these are running now (a dashboard only reads, and one
-        # dashboard beats for every job in the Redis: it does not hold a job)
-        live = sorted(s for s in Health.all(client, keys) if not s.startswith("dashboard:"))
+        # dashboard beats for every job in the Redis: it does not hold a job), unless
+        # their process is gone (a stack that crashed: its keys outlive it by their TTL)
+        live = sorted(
+            s
+            for s, h in Health.all(client, keys).items()
+            if not s.startswith("dashboard:") and not health_pid_gone(h)
+        )
         if live:
             raise JobInUse(
                 f"job {job_id!r} has running services ({', '.join(live)}): stop them before "
@@ -271,14 +305,34 @@ def prepare_job(
         gone = f" ({n} keys of its previous runs deleted)" if n else ""
         return f"resihp: job {job_id!r} starts fresh{gone}"
     held = _held_run(client, job_id)
+    ckpt = latest_complete_ckpt(ckpt_dir) if ckpt_dir and new_run else None
+    ways = "--fresh starts over (deleting them), --job-id NAME runs beside it"
     if resume:
-        if held is None:
-            return (
-                f"resihp: job {job_id!r} holds no run in this Redis: its trainer starts it "
-                "(the torch trainer from its checkpoints, if it has some)"
+        ran_on = job_trainer(client, JobKeys(job_id))
+        if held is not None and trainer and ran_on and ran_on != trainer:
+            raise JobInUse(
+                f"{held} was trained by the {ran_on} trainer: --resume needs "
+                f"--trainer {ran_on}; {ways}"
             )
-        return f"resihp: resuming {held}"
+        if ckpt_dir and held is not None and ckpt is None:
+            raise JobInUse(
+                f"{held} cannot be carried on: the torch trainer has no complete checkpoint "
+                f"in {ckpt_dir} and would start at iteration 0 under it; {ways}"
+            )
+        from_ckpt = f" from the torch trainer's checkpoint of step {ckpt[0]}" if ckpt else ""
+        if held is None:
+            return f"resihp: job {job_id!r} holds no run in this Redis: " + (
+                f"the torch trainer resumes its checkpoint of step {ckpt[0]}"
+                if ckpt
+                else "its trainer starts it"
+            )
+        return f"resihp: resuming {held}{from_ckpt}"
     if held is None:
+        if ckpt is not None:
+            raise JobInUse(
+                f"the torch trainer holds checkpoints of job {job_id!r} in {ckpt_dir} (step "
+                f"{ckpt[0]}): --resume carries them on, {ways}"
+            )
         return None
     what = f"{held} already holds a run in this Redis"
     if new_run:
@@ -452,8 +506,10 @@ def preflight(args) -> str | None:
     except ValueError as e:
         return str(e)
     if getattr(args, "resume", False) and args.fresh:
-        return "--resume continues the job's run and --fresh deletes it: choose one" + (
-            " (--demo starts its job fresh; --job-id NAME resumes another)" if args.demo else ""
+        return (
+            "--demo always starts its job afresh: --resume carries on a job named with --job-id"
+            if args.demo
+            else "--resume carries the job's run on and --fresh deletes it: choose one"
         )
     if args.demo and not args.scenario:
         args.scenario = str(DEMO_SCENARIO)
@@ -593,6 +649,8 @@ def _run_stack(args, stop: threading.Event) -> int:
                 args.fresh,
                 new_run=args.trainer != "none",
                 resume=getattr(args, "resume", False),
+                trainer=args.trainer,
+                ckpt_dir=torch_ckpt_dir(args),
             )
         finally:
             client.close()

@@ -41,13 +41,15 @@ def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
     pipe.execute()
 
 
-def register_running(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
+def register_running(
+    client: redis.Redis, keys: JobKeys, layout: Layout, trainer: str | None = None
+) -> None:
     """A trainer's registration: the job listed, its state ``running``, its layout. The
     layout goes last: trainers take its presence for "registered" and write all three
     again when it is gone (Redis restarted without its data), so a registration cut short
     by an outage is redone, not left without its state."""
     register_job(client, keys)
-    set_job_state(client, keys, "running")
+    set_job_state(client, keys, "running", **({"trainer": trainer} if trainer else {}))
     write_layout(client, keys, layout)
 
 

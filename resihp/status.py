@@ -442,7 +442,7 @@ def job_status(client, job_id: str) -> dict[str, Any]:
     state = state if isinstance(state, dict) else None
     services = Health.all(client, keys)
     for h in services.values():
-        gone = _pid_gone(h)
+        gone = health_pid_gone(h)
         if gone is not None:
             h["pid_alive"] = not gone
     finished = (state or {}).get("state") == "finished"
@@ -518,7 +518,7 @@ def job_status(client, job_id: str) -> dict[str, Any]:
 REQUIRED_SERVICES = ("collector", "detector", "scheduler")
 
 
-def _pid_gone(h: dict[str, Any]) -> bool | None:
+def health_pid_gone(h: dict[str, Any]) -> bool | None:
     """Whether the process behind a health key is gone: only known on its own host (None
     elsewhere). A killed service's key outlives it by up to its TTL (10 s)."""
     pid = h.get("pid")

@@ -4,6 +4,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -295,7 +296,23 @@ def test_a_failed_child_is_reported_with_its_last_log_line(tmp_path):
 
 
 @pytest.mark.redis
-def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(r):
+def _fake_ckpt(ckpt, step: int) -> None:
+    """A complete torch checkpoint step as the trainer lays it out (resihp/checkpoints.py):
+    its layout and a readable archive per working rank."""
+    import zipfile
+
+    from resihp.checkpoints import STEP_LAYOUT, ckpt_path, step_dir
+    from resihp.topology import Layout
+
+    lay = Layout.uniform(tp=1, pp=2, dp=1, num_layers=2, num_microbatches=2)
+    step_dir(ckpt, step).mkdir(parents=True)
+    (step_dir(ckpt, step) / STEP_LAYOUT).write_text(json.dumps(lay.to_dict()))
+    for rank in lay.active_ranks():
+        with zipfile.ZipFile(ckpt_path(ckpt, step, rank), "w") as z:
+            z.writestr("data.pkl", "x")
+
+
+def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(r, tmp_path):
     from resihp import bus
     from resihp.keys import JobKeys
     from resihp.launcher import JobInUse, prepare_job
@@ -319,7 +336,34 @@ def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(
     assert note.startswith("resihp: resuming job 'prod' (last iteration -,"), note
     assert "holds no run" in prepare_job(r, "new-one", fresh=False, resume=True)
     assert r.xlen(old.failures) == 1
+    # ... by the kind of trainer that ran it (the torch trainer started at 0 under a sim run)
+    bus.set_job_state(r, old, "running", trainer="sim")
+    bus.set_job_state(r, old, "finished", reason="stopped")  # the kind stays
+    with pytest.raises(JobInUse, match="trained by the sim trainer: --resume needs --trainer sim"):
+        prepare_job(r, "prod", fresh=False, resume=True, trainer="torch")
+    # ... and the torch trainer only from a checkpoint
+    bus.set_job_state(r, old, "running", trainer="torch")
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(JobInUse, match="no complete checkpoint in .* iteration 0"):
+        prepare_job(r, "prod", fresh=False, resume=True, trainer="torch", ckpt_dir=str(ckpt))
+    _fake_ckpt(ckpt, step=5)
+    note = prepare_job(r, "prod", fresh=False, resume=True, trainer="torch", ckpt_dir=str(ckpt))
+    assert note.endswith("from the torch trainer's checkpoint of step 5"), note
+    # checkpoints are a run too: not picked up unannounced by a new job's torch trainer
+    with pytest.raises(JobInUse, match=r"holds checkpoints of job 'new-one' .*\(step 5\)"):
+        prepare_job(r, "new-one", fresh=False, trainer="torch", ckpt_dir=str(ckpt))
+    assert prepare_job(r, "new-one", fresh=False, trainer="sim") is None
 
+    # the keys of a crashed stack's services (their processes gone) hold nothing
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    r.set(
+        old.health("collector", "0"),
+        json.dumps({"status": "ok", "pid": dead_pid.pid, "host": socket.gethostname()}),
+        px=10_000,
+    )
+    assert "resuming" in prepare_job(r, "prod", fresh=False, resume=True)
+    r.delete(old.health("collector", "0"))
     # services of the job still running: --fresh refuses instead of deleting under them
     bus.Health(r, old, "detector").beat()
     with pytest.raises(JobInUse, match="detector"):
@@ -331,7 +375,8 @@ def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(
     bus.Health(r, old, "dashboard").beat()  # a dashboard only reads: it does not hold the job
 
     note = prepare_job(r, "prod", fresh=True)
-    assert "starts fresh" in note and "3 keys" in note  # failures, counters, dashboard health
+    # failures, counters, job state, dashboard health
+    assert "starts fresh" in note and "4 keys" in note
     assert not list(r.scan_iter(match=f"{old.base}:*"))
     assert bus.list_jobs(r) == ["other"]
     assert r.xlen(other.failures) == 1 and r.hget(other.counters, "heartbeats_total") == b"5"

@@ -303,6 +303,16 @@ def test_a_restarted_trainer_resumes_the_job_it_finds_in_redis(r):
     assert set(rows["iteration"].tolist()) == {5}  # after the 5 iterations (0-4) run
     assert rows["start_s"].min() >= end_s  # the job's clock does not go back
 
+    # a rank the job's layout holds dead (a fail-stop a plan excluded) stays dead through a
+    # restart without the scenario that killed it: it came back, a false re-join and plan
+    from resihp.plans import read_layout
+    from scheduler.planner import plan
+    from scheduler.predict import Predictor
+
+    without = plan(read_layout(r, keys), {3: 0.0}, Predictor(cfg.model, cfg.seq_len, 80.0)).after
+    assert 3 in without.dead
+    without.layout_id = 5
+    write_layout(r, keys, without)
     # no trainer health left (it expired): the newest published record decides
     r.delete(keys.telemetry, keys.health("trainer", "0"))
     publish(r, keys.iterations, IterationRecord(iteration=41, iteration_time_s=1.0,
@@ -310,6 +320,7 @@ def test_a_restarted_trainer_resumes_the_job_it_finds_in_redis(r):
             num_ranks_reporting=16))  # fmt: skip
     third = SimTrainer(cfg, r)
     third.run_once()
+    assert third.sim.layout.layout_id == 5 and not third.sim.alive[3]
     third.close()
     _msgs, rows = _drain(r, keys)
     assert set(rows["iteration"].tolist()) == {42} and rows["start_s"].min() >= end_s + 10.0

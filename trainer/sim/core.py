@@ -379,6 +379,12 @@ class ClusterSim:
         while due := self.cursor.due(iteration - 1, t_s):
             for ev in due:
                 self._apply_event(ev)
+        if layout is not None:
+            # the ranks the job's layout holds dead stay so, whatever the scenario says (a
+            # restart without the scenario that killed them brought them back: a false
+            # re-join and a plan giving them work)
+            dead = [r for r in layout.dead if r < len(self.alive)]
+            self.alive[dead] = False
         return problem
 
     # ------------------------------------------------------------ events

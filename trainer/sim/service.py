@@ -164,12 +164,16 @@ class SimTrainer:
         self.wall0 = now - prev_t / self.cfg.speed if self.cfg.speed > 0 else now
         log.warning(
             "job %s already ran to iteration %d (its history is in Redis: a restart): resuming "
-            "at iteration %d on layout %d, scenario events up to then taken as happened "
-            "(a new --job-id, or `resihp up --fresh`, starts over)",
+            "at iteration %d on layout %d%s%s (a new --job-id, or `resihp up --fresh`, starts "
+            "over)",
             self.keys.job_id,
             newest,
             sim.iteration,
             sim.layout.layout_id,
+            f", ranks {sorted(layout.dead)} dead as it holds them"
+            if layout and layout.dead
+            else "",
+            ", scenario events up to then taken as happened" if self.cfg.scenario else "",
         )
 
     def _register(self) -> bool:
@@ -196,7 +200,7 @@ class SimTrainer:
         return True
 
     def _write_registration(self) -> None:
-        register_running(self.client, self.keys, self.sim.layout)
+        register_running(self.client, self.keys, self.sim.layout, trainer="sim")
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data).

@@ -752,7 +752,7 @@ class JobLauncher:
         self._event("layout_published", layout_id=self.layout.layout_id)
 
     def _register(self, layout: Layout) -> None:
-        register_running(self.client, self.keys, layout)
+        register_running(self.client, self.keys, layout, trainer="torch")
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data): without
