@@ -42,6 +42,28 @@ def test_kill_drops_replica_then_rejoin_restores_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_stages_migrated_away_come_back_when_their_ranks_rejoin(tmp_path):
+    """PP2 x DP2 under the migrate policy: rank 1 (replica 1, stage 0) and rank 2 (replica
+    0, stage 1) die, each replica running its lost stage on the other; both re-join.  The
+    re-join's layout kept both holes without their migrations and the job ended ("replica
+    0 stage 1 has no devices but micro-batch 0 is not migrated")."""
+    scen = tmp_path / "scenario.yaml"
+    scen.write_text(
+        "events:\n"
+        "  - {at_iteration: 1, action: kill_device, rank: 1}\n"
+        "  - {at_iteration: 2, action: kill_device, rank: 2}\n"
+        "  - {at_iteration: 3, action: rejoin, ranks: [1, 2]}\n"
+    )
+    cfg, rows, tl = run_recovery_job(
+        tmp_path, pp=2, dp=2, microbatches=2, iterations=6, recovery_policy="migrate",
+        scenario=str(scen),
+    )  # fmt: skip
+    check_loss_curve(cfg, rows)
+    layouts = [e["layout"] for e in tl["events"] if e["what"] == "generation_written"]
+    assert layouts[-1].startswith("DP2xPP2") and "dead=0" in layouts[-1], layouts
+
+
+@pytest.mark.slow
 def test_kill_tp_rank_reshards_from_persistent_state(tmp_path):
     # TP2 x PP2, single replica: rank 1 (stage 0, TP index 1) dies. Stage 0 shrinks
     # to TP1 on rank 0, whose missing shard half comes from the last checkpoint;

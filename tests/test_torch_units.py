@@ -365,6 +365,22 @@ def test_restore_plan_brings_back_replica_of_rejoined_ranks():
     assert still.groups == down.groups and 3 in still.standby
 
 
+def test_restore_plan_fills_the_stages_migration_emptied():
+    """PP2 x DP2 under the migrate policy: rank 1 (replica 1, stage 0) then rank 2
+    (replica 0, stage 1) die, each replica running its lost stage on the other.  When both
+    re-join, the re-join's layout kept both holes and dropped their migrations: invalid,
+    and the job ended.  Each stage gets its launch group back."""
+    lay = Layout.uniform(1, 2, 2, num_layers=4, num_microbatches=2)
+    down = migrate_plan(migrate_plan(lay, {1}), {2})
+    assert down.groups == [[[0], []], [[], [3]]] and len(down.migrations) == 4
+    up = restore_plan(down, lay, alive={0, 1, 2, 3})
+    assert up.groups == lay.groups and up.migrations == [] and not up.dead, up.summary()
+    # only rank 1 back: its hole is filled, rank 2's still migrates
+    half = restore_plan(down, lay, alive={0, 1, 3})
+    assert half.groups == [[[0], []], [[1], [3]]] and half.dead == [2]
+    assert {(m.stage, m.src_dp) for m in half.migrations} == {(1, 0)}
+
+
 def test_shrink_tp_plan_keeps_power_of_two_survivors():
     lay = Layout.uniform(4, 1, 2, num_layers=2, num_microbatches=2)
     new = shrink_tp_plan(lay, {1})

@@ -93,24 +93,63 @@ def restore_plan(current: Layout, launch: Layout, alive: set[int]) -> Layout:
     new = current.copy()
     new.layout_id = current.layout_id + 1
     new.dead = sorted(set(current.dead) - alive)
-    active = set(current.active_ranks())
+    used = set(current.active_ranks())
+
+    def home(rep) -> int:
+        """The launch replica ``rep`` comes from (its ranks are among that one's)."""
+        held = {r for st in rep for r in st}
+        return next(
+            (i for i, g in enumerate(launch.groups) if held <= {r for st in g for r in st}),
+            len(launch.groups),
+        )
+
+    current_groups = [[list(st) for st in rep] for rep in current.groups]
+    # A stage a death emptied (its micro-batches migrated to other replicas) gets its
+    # launch TP group back once those ranks are alive and idle: with every hole of a
+    # replica left open, its migrations were dropped below and the layout was invalid
+    # (two deaths under the migrate policy, then their re-join, ended the job).
+    for rep in current_groups:
+        i = home(rep)
+        for s, st in enumerate(rep):
+            if not st and i < len(launch.groups):
+                want = set(launch.groups[i][s])
+                if want <= alive and not want & used:
+                    rep[s] = list(launch.groups[i][s])
+                    used |= want
     back = []
     for grp in launch.groups:
         ranks = {r for st in grp for r in st}
-        if grp not in current.groups and ranks <= alive and not ranks & active:
+        if grp not in current_groups and ranks <= alive and not ranks & used:
             back.append(grp)
-    order = {json.dumps(g): i for i, g in enumerate(launch.groups)}
-    groups = sorted(current.groups + back, key=lambda g: order.get(json.dumps(g), len(order)))
+            used |= ranks
+    groups = sorted(current_groups + back, key=home)
     total = current.total_microbatches
     base, extra = divmod(total, len(groups))
     new.groups = groups
     new.microbatches = [base + (1 if i < extra else 0) for i in range(len(groups))]
-    used = {r for g in groups for st in g for r in st}
     new.standby = sorted(r for r in alive if r not in used)
-    new.migrations = []
+    new.migrations = hole_migrations(new)  # a stage still without devices
     new.validate()
     check_runnable(new)
     return new
+
+
+def hole_migrations(layout: Layout) -> list[Migration]:
+    """Every micro-batch of a (replica, stage) without devices runs that stage on the
+    replicas that have it, round-robin."""
+    migs = []
+    for s in range(layout.pp):
+        hosts = [d for d in range(layout.dp) if layout.groups[d][s]]
+        if not hosts:
+            raise UnsupportedLayout(f"stage {s} has no surviving replica to migrate to")
+        k = 0
+        for d in range(layout.dp):
+            if layout.groups[d][s]:
+                continue
+            for j in range(layout.microbatches[d]):
+                migs.append(Migration(s, d, j, hosts[k % len(hosts)]))
+                k += 1
+    return migs
 
 
 def migrate_plan(layout: Layout, dead: set[int]) -> Layout:
@@ -129,19 +168,7 @@ def migrate_plan(layout: Layout, dead: set[int]) -> Layout:
                     f"replica {d} stage {s} keeps part of its TP group; migration needs it all gone"
                 )
             new.groups[d][s] = []
-    migs = []
-    for s in range(layout.pp):
-        hosts = [d for d in range(new.dp) if new.groups[d][s]]
-        if not hosts:
-            raise UnsupportedLayout(f"stage {s} has no surviving replica to migrate to")
-        k = 0
-        for d in range(new.dp):
-            if new.groups[d][s]:
-                continue
-            for j in range(new.microbatches[d]):
-                migs.append(Migration(s, d, j, hosts[k % len(hosts)]))
-                k += 1
-    new.migrations = migs
+    new.migrations = hole_migrations(new)
     new.validate()
     check_runnable(new)
     return new
