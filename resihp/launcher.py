@@ -306,7 +306,7 @@ def prepare_job(
         return f"resihp: job {job_id!r} starts fresh{gone}"
     held = _held_run(client, job_id)
     ckpt = latest_complete_ckpt(ckpt_dir) if ckpt_dir and new_run else None
-    ways = "--fresh starts over (deleting them), --job-id NAME runs beside it"
+    ways = "--fresh deletes it and starts over, --job-id NAME runs beside it"
     if resume:
         ran_on = job_trainer(client, JobKeys(job_id))
         if held is not None and trainer and ran_on and ran_on != trainer:
@@ -331,7 +331,8 @@ def prepare_job(
         if ckpt is not None:
             raise JobInUse(
                 f"the torch trainer holds checkpoints of job {job_id!r} in {ckpt_dir} (step "
-                f"{ckpt[0]}): --resume carries them on, {ways}"
+                f"{ckpt[0]}): --resume carries them on, --fresh deletes them and starts over, "
+                "--job-id NAME runs beside them"
             )
         return None
     what = f"{held} already holds a run in this Redis"
