@@ -81,8 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--fresh",
         action="store_true",
         help="delete this job's data from previous runs (iterations, failures, plans, audit "
-        "log) before starting; without it a job that holds another run is refused when a "
-        "trainer would start (--trainer none shows such a job's history)",
+        "log, and the torch trainer's checkpoints) before starting; without it or --resume a "
+        "job that holds another run is refused when a trainer would start (--trainer none "
+        "shows such a job's history)",
     )
     up.add_argument(
         "--resume",
