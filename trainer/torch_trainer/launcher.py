@@ -41,10 +41,10 @@ Failures around that:
 
 Started again on its out dir (a stopped or crashed job, ``resihp up --resume``), the
 launcher resumes the newest step whose every rank saved its state
-(``state.latest_complete_ckpt``), in the layout that step was saved under: ranks that
+(``resihp.checkpoints.latest_complete_ckpt``), in the layout that step was saved under: ranks that
 layout holds dead are not started, generation 0 reads every shard from disk, the loss
 rows of later iterations are dropped and trained again.  Checkpoints of another model,
-data or world size (``state.check_manifest``) are refused, exit 2; ``--fresh`` deletes
+data or world size (``resihp.checkpoints.check_manifest``) are refused, exit 2; ``--fresh`` deletes
 them and starts over.
 """
 

@@ -389,42 +389,27 @@ class Worker:
         t = torch.tensor([mine], device=self.comm_device)
         wait_work(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
         step = int(t.item())
-        if self.resume_step is not None:
-            # A restarted job: nobody holds state; every shard comes from the checkpoint
-            # of ``resume_step``, saved under the layout ``self.layout`` (prev_layout)
-            step = int(self.resume_step)
-            if self.cursor is not None:  # the events before the restart are history
-                self.cursor.due(step - 1, self._job_time())
-            self.state, info = redistribute(
-                self.mcfg,
-                self.layout,
-                layout,
-                members,
-                self.rank,
-                {},
-                cfg.ckpt,
-                step,
-                self.dtype,
-                self.comm_device,
-                holders=set(),
-            )
-            self.store.set(f"moved/{gen}/{self.rank}", json.dumps(info))
-        elif gen == 0:
+        if gen == 0 and self.resume_step is None:
             self.steps_done = step
         else:
-            if self.fresh:
+            holders = None  # every member holds its old state
+            if self.resume_step is not None:
+                # A restarted job: nobody holds state; every shard comes from the checkpoint
+                # of ``resume_step``, saved under the layout ``self.layout`` (prev_layout)
+                step, self.state, holders = int(self.resume_step), {}, set()
+            elif self.fresh:
                 self.state = {}
-                if self.cursor is not None:  # events before this rank re-joined are history
-                    self.cursor.due(step - 1, self._job_time())
             elif self.steps_done > step:  # committed one step more than a peer: roll back
                 self.state = load_ckpt(cfg.ckpt, step, self.rank)
                 self.steps_done = step
             elif self.module is not None:
                 self.state = local_state(self.module, self.opt)
-            old = self.layout
+            if (self.resume_step is not None or self.fresh) and self.cursor is not None:
+                # events before the restart, or before this rank re-joined, are history
+                self.cursor.due(step - 1, self._job_time())
             new_state, info = redistribute(
                 self.mcfg,
-                old,
+                self.layout,
                 layout,
                 members,
                 self.rank,
@@ -433,6 +418,7 @@ class Worker:
                 step,
                 self.dtype,
                 self.comm_device,
+                holders=holders,
             )
             self.store.set(f"moved/{gen}/{self.rank}", json.dumps(info))
             self.state = new_state
