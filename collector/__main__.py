@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from collector.config import CollectorConfig
@@ -17,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     CollectorConfig.add_arguments(p)
     entry.add_entry_arguments(p, "collector")
+    entry.add_all_jobs_argument(p, "collector")
     sub = p.add_subparsers(dest="cmd")
     rec = sub.add_parser(
         "record", help="write the job's telemetry stream as JSON lines", epilog=entry.stack_epilog()
@@ -39,10 +41,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    entry.setup_logging(args.log_level)
+    all_jobs = entry.all_jobs_mode(args, "collector", argv) if args.cmd is None else False
+    if all_jobs is None:
+        return 2
+    entry.setup_logging(args.log_level, threads=all_jobs)
     cfg = entry.load_config("collector", lambda: CollectorConfig.from_args(args))
     if cfg is None:
         return 2
+    if args.check_health and all_jobs:
+        from resihp.jobwatch import watcher_health_code
+
+        return watcher_health_code(cfg.redis_url, "collector", cfg.instance)
     if args.check_health:
         return entry.health_exit_code(cfg.redis_url, cfg.job_id, "collector", cfg.instance)
 
@@ -74,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from collector.service import CollectorService
     from resihp.bus import register_job
+
+    if all_jobs:
+
+        def make(job_id: str) -> CollectorService:
+            if args.heartbeat_k is not None:
+                client.hset(JobKeys(job_id).detector_config, "heartbeat_k", cfg.heartbeat_k)
+            return CollectorService(dataclasses.replace(cfg, job_id=job_id), client)
+
+        return entry.serve_all_jobs("collector", client, make, cfg.instance)
 
     def announce() -> None:
         if args.heartbeat_k is not None:  # the hash is followed on every check: the flag goes there

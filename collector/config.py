@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from resihp.assembly import COMM_WAIT_S
+from resihp.entry import parse_bool
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
 from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES
 
@@ -49,24 +50,6 @@ def parse_heartbeat_k(raw: str | bytes) -> int:
         got = text if len(text) <= 12 else text[:12] + "..."
         raise ValueError(f"must be an integer in [1, {MAX_HEARTBEAT_K}] (got {got})")
     return k
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-def parse_bool(text: str, name: str) -> bool:
-    """A yes/no setting from the environment: 1/true/yes/on or 0/false/no/off, any case
-    (empty: no); ValueError naming ``name`` for anything else (``ture`` must not pass
-    for no)."""
-    t = text.strip().lower()
-    if t in _TRUE:
-        return True
-    if t in _FALSE:
-        return False
-    raise ValueError(
-        f"{name}: must be one of 1/true/yes/on or 0/false/no/off (any case), got {text!r}"
-    )
 
 
 @dataclass

@@ -9,6 +9,7 @@ python -m detector config [show | set FIELD=VALUE ...]   (tune a running detecto
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
     p.add_argument("--mode", choices=["resihp", "greyhound"], default="resihp")
     entry.add_entry_arguments(p, "detector")
+    entry.add_all_jobs_argument(p, "detector")
     _common(p)
     sub = p.add_subparsers(dest="cmd")
     rp = sub.add_parser("replay", help="run the detector over a recorded trace (no Redis)")
@@ -104,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "config":
         return _config(args)
-    entry.setup_logging(args.log_level)
+    all_jobs = entry.all_jobs_mode(args, "detector", argv) if args.cmd is None else False
+    if all_jobs is None:
+        return 2
+    entry.setup_logging(args.log_level, threads=all_jobs)
     if args.cmd == "replay" and getattr(args, "baseline", None):
         args.mode = args.baseline
     cfg = entry.load_config("detector", lambda: DetectorConfig.from_args(args))
@@ -114,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         from detector.replay import main as replay_main
 
         return replay_main(args.trace, args.out, cfg, args.heartbeat_interval_s)
+    if args.check_health and all_jobs:
+        from resihp.jobwatch import watcher_health_code
+
+        return watcher_health_code(cfg.redis_url, "detector")
     if args.check_health:
         return entry.health_exit_code(cfg.redis_url, cfg.job_id, "detector")
 
@@ -128,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     from detector.service import DetectorService
 
     given = frozenset(f for f in RUNTIME_FIELDS if hasattr(args, f))  # flags are SUPPRESSed
+    if all_jobs:
+        return entry.serve_all_jobs(
+            "detector",
+            client,
+            lambda job_id: DetectorService(
+                dataclasses.replace(cfg, job_id=job_id), client, override=given
+            ),
+        )
     svc = DetectorService(cfg, client, override=given)
     stop = entry.stop_on_signals()
     logging.getLogger(__name__).info("detector: job %s, mode %s", cfg.job_id, cfg.mode)

@@ -66,6 +66,24 @@ def open_output(path: str, who: str):
         return None
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def parse_bool(text: str, name: str) -> bool:
+    """A yes/no setting from the environment: 1/true/yes/on or 0/false/no/off, any case
+    (empty: no); ValueError naming ``name`` for anything else (``ture`` must not pass
+    for no)."""
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}: must be one of 1/true/yes/on or 0/false/no/off (any case), got {text!r}"
+    )
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -108,9 +126,71 @@ def add_entry_arguments(p: argparse.ArgumentParser, service: str) -> None:
     )
 
 
-def setup_logging(level: str = "INFO") -> None:
-    """Log to stderr at ``level`` (ValueError naming the levels when unknown)."""
-    logging.basicConfig(level=log_level(level), format=LOG_FORMAT)
+def setup_logging(level: str = "INFO", *, threads: bool = False) -> None:
+    """Log to stderr at ``level`` (ValueError naming the levels when unknown); ``threads``
+    adds the thread's name, which says the job under ``--all-jobs``."""
+    fmt = (
+        LOG_FORMAT.replace("%(levelname)s", "[%(threadName)s] %(levelname)s")
+        if threads
+        else LOG_FORMAT
+    )
+    logging.basicConfig(level=log_level(level), format=fmt)
+
+
+def add_all_jobs_argument(p: argparse.ArgumentParser, service: str) -> None:
+    """``--all-jobs``: serve every job in the Redis (``resihp.jobwatch``); default
+    ``$RESIHP_ALL_JOBS`` (1/true/yes/on), read by :func:`all_jobs_mode`."""
+    p.add_argument(
+        "--all-jobs",
+        action="store_true",
+        default=None,
+        help=f"run one {service} instance per job registered in this Redis, picking up jobs "
+        "as they register (default $RESIHP_ALL_JOBS); --job-id names one job instead",
+    )
+
+
+def all_jobs_mode(args: argparse.Namespace, service: str, argv: list[str] | None) -> bool | None:
+    """Whether to serve every job: ``--all-jobs`` or ``$RESIHP_ALL_JOBS``; None after saying
+    why on stderr (exit code 2) for a bad environment value or ``--job-id`` given beside it."""
+    on = args.all_jobs
+    if on is None:
+        try:
+            on = parse_bool(os.environ.get("RESIHP_ALL_JOBS", ""), "all_jobs (RESIHP_ALL_JOBS)")
+        except ValueError as e:
+            print(f"{service}: bad setting: {e}", file=sys.stderr)
+            return None
+    given = sys.argv[1:] if argv is None else argv
+    if on and any(a == "--job-id" or a.startswith("--job-id=") for a in given):
+        print(
+            f"{service}: bad setting: --job-id names one job and --all-jobs serves every job "
+            "(also from RESIHP_ALL_JOBS); give one of them",
+            file=sys.stderr,
+        )
+        return None
+    return on
+
+
+def serve_all_jobs(
+    service: str,
+    client,
+    make: Callable[[str], object],
+    instance: str = "0",
+    duration_s: float | None = None,
+) -> int:
+    """Run ``service`` for every job in the Redis until SIGTERM/SIGINT, or for
+    ``duration_s`` (``resihp.jobwatch``)."""
+    from resihp.bus import list_jobs
+    from resihp.jobwatch import JobWatcher
+
+    stop = stop_on_signals()
+    if duration_s:
+        timer = threading.Timer(duration_s, stop.set)
+        timer.daemon = True
+        timer.start()
+    if not wait_for_redis(lambda: list_jobs(client), service, client, stop):
+        return 0
+    JobWatcher(service, client, make, instance=instance).run(stop)
+    return 0
 
 
 def load_config(service: str, build: Callable[[], T]) -> T | None:

@@ -17,6 +17,13 @@ JOBS_SET = f"{PREFIX}:jobs"
 #: reader holding cached history (the dashboard) notices a new run behind the same id.
 JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
+
+def watcher_health(service: str, instance: str = "0") -> str:
+    """Health key of a service serving every job (``--all-jobs``, ``resihp.jobwatch``);
+    the only per-service key outside a job's namespace."""
+    return f"{PREFIX}:watchers:{service}:{instance}"
+
+
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 #: Default approximate cap on stream lengths (XADD MAXLEN ~).

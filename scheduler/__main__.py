@@ -11,6 +11,7 @@ python -m scheduler act set_mode --override '{"mode": "manual"}'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -42,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=entry.prog("scheduler"), description=__doc__.splitlines()[0])
     _common(ap)
     entry.add_entry_arguments(ap, "scheduler")
+    entry.add_all_jobs_argument(ap, "scheduler")
     sub = ap.add_subparsers(dest="cmd")
     run = sub.add_parser("run", help="run the scheduler service (the default)")
     _common(run, suppress=True)
+    run.add_argument("--all-jobs", action="store_true", default=argparse.SUPPRESS)
     for p, dflt in ((ap, None), (run, argparse.SUPPRESS)):
         p.add_argument("--mode", choices=["auto", "manual"], default=dflt)
         p.add_argument("--grace-period-s", dest="grace_period_s", type=float, default=dflt)
@@ -181,11 +184,19 @@ def _no_redis_url() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    entry.setup_logging(args.log_level)
+    service = args.cmd in (None, "run")
+    all_jobs = entry.all_jobs_mode(args, "scheduler", argv) if service else False
+    if all_jobs is None:
+        return 2
+    entry.setup_logging(args.log_level, threads=all_jobs)
     if args.cmd == "simulate":
         from scheduler.simulate import main_simulate
 
         return main_simulate(args)
+    if args.check_health and all_jobs:
+        from resihp.jobwatch import watcher_health_code
+
+        return watcher_health_code(args.redis_url, "scheduler")
     if args.check_health:
         return entry.health_exit_code(args.redis_url, args.job_id, "scheduler")
     if args.cmd == "act":
@@ -326,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"scheduler: {e}", file=sys.stderr)
         return 2
+    if all_jobs:
+        return entry.serve_all_jobs(
+            "scheduler",
+            client,
+            lambda job_id: SchedulerService(dataclasses.replace(cfg, job_id=job_id), client),
+            duration_s=duration or None,
+        )
     svc = SchedulerService(cfg, client)
     stop = entry.stop_on_signals()
     if duration:

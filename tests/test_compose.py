@@ -10,6 +10,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICE_PACKAGES = ["collector", "detector", "scheduler", "dashboard", "trainer"]
+#: services that run one container for every job in the Redis (``--all-jobs``)
+WATCHERS = ["collector", "detector", "scheduler"]
 
 
 def _compose():
@@ -34,6 +36,32 @@ def test_commands_and_healthchecks_name_modules_that_exist():
         assert hc[1:4] == ["python", "-m", cmd[2]] and "--check-health" in hc
 
 
+def test_one_collector_detector_and_scheduler_serve_every_job():
+    svcs = _compose()["services"]
+    for name in WATCHERS:
+        assert "--all-jobs" in svcs[name]["command"], name
+        assert "--all-jobs" in svcs[name]["healthcheck"]["test"], name
+
+
+def test_compose_commands_parse_with_the_services_own_parsers():
+    """A flag the service does not know would crash-loop its container."""
+    from collector.__main__ import _parser as collector_parser
+    from detector.__main__ import build_parser as detector_parser
+    from scheduler.__main__ import build_parser as scheduler_parser
+
+    parsers = {
+        "collector": collector_parser,
+        "detector": detector_parser,
+        "scheduler": scheduler_parser,
+    }
+    svcs = _compose()["services"]
+    for name, parser in parsers.items():
+        for argv in (svcs[name]["command"][3:], svcs[name]["healthcheck"]["test"][4:]):
+            argv = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in argv]
+            args = parser().parse_args(argv)
+            assert args.all_jobs is True, (name, argv)
+
+
 def test_redis_persistence_password_and_env_wiring():
     c = _compose()
     redis = c["services"]["redis"]
@@ -44,7 +72,8 @@ def test_redis_persistence_password_and_env_wiring():
         svc = c["services"][name]
         env = svc["environment"]
         assert "${REDIS_PASSWORD" in env["REDIS_URL"] and "@redis:6379" in env["REDIS_URL"]
-        assert env["RESIHP_JOB_ID"]
+        # the trainer's job and the dashboard's default job; the watchers serve every job
+        assert bool(env.get("RESIHP_JOB_ID")) == (name not in WATCHERS), name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
         assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
 
