@@ -443,6 +443,40 @@ RESTART_WINDOW_S = 600.0
 MAX_BACKOFF_S = 30.0
 
 
+#: Signals that end a trainer without anyone asking (the OOM killer's SIGKILL, a crash in
+#: native code): after startup `up` starts such a trainer again and it resumes its run.  A
+#: trainer that exits by itself (done, cannot go on, bad setting) or is stopped with
+#: SIGTERM/SIGINT/SIGHUP stays down.
+TRAINER_CRASH_SIGNALS = frozenset(
+    {signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
+)
+
+
+def trainer_crashed(rc: int) -> bool:
+    """Whether a trainer's exit status says it was killed by a crash signal."""
+    return rc < 0 and -rc in {int(s) for s in TRAINER_CRASH_SIGNALS}
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """The trainer's command line for a restart: without ``--fresh`` (it deleted the
+    checkpoints once, at the first start; now the run resumes from them)."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--fresh":
+            # a bare flag, or one followed by its value
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            skip = bool(nxt) and not nxt.startswith("--")
+            continue
+        if a.startswith("--fresh="):
+            continue
+        out.append(a)
+    return out
+
+
 @dataclass
 class RestartPolicy:
     """When a crashed service comes back: exponential backoff, and a limit per window so
@@ -712,6 +746,23 @@ def _run_stack(args, stop: threading.Event) -> int:
                     # whatever its code; the trainer exits 0 when training is done
                     if rc or c.name in RESTARTABLE:
                         failed.append(c.name)
+                    if c.name == "trainer" and trainer_crashed(rc) and not starting:
+                        at = restarts.on_exit(c.name, now)
+                        if at is None:
+                            print(
+                                f"resihp: the trainer was killed {restarts.max_restarts + 1} "
+                                f"times in {restarts.window_s:.0f} s; leaving it down",
+                                flush=True,
+                            )
+                        else:
+                            argv_of["trainer"] = resume_argv(argv_of["trainer"])
+                            restart_at[c.name] = at
+                            print(
+                                f"resihp: starting the trainer again in {at - now:.0f} s; it "
+                                "resumes its run (the simulator after its newest iteration in "
+                                "Redis, the torch trainer from its newest complete checkpoint)",
+                                flush=True,
+                            )
                     if c.name in RESTARTABLE and not starting:
                         at = restarts.on_exit(c.name, now)
                         if at is None:

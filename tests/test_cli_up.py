@@ -732,6 +732,100 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
     assert proc.returncode == 1, out
 
 
+def test_only_a_crash_signal_restarts_the_trainer_and_the_restart_drops_fresh():
+    from resihp.launcher import resume_argv, trainer_crashed
+
+    assert trainer_crashed(-signal.SIGKILL) and trainer_crashed(-signal.SIGSEGV)
+    # stopped on purpose, or ended by itself: stays down
+    for rc in (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP, 0, 1, 2):
+        assert not trainer_crashed(rc), rc
+    argv = ["trainer", "torch", "--job-id", "j", "--fresh", "true", "--iterations", "9"]
+    assert resume_argv(argv) == ["trainer", "torch", "--job-id", "j", "--iterations", "9"]
+    assert resume_argv(["trainer", "torch", "--fresh"]) == ["trainer", "torch"]
+    assert resume_argv(["trainer", "torch", "--fresh=yes", "--x", "1"]) == [
+        "trainer", "torch", "--x", "1"
+    ]  # fmt: skip
+    assert resume_argv(["trainer", "torch", "--fresh", "--x", "1"]) == [
+        "trainer", "torch", "--x", "1"
+    ]  # fmt: skip
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_trainer_killed_by_sigkill_is_started_again_and_carries_its_run_on(tmp_path):
+    from resihp.keys import JobKeys
+    from resihp.launcher import STARTUP_S
+    from resihp.redis_client import connect
+    from resihp.schemas import IterationRecord, decode_entry
+
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    t0 = time.time()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path),
+            "--no-summary", "--dashboard-port", str(free_port()),
+            "--trainer-arg=--speed=20", "--duration", "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    stack_file = tmp_path / "stack.json"
+    keys = JobKeys("default")
+    client = None
+
+    def iterations() -> list[int]:
+        out = []
+        for _, fields in client.xrange(keys.iterations):
+            good, _ = decode_entry(fields)
+            out += [m.iteration for m in good if isinstance(m, IterationRecord)]
+        return out
+
+    try:
+        deadline = time.time() + 90
+        stack: dict = {}
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                stack = json.loads(stack_file.read_text())
+            except (OSError, ValueError):
+                stack = {}
+            if "trainer" in stack.get("children", {}) and time.time() - t0 > STARTUP_S + 2:
+                client = client or connect(stack["redis_url"])
+                if len(iterations()) >= 5:
+                    break
+            time.sleep(0.3)
+        old = stack["children"]["trainer"]
+        os.killpg(old, signal.SIGKILL)  # what the OOM killer does
+        at_kill = max(iterations())
+        deadline = time.time() + 60
+        new = old
+        while time.time() < deadline:
+            try:
+                new = json.loads(stack_file.read_text())["children"]["trainer"]
+            except (OSError, ValueError, KeyError):
+                pass
+            if new != old and _alive(new) and max(iterations()) > at_kill + 5:
+                break
+            time.sleep(0.3)
+        assert new != old and _alive(new), "the trainer was not started again"
+        seen = iterations()
+        after = seen[seen.index(at_kill) + 1 :]
+        # the run goes on after its newest iteration: it did not start over at 0
+        assert after and min(after) > at_kill, (at_kill, after[:5])
+    finally:
+        if client is not None:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert "trainer was killed by SIGKILL" in out, out
+    assert "starting the trainer again in 1 s; it resumes its run" in out, out
+    assert "trainer restarted (pid" in out, out
+    assert proc.returncode == 1, out
+
+
 def test_exit_lines_say_which_signal_killed_a_child_and_quote_errors_only(tmp_path):
     from resihp.launcher import Child, _exit_line
 
