@@ -746,29 +746,22 @@ def _run_stack(args, stop: threading.Event) -> int:
                     # whatever its code; the trainer exits 0 when training is done
                     if rc or c.name in RESTARTABLE:
                         failed.append(c.name)
-                    if c.name == "trainer" and trainer_crashed(rc) and not starting:
+                    crashed = c.name == "trainer" and trainer_crashed(rc)
+                    if (c.name in RESTARTABLE or crashed) and not starting:
                         at = restarts.on_exit(c.name, now)
                         if at is None:
                             print(
-                                f"resihp: the trainer was killed {restarts.max_restarts + 1} "
-                                f"times in {restarts.window_s:.0f} s; leaving it down",
+                                f"resihp: {c.name} exited {restarts.max_restarts + 1} times "
+                                f"in {restarts.window_s:.0f} s; leaving it down (see its log)",
                                 flush=True,
                             )
-                        else:
+                        elif crashed:
                             argv_of["trainer"] = resume_argv(argv_of["trainer"])
                             restart_at[c.name] = at
                             print(
                                 f"resihp: starting the trainer again in {at - now:.0f} s; it "
                                 "resumes its run (the simulator after its newest iteration in "
                                 "Redis, the torch trainer from its newest complete checkpoint)",
-                                flush=True,
-                            )
-                    if c.name in RESTARTABLE and not starting:
-                        at = restarts.on_exit(c.name, now)
-                        if at is None:
-                            print(
-                                f"resihp: {c.name} exited {restarts.max_restarts + 1} times "
-                                f"in {restarts.window_s:.0f} s; leaving it down (see its log)",
                                 flush=True,
                             )
                         else:

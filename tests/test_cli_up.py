@@ -651,13 +651,8 @@ def test_restart_policy_backs_off_and_gives_up_on_a_crash_loop():
     assert pol.on_exit("detector", 200.0) == 201.0
 
 
-@pytest.mark.redis
-@pytest.mark.slow
-def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(tmp_path):
-    from resihp.keys import JobKeys
-    from resihp.launcher import STARTUP_S
-    from resihp.redis_client import connect
-
+def _sim_stack(tmp_path):
+    """`resihp up` on the simulator at x20 for at most 120 s; -> (process, start time)."""
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
     t0 = time.time()
@@ -672,12 +667,43 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
         text=True,
         env=env,
     )  # fmt: skip
+    return proc, t0
+
+
+def _past_startup(proc, t0, stack_file, ready):
+    """Waits until the stack is past `up`'s startup window with its trainer running and
+    ``ready(client)`` holds; -> (stack file, that client)."""
+    from resihp.launcher import STARTUP_S
+    from resihp.redis_client import connect
+
+    client = None
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            stack = json.loads(stack_file.read_text())
+        except (OSError, ValueError):
+            stack = {}
+        if "trainer" in stack.get("children", {}) and time.time() - t0 > STARTUP_S + 2:
+            client = client or connect(stack["redis_url"])
+            if ready(client):
+                return stack, client
+        time.sleep(0.3)
+    raise AssertionError("the stack did not get past its startup")
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(tmp_path):
+    from resihp.keys import JobKeys
+
+    proc, t0 = _sim_stack(tmp_path)
     stack_file = tmp_path / "stack.json"
     keys = JobKeys("default")
     group = keys.group("detector")
     client = None
 
-    def delivered() -> str:
+    def delivered(client) -> str:
         for g in client.xinfo_groups(keys.iterations):
             if g["name"] in (group, group.encode()):
                 d = g["last-delivered-id"]
@@ -689,24 +715,13 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
         return int(a), int(b)
 
     try:
-        deadline = time.time() + 90
-        stack: dict = {}
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                stack = json.loads(stack_file.read_text())
-            except (OSError, ValueError):
-                stack = {}
-            if "trainer" in stack.get("children", {}) and time.time() - t0 > STARTUP_S + 2:
-                if client is None:
-                    client = connect(stack["redis_url"])
-                if client.xlen(keys.iterations) >= 3 and delivered() != "0-0":
-                    break
-            time.sleep(0.3)
+        stack, client = _past_startup(
+            proc, t0, stack_file, lambda c: c.xlen(keys.iterations) >= 3 and delivered(c) != "0-0"
+        )
         old = stack["children"]["detector"]
         # a clean exit nobody asked for is a failure too (SIGTERM: the service stops as told)
         os.killpg(old, signal.SIGTERM)
-        at_kill = delivered()
+        at_kill = delivered(client)
         deadline = time.time() + 60
         new = old
         while time.time() < deadline:
@@ -714,12 +729,12 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
                 new = json.loads(stack_file.read_text())["children"]["detector"]
             except (OSError, ValueError, KeyError):
                 pass
-            if new != old and _alive(new) and as_id(delivered()) > as_id(at_kill):
+            if new != old and _alive(new) and as_id(delivered(client)) > as_id(at_kill):
                 break
             time.sleep(0.3)
         assert new != old and _alive(new), "the detector was not restarted"
         # the new detector reads the iteration stream on from where its group was
-        assert as_id(delivered()) > as_id(at_kill)
+        assert as_id(delivered(client)) > as_id(at_kill)
     finally:
         if client is not None:
             client.close()
@@ -754,29 +769,14 @@ def test_only_a_crash_signal_restarts_the_trainer_and_the_restart_drops_fresh():
 @pytest.mark.slow
 def test_a_trainer_killed_by_sigkill_is_started_again_and_carries_its_run_on(tmp_path):
     from resihp.keys import JobKeys
-    from resihp.launcher import STARTUP_S
-    from resihp.redis_client import connect
     from resihp.schemas import IterationRecord, decode_entry
 
-    env = dict(os.environ)
-    env.pop("REDIS_URL", None)
-    t0 = time.time()
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path),
-            "--no-summary", "--dashboard-port", str(free_port()),
-            "--trainer-arg=--speed=20", "--duration", "120",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )  # fmt: skip
+    proc, t0 = _sim_stack(tmp_path)
     stack_file = tmp_path / "stack.json"
     keys = JobKeys("default")
     client = None
 
-    def iterations() -> list[int]:
+    def iterations(client) -> list[int]:
         out = []
         for _, fields in client.xrange(keys.iterations):
             good, _ = decode_entry(fields)
@@ -784,22 +784,10 @@ def test_a_trainer_killed_by_sigkill_is_started_again_and_carries_its_run_on(tmp
         return out
 
     try:
-        deadline = time.time() + 90
-        stack: dict = {}
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                stack = json.loads(stack_file.read_text())
-            except (OSError, ValueError):
-                stack = {}
-            if "trainer" in stack.get("children", {}) and time.time() - t0 > STARTUP_S + 2:
-                client = client or connect(stack["redis_url"])
-                if len(iterations()) >= 5:
-                    break
-            time.sleep(0.3)
+        stack, client = _past_startup(proc, t0, stack_file, lambda c: len(iterations(c)) >= 5)
         old = stack["children"]["trainer"]
         os.killpg(old, signal.SIGKILL)  # what the OOM killer does
-        at_kill = max(iterations())
+        at_kill = max(iterations(client))
         deadline = time.time() + 60
         new = old
         while time.time() < deadline:
@@ -807,11 +795,11 @@ def test_a_trainer_killed_by_sigkill_is_started_again_and_carries_its_run_on(tmp
                 new = json.loads(stack_file.read_text())["children"]["trainer"]
             except (OSError, ValueError, KeyError):
                 pass
-            if new != old and _alive(new) and max(iterations()) > at_kill + 5:
+            if new != old and _alive(new) and max(iterations(client)) > at_kill + 5:
                 break
             time.sleep(0.3)
         assert new != old and _alive(new), "the trainer was not started again"
-        seen = iterations()
+        seen = iterations(client)
         after = seen[seen.index(at_kill) + 1 :]
         # the run goes on after its newest iteration: it did not start over at 0
         assert after and min(after) > at_kill, (at_kill, after[:5])
