@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_health and all_jobs:
         from resihp.jobwatch import watcher_health_code
 
-        return watcher_health_code(cfg.redis_url, "collector", cfg.instance)
+        return watcher_health_code(cfg.redis_url, "collector")
     if args.check_health:
         return entry.health_exit_code(cfg.redis_url, cfg.job_id, "collector", cfg.instance)
 

@@ -51,7 +51,10 @@ def clear_job(client: redis.Redis, keys: JobKeys) -> int:
     """
     n = 0
     batch: list = []
+    keep = keys.stack_claim.encode()  # the stack deleting the job still holds it
     for k in client.scan_iter(match=f"{keys.base}:*", count=1000):
+        if k == keep or k == keys.stack_claim:
+            continue
         batch.append(k)
         if len(batch) >= 500:
             n += client.delete(*batch)

@@ -5,26 +5,33 @@ dashboard can watch several training jobs at once.  A service started with
 ``--job-id`` serves one job; started with ``--all-jobs`` it runs this watcher, which
 reads the job set (``keys.JOBS_SET``, where every trainer registers its job) every
 ``discover_every_s`` and keeps one instance of the service per job, each in a thread of
-its own running the service's ordinary ``run(stop)`` loop on its own job's keys:
+its own running the service's ordinary ``run(stop)`` loop on its own job's keys.
 
-* a job that registers is picked up within two discovery periods; its instance reads its
-  streams from their start (consumer groups begin at id 0), so nothing sent before it
-  came up is lost;
-* a job that leaves the set (``resihp up --fresh`` deleted it) has its instance stopped;
-* a job that already has this service from another process (its health key names a
-  live process that is not this one: a big job given services of its own) is left to
-  it, and taken over once that key expires or names a process known to be gone.  A job
-  is taken up only after two discovery rounds without an owner (a service started for
-  that job alone registers it just before its first health beat), and an instance whose
-  job's health key turns out to name another live process is stopped, so two collectors
-  split a job's consumer group for a few seconds at most, never for good;
-* an instance that raises is logged and started again after a backoff (1 s, doubling to
-  30 s), without touching the other jobs; restarts are counted.
+Who serves a job, checked every round:
 
-The watcher's own health key (``keys.watcher_health``, TTL 10 s) lists the jobs it
-serves and the ones it leaves to other processes; ``--all-jobs --check-health`` reads
-it.  The per-job health keys are written by the instances as usual, so ``resihp
-status`` and the dashboard see a watched job like any other.
+* a ``resihp up`` stack that runs the job's services itself holds the job's claim key
+  (``JobKeys.stack_claim``, TTL, refreshed while the stack runs): watchers stop their
+  instance for the job and leave it alone until the claim is gone, so ``up --fresh`` and
+  ``up --resume`` can delete or carry on a job the watchers served;
+* another live process holding the service's health key for the job (any instance name: a
+  big job given services of its own) keeps it; an instance of ours that finds one stops;
+* among watchers, a job belongs to the one holding its lease (``JobKeys.lease``: set if
+  absent, renewed each round while ours, TTL ``LEASE_TTL_S``), so two watchers on one
+  Redis never both serve a job; one that loses its lease (it stalled past the TTL) stops;
+* an unowned job is taken up after ``claim_rounds`` (2) rounds, since a service started for
+  that job alone registers the job just before its first health beat.  Its instance reads
+  the job's streams from their start (consumer groups begin at id 0): nothing sent before
+  it came up is lost;
+* a finished job (its trainer said so) is let go ``finished_keep_s`` (300 s) after it
+  finished, and taken up again when a trainer runs it again.
+
+An instance that raises is logged and started again after a backoff (1 s, doubling to
+30 s), without touching the other jobs; restarts are counted.  A stopped instance's lease
+and health key are removed at once (a stack's ``--fresh`` check must not wait out a TTL).
+
+Each watcher process has its own health key (``keys.watcher_health``, TTL 10 s) listing the
+jobs it serves, those it leaves to others and the finished ones it let go;
+``--all-jobs --check-health`` checks the watchers of its own host.
 """
 
 from __future__ import annotations
@@ -42,8 +49,8 @@ from typing import Any, Protocol
 
 import redis
 
-from resihp.bus import Health, list_jobs
-from resihp.keys import JobKeys, validate_job_id, watcher_health
+from resihp.bus import Health, ThrottledWarning, list_jobs
+from resihp.keys import JobKeys, validate_job_id, watcher_health, watcher_health_pattern
 
 log = logging.getLogger("resihp.jobwatch")
 
@@ -53,6 +60,20 @@ DISCOVER_EVERY_S = 2.0
 RESTART_BACKOFF_S = (1.0, 30.0)
 #: TTL of the watcher's health key.
 WATCHER_TTL_S = 10.0
+#: TTL of a job's lease, renewed every discovery round by the watcher holding it.
+LEASE_TTL_S = 10.0
+#: TTL of a stack's claim on a job, refreshed by ``resihp up`` while it runs.
+CLAIM_TTL_S = 15.0
+#: A finished job's instance is stopped this long after the job finished.
+FINISHED_KEEP_S = 300.0
+
+# compare-and-renew / compare-and-delete: only the holder touches its lease
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+def process_id() -> str:
+    return f"pid {os.getpid()}@{socket.gethostname()}"
 
 
 class Service(Protocol):
@@ -69,7 +90,7 @@ class _Instance:
 
 @dataclass
 class JobWatcher:
-    """Keeps one ``make(job_id)`` service running per registered job (see the module doc).
+    """Keeps one ``make(job_id)`` service running per job it owns (see the module doc).
 
     ``make`` builds a fresh service for a job (called again after a crash); ``run_once``
     is one discovery step, for tests to drive."""
@@ -79,17 +100,24 @@ class JobWatcher:
     make: Callable[[str], Service]
     instance: str = "0"
     discover_every_s: float = DISCOVER_EVERY_S
-    #: discovery rounds a job must be seen without a service of its own before it is
-    #: taken up (the first round may fall between another service's registration of the
-    #: job and its first health beat)
+    #: discovery rounds a job must be seen without an owner before it is taken up
     claim_rounds: int = 2
     restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S
+    finished_keep_s: float = FINISHED_KEEP_S
     instances: dict[str, _Instance] = field(default_factory=dict)
-    #: job id -> "pid@host" of the process that serves it instead of this one
+    #: job id -> who serves it instead of this process
     elsewhere: dict[str, str] = field(default_factory=dict)
     #: job id -> rounds seen without an owner, before it is taken up
     unclaimed: dict[str, int] = field(default_factory=dict)
+    #: finished jobs let go
+    idle: set[str] = field(default_factory=set)
     _bad_ids: set[str] = field(default_factory=set)
+    _me: str = field(default_factory=process_id)
+
+    def __post_init__(self) -> None:
+        self._renew = self.client.register_script(_RENEW)
+        self._release = self.client.register_script(_RELEASE)
+        self._down_log = ThrottledWarning(log, every_s=30.0)
 
     # ------------------------------------------------------------------ discovery
     def run_once(self) -> list[str]:
@@ -97,68 +125,100 @@ class JobWatcher:
         jobs = self._registered()
         started = []
         for job_id in jobs:
-            owner = self._served_elsewhere(job_id)
-            if job_id in self.instances:
-                if owner:  # another process took the job up as well: it is the job's own
-                    log.warning(
-                        "%s: job %s is served by %s too; stopping this process's instance",
-                        self.service,
-                        job_id,
-                        owner,
-                    )
-                    self._stop(job_id)
-                    self.elsewhere[job_id] = owner
-                continue
-            if owner:
-                if self.elsewhere.get(job_id) != owner:
-                    log.info(
-                        "%s: job %s is served by %s; leaving it there", self.service, job_id, owner
-                    )
-                self.elsewhere[job_id] = owner
-                self.unclaimed.pop(job_id, None)
-                continue
-            # a service started for this job alone registers it before its first health
-            # beat: wait for a later round before taking an unowned job up
-            seen = self.unclaimed[job_id] = self.unclaimed.get(job_id, 0) + 1
-            if seen < self.claim_rounds:
-                continue
-            del self.unclaimed[job_id]
-            if self.elsewhere.pop(job_id, None):
-                log.info(
-                    "%s: job %s lost its own %s; serving it", self.service, job_id, self.service
-                )
-            self._start(job_id)
-            started.append(job_id)
+            if self._step(job_id):
+                started.append(job_id)
         for job_id in [j for j in self.instances if j not in jobs]:
             log.info("%s: job %s left the job set; stopping its instance", self.service, job_id)
             self._stop(job_id)
         for gone in (self.elsewhere, self.unclaimed):
             for job_id in [j for j in gone if j not in jobs]:
                 del gone[job_id]
+        self.idle &= set(jobs)
         self.beat()
         return started
 
+    def _step(self, job_id: str) -> bool:
+        """One round for one job; -> whether its instance was started now."""
+        keys = JobKeys(job_id)
+        running = job_id in self.instances
+        owner = self._claimed(keys) or self._served_elsewhere(keys)
+        if owner:
+            if running:
+                log.warning(
+                    "%s: job %s is served by %s; stopping this process's instance",
+                    self.service,
+                    job_id,
+                    owner,
+                )
+                self._stop(job_id)
+            elif self.elsewhere.get(job_id) != owner:
+                log.info(
+                    "%s: job %s is served by %s; leaving it there", self.service, job_id, owner
+                )
+            self.elsewhere[job_id] = owner
+            self.unclaimed.pop(job_id, None)
+            return False
+        if self._finished_long_ago(keys):
+            if running:
+                log.info(
+                    "%s: job %s finished over %.0f s ago; stopping its instance until it runs again",
+                    self.service,
+                    job_id,
+                    self.finished_keep_s,
+                )
+                self._stop(job_id)
+            self.idle.add(job_id)
+            self.elsewhere.pop(job_id, None)
+            return False
+        self.idle.discard(job_id)
+        if running:
+            ttl_ms = int(LEASE_TTL_S * 1000)
+            if not self._renew(keys=[self._lease(keys)], args=[self._me, ttl_ms]):
+                holder = self._take_lease(keys)
+                if holder:  # another watcher has it (this one stalled past the TTL)
+                    log.warning(
+                        "%s: job %s: %s holds its lease now; stopping this process's instance",
+                        self.service,
+                        job_id,
+                        holder,
+                    )
+                    self._stop(job_id, release=False)
+                    self.elsewhere[job_id] = holder
+            return False
+        seen = self.unclaimed[job_id] = self.unclaimed.get(job_id, 0) + 1
+        if seen < self.claim_rounds:
+            return False
+        del self.unclaimed[job_id]
+        holder = self._take_lease(keys)
+        if holder:
+            self.elsewhere[job_id] = holder
+            return False
+        if self.elsewhere.pop(job_id, None):
+            log.info(
+                "%s: job %s has no other %s now; serving it", self.service, job_id, self.service
+            )
+        self._start(job_id)
+        return True
+
     def run(self, stop: threading.Event) -> None:
         """Discover until ``stop`` is set, then stop every instance and wait for them."""
-        log.info("%s: serving every job in this Redis", self.service)
+        log.info("%s: serving every job in this Redis (%s)", self.service, self._me)
         while not stop.is_set():
             try:
                 self.run_once()
             except redis.RedisError as e:
                 # the instances reconnect on their own; discovery waits for the next round
-                log.warning("%s: cannot read the job set: %s", self.service, e)
+                self._down_log.warning("%s: cannot read the job set: %s", self.service, e)
             stop.wait(self.discover_every_s)
         self.shutdown()
 
-    def shutdown(self, timeout_s: float = 15.0) -> None:
-        for inst in self.instances.values():
-            inst.stop.set()
-        deadline = time.monotonic() + timeout_s
-        for inst in list(self.instances.values()):
-            inst.thread.join(max(0.0, deadline - time.monotonic()))
-        self.instances.clear()
+    def shutdown(self) -> None:
+        for job_id in list(self.instances):
+            self.instances[job_id].stop.set()
+        for job_id in list(self.instances):
+            self._stop(job_id)
         try:
-            self.client.delete(watcher_health(self.service, self.instance))
+            self.client.delete(self._health_key())
         except redis.RedisError:
             pass
 
@@ -173,19 +233,50 @@ class JobWatcher:
                     log.warning("%s: ignoring an entry of the job set: %s", self.service, e)
         return out
 
-    def _served_elsewhere(self, job_id: str) -> str | None:
-        """``pid@host`` of another live process holding this service's health key for the job."""
-        h = Health.get(self.client, JobKeys(job_id), self.service, self.instance)
-        if not h:
+    def _lease(self, keys: JobKeys) -> str:
+        return keys.lease(self.service, self.instance)
+
+    def _take_lease(self, keys: JobKeys) -> str | None:
+        """Take the job's lease if nobody holds it (a lease lost with Redis's data is taken
+        again); -> the other watcher holding it, or None when it is this process's."""
+        lease = self._lease(keys)
+        if self.client.set(lease, self._me, nx=True, px=int(LEASE_TTL_S * 1000)):
             return None
-        pid, host = h.get("pid"), h.get("host")
-        if pid == os.getpid() and host == socket.gethostname():
-            return None  # ours: an instance of this process that ended and is started again
+        holder = self.client.get(lease)
+        holder = holder.decode() if isinstance(holder, bytes) else holder
+        return None if holder in (self._me, None) else f"the watcher {holder}"
+
+    def _claimed(self, keys: JobKeys) -> str | None:
+        raw = self.client.get(keys.stack_claim)
+        if not raw:
+            return None
+        try:
+            d = json.loads(raw)
+            return f"a resihp up stack (pid {d['pid']}@{d['host']})"
+        except (ValueError, KeyError, TypeError):
+            return "a resihp up stack"
+
+    def _served_elsewhere(self, keys: JobKeys) -> str | None:
+        """Another live process holding a health key of this service for the job."""
         from resihp.status import health_pid_gone
 
-        if health_pid_gone(h):
-            return None
-        return f"pid {pid}@{host}"
+        for name, h in Health.all(self.client, keys).items():
+            if name.split(":", 1)[0] != self.service:
+                continue
+            who = f"pid {h.get('pid')}@{h.get('host')}"
+            if who == self._me or health_pid_gone(h):
+                continue  # ours, or a process known to be gone
+            return who
+        return None
+
+    def _finished_long_ago(self, keys: JobKeys) -> bool:
+        raw = self.client.get(keys.job_state)
+        try:
+            d = json.loads(raw) if raw else {}
+            at_s = float(d.get("at_s", 0.0)) if d.get("state") == "finished" else None
+        except (ValueError, TypeError, AttributeError):
+            return False
+        return at_s is not None and time.time() - at_s > self.finished_keep_s
 
     # ------------------------------------------------------------------ instances
     def _start(self, job_id: str) -> None:
@@ -198,10 +289,20 @@ class JobWatcher:
         log.info("%s: job %s: starting its instance", self.service, job_id)
         inst.thread.start()
 
-    def _stop(self, job_id: str) -> None:
+    def _stop(self, job_id: str, release: bool = True) -> None:
         inst = self.instances.pop(job_id)
         inst.stop.set()
         inst.thread.join(15.0)
+        keys = JobKeys(job_id)
+        try:
+            if release:
+                self._release(keys=[self._lease(keys)], args=[self._me])
+            # its health key would tell a stack's --fresh check the job still runs
+            h = Health.get(self.client, keys, self.service, self.instance)
+            if h and f"pid {h.get('pid')}@{h.get('host')}" == self._me:
+                self.client.delete(keys.health(self.service, self.instance))
+        except redis.RedisError:
+            pass  # both expire
 
     def _serve(self, inst: _Instance) -> None:
         wait_s = self.restart_backoff_s[0]
@@ -230,6 +331,9 @@ class JobWatcher:
             wait_s = min(wait_s * 2, self.restart_backoff_s[1])
 
     # ------------------------------------------------------------------ health
+    def _health_key(self) -> str:
+        return watcher_health(self.service, socket.gethostname(), os.getpid())
+
     def health(self) -> dict[str, Any]:
         return {
             "service": self.service,
@@ -239,22 +343,48 @@ class JobWatcher:
             "status": "ok",
             "jobs": sorted(self.instances),
             "elsewhere": dict(sorted(self.elsewhere.items())),
+            "idle_finished": sorted(self.idle),
             "restarts_total": sum(i.restarts_total for i in self.instances.values()),
         }
 
     def beat(self) -> None:
         try:
             self.client.set(
-                watcher_health(self.service, self.instance),
-                json.dumps(self.health()),
-                px=int(WATCHER_TTL_S * 1000),
+                self._health_key(), json.dumps(self.health()), px=int(WATCHER_TTL_S * 1000)
             )
         except (redis.ConnectionError, redis.TimeoutError):
             pass
 
 
-def watcher_health_code(redis_url: str | None, service: str, instance: str = "0") -> int:
-    """0 if ``service --all-jobs`` has a live health key in this Redis, else 1 (said why)."""
+def watchers(client: redis.Redis, service: str = "*", host: str = "*") -> list[dict[str, Any]]:
+    """Health payloads of the live ``--all-jobs`` watchers (of a service, on a host)."""
+    out = []
+    for k in client.scan_iter(match=watcher_health_pattern(service, host), count=500):
+        raw = client.get(k)
+        if raw:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                continue
+    return out
+
+
+def claim_job(client: redis.Redis, keys: JobKeys) -> None:
+    """A stack that runs the job's services itself holds the job (refresh it within
+    ``CLAIM_TTL_S``): watchers stop their instances for it and stay off."""
+    client.set(
+        keys.stack_claim,
+        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "at_s": time.time()}),
+        px=int(CLAIM_TTL_S * 1000),
+    )
+
+
+def release_job(client: redis.Redis, keys: JobKeys) -> None:
+    client.delete(keys.stack_claim)
+
+
+def watcher_health_code(redis_url: str | None, service: str) -> int:
+    """0 if a ``service --all-jobs`` watcher of this host has a live health key, else 1."""
     from resihp.entry import redis_where
     from resihp.redis_client import connect
 
@@ -264,7 +394,7 @@ def watcher_health_code(redis_url: str | None, service: str, instance: str = "0"
         print(f"{service}: unhealthy: {e}", file=sys.stderr)
         return 1
     try:
-        raw = client.get(watcher_health(service, instance))
+        found = watchers(client, service, socket.gethostname())
     except redis.RedisError as e:
         print(
             f"{service}: unhealthy: cannot use Redis at {redis_where(client)}: {e}", file=sys.stderr
@@ -272,11 +402,11 @@ def watcher_health_code(redis_url: str | None, service: str, instance: str = "0"
         return 1
     finally:
         client.close()
-    if not raw:
+    if not any(h.get("status") == "ok" for h in found):
         print(
-            f"{service}: unhealthy: no {service} --all-jobs health key (not running?)",
+            f"{service}: unhealthy: no {service} --all-jobs watcher of this host "
+            f"({socket.gethostname()}) has a health key (not running?)",
             file=sys.stderr,
         )
         return 1
-    h = json.loads(raw)
-    return 0 if h.get("status") == "ok" else 1
+    return 0

@@ -18,10 +18,14 @@ JOBS_SET = f"{PREFIX}:jobs"
 JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
 
-def watcher_health(service: str, instance: str = "0") -> str:
-    """Health key of a service serving every job (``--all-jobs``, ``resihp.jobwatch``);
-    the only per-service key outside a job's namespace."""
-    return f"{PREFIX}:watchers:{service}:{instance}"
+def watcher_health(service: str, host: str, pid: int) -> str:
+    """Health key of one process serving every job (``--all-jobs``, ``resihp.jobwatch``);
+    the only per-service keys outside a job's namespace."""
+    return f"{PREFIX}:watchers:{service}:{host}:{pid}"
+
+
+def watcher_health_pattern(service: str = "*", host: str = "*") -> str:
+    return f"{PREFIX}:watchers:{service}:{host}:*"
 
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -171,6 +175,16 @@ class JobKeys:
     def health(self, service: str, instance: str = "0") -> str:
         """Per-service health key, refreshed with a TTL; absent means unhealthy."""
         return f"{self.base}:health:{service}:{instance}"
+
+    def lease(self, service: str, instance: str = "0") -> str:
+        """Which ``--all-jobs`` watcher serves this job's ``service`` (``resihp.jobwatch``)."""
+        return f"{self.base}:lease:{service}:{instance}"
+
+    @property
+    def stack_claim(self) -> str:
+        """Held by a ``resihp up`` stack running this job's services itself: watchers stay
+        off the job while it lives (TTL, refreshed by the stack)."""
+        return f"{self.base}:stack_claim"
 
     def health_pattern(self) -> str:
         return f"{self.base}:health:*"

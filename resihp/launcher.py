@@ -28,6 +28,7 @@ import redis
 
 from resihp.bus import Health, clear_job, job_trainer, list_jobs, set_job_state
 from resihp.checkpoints import latest_complete_ckpt
+from resihp.jobwatch import claim_job, release_job, watchers
 from resihp.keys import JobKeys, validate_job_id
 from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
 from resihp.redis_client import EmbeddedRedis, connect, redact
@@ -267,6 +268,7 @@ def prepare_job(
     resume: bool = False,
     trainer: str | None = None,
     ckpt_dir: str | None = None,
+    watcher_wait_s: float = 0.0,
 ) -> str | None:
     """Before any service starts: clear the job (``fresh``), let its run go on
     (``resume``), or check it may be used as is.
@@ -286,14 +288,7 @@ def prepare_job(
     """
     keys = JobKeys(job_id)
     if fresh or resume:
-        # health keys expire: these are running now (a dashboard only reads, and one
-        # dashboard beats for every job in the Redis: it does not hold a job), unless
-        # their process is gone (a stack that crashed: its keys outlive it by their TTL)
-        live = sorted(
-            s
-            for s, h in Health.all(client, keys).items()
-            if not s.startswith("dashboard:") and not health_pid_gone(h)
-        )
+        live = _live_services(client, keys, watcher_wait_s)
         if live:
             raise JobInUse(
                 f"job {job_id!r} has running services ({', '.join(live)}): stop them before "
@@ -345,6 +340,41 @@ def prepare_job(
     return f"resihp: {what}; no trainer started: showing it"
 
 
+def _live_services(client, keys: JobKeys, watcher_wait_s: float) -> list[str]:
+    """The job's services running now, after waiting up to ``watcher_wait_s`` for those of
+    ``--all-jobs`` watchers to let go of the job (the caller holds its stack claim).
+
+    Health keys expire: these are running (a dashboard only reads, and one dashboard beats
+    for every job in the Redis: it does not hold a job), unless their process is gone (a
+    stack that crashed: its keys outlive it by their TTL)."""
+    deadline = time.monotonic() + watcher_wait_s
+    said = False
+    while True:
+        live = {
+            s: f"pid {h.get('pid')}@{h.get('host')}"
+            for s, h in Health.all(client, keys).items()
+            if not s.startswith("dashboard:") and not health_pid_gone(h)
+        }
+        held = {
+            f"pid {w.get('pid')}@{w.get('host')}"
+            for w in watchers(client)
+            if keys.job_id in w.get("jobs", ())
+        }
+        # a service of its own (another stack) will not let go: no point in waiting
+        if not live or any(who not in held for who in live.values()):
+            return sorted(live)
+        if not said:
+            said = True
+            print(
+                f"resihp: job {keys.job_id!r} is served by --all-jobs watchers; waiting up to "
+                f"{watcher_wait_s:.0f} s for them to let go of it",
+                flush=True,
+            )
+        if time.monotonic() >= deadline:
+            return sorted(f"{s} (an --all-jobs watcher, {who})" for s, who in live.items())
+        time.sleep(0.2)
+
+
 def _held_run(client, job_id: str) -> str | None:
     """ "job 'X' (last iteration N, F failure reports, P plans)" when the job holds a run
     in this Redis (iterations, failures or plans), else None."""
@@ -361,15 +391,20 @@ def _held_run(client, job_id: str) -> str | None:
     )
 
 
+def _with_client(url: str, fn) -> None:
+    """``fn(client)`` on a short-lived connection."""
+    client = connect(url)
+    try:
+        fn(client)
+    finally:
+        client.close()
+
+
 def _with_redis(url: str, fn, what: str) -> bool:
     """``fn(client)`` on a short-lived connection; a failure is said, never raised
     (shutdown). True when it ran."""
     try:
-        client = connect(url)
-        try:
-            fn(client)
-        finally:
-            client.close()
+        _with_client(url, fn)
     except Exception as e:  # noqa: BLE001 - stopping must go on whatever Redis does
         print(f"resihp: could not {what}: {e}", flush=True)
         return False
@@ -429,6 +464,12 @@ def resolve_job(args) -> str:
             args.job_id = os.environ.get("RESIHP_JOB_ID", "default")
     return validate_job_id(args.job_id)
 
+
+#: How long `up --fresh` / `--resume` waits for --all-jobs watchers to let go of the job:
+#: two discovery rounds and an instance's stop.
+WATCHER_RELEASE_S = 25.0
+#: How often the running stack renews its claim on the job (its TTL is CLAIM_TTL_S).
+CLAIM_RENEW_S = 5.0
 
 #: A child that exits with an error this soon after it started failed to start: the
 #: stack is stopped rather than left running without it.
@@ -675,18 +716,27 @@ def _run_stack(args, stop: threading.Event) -> int:
     # leaves behind if it is killed, the next one can find
     _write_private(stack_file, json.dumps(stack, indent=2))
 
+    keys = JobKeys(args.job_id)
     try:
         client = connect(url)
         try:
-            note = prepare_job(
-                client,
-                args.job_id,
-                args.fresh,
-                new_run=args.trainer != "none",
-                resume=getattr(args, "resume", False),
-                trainer=args.trainer,
-                ckpt_dir=torch_ckpt_dir(args),
-            )
+            # this stack runs the job's services: --all-jobs watchers let go of it and stay
+            # off while the claim lives (renewed below, deleted at the end)
+            claim_job(client, keys)
+            try:
+                note = prepare_job(
+                    client,
+                    args.job_id,
+                    args.fresh,
+                    new_run=args.trainer != "none",
+                    resume=getattr(args, "resume", False),
+                    trainer=args.trainer,
+                    ckpt_dir=torch_ckpt_dir(args),
+                    watcher_wait_s=WATCHER_RELEASE_S,
+                )
+            except Exception:
+                release_job(client, keys)
+                raise
         finally:
             client.close()
     except Exception as e:  # noqa: BLE001 - a job or a Redis we cannot use stops here, with the reason
@@ -723,7 +773,7 @@ def _run_stack(args, stop: threading.Event) -> int:
         restart_at: dict[str, float] = {}  # service -> monotonic time of its restart
         argv_of = dict(service_commands(args, url))
         tty = sys.stdout.isatty()
-        next_summary = 0.0
+        next_summary = next_claim = 0.0
         while not stop.is_set():
             now = time.monotonic()
             if args.duration is not None and now - t0 >= args.duration:
@@ -788,6 +838,12 @@ def _run_stack(args, stop: threading.Event) -> int:
                 print(
                     ("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", flush=True
                 )
+            if now >= next_claim:
+                next_claim = now + CLAIM_RENEW_S
+                try:
+                    _with_client(url, lambda cl: claim_job(cl, keys))
+                except Exception:  # noqa: BLE001, S110 - Redis down: the summary line says so
+                    pass
             stop.wait(0.5)  # children are watched every half second, whatever the console
         print("\nresihp: stopping ...", flush=True)
     finally:
@@ -801,19 +857,19 @@ def _run_stack(args, stop: threading.Event) -> int:
         _stop_children(children)
         # the stopped services' health keys would live on for their TTL and make a
         # `resihp up --fresh` right after this one refuse the job as still running
+        # and the job's claim goes, so --all-jobs watchers take the job up again
         names = [c.name for c in children]
-        if names:
-            keys = JobKeys(args.job_id)
-            _with_redis(
-                url,
-                lambda cl: cl.delete(
-                    *(
-                        keys.health(n, str(args.dashboard_port) if n == "dashboard" else "0")
-                        for n in names
-                    )
+        _with_redis(
+            url,
+            lambda cl: cl.delete(
+                keys.stack_claim,
+                *(
+                    keys.health(n, str(args.dashboard_port) if n == "dashboard" else "0")
+                    for n in names
                 ),
-                "clear the stopped services' health keys",
-            )
+            ),
+            "clear the stopped services' health keys and the job's claim",
+        )
         if embedded is not None:
             _stop_embedded(embedded, url, args.job_id)
         stack_file.unlink(missing_ok=True)

@@ -441,10 +441,16 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         state = None
     state = state if isinstance(state, dict) else None
     services = Health.all(client, keys)
+    from resihp.jobwatch import watchers
+
+    shared = {(w.get("pid"), w.get("host")): len(w.get("jobs", ())) for w in watchers(client)}
     for h in services.values():
         gone = health_pid_gone(h)
         if gone is not None:
             h["pid_alive"] = not gone
+        # an instance of an --all-jobs process: stopping that pid stops every job's
+        if (h.get("pid"), h.get("host")) in shared:
+            h["all_jobs_watcher_jobs"] = shared[(h.get("pid"), h.get("host"))]
     finished = (state or {}).get("state") == "finished"
     progress = job_progress(
         state, services.get("trainer:0"), it, published_at_s, now_s, dead, layout
@@ -739,7 +745,10 @@ def format_status(st: dict[str, Any]) -> str:
                 shown += ", but its process is gone (the key expires in seconds)"
             if h.get("mode"):  # the scheduler's: whether waiting plans apply by themselves
                 shown += f", mode {h['mode']}"
-            lines.append(f"  service {name}: {h.get('status')}{shown} (pid {h.get('pid')})")
+            pid = f"pid {h.get('pid')}"
+            if h.get("all_jobs_watcher_jobs"):
+                pid += f", an --all-jobs process serving {h['all_jobs_watcher_jobs']} job(s)"
+            lines.append(f"  service {name}: {h.get('status')}{shown} ({pid})")
         for name in js.get("missing_services", []):
             lines.append(
                 f"  service {name}: DOWN (no health key: not running, left down after repeated "

@@ -6,20 +6,24 @@ processes beside two simulated jobs, one of which loses a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from collector.config import CollectorConfig
 from collector.service import CollectorService
-from resihp.bus import JOBS_SET, Health, register_job
-from resihp.jobwatch import JobWatcher
-from resihp.keys import JobKeys, watcher_health
+from resihp.bus import JOBS_SET, Health, register_job, set_job_state
+from resihp.jobwatch import JobWatcher, claim_job, process_id, release_job, watchers
+from resihp.keys import JobKeys
+from resihp.launcher import JobInUse, prepare_job
 from resihp.plans import latest_plans
+from resihp.redis_client import free_port
 from resihp.schemas import FailureReport, IterationRecord, decode_entry
 
 pytestmark = pytest.mark.redis
@@ -27,6 +31,10 @@ pytestmark = pytest.mark.redis
 
 def _collector(r, job_id: str) -> CollectorService:
     return CollectorService(CollectorConfig(job_id=job_id, block_ms=5), r)
+
+
+def _watcher(r, **kw) -> JobWatcher:
+    return JobWatcher("collector", r, lambda j: _collector(r, j), **{"claim_rounds": 1, **kw})
 
 
 def _until(cond, timeout_s: float = 10.0, what: str = "condition"):
@@ -43,52 +51,171 @@ def _served(r, job_id: str) -> dict | None:
     return Health.get(r, JobKeys(job_id), "collector")
 
 
-def _as_other_process(r, keys: JobKeys, pid: int) -> None:
+def _health(r) -> dict:
+    (h,) = watchers(r, "collector")
+    return h
+
+
+def _as_other_process(r, keys: JobKeys, pid: int, instance: str = "0") -> None:
     """The collector health key a collector of process ``pid`` on this host writes."""
-    Health(r, keys, "collector").beat()
-    raw = json.loads(r.get(keys.health("collector", "0")))
+    Health(r, keys, "collector", instance).beat()
+    raw = json.loads(r.get(keys.health("collector", instance)))
     raw["pid"] = pid
-    r.set(keys.health("collector", "0"), json.dumps(raw), px=10_000)
+    r.set(keys.health("collector", instance), json.dumps(raw), px=10_000)
 
 
-def test_every_registered_job_gets_an_instance_and_a_removed_job_loses_it(r):
+def test_every_registered_job_gets_an_instance_and_a_claimed_job_is_let_go(r):
     for job in ("a", "b"):
         register_job(r, JobKeys(job))
-    w = JobWatcher("collector", r, lambda j: _collector(r, j), claim_rounds=1)
+    w = _watcher(r)
     try:
         assert sorted(w.run_once()) == ["a", "b"]
         for job in ("a", "b"):
             h = _until(lambda job=job: _served(r, job), what=f"job {job}'s collector health")
             assert h["pid"] == os.getpid()
-        health = json.loads(r.get(watcher_health("collector")))
+            assert r.get(JobKeys(job).lease("collector")).decode() == process_id()
+        health = _health(r)
         assert health["jobs"] == ["a", "b"] and health["status"] == "ok"
 
         register_job(r, JobKeys("c"))  # a job that registers later is picked up
         assert w.run_once() == ["c"]
         assert w.run_once() == []  # and not started twice
 
-        r.srem(JOBS_SET, "b")
+        # a resihp up stack takes job b over (to delete it with --fresh, say)
+        b = JobKeys("b")
+        claim_job(r, b)
         thread_b = w.instances["b"].thread
         w.run_once()
-        assert sorted(w.instances) == ["a", "c"]
-        assert not thread_b.is_alive()
-        assert json.loads(r.get(watcher_health("collector")))["jobs"] == ["a", "c"]
+        assert sorted(w.instances) == ["a", "c"] and not thread_b.is_alive()
+        assert "resihp up stack" in w.elsewhere["b"]
+        # nothing of it is left to make the stack think the job still runs
+        assert _served(r, "b") is None and r.get(b.lease("collector")) is None
+        assert _health(r)["jobs"] == ["a", "c"]
+        w.run_once()
+        assert "b" not in w.instances  # not while the claim lives
+
+        release_job(r, b)  # the stack stopped
+        assert w.run_once() == ["b"]
     finally:
         w.shutdown()
-    assert r.get(watcher_health("collector")) is None
+    assert watchers(r, "collector") == []
     assert all(not i.thread.is_alive() for i in w.instances.values())
 
 
-def test_a_job_with_its_own_collector_is_left_to_it_until_that_process_is_gone(r):
+def test_two_watchers_never_serve_one_job_and_the_second_takes_over_when_the_first_stops(r):
+    keys = JobKeys("j")
+    register_job(r, keys)
+    first, second = _watcher(r), _watcher(r, _me="pid 999999@elsewhere")
+    try:
+        assert first.run_once() == ["j"]
+        # the second one finds the lease held (before the first instance's health beat)
+        assert second.run_once() == []
+        assert second.elsewhere["j"] in (f"the watcher {process_id()}", process_id())
+        for _ in range(3):
+            assert second.run_once() == [] and "j" in first.instances
+        first.shutdown()  # lets go of the lease and the health key at once
+        assert second.run_once() == ["j"]
+        assert r.get(keys.lease("collector")).decode() == "pid 999999@elsewhere"
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_an_instance_whose_lease_another_watcher_took_stops(r):
+    keys = JobKeys("j")
+    register_job(r, keys)
+    w = _watcher(r)
+    try:
+        w.run_once()
+        thread = w.instances["j"].thread
+        # this process stalled past the lease's TTL and another watcher took the job
+        r.set(keys.lease("collector"), "pid 4242@other-host", px=10_000)
+        w.run_once()
+        assert "j" not in w.instances and not thread.is_alive()
+        assert r.get(keys.lease("collector")) == b"pid 4242@other-host"  # not released
+    finally:
+        w.shutdown()
+
+
+def test_a_lease_lost_with_redis_data_is_taken_again_without_a_restart(r):
+    keys = JobKeys("j")
+    register_job(r, keys)
+    w = _watcher(r)
+    try:
+        w.run_once()
+        inst = w.instances["j"]
+        r.delete(keys.lease("collector"))
+        w.run_once()
+        assert w.instances["j"] is inst and inst.thread.is_alive()
+        assert r.get(keys.lease("collector")).decode() == process_id()
+    finally:
+        w.shutdown()
+
+
+def test_a_job_finished_long_ago_is_let_go_and_taken_up_when_it_runs_again(r):
+    keys = JobKeys("done")
+    register_job(r, keys)
+    set_job_state(r, keys, "finished")
+    w = _watcher(r, finished_keep_s=0.5)
+    try:
+        assert w.run_once() == ["done"]  # finished just now: served a while longer
+        time.sleep(0.6)
+        w.run_once()
+        assert "done" not in w.instances and _health(r)["idle_finished"] == ["done"]
+        set_job_state(r, keys, "running")  # a trainer carries it on
+        assert w.run_once() == ["done"]
+        assert _health(r)["idle_finished"] == []
+    finally:
+        w.shutdown()
+
+
+def test_up_fresh_waits_for_the_watchers_to_let_go_and_is_refused_by_a_stack_of_its_own(r):
+    keys = JobKeys("shared")
+    register_job(r, keys)
+    set_job_state(r, keys, "finished")
+    stop = threading.Event()
+    w = _watcher(r, discover_every_s=0.2, claim_rounds=2)
+    loop = threading.Thread(target=w.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _until(lambda: _served(r, "shared"), what="the watcher's instance")
+        # without the claim the job's services look like any stack's: refused
+        with pytest.raises(JobInUse, match="running services"):
+            prepare_job(r, "shared", fresh=True)
+        claim_job(r, keys)
+        note = prepare_job(r, "shared", fresh=True, watcher_wait_s=10.0)
+        assert "starts fresh" in note
+        assert r.exists(keys.job_state) == 0 and r.exists(keys.stack_claim) == 1
+        time.sleep(0.6)  # several rounds: the claim keeps the watcher off the job
+        assert "shared" not in w.instances
+    finally:
+        stop.set()
+        loop.join(20)
+    # a collector of another process (another stack) does not let go: refused at once
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _as_other_process(r, keys, own.pid)
+        t0 = time.monotonic()
+        with pytest.raises(JobInUse, match="collector:0"):
+            prepare_job(r, "shared", fresh=True, watcher_wait_s=10.0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        own.kill()
+
+
+@pytest.mark.parametrize("instance", ["0", "1"])
+def test_a_job_with_its_own_collector_is_left_to_it_until_that_process_is_gone(r, instance):
     keys = JobKeys("big")
     register_job(r, keys)
     own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    w = JobWatcher("collector", r, lambda j: _collector(r, j), claim_rounds=1)
+    w = _watcher(r)
     try:
-        _as_other_process(r, keys, own.pid)  # a collector started with --job-id big
+        # a collector started with --job-id big (and whatever --instance)
+        _as_other_process(r, keys, own.pid, instance)
         assert w.run_once() == []
-        assert w.elsewhere == {"big": f"pid {own.pid}@{_served(r, 'big')['host']}"}
-        assert json.loads(r.get(watcher_health("collector")))["elsewhere"] == w.elsewhere
+        host = Health.get(r, keys, "collector", instance)["host"]
+        assert w.elsewhere == {"big": f"pid {own.pid}@{host}"}
+        assert _health(r)["elsewhere"] == w.elsewhere
 
         own.kill()
         own.wait()
@@ -142,7 +269,7 @@ def test_an_instance_that_crashes_is_started_again_and_the_others_keep_running(r
         assert w.instances["flaky"].restarts_total == 1
         assert w.instances["ok"].restarts_total == 0
         w.beat()
-        assert json.loads(r.get(watcher_health("collector")))["restarts_total"] == 1
+        assert _health(r)["restarts_total"] == 1
     finally:
         w.shutdown()
 
@@ -179,20 +306,16 @@ def _messages(client, stream, cls):
     return out
 
 
-@pytest.mark.slow
-def test_one_set_of_services_watches_two_jobs_and_plans_only_for_the_failing_one(
-    r, redis_server, tmp_path
-):
-    url = redis_server.url
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RESIHP_JOB_ID")}
-    scen = tmp_path / "kill.yaml"
-    scen.write_text("events:\n  - {at_iteration: 25, action: kill_device, rank: 5}\n")
-    services = [
+@contextlib.contextmanager
+def _watcher_processes(url: str, env: dict, logs):
+    """collector, detector and scheduler --all-jobs, healthy; stopped on exit, and none of
+    their logs may hold a traceback."""
+    procs = [
         subprocess.Popen(
             [sys.executable, "-m", svc, "--all-jobs", "--redis-url", url, *extra],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(tmp_path / f"{svc}.log", "w"),  # noqa: SIM115 - closed with the process
+            stderr=open(logs / f"{svc}.log", "w"),  # noqa: SIM115 - closed with the process
         )
         for svc, extra in (
             ("collector", []),
@@ -200,7 +323,6 @@ def test_one_set_of_services_watches_two_jobs_and_plans_only_for_the_failing_one
             ("scheduler", ["--grace-period-s", "1"]),
         )
     ]
-    trainers = []
     try:
         for svc in ("collector", "detector", "scheduler"):
             _until(
@@ -211,57 +333,102 @@ def test_one_set_of_services_watches_two_jobs_and_plans_only_for_the_failing_one
                 timeout_s=30,
                 what=f"{svc} --all-jobs health",
             )
-        for job, extra in (("calm", []), ("stormy", ["--scenario", str(scen)])):
-            trainers.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "trainer",
-                        "sim",
-                        "--redis-url",
-                        url,
-                        "--job-id",
-                        job,
-                        "--model",
-                        "llama2-7b",
-                        "--speed",
-                        "10",
-                        "--iterations",
-                        "90",
-                        *extra,
-                    ],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=open(tmp_path / f"trainer-{job}.log", "w"),  # noqa: SIM115
-                )
-            )
-        stormy, calm = JobKeys("stormy"), JobKeys("calm")
-
-        def applied():
-            return [p for p in latest_plans(r, stormy).values() if p.state == "applied"]
-
-        plans = _until(applied, timeout_s=120, what="the stormy job's plan applied")
-        reports = _messages(r, stormy.failures, FailureReport)
-        assert [rep.kind for rep in reports][:1] == ["fail_stop"]
-        assert 5 in reports[0].ranks
-        assert 5 in plans[0].after["dead"]
-        for t in trainers:
-            t.wait(timeout=120)
-        # the calm job was watched all along: its records assembled, nothing reported
-        assert len(_messages(r, calm.iterations, IterationRecord)) >= 80
-        assert _messages(r, calm.failures, FailureReport) == []
-        assert latest_plans(r, calm) == {}
-        for svc in ("collector", "detector", "scheduler"):
-            for keys in (calm, stormy):
-                assert Health.get(r, keys, svc), f"{svc} has no health for {keys.job_id}"
+        yield procs
     finally:
-        for p in trainers + services:
-            p.terminate()
-        for p in trainers + services:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    logs = {p.name: p.read_text() for p in tmp_path.glob("*.log")}
-    assert all("Traceback" not in text for text in logs.values()), logs
+        _stop(procs)
+    texts = {p.name: p.read_text() for p in logs.glob("*.log")}
+    assert all("Traceback" not in text for text in texts.values()), texts
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _sim(url: str, env: dict, logs, job: str, iterations: int, *extra: str):
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "sim", "--redis-url", url, "--job-id", job,
+         "--model", "llama2-7b", "--speed", "10", "--iterations", str(iterations), *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(logs / f"trainer-{job}.log", "w"),  # noqa: SIM115 - closed with the process
+    )  # fmt: skip
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RESIHP_JOB_ID")}
+
+
+@pytest.mark.slow
+def test_one_set_of_services_watches_two_jobs_and_plans_only_for_the_failing_one(
+    r, redis_server, tmp_path
+):
+    url, env = redis_server.url, _env()
+    scen = tmp_path / "kill.yaml"
+    scen.write_text("events:\n  - {at_iteration: 25, action: kill_device, rank: 5}\n")
+    with _watcher_processes(url, env, tmp_path):
+        trainers = [
+            _sim(url, env, tmp_path, "calm", 90),
+            _sim(url, env, tmp_path, "stormy", 90, "--scenario", str(scen)),
+        ]
+        try:
+            stormy, calm = JobKeys("stormy"), JobKeys("calm")
+
+            def applied():
+                return [p for p in latest_plans(r, stormy).values() if p.state == "applied"]
+
+            plans = _until(applied, timeout_s=120, what="the stormy job's plan applied")
+            reports = _messages(r, stormy.failures, FailureReport)
+            assert [rep.kind for rep in reports][:1] == ["fail_stop"]
+            assert 5 in reports[0].ranks
+            assert 5 in plans[0].after["dead"]
+            for t in trainers:
+                t.wait(timeout=120)
+            # the calm job was watched all along: its records assembled, nothing reported
+            assert len(_messages(r, calm.iterations, IterationRecord)) >= 80
+            assert _messages(r, calm.failures, FailureReport) == []
+            assert latest_plans(r, calm) == {}
+            for svc in ("collector", "detector", "scheduler"):
+                for keys in (calm, stormy):
+                    assert Health.get(r, keys, svc), f"{svc} has no health for {keys.job_id}"
+            # status says a pid serves every job: killing it is not killing one job's service
+            st = _run(["resihp.cli", "status", "--redis-url", url, "--job-id", "calm"], env)
+            assert st.stdout.count("an --all-jobs process serving 2 job(s)") == 3, st.stdout
+        finally:
+            _stop(trainers)
+
+
+@pytest.mark.slow
+def test_up_fresh_takes_a_watched_job_over_and_gives_it_back_when_it_stops(
+    r, redis_server, tmp_path
+):
+    url, env = redis_server.url, _env()
+    with _watcher_processes(url, env, tmp_path):
+        old = _sim(url, env, tmp_path, "shared", 30)
+        assert old.wait(timeout=120) == 0
+        keys = JobKeys("shared")
+        _until(lambda: r.exists(keys.health("collector", "0")), what="the watchers' instance")
+        up = subprocess.run(
+            [sys.executable, "-m", "resihp.cli", "up", "--redis-url", url, "--job-id", "shared",
+             "--fresh", "--state-dir", str(tmp_path / "st"), "--no-summary",
+             "--dashboard-port", str(free_port()), "--trainer-arg=--speed=10",
+             "--duration", "25"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "served by --all-jobs watchers; waiting" in up.stdout, up.stdout
+        assert "starts fresh" in up.stdout, up.stdout
+        # deleting the finished run under the watchers raised no alarm, nor did the new run
+        assert _messages(r, keys.failures, FailureReport) == []
+        assert r.exists(keys.stack_claim) == 0
+        # and the job is theirs again
+        _until(
+            lambda: any("shared" in w["jobs"] for w in watchers(r, "collector")),
+            timeout_s=20,
+            what="the watchers taking the job back",
+        )
