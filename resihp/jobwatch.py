@@ -50,7 +50,14 @@ from typing import Any, Protocol
 import redis
 
 from resihp.bus import Health, ThrottledWarning, list_jobs
-from resihp.keys import JobKeys, validate_job_id, watcher_health, watcher_health_pattern
+from resihp.keys import (
+    JobKeys,
+    health_pattern,
+    job_of_key,
+    validate_job_id,
+    watcher_health,
+    watcher_health_pattern,
+)
 
 log = logging.getLogger("resihp.jobwatch")
 
@@ -123,9 +130,18 @@ class JobWatcher:
     def run_once(self) -> list[str]:
         """Read the job set, start and stop instances to match it; -> jobs started now."""
         jobs = self._registered()
-        started = []
+        # every job's claim, state and this service's health keys in three reads, not a
+        # scan of the keyspace per job
+        pipe = self.client.pipeline(transaction=False)
         for job_id in jobs:
-            if self._step(job_id):
+            pipe.get(JobKeys(job_id).stack_claim)
+            pipe.get(JobKeys(job_id).job_state)
+        got = pipe.execute()
+        others = self._served_elsewhere()
+        started = []
+        for i, job_id in enumerate(jobs):
+            owner = _claim_owner(got[2 * i]) or others.get(job_id)
+            if self._step(job_id, owner, _finished_at(got[2 * i + 1])):
                 started.append(job_id)
         for job_id in [j for j in self.instances if j not in jobs]:
             log.info("%s: job %s left the job set; stopping its instance", self.service, job_id)
@@ -137,11 +153,12 @@ class JobWatcher:
         self.beat()
         return started
 
-    def _step(self, job_id: str) -> bool:
-        """One round for one job; -> whether its instance was started now."""
+    def _step(self, job_id: str, owner: str | None, finished_at_s: float | None) -> bool:
+        """One round for one job: ``owner`` is who else serves it (None: nobody),
+        ``finished_at_s`` when its trainer said it finished; -> whether its instance was
+        started now."""
         keys = JobKeys(job_id)
         running = job_id in self.instances
-        owner = self._claimed(keys) or self._served_elsewhere(keys)
         if owner:
             if running:
                 log.warning(
@@ -158,7 +175,7 @@ class JobWatcher:
             self.elsewhere[job_id] = owner
             self.unclaimed.pop(job_id, None)
             return False
-        if self._finished_long_ago(keys):
+        if finished_at_s is not None and time.time() - finished_at_s > self.finished_keep_s:
             if running:
                 log.info(
                     "%s: job %s finished over %.0f s ago; stopping its instance until it runs again",
@@ -246,37 +263,25 @@ class JobWatcher:
         holder = holder.decode() if isinstance(holder, bytes) else holder
         return None if holder in (self._me, None) else f"the watcher {holder}"
 
-    def _claimed(self, keys: JobKeys) -> str | None:
-        raw = self.client.get(keys.stack_claim)
-        if not raw:
-            return None
-        try:
-            d = json.loads(raw)
-            return f"a resihp up stack (pid {d['pid']}@{d['host']})"
-        except (ValueError, KeyError, TypeError):
-            return "a resihp up stack"
-
-    def _served_elsewhere(self, keys: JobKeys) -> str | None:
-        """Another live process holding a health key of this service for the job."""
+    def _served_elsewhere(self) -> dict[str, str]:
+        """job id -> another live process holding a health key of this service for it (any
+        instance name), from one scan of every job's health keys of this service."""
         from resihp.status import health_pid_gone
 
-        for name, h in Health.all(self.client, keys).items():
-            if name.split(":", 1)[0] != self.service:
+        names = list(self.client.scan_iter(match=health_pattern(self.service), count=1000))
+        out: dict[str, str] = {}
+        for name, raw in zip(names, self.client.mget(names) if names else [], strict=True):
+            try:
+                h = json.loads(raw) if raw else None
+            except ValueError:
+                continue
+            if not isinstance(h, dict):
                 continue
             who = f"pid {h.get('pid')}@{h.get('host')}"
             if who == self._me or health_pid_gone(h):
                 continue  # ours, or a process known to be gone
-            return who
-        return None
-
-    def _finished_long_ago(self, keys: JobKeys) -> bool:
-        raw = self.client.get(keys.job_state)
-        try:
-            d = json.loads(raw) if raw else {}
-            at_s = float(d.get("at_s", 0.0)) if d.get("state") == "finished" else None
-        except (ValueError, TypeError, AttributeError):
-            return False
-        return at_s is not None and time.time() - at_s > self.finished_keep_s
+            out.setdefault(job_of_key(name), who)
+        return out
 
     # ------------------------------------------------------------------ instances
     def _start(self, job_id: str) -> None:
@@ -354,6 +359,26 @@ class JobWatcher:
             )
         except (redis.ConnectionError, redis.TimeoutError):
             pass
+
+
+def _claim_owner(raw: bytes | None) -> str | None:
+    """Who holds a job's stack claim, from the key's value (None: nobody)."""
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw)
+        return f"a resihp up stack (pid {d['pid']}@{d['host']})"
+    except (ValueError, KeyError, TypeError):
+        return "a resihp up stack"
+
+
+def _finished_at(raw: bytes | None) -> float | None:
+    """When the job's trainer said it finished, from its state key (None: it did not)."""
+    try:
+        d = json.loads(raw) if raw else {}
+        return float(d.get("at_s", 0.0)) if d.get("state") == "finished" else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def watchers(client: redis.Redis, service: str = "*", host: str = "*") -> list[dict[str, Any]]:

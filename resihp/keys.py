@@ -28,6 +28,17 @@ def watcher_health_pattern(service: str = "*", host: str = "*") -> str:
     return f"{PREFIX}:watchers:{service}:{host}:*"
 
 
+def health_pattern(service: str) -> str:
+    """Every job's health keys of ``service`` (any instance)."""
+    return f"{PREFIX}:{{*}}:health:{service}:*"
+
+
+def job_of_key(key: bytes | str) -> str:
+    """The job id of a key under a job's namespace (``resihp:{JOB}:...``)."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return text[len(PREFIX) + 2 : text.index("}:")]
+
+
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 #: Default approximate cap on stream lengths (XADD MAXLEN ~).
