@@ -80,7 +80,13 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 
 
 def process_id() -> str:
-    return f"pid {os.getpid()}@{socket.gethostname()}"
+    """This process as health payloads name theirs (:func:`holder`)."""
+    return holder({"pid": os.getpid(), "host": socket.gethostname()})
+
+
+def holder(health: dict[str, Any]) -> str:
+    """``pid N@host`` of the process a health payload (a service's, a watcher's) is from."""
+    return f"pid {health.get('pid')}@{health.get('host')}"
 
 
 class Service(Protocol):
@@ -277,7 +283,7 @@ class JobWatcher:
                 continue
             if not isinstance(h, dict):
                 continue
-            who = f"pid {h.get('pid')}@{h.get('host')}"
+            who = holder(h)
             if who == self._me or health_pid_gone(h):
                 continue  # ours, or a process known to be gone
             out.setdefault(job_of_key(name), who)
@@ -304,7 +310,7 @@ class JobWatcher:
                 self._release(keys=[self._lease(keys)], args=[self._me])
             # its health key would tell a stack's --fresh check the job still runs
             h = Health.get(self.client, keys, self.service, self.instance)
-            if h and f"pid {h.get('pid')}@{h.get('host')}" == self._me:
+            if h and holder(h) == self._me:
                 self.client.delete(keys.health(self.service, self.instance))
         except redis.RedisError:
             pass  # both expire

@@ -28,7 +28,7 @@ import redis
 
 from resihp.bus import Health, clear_job, job_trainer, list_jobs, set_job_state
 from resihp.checkpoints import latest_complete_ckpt
-from resihp.jobwatch import claim_job, release_job, watchers
+from resihp.jobwatch import claim_job, holder, release_job, watchers
 from resihp.keys import JobKeys, validate_job_id
 from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
 from resihp.redis_client import EmbeddedRedis, connect, redact
@@ -351,15 +351,11 @@ def _live_services(client, keys: JobKeys, watcher_wait_s: float) -> list[str]:
     said = False
     while True:
         live = {
-            s: f"pid {h.get('pid')}@{h.get('host')}"
+            s: holder(h)
             for s, h in Health.all(client, keys).items()
             if not s.startswith("dashboard:") and not health_pid_gone(h)
         }
-        held = {
-            f"pid {w.get('pid')}@{w.get('host')}"
-            for w in watchers(client)
-            if keys.job_id in w.get("jobs", ())
-        }
+        held = {holder(w) for w in watchers(client) if keys.job_id in w.get("jobs", ())}
         # a service of its own (another stack) will not let go: no point in waiting
         if not live or any(who not in held for who in live.values()):
             return sorted(live)
