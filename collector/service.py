@@ -122,6 +122,11 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
     return max(16, min(maxlen, int(budget_mb * 1e6 // size)))
 
 
+#: A read that takes longer than its block timeout plus this fraction of the fail-stop
+#: deadline means this collector was stalled (see ``CollectorService._after_stall``).
+STALL_FRACTION = 0.5
+
+
 class CollectorService:
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
@@ -310,11 +315,13 @@ class CollectorService:
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
             read_before = self.consumer.stats.read_total
+            read_s = now
             batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
             if self.consumer.stats.reconnects_total != reconnects:
                 self._mark_outage()
                 return 0
             now = self._clock()
+            self._after_stall(now - read_s, now)
             if batch:
                 self._frontier_s = max(self._frontier_s, self._arrival_s(batch[-1][0]))
                 if not self._heard and self._frontier_s >= self._started_s - self._deadline_s():
@@ -351,6 +358,24 @@ class CollectorService:
             self._mark_outage()
             time.sleep(0.2)
             return 0
+
+    def _after_stall(self, read_took_s: float, now: float) -> None:
+        """A read that took far longer than its block timeout: this process was stalled
+        (SIGSTOP, swapped out, a long GC, the GIL held elsewhere) while telemetry kept
+        arriving.  The batch holds only what came at the start of the stall, so judging
+        at ``now`` would find every node silent for the whole stall: as after a Redis
+        outage, every rank gets a fresh deadline instead (a real death meanwhile is
+        reported one deadline later)."""
+        if read_took_s <= self.config.block_ms / 1000 + STALL_FRACTION * self._deadline_s():
+            return
+        self._count("collector_stalls_total")
+        log.warning(
+            "collector: job %s: this collector was stalled for %.1f s; no liveness verdict "
+            "on that time, every rank gets a fresh deadline",
+            self.keys.job_id,
+            read_took_s,
+        )
+        self.liveness.resume(now)
 
     def _ingest(self, batch, now: float) -> int:
         parts: list[np.ndarray] = []

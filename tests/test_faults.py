@@ -225,3 +225,62 @@ def test_collector_crash_mid_iteration_loses_nothing(r):
     for _ in range(3):
         second.run_once()
     assert r.xpending(KEYS.telemetry, group)["pending"] == 0
+
+
+@pytest.mark.slow
+def test_a_collector_stalled_past_the_fail_stop_hold_declares_nobody_dead(
+    r, redis_server, tmp_path
+):
+    """SIGSTOP the collector for longer than the whole-job silence hold (7.5 s) while the
+    job keeps beating: woken, it must not judge the stall as every node's silence."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "RESIHP_JOB_ID")}
+    url = redis_server.url
+    keys = JobKeys("stall")
+    log = open(tmp_path / "collector.log", "w")  # noqa: SIM115 - closed below
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trainer", "sim", "--redis-url", url, "--job-id", "stall",
+             "--model", "llama2-7b", "--speed", "10", "--iterations", "400"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [sys.executable, "-m", "collector", "--redis-url", url, "--job-id", "stall"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log,
+        ),
+    ]  # fmt: skip
+    collector = procs[1]
+
+    def events(state: str) -> list:
+        out = []
+        for _, fields in r.xrange(keys.liveness):
+            good, _ = decode_entry(fields)
+            out += [m for m in good if isinstance(m, LivenessEvent) and m.state == state]
+        return out
+
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and r.xlen(keys.iterations) < 5:
+            time.sleep(0.2)
+        assert r.xlen(keys.iterations) >= 5, "the job did not get going"
+        collector.send_signal(signal.SIGSTOP)
+        time.sleep(12)
+        collector.send_signal(signal.SIGCONT)
+        before = r.xlen(keys.iterations)
+        deadline = time.time() + 20
+        while time.time() < deadline and r.xlen(keys.iterations) < before + 10:
+            time.sleep(0.2)
+        assert r.xlen(keys.iterations) >= before + 10, "the collector did not go on"
+        assert events("dead") == []
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        log.close()
+    assert "this collector was stalled for" in (tmp_path / "collector.log").read_text()
