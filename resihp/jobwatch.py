@@ -93,10 +93,33 @@ class Service(Protocol):
     def run(self, stop: threading.Event) -> None: ...
 
 
+class LeaseStop(threading.Event):
+    """The stop event an instance runs with: set when the watcher stops it, and also
+    reads set once the job's lease was last confirmed longer ago than it lives.  A
+    process that stalls past the lease's TTL (another watcher may own the job by then)
+    wakes with its instance and its discovery loop racing: the instance ends at its next
+    check of the event instead of acting for a job that may not be its own any more; the
+    discovery loop starts it again if the lease is still this process's."""
+
+    def __init__(self, valid_s: float):
+        super().__init__()
+        self.valid_s = valid_s
+        self.confirmed_at = time.monotonic()
+
+    def confirm(self) -> None:
+        self.confirmed_at = time.monotonic()
+
+    def lapsed(self) -> bool:
+        return time.monotonic() - self.confirmed_at > self.valid_s
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.lapsed()
+
+
 @dataclass
 class _Instance:
     job_id: str
-    stop: threading.Event
+    stop: LeaseStop
     thread: threading.Thread
     restarts_total: int = 0
 
@@ -164,6 +187,15 @@ class JobWatcher:
         ``finished_at_s`` when its trainer said it finished; -> whether its instance was
         started now."""
         keys = JobKeys(job_id)
+        inst = self.instances.get(job_id)
+        if inst is not None and not inst.thread.is_alive():
+            # it ended by itself: its lease lapsed while this process stalled
+            del self.instances[job_id]
+            log.warning(
+                "%s: job %s: its instance ended after this process stalled past the lease",
+                self.service,
+                job_id,
+            )
         running = job_id in self.instances
         if owner:
             if running:
@@ -197,16 +229,18 @@ class JobWatcher:
         if running:
             ttl_ms = int(LEASE_TTL_S * 1000)
             if not self._renew(keys=[self._lease(keys)], args=[self._me, ttl_ms]):
-                holder = self._take_lease(keys)
-                if holder:  # another watcher has it (this one stalled past the TTL)
+                other = self._take_lease(keys)
+                if other:  # another watcher has it (this one stalled past the TTL)
                     log.warning(
                         "%s: job %s: %s holds its lease now; stopping this process's instance",
                         self.service,
                         job_id,
-                        holder,
+                        other,
                     )
                     self._stop(job_id, release=False)
-                    self.elsewhere[job_id] = holder
+                    self.elsewhere[job_id] = other
+                    return False
+            self.instances[job_id].stop.confirm()
             return False
         seen = self.unclaimed[job_id] = self.unclaimed.get(job_id, 0) + 1
         if seen < self.claim_rounds:
@@ -291,7 +325,9 @@ class JobWatcher:
 
     # ------------------------------------------------------------------ instances
     def _start(self, job_id: str) -> None:
-        stop = threading.Event()
+        # the lease was taken or renewed just now; the margin keeps the instance on while
+        # rounds run late by less than the TTL allows
+        stop = LeaseStop(LEASE_TTL_S - self.discover_every_s)
         inst = _Instance(job_id, stop, threading.Thread())
         inst.thread = threading.Thread(
             target=self._serve, args=(inst,), name=f"{self.service}[{job_id}]", daemon=True
@@ -433,7 +469,10 @@ def watcher_health_code(redis_url: str | None, service: str) -> int:
         return 1
     finally:
         client.close()
-    if not any(h.get("status") == "ok" for h in found):
+    from resihp.status import health_pid_gone
+
+    # on its own host a watcher killed with -9 is known gone before its key expires
+    if not any(h.get("status") == "ok" and not health_pid_gone(h) for h in found):
         print(
             f"{service}: unhealthy: no {service} --all-jobs watcher of this host "
             f"({socket.gethostname()}) has a health key (not running?)",

@@ -356,9 +356,11 @@ def _live_services(client, keys: JobKeys, watcher_wait_s: float) -> list[str]:
             if not s.startswith("dashboard:") and not health_pid_gone(h)
         }
         held = {holder(w) for w in watchers(client) if keys.job_id in w.get("jobs", ())}
-        # a service of its own (another stack) will not let go: no point in waiting
-        if not live or any(who not in held for who in live.values()):
-            return sorted(live)
+        # a service of its own (another stack, a trainer) will not let go: no point in
+        # waiting, and only those are named (the watchers would have let go)
+        own = sorted(s for s, who in live.items() if who not in held)
+        if not live or own:
+            return own
         if not said:
             said = True
             print(

@@ -137,6 +137,26 @@ def test_an_instance_whose_lease_another_watcher_took_stops(r):
         w.shutdown()
 
 
+def test_an_instance_ends_by_itself_once_its_lease_lapsed_and_is_started_again(r):
+    """A process that stalled past the lease's TTL: its instance stops acting at its next
+    check, before the discovery loop has run, and comes back if the lease is still ours."""
+    keys = JobKeys("j")
+    register_job(r, keys)
+    w = _watcher(r)
+    try:
+        w.run_once()
+        inst = w.instances["j"]
+        assert not inst.stop.is_set()
+        inst.stop.confirmed_at -= 60  # as if the process had been stopped for a minute
+        assert inst.stop.is_set()
+        inst.thread.join(10)
+        assert not inst.thread.is_alive(), "the instance went on acting"
+        assert w.run_once() == ["j"]  # the lease is still this process's: started again
+        assert w.instances["j"] is not inst and w.instances["j"].thread.is_alive()
+    finally:
+        w.shutdown()
+
+
 def test_a_lease_lost_with_redis_data_is_taken_again_without_a_restart(r):
     keys = JobKeys("j")
     register_job(r, keys)
