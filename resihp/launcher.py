@@ -355,7 +355,9 @@ def _live_services(client, keys: JobKeys, watcher_wait_s: float) -> list[str]:
             for s, h in Health.all(client, keys).items()
             if not s.startswith("dashboard:") and not health_pid_gone(h)
         }
-        held = {holder(w) for w in watchers(client) if keys.job_id in w.get("jobs", ())}
+        # a service whose process is a watcher is one of its instances (not only those its
+        # health lists yet: an instance beats before its watcher's next health write)
+        held = {holder(w) for w in watchers(client)}
         # a service of its own (another stack, a trainer) will not let go: no point in
         # waiting, and only those are named (the watchers would have let go)
         own = sorted(s for s, who in live.items() if who not in held)
