@@ -121,55 +121,48 @@ def test_two_watchers_never_serve_one_job_and_the_second_takes_over_when_the_fir
         second.shutdown()
 
 
-def test_an_instance_whose_lease_another_watcher_took_stops(r):
+@pytest.fixture
+def serving(r):
+    """Job "j", registered and served by a watcher of this process: (its keys, the watcher)."""
     keys = JobKeys("j")
     register_job(r, keys)
     w = _watcher(r)
-    try:
-        w.run_once()
-        thread = w.instances["j"].thread
-        # this process stalled past the lease's TTL and another watcher took the job
-        r.set(keys.lease("collector"), "pid 4242@other-host", px=10_000)
-        w.run_once()
-        assert "j" not in w.instances and not thread.is_alive()
-        assert r.get(keys.lease("collector")) == b"pid 4242@other-host"  # not released
-    finally:
-        w.shutdown()
+    assert w.run_once() == ["j"]
+    yield keys, w
+    w.shutdown()
 
 
-def test_an_instance_ends_by_itself_once_its_lease_lapsed_and_is_started_again(r):
+def test_an_instance_whose_lease_another_watcher_took_stops(r, serving):
+    keys, w = serving
+    thread = w.instances["j"].thread
+    # this process stalled past the lease's TTL and another watcher took the job
+    r.set(keys.lease("collector"), "pid 4242@other-host", px=10_000)
+    w.run_once()
+    assert "j" not in w.instances and not thread.is_alive()
+    assert r.get(keys.lease("collector")) == b"pid 4242@other-host"  # not released
+
+
+def test_an_instance_ends_by_itself_once_its_lease_lapsed_and_is_started_again(serving):
     """A process that stalled past the lease's TTL: its instance stops acting at its next
     check, before the discovery loop has run, and comes back if the lease is still ours."""
-    keys = JobKeys("j")
-    register_job(r, keys)
-    w = _watcher(r)
-    try:
-        w.run_once()
-        inst = w.instances["j"]
-        assert not inst.stop.is_set()
-        inst.stop.confirmed_at -= 60  # as if the process had been stopped for a minute
-        assert inst.stop.is_set()
-        inst.thread.join(10)
-        assert not inst.thread.is_alive(), "the instance went on acting"
-        assert w.run_once() == ["j"]  # the lease is still this process's: started again
-        assert w.instances["j"] is not inst and w.instances["j"].thread.is_alive()
-    finally:
-        w.shutdown()
+    _, w = serving
+    inst = w.instances["j"]
+    assert not inst.stop.is_set()
+    inst.stop.confirmed_at -= 60  # as if the process had been stopped for a minute
+    assert inst.stop.is_set()
+    inst.thread.join(10)
+    assert not inst.thread.is_alive(), "the instance went on acting"
+    assert w.run_once() == ["j"]  # the lease is still this process's: started again
+    assert w.instances["j"] is not inst and w.instances["j"].thread.is_alive()
 
 
-def test_a_lease_lost_with_redis_data_is_taken_again_without_a_restart(r):
-    keys = JobKeys("j")
-    register_job(r, keys)
-    w = _watcher(r)
-    try:
-        w.run_once()
-        inst = w.instances["j"]
-        r.delete(keys.lease("collector"))
-        w.run_once()
-        assert w.instances["j"] is inst and inst.thread.is_alive()
-        assert r.get(keys.lease("collector")).decode() == process_id()
-    finally:
-        w.shutdown()
+def test_a_lease_lost_with_redis_data_is_taken_again_without_a_restart(r, serving):
+    keys, w = serving
+    inst = w.instances["j"]
+    r.delete(keys.lease("collector"))
+    w.run_once()
+    assert w.instances["j"] is inst and inst.thread.is_alive()
+    assert r.get(keys.lease("collector")).decode() == process_id()
 
 
 def test_a_job_finished_long_ago_is_let_go_and_taken_up_when_it_runs_again(r):
