@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, REDIS_URL=url)
     ports = {"1 s (paced)": free_port(), "2 s (fixed)": free_port()}
     up = subprocess.Popen(
-        [sys.executable, "-m", "resihp.cli", "up", "--model", "llama2-70b", "--state-dir", tmp,
+        [sys.executable, "-m", "resihp.stack.cli", "up", "--model", "llama2-70b", "--state-dir", tmp,
          "--redis-url", url, "--dashboard-port", str(ports["1 s (paced)"]), "--no-summary",
          f"--trainer-arg=--speed={a.speed:g}", "--duration", "600"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -34,7 +34,7 @@ from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, latest_plans
 from resihp.redis_client import EmbeddedRedis
 from resihp.schemas import AdaptationPlan, SchemaError, decode_json
-from resihp.status import _status_plans
+from resihp.stack.status import _status_plans
 from resihp.topology import Layout
 
 JOB = "scale"

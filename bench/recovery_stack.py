@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     srv = EmbeddedRedis().start()
     run_dir = out / "run"
     cmd = [
-        sys.executable, "-m", "resihp.cli", "up", "--redis-url", srv.url, "--job-id", job,
+        sys.executable, "-m", "resihp.stack.cli", "up", "--redis-url", srv.url, "--job-id", job,
         "--trainer", "torch", "--scenario", str(scn), "--grace-period-s", str(a.grace_period_s),
         "--no-summary", "--state-dir", str(out / "state"), "--dashboard-port", str(free_port()),
         f"--trainer-arg=--tp={a.tp}", f"--trainer-arg=--pp={a.pp}", f"--trainer-arg=--dp={a.dp}",

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     if args.check_health and all_jobs:
-        from resihp.jobwatch import watcher_health_code
+        from resihp.stack.jobwatch import watcher_health_code
 
         return watcher_health_code(cfg.redis_url, "collector")
     if args.check_health:
@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                 client.hset(JobKeys(job_id).detector_config, "heartbeat_k", cfg.heartbeat_k)
             return CollectorService(dataclasses.replace(cfg, job_id=job_id), client)
 
-        return entry.serve_all_jobs("collector", client, make, cfg.instance)
+        from resihp.stack import jobwatch
+
+        return jobwatch.serve_all_jobs("collector", client, make, cfg.instance)
 
     def announce() -> None:
         if args.heartbeat_k is not None:  # the hash is followed on every check: the flag goes there

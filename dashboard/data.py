@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from resihp import bus, status
+from resihp import bus, progress
 from resihp.keys import JOB_EPOCHS, JobKeys
 from resihp.plans import PlanStateReader
 from resihp.schemas import (
@@ -609,18 +609,18 @@ class DashboardData:
             if h.get("state") == "dead":
                 since = h.get("since")
                 dead[rank] = float(since) if isinstance(since, int | float) else None
-        pr = status.job_progress(
+        pr = progress.job_progress(
             self.job_state(job_id),
             services.get("trainer:0"),
             last,
             last.published_s if last is not None else None,
-            status.redis_now_s(self.client),
+            progress.redis_now_s(self.client),
             dead,
             self.layout(job_id),
         )
         keys = JobKeys(job_id)
         plans = self.plans(job_id)
-        pr["headline"] = status.stall_headline_of(
+        pr["headline"] = progress.stall_headline_of(
             self.client, keys, pr, plans, services, self.counters(job_id)
         )
         return pr

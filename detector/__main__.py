@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return replay_main(args.trace, args.out, cfg, args.heartbeat_interval_s)
     if args.check_health and all_jobs:
-        from resihp.jobwatch import watcher_health_code
+        from resihp.stack.jobwatch import watcher_health_code
 
         return watcher_health_code(cfg.redis_url, "detector")
     if args.check_health:
@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     given = frozenset(f for f in RUNTIME_FIELDS if hasattr(args, f))  # flags are SUPPRESSed
     if all_jobs:
-        return entry.serve_all_jobs(
+        from resihp.stack import jobwatch
+
+        return jobwatch.serve_all_jobs(
             "detector",
             client,
             lambda job_id: DetectorService(

@@ -138,7 +138,7 @@ def setup_logging(level: str = "INFO", *, threads: bool = False) -> None:
 
 
 def add_all_jobs_argument(p: argparse.ArgumentParser, service: str) -> None:
-    """``--all-jobs``: serve every job in the Redis (``resihp.jobwatch``); default
+    """``--all-jobs``: serve every job in the Redis (``resihp.stack.jobwatch``); default
     ``$RESIHP_ALL_JOBS`` (1/true/yes/on), read by :func:`all_jobs_mode`."""
     p.add_argument(
         "--all-jobs",
@@ -168,29 +168,6 @@ def all_jobs_mode(args: argparse.Namespace, service: str, argv: list[str] | None
         )
         return None
     return on
-
-
-def serve_all_jobs(
-    service: str,
-    client,
-    make: Callable[[str], object],
-    instance: str = "0",
-    duration_s: float | None = None,
-) -> int:
-    """Run ``service`` for every job in the Redis until SIGTERM/SIGINT, or for
-    ``duration_s`` (``resihp.jobwatch``)."""
-    from resihp.bus import list_jobs
-    from resihp.jobwatch import JobWatcher
-
-    stop = stop_on_signals()
-    if duration_s:
-        timer = threading.Timer(duration_s, stop.set)
-        timer.daemon = True
-        timer.start()
-    if not wait_for_redis(lambda: list_jobs(client), service, client, stop):
-        return 0
-    JobWatcher(service, client, make, instance=instance).run(stop)
-    return 0
 
 
 def load_config(service: str, build: Callable[[], T]) -> T | None:

@@ -19,7 +19,7 @@ JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
 
 def watcher_health(service: str, host: str, pid: int) -> str:
-    """Health key of one process serving every job (``--all-jobs``, ``resihp.jobwatch``);
+    """Health key of one process serving every job (``--all-jobs``, ``resihp.stack.jobwatch``);
     the only per-service keys outside a job's namespace."""
     return f"{PREFIX}:watchers:{service}:{host}:{pid}"
 
@@ -188,7 +188,7 @@ class JobKeys:
         return f"{self.base}:health:{service}:{instance}"
 
     def lease(self, service: str, instance: str = "0") -> str:
-        """Which ``--all-jobs`` watcher serves this job's ``service`` (``resihp.jobwatch``)."""
+        """Which ``--all-jobs`` watcher serves this job's ``service`` (``resihp.stack.jobwatch``)."""
         return f"{self.base}:lease:{service}:{instance}"
 
     @property

@@ -1,4 +1,4 @@
-"""Process lifetime: what `resihp up` starts must not outlive it.
+"""Process lifetime: a child process must not outlive the process that started it.
 
 ``resihp up`` puts every child (the embedded redis-server, each service, the
 trainer) in its own session so that it can signal each one's whole process
@@ -9,10 +9,10 @@ stack runs on headless; a new ``resihp up`` on the same state dir would then
 start a second redis-server on the same append-only file, and a second set of
 services beside the first.
 
-Two defences, both here: children ask the kernel for a signal when their parent
-dies (``exit_with_parent``, Linux ``PR_SET_PDEATHSIG``), and a new stack stops
-what a crashed one left running (``stale_processes`` names them, checked
-against their command lines so a recycled pid is never signalled).
+Two defences: children ask the kernel for a signal when their parent dies
+(``exit_with_parent``, Linux ``PR_SET_PDEATHSIG``; here, since the embedded Redis
+and the torch trainer's workers use it too), and a new stack stops what a crashed
+one left running (``resihp.stack.processes.stale_processes``).
 """
 
 from __future__ import annotations
@@ -65,16 +65,6 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def launcher_alive(pid) -> bool:
-    """A live ``resihp up`` with this pid (not another program the pid was given to since)."""
-    if not pid_alive(pid):
-        return False
-    argv = cmdline(pid)
-    if not argv:
-        return True  # unreadable (another user's /proc): trust the pid
-    return "up" in argv and any("resihp" in a for a in argv)
-
-
 def exit_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> bool:
     """Have the kernel send ``sig`` to this process when its parent dies.
 
@@ -88,26 +78,3 @@ def exit_with_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
     return True
-
-
-def stale_processes(stack: dict) -> list[tuple[str, int]]:
-    """(name, pid) of the processes a stack file lists that still run as that stack's.
-
-    ``stack`` is what ``resihp up`` wrote (``redis_pid``, ``children``); a pid
-    counts only if its command line is still the one the stack started there
-    (``redis-server``, ``-m <service>``), so a pid the system has since given to
-    another program is left alone.
-    """
-    out: list[tuple[str, int]] = []
-    for name, pid in dict(stack.get("children") or {}).items():
-        if isinstance(pid, int) and pid_alive(pid):
-            argv = cmdline(pid)
-            if ("-m", name) in zip(argv, argv[1:], strict=False):  # python -m <service>
-                out.append((name, pid))
-    pid = stack.get("redis_pid")
-    if isinstance(pid, int) and pid_alive(pid):
-        argv = cmdline(pid)
-        # redis-server retitles itself: argv[0] becomes "<path>/redis-server <host:port>"
-        if argv and Path(argv[0]).name.startswith("redis-server"):
-            out.append(("redis-server", pid))
-    return out

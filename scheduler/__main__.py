@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_simulate(args)
     if args.check_health and all_jobs:
-        from resihp.jobwatch import watcher_health_code
+        from resihp.stack.jobwatch import watcher_health_code
 
         return watcher_health_code(args.redis_url, "scheduler")
     if args.check_health:
@@ -338,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scheduler: {e}", file=sys.stderr)
         return 2
     if all_jobs:
-        return entry.serve_all_jobs(
+        from resihp.stack import jobwatch
+
+        return jobwatch.serve_all_jobs(
             "scheduler",
             client,
             lambda job_id: SchedulerService(dataclasses.replace(cfg, job_id=job_id), client),

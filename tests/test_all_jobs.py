@@ -19,12 +19,12 @@ import pytest
 from collector.config import CollectorConfig
 from collector.service import CollectorService
 from resihp.bus import JOBS_SET, Health, register_job, set_job_state
-from resihp.jobwatch import JobWatcher, claim_job, process_id, release_job, watchers
 from resihp.keys import JobKeys
-from resihp.launcher import JobInUse, prepare_job
 from resihp.plans import latest_plans
 from resihp.redis_client import free_port
 from resihp.schemas import FailureReport, IterationRecord, decode_entry
+from resihp.stack.jobwatch import JobWatcher, claim_job, process_id, release_job, watchers
+from resihp.stack.launcher import JobInUse, prepare_job
 
 pytestmark = pytest.mark.redis
 
@@ -410,7 +410,7 @@ def test_one_set_of_services_watches_two_jobs_and_plans_only_for_the_failing_one
                 for keys in (calm, stormy):
                     assert Health.get(r, keys, svc), f"{svc} has no health for {keys.job_id}"
             # status says a pid serves every job: killing it is not killing one job's service
-            st = _run(["resihp.cli", "status", "--redis-url", url, "--job-id", "calm"], env)
+            st = _run(["resihp.stack.cli", "status", "--redis-url", url, "--job-id", "calm"], env)
             assert st.stdout.count("an --all-jobs process serving 2 job(s)") == 3, st.stdout
         finally:
             _stop(trainers)
@@ -427,7 +427,7 @@ def test_up_fresh_takes_a_watched_job_over_and_gives_it_back_when_it_stops(
         keys = JobKeys("shared")
         _until(lambda: r.exists(keys.health("collector", "0")), what="the watchers' instance")
         up = subprocess.run(
-            [sys.executable, "-m", "resihp.cli", "up", "--redis-url", url, "--job-id", "shared",
+            [sys.executable, "-m", "resihp.stack.cli", "up", "--redis-url", url, "--job-id", "shared",
              "--fresh", "--state-dir", str(tmp_path / "st"), "--no-summary",
              "--dashboard-port", str(free_port()), "--trainer-arg=--speed=10",
              "--duration", "25"],

@@ -111,7 +111,7 @@ def test_simulate_refuses_an_unwritable_out_before_simulating(tmp_path, capsys):
 
 
 def _up_args(tmp_path, *argv: str):
-    from resihp.cli import _build_parser
+    from resihp.stack.cli import _build_parser
 
     st = tmp_path / "st"
     return _build_parser().parse_args(["up", "--state-dir", str(st), *argv]), st
@@ -128,7 +128,7 @@ def _up_args(tmp_path, *argv: str):
     ],
 )
 def test_up_refuses_bad_duration_and_grace_period_before_starting(tmp_path, argv, why):
-    from resihp.launcher import preflight
+    from resihp.stack.launcher import preflight
 
     args, st = _up_args(tmp_path, "--dashboard-port", "0", *argv)
     assert preflight(args) == why
@@ -136,7 +136,7 @@ def test_up_refuses_bad_duration_and_grace_period_before_starting(tmp_path, argv
 
 
 def test_up_accepts_a_positive_duration_and_a_zero_grace_period(tmp_path):
-    from resihp.launcher import check_up_numbers
+    from resihp.stack.launcher import check_up_numbers
 
     args, _ = _up_args(tmp_path, "--duration", "2.5", "--grace-period-s", "0")
     assert check_up_numbers(args) is None
@@ -188,7 +188,7 @@ def test_an_explicitly_empty_event_list_is_allowed_and_check_says_so(tmp_path, c
 
 
 def test_up_refuses_an_empty_scenario_file(tmp_path):
-    from resihp.launcher import preflight
+    from resihp.stack.launcher import preflight
 
     f = tmp_path / "e.yaml"
     f.write_text("")
@@ -386,7 +386,7 @@ def test_status_into_a_closed_pipe_exits_quietly(r, redis_server):
     os.close(rd)  # the reader (head) has gone before the first line
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "resihp.cli", "status", "--redis-url", redis_server.url],
+            [sys.executable, "-m", "resihp.stack.cli", "status", "--redis-url", redis_server.url],
             stdout=wr,
             stderr=subprocess.PIPE,
             text=True,

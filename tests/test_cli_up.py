@@ -48,7 +48,7 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
         [
             sys.executable,
             "-m",
-            "resihp.cli",
+            "resihp.stack.cli",
             "up",
             "--state-dir",
             str(tmp_path),
@@ -75,7 +75,15 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     deadline = time.time() + 60
     while time.time() < deadline:
         out = subprocess.run(
-            [sys.executable, "-m", "resihp.cli", "status", "--json", "--state-dir", str(tmp_path)],
+            [
+                sys.executable,
+                "-m",
+                "resihp.stack.cli",
+                "status",
+                "--json",
+                "--state-dir",
+                str(tmp_path),
+            ],
             capture_output=True,
             text=True,
             env=env,
@@ -98,7 +106,7 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert b"--redis-url" not in argv and not any(b"redis://" in a for a in argv), argv
     # forwarded commands find this stack by its --state-dir, and speak as `resihp`
-    cli = [sys.executable, "-m", "resihp.cli"]
+    cli = [sys.executable, "-m", "resihp.stack.cli"]
     rec = subprocess.run(
         [
             *cli,
@@ -139,7 +147,7 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     from resihp.keys import JobKeys
     from resihp.redis_client import EmbeddedRedis
     from resihp.schemas import decode_entry
-    from resihp.status import job_status
+    from resihp.stack.status import job_status
 
     srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
     try:
@@ -152,7 +160,15 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     finally:
         srv.stop()
     # a new run under the same job would mix with the old one: refused before anything starts
-    up = [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path), "--no-summary"]
+    up = [
+        sys.executable,
+        "-m",
+        "resihp.stack.cli",
+        "up",
+        "--state-dir",
+        str(tmp_path),
+        "--no-summary",
+    ]
     again = subprocess.run([*up, "--duration", "5"], capture_output=True, text=True, env=env)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
     assert "--fresh" in again.stderr and "--resume" in again.stderr
@@ -190,7 +206,7 @@ def _up(tmp_path, *argv, timeout=120):
         [
             sys.executable,
             "-m",
-            "resihp.cli",
+            "resihp.stack.cli",
             "up",
             "--state-dir",
             str(tmp_path / "st"),
@@ -245,7 +261,10 @@ def test_passwords_are_not_printed():
     assert redact("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
     env = dict(os.environ, REDIS_URL="redis://:s3cret@127.0.0.1:1/0")
     out = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "status"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "resihp.stack.cli", "status"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert out.returncode == 1 and "s3cret" not in out.stderr and ":***@" in out.stderr
 
@@ -254,7 +273,7 @@ def test_status_without_stack_says_what_to_do(tmp_path):
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
     out = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "status", "--state-dir", str(tmp_path)],
+        [sys.executable, "-m", "resihp.stack.cli", "status", "--state-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -264,13 +283,13 @@ def test_status_without_stack_says_what_to_do(tmp_path):
 
 
 def _up_args(*argv):
-    from resihp.cli import _build_parser
+    from resihp.stack.cli import _build_parser
 
     return _build_parser().parse_args(["up", *argv])
 
 
 def test_torch_trainer_defaults_to_the_small_real_job_unless_told_otherwise():
-    from resihp.launcher import service_commands
+    from resihp.stack.launcher import service_commands
 
     def trainer_argv(*argv):
         cmds = dict(service_commands(_up_args("--trainer", "torch", *argv), "redis://x"))
@@ -287,7 +306,7 @@ def test_torch_trainer_defaults_to_the_small_real_job_unless_told_otherwise():
 
 
 def test_a_failed_child_is_reported_with_its_last_log_line(tmp_path):
-    from resihp.launcher import _last_line
+    from resihp.stack.launcher import _last_line
 
     log = tmp_path / "trainer.log"
     log.write_text("starting\nerror: scenario.yaml:2: rank 9 outside the job's 8 ranks\n\n")
@@ -315,7 +334,7 @@ def _fake_ckpt(ckpt, step: int) -> None:
 def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(r, tmp_path):
     from resihp import bus
     from resihp.keys import JobKeys
-    from resihp.launcher import JobInUse, prepare_job
+    from resihp.stack.launcher import JobInUse, prepare_job
 
     old, other = JobKeys("prod"), JobKeys("other")
     assert prepare_job(r, "prod", fresh=False) is None  # a new job: nothing to say
@@ -384,7 +403,7 @@ def test_a_new_run_of_a_job_with_history_is_told_and_fresh_clears_only_that_job(
 
 
 def test_demo_runs_as_its_own_fresh_job_unless_a_job_id_is_given(monkeypatch):
-    from resihp.launcher import resolve_job
+    from resihp.stack.launcher import resolve_job
 
     monkeypatch.delenv("RESIHP_JOB_ID", raising=False)
     a = _up_args("--demo")
@@ -401,8 +420,8 @@ def test_demo_runs_as_its_own_fresh_job_unless_a_job_id_is_given(monkeypatch):
 
 
 def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch, fake_launcher):
-    from resihp import cli
-    from resihp.status import STACK_FILE
+    from resihp.stack import cli
+    from resihp.stack.status import STACK_FILE
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("REDIS_URL", raising=False)
@@ -436,9 +455,9 @@ def test_forwarded_commands_default_to_the_running_stack(tmp_path, monkeypatch, 
 
 
 def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys, fake_launcher):
-    from resihp import cli
     from resihp.lifetime import pid_alive
-    from resihp.status import STACK_FILE, running_stack
+    from resihp.stack import cli
+    from resihp.stack.status import STACK_FILE, running_stack
 
     state = tmp_path / "state"
     state.mkdir()
@@ -464,9 +483,9 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys, fake_
 
 @pytest.mark.redis
 def test_what_a_crashed_stack_left_running_is_stopped_and_nothing_else(tmp_path, fake_launcher):
-    from resihp.launcher import stop_stale_stack
     from resihp.redis_client import EmbeddedRedis
-    from resihp.status import STACK_FILE
+    from resihp.stack.launcher import stop_stale_stack
+    from resihp.stack.status import STACK_FILE
 
     srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()  # not tied to us
     srv.client().set("kept", "1")
@@ -518,7 +537,15 @@ def test_a_stack_killed_with_sigkill_takes_its_children_along_and_leaves_no_fals
     killed job's ranks dead."""
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
-    up = [sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path), "--no-summary"]
+    up = [
+        sys.executable,
+        "-m",
+        "resihp.stack.cli",
+        "up",
+        "--state-dir",
+        str(tmp_path),
+        "--no-summary",
+    ]
     proc = subprocess.Popen(
         [*up, "--dashboard-port", str(free_port()), "--trainer-arg=--speed=20", "--duration", "90"],
         stdout=subprocess.DEVNULL,
@@ -586,7 +613,7 @@ def test_a_stack_killed_with_sigkill_takes_its_children_along_and_leaves_no_fals
 
 
 def test_status_says_what_the_trainer_last_said_and_whether_silence_is_judged():
-    from resihp.status import format_status
+    from resihp.stack.status import format_status
 
     js = {
         "job_id": "prod",
@@ -615,7 +642,7 @@ def test_status_lists_plans_awaiting_a_decision_and_recent_failures(redis_server
 
     from resihp.keys import JobKeys
     from resihp.plans import latest_plans
-    from resihp.status import collect_status, format_status
+    from resihp.stack.status import collect_status, format_status
 
     publish_job(r, "job-a", iterations=20, slow_from=12)
     r.xadd(JobKeys("job-a").failures, {b"m": b"not json"})  # a stray entry hides nothing
@@ -639,7 +666,7 @@ def test_status_lists_plans_awaiting_a_decision_and_recent_failures(redis_server
 
 
 def test_restart_policy_backs_off_and_gives_up_on_a_crash_loop():
-    from resihp.launcher import RestartPolicy
+    from resihp.stack.launcher import RestartPolicy
 
     pol = RestartPolicy(max_restarts=3, window_s=100.0, max_backoff_s=3.0)
     assert pol.on_exit("detector", 0.0) == 1.0
@@ -658,7 +685,7 @@ def _sim_stack(tmp_path):
     t0 = time.time()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "resihp.cli", "up", "--state-dir", str(tmp_path),
+            sys.executable, "-m", "resihp.stack.cli", "up", "--state-dir", str(tmp_path),
             "--no-summary", "--dashboard-port", str(free_port()),
             "--trainer-arg=--speed=20", "--duration", "120",
         ],
@@ -673,8 +700,8 @@ def _sim_stack(tmp_path):
 def _past_startup(proc, t0, stack_file, ready):
     """Waits until the stack is past `up`'s startup window with its trainer running and
     ``ready(client)`` holds; -> (stack file, that client)."""
-    from resihp.launcher import STARTUP_S
     from resihp.redis_client import connect
+    from resihp.stack.launcher import STARTUP_S
 
     client = None
     deadline = time.time() + 90
@@ -748,7 +775,7 @@ def test_a_service_that_dies_after_startup_is_restarted_and_resumes_its_stream(t
 
 
 def test_only_a_crash_signal_restarts_the_trainer_and_the_restart_drops_fresh():
-    from resihp.launcher import resume_argv, trainer_crashed
+    from resihp.stack.launcher import resume_argv, trainer_crashed
 
     assert trainer_crashed(-signal.SIGKILL) and trainer_crashed(-signal.SIGSEGV)
     # stopped on purpose, or ended by itself: stays down
@@ -815,7 +842,7 @@ def test_a_trainer_killed_by_sigkill_is_started_again_and_carries_its_run_on(tmp
 
 
 def test_exit_lines_say_which_signal_killed_a_child_and_quote_errors_only(tmp_path):
-    from resihp.launcher import Child, _exit_line
+    from resihp.stack.launcher import Child, _exit_line
 
     log = tmp_path / "detector.log"
     log.write_text("INFO started\nWARNING no operators configured\n")
@@ -826,7 +853,7 @@ def test_exit_lines_say_which_signal_killed_a_child_and_quote_errors_only(tmp_pa
 
 
 def test_the_stack_file_is_replaced_whole_and_stays_private(tmp_path):
-    from resihp.launcher import _write_private
+    from resihp.stack.launcher import _write_private
 
     f = tmp_path / "stack.json"
     f.write_text("old")
@@ -850,7 +877,7 @@ def test_the_decide_command_status_prints_reaches_the_same_redis(
 
     from dashboard_scenario import publish_job
 
-    from resihp import cli, status
+    from resihp.stack import cli, status
 
     publish_job(r, "job-d", iterations=20, slow_from=12)
     state = tmp_path / "st"
@@ -878,7 +905,7 @@ def test_a_job_run_on_another_stacks_redis_hears_when_it_goes(tmp_path):
     word, and b trained 25 s into nothing and still exited 0."""
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
-    up = [sys.executable, "-m", "resihp.cli", "up"]
+    up = [sys.executable, "-m", "resihp.stack.cli", "up"]
     a = subprocess.Popen(
         [*up, "--state-dir", str(tmp_path / "a"), "--job-id", "a", "--trainer", "none",
          "--dashboard-port", str(free_port()), "--duration", "12", "--no-summary"],
@@ -910,7 +937,7 @@ def test_forwarded_commands_document_the_state_dir_they_take(cmd):
     """`act`, `record`, `config` and `report` take --state-dir (the resihp command reads it
     before forwarding), but their --help, the service's own parser, never said so."""
     out = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", *cmd, "--help"],
+        [sys.executable, "-m", "resihp.stack.cli", *cmd, "--help"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0 and "--state-dir DIR: the `resihp up` state dir" in " ".join(

@@ -113,7 +113,7 @@ def test_report_export_cli(r, redis_server, tmp_path):
     assert "Recovery timeline" in out.read_text() and "fr-slow-1" in out.read_text()
     # The core CLI forwards "resihp report export" to the same command.
     html_out = tmp_path / "inc.html"
-    fwd = [sys.executable, "-m", "resihp.cli", *cmd[3:]]
+    fwd = [sys.executable, "-m", "resihp.stack.cli", *cmd[3:]]
     fwd[fwd.index("md")], fwd[fwd.index(str(out))] = "html", str(html_out)
     res = subprocess.run(fwd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -824,8 +824,8 @@ def test_an_incident_whose_plan_failed_on_the_trainer_stays_open_saying_so(r):
     from resihp.bus import publish
     from resihp.keys import JobKeys
     from resihp.plans import PlanFollower, latest_plans, write_layout
+    from resihp.progress import turned_down_plans
     from resihp.schemas import FailureReport, OperatorAction
-    from resihp.status import turned_down_plans
     from resihp.topology import Layout
     from scheduler.config import SchedulerConfig
     from scheduler.service import SchedulerService

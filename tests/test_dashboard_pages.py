@@ -596,7 +596,7 @@ def test_a_refused_override_before_the_applied_plan_is_not_the_latest_news(r, re
 
     from dashboard_scenario import publish_plan
 
-    from resihp.status import turned_down_plans
+    from resihp.progress import turned_down_plans
 
     sc = publish_job(r, "job-a", iterations=20, slow_from=12, plan_state="acknowledged")
     keys, plan = sc["keys"], sc["plan"]

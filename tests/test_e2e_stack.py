@@ -45,7 +45,7 @@ def _start_stack(tmp_path, scenario: str, *args: str):
         [
             sys.executable,
             "-m",
-            "resihp.cli",
+            "resihp.stack.cli",
             "up",
             "--state-dir",
             str(tmp_path / "st"),

@@ -17,7 +17,7 @@ from resihp.keys import JobKeys
 from resihp.plans import latest_plans
 from resihp.scenario import parse_scenario
 from resihp.schemas import FailureReport, IterationRecord, OperatorAction, encode_one
-from resihp.status import UnknownJob, collect_status, format_status, summary_line
+from resihp.stack.status import UnknownJob, collect_status, format_status, summary_line
 from scheduler.config import SchedulerConfig
 from scheduler.service import SchedulerService
 from trainer.sim import SimConfig
@@ -278,7 +278,7 @@ def test_an_unknown_job_is_an_error_naming_the_known_ones(redis_server, r):
     Health(r, JobKeys("early"), "collector").beat("ok")
     assert collect_status(redis_server.url, "early")["jobs"]["early"]["services"]
     out = subprocess.run(
-        [sys.executable, "-m", "resihp.cli", "status", "--job-id", "nosuchjob"],
+        [sys.executable, "-m", "resihp.stack.cli", "status", "--job-id", "nosuchjob"],
         capture_output=True,
         text=True,
         env=dict(os.environ, REDIS_URL=redis_server.url),

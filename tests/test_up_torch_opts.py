@@ -17,18 +17,18 @@ from resihp.keys import JobKeys
 from resihp.plans import write_layout
 from resihp.redis_client import free_port
 from resihp.schemas import AdaptationPlan, IterationRecord, encode_one
-from resihp.status import collect_status, format_status, summary_line
+from resihp.stack.status import collect_status, format_status, summary_line
 from resihp.topology import Layout
 
 
 def _up_args(*argv):
-    from resihp.cli import _build_parser
+    from resihp.stack.cli import _build_parser
 
     return _build_parser().parse_args(["up", *argv])
 
 
 def _trainer_argv(*argv) -> list[str]:
-    from resihp.launcher import service_commands
+    from resihp.stack.launcher import service_commands
 
     return dict(service_commands(_up_args("--trainer", "torch", *argv), "redis://x"))["trainer"]
 
@@ -63,7 +63,7 @@ def test_a_fresh_stack_starts_the_torch_job_over_and_a_plain_one_lets_it_resume(
 
 
 def test_the_torch_trainer_waits_for_the_plan_the_stack_s_mode_will_give():
-    from resihp.launcher import SCHEDULER_GRACE_S
+    from resihp.stack.launcher import SCHEDULER_GRACE_S
     from scheduler.config import SchedulerConfig
     from trainer.torch_trainer.config import TrainConfig, config_from_args
 
@@ -96,7 +96,7 @@ def test_a_stack_stopped_by_a_signal_exits_128_plus_its_number(tmp_path, sig):
         [
             sys.executable,
             "-m",
-            "resihp.cli",
+            "resihp.stack.cli",
             "up",
             "--state-dir",
             str(tmp_path),
@@ -217,7 +217,7 @@ def test_a_finished_job_leaves_plans_undecided_and_counts_the_layout_s_dead(redi
 def test_up_checks_a_scenario_s_ranks_against_the_torch_world_before_starting(tmp_path, capsys):
     """A rank outside the torch trainer's world was refused only once the whole stack ran
     (sometimes with no reason shown): `resihp up` refuses it first, naming file and line."""
-    from resihp.launcher import preflight
+    from resihp.stack.launcher import preflight
 
     sc = tmp_path / "far.yaml"
     sc.write_text("events:\n  - {at_iteration: 3, action: kill_device, rank: 12}\n")
@@ -226,7 +226,7 @@ def test_up_checks_a_scenario_s_ranks_against_the_torch_world_before_starting(tm
         return preflight(_up_args("--state-dir", str(tmp_path), "--scenario", str(sc), *argv))
 
     assert check("--trainer", "torch") == f"scenario: {sc}:2: rank 12 outside the job's 8 ranks"
-    from resihp.launcher import torch_world
+    from resihp.stack.launcher import torch_world
 
     assert torch_world(_up_args("--trainer", "torch")) == (8, 8)
     # the trainer's own degrees count, the last one given wins

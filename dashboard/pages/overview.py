@@ -11,7 +11,7 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dashboard import figures, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
-from resihp import status
+from resihp import progress
 from resihp.bus import job_silent_since, liveness_judged
 
 PATH = "/"
@@ -271,7 +271,7 @@ def register(app, ctx: AppContext) -> None:
             stuck = pr.get("state") in ("hung", "stalled")
             sub = f"{last['iteration_time_s']:.3f} s, {last['samples_per_s']:.1f} samples/s"
             if age is not None and (stuck or age > max(5.0, 3 * last["iteration_time_s"])):
-                sub += f"; published {status.ago_text(age)} ago"
+                sub += f"; published {progress.ago_text(age)} ago"
             cards.append(card("iteration", last["iteration"], sub, "bad" if stuck else ""))
         live = s["liveness"]
         if live:

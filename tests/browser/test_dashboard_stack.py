@@ -47,7 +47,7 @@ def stack(tmp_path):
         [
             sys.executable,
             "-m",
-            "resihp.cli",
+            "resihp.stack.cli",
             "up",
             "--state-dir",
             str(st),

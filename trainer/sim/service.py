@@ -47,9 +47,9 @@ from resihp.bus import (
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, read_layout, register_running
 from resihp.producer import TelemetryProducer
+from resihp.progress import last_iteration_entry
 from resihp.scenario import Scenario, load_scenario
 from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, SchemaError, decode_entry
-from resihp.status import last_iteration_entry
 from resihp.topology import Layout, LayoutError
 
 from .config import SimConfig

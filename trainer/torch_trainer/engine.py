@@ -33,8 +33,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from resihp.schemas import ChunkKind, Direction
 
+from .comm import wait_work
 from .model import StageModule, WeightGradStore, microbatch_loss, shard_dim, take_shard
-from .parallel import Groups, Transfer, wait_work
+from .parallel import Groups, Transfer
 from .schedule import stage_orders
 from .telemetry import RankTelemetry
 

@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .comm import wait_work
+
 IGNORE_INDEX = -100
 
 
@@ -77,8 +79,6 @@ class TPComm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return t
-        from .parallel import wait_work
-
         t0 = time.perf_counter()
         if self.stage_cpu and t.is_cuda:
             host = t.cpu()

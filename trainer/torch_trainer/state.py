@@ -40,8 +40,8 @@ from resihp.checkpoints import (
 )
 from resihp.topology import Layout
 
+from .comm import wait_work
 from .model import ModelConfig, StageModule, shard_dim
-from .parallel import wait_work
 
 
 def stage_layers(layout: Layout, stage: int) -> list[int]:

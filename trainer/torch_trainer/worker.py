@@ -46,10 +46,11 @@ from resihp.keys import JobKeys
 from resihp.lifetime import exit_with_parent
 from resihp.topology import Layout
 
+from .comm import ABORT, GenerationAborted, wait_work
 from .config import TrainConfig
 from .engine import StageEngine
 from .model import ModelConfig, StageModule, WeightGradStore
-from .parallel import ABORT, GenerationAborted, abandon_process_groups, build_groups, wait_work
+from .parallel import abandon_process_groups, build_groups
 from .state import (
     active_coords,
     clip_grads,
@@ -172,9 +173,9 @@ class Worker:
         # (lets several ranks share one GPU, which NCCL refuses).
         self.comm_device = self.device if self.backend == "nccl" else torch.device("cpu")
         if self.backend == "nccl":
-            from . import parallel
+            from . import comm
 
-            parallel.DIRECT_WAIT = True
+            comm.DIRECT_WAIT = True
         self.corpus = make_corpus(cfg)
         self.producer = None
         if cfg.redis_url and cfg.telemetry:

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import redis
 
+from resihp import entry
 from resihp.bus import Health, ThrottledWarning, list_jobs
 from resihp.keys import (
     JobKeys,
@@ -58,8 +59,10 @@ from resihp.keys import (
     watcher_health,
     watcher_health_pattern,
 )
+from resihp.redis_client import connect
+from resihp.stack.processes import health_pid_gone
 
-log = logging.getLogger("resihp.jobwatch")
+log = logging.getLogger("resihp.stack.jobwatch")
 
 #: Seconds between reads of the job set.
 DISCOVER_EVERY_S = 2.0
@@ -306,8 +309,6 @@ class JobWatcher:
     def _served_elsewhere(self) -> dict[str, str]:
         """job id -> another live process holding a health key of this service for it (any
         instance name), from one scan of every job's health keys of this service."""
-        from resihp.status import health_pid_gone
-
         names = list(self.client.scan_iter(match=health_pattern(self.service), count=1000))
         out: dict[str, str] = {}
         for name, raw in zip(names, self.client.mget(names) if names else [], strict=True):
@@ -452,9 +453,6 @@ def release_job(client: redis.Redis, keys: JobKeys) -> None:
 
 def watcher_health_code(redis_url: str | None, service: str) -> int:
     """0 if a ``service --all-jobs`` watcher of this host has a live health key, else 1."""
-    from resihp.entry import redis_where
-    from resihp.redis_client import connect
-
     try:
         client = connect(redis_url)
     except ValueError as e:
@@ -464,13 +462,12 @@ def watcher_health_code(redis_url: str | None, service: str) -> int:
         found = watchers(client, service, socket.gethostname())
     except redis.RedisError as e:
         print(
-            f"{service}: unhealthy: cannot use Redis at {redis_where(client)}: {e}", file=sys.stderr
+            f"{service}: unhealthy: cannot use Redis at {entry.redis_where(client)}: {e}",
+            file=sys.stderr,
         )
         return 1
     finally:
         client.close()
-    from resihp.status import health_pid_gone
-
     # on its own host a watcher killed with -9 is known gone before its key expires
     if not any(h.get("status") == "ok" and not health_pid_gone(h) for h in found):
         print(
@@ -479,4 +476,24 @@ def watcher_health_code(redis_url: str | None, service: str) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def serve_all_jobs(
+    service: str,
+    client,
+    make: Callable[[str], object],
+    instance: str = "0",
+    duration_s: float | None = None,
+) -> int:
+    """Run ``service`` for every job in the Redis until SIGTERM/SIGINT, or for
+    ``duration_s``: a service's ``__main__`` under ``--all-jobs``."""
+    stop = entry.stop_on_signals()
+    if duration_s:
+        timer = threading.Timer(duration_s, stop.set)
+        timer.daemon = True
+        timer.start()
+    if not entry.wait_for_redis(lambda: list_jobs(client), service, client, stop):
+        return 0
+    JobWatcher(service, client, make, instance=instance).run(stop)
     return 0

@@ -35,7 +35,7 @@ FORWARDED = {
 
 
 def _forward(service: str, sub: str, rest: list[str]) -> NoReturn:
-    from resihp.status import stack_env
+    from resihp.stack.status import stack_env
 
     # --state-dir names the stack whose Redis and job are the defaults (as for status);
     # it is ours, not the service's
@@ -158,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         return _forward(svc, sub, argv[1:])
     args = _build_parser().parse_args(argv)
     if args.cmd == "up":
-        from resihp.launcher import run_stack
+        from resihp.stack.launcher import run_stack
 
         return run_stack(args)
     if args.cmd == "status":
         from resihp.keys import validate_job_id
         from resihp.redis_client import redact
-        from resihp.status import UnknownJob, collect_status, format_status, resolve_url
+        from resihp.stack.status import UnknownJob, collect_status, format_status, resolve_url
 
         try:
             url = resolve_url(args.redis_url, args.state_dir)

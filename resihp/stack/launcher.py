@@ -28,22 +28,22 @@ import redis
 
 from resihp.bus import Health, clear_job, job_trainer, list_jobs, set_job_state
 from resihp.checkpoints import latest_complete_ckpt
-from resihp.jobwatch import claim_job, holder, release_job, watchers
 from resihp.keys import JobKeys, validate_job_id
-from resihp.lifetime import exit_with_parent, launcher_alive, pid_alive, stale_processes
+from resihp.lifetime import exit_with_parent, pid_alive
 from resihp.redis_client import EmbeddedRedis, connect, redact
-from resihp.status import (
+from resihp.stack.jobwatch import claim_job, holder, release_job, watchers
+from resihp.stack.processes import health_pid_gone, launcher_alive, stale_processes
+from resihp.stack.status import (
     STACK_FILE,
     UnknownJob,
     collect_status,
-    health_pid_gone,
     job_status,
     running_stack,
     summary_line,
 )
 
 SERVICES = ("collector", "detector", "scheduler", "dashboard")
-DEMO_SCENARIO = Path(__file__).resolve().parent / "data" / "demo.yaml"
+DEMO_SCENARIO = Path(__file__).resolve().parent.parent / "data" / "demo.yaml"
 
 
 def service_exists(name: str) -> bool:
