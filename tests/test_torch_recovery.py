@@ -242,7 +242,7 @@ def test_a_trainer_waiting_on_a_dead_rank_says_so_and_every_layout_gets_its_own_
 
 
 def cfg_launch_layout(cfg):
-    from trainer.torch_trainer.launcher import initial_layout
+    from trainer.torch_trainer.generations import initial_layout
 
     return initial_layout(cfg)
 
@@ -349,7 +349,7 @@ def test_a_plan_that_counts_more_ranks_dead_covers_their_exit_too(tmp_path):
     done, wrote a generation without members and crashed)."""
     from types import SimpleNamespace
 
-    from trainer.torch_trainer.launcher import local_plan
+    from trainer.torch_trainer.recovery import local_plan
 
     procs = {0: _Proc(), 1: _Proc(exitcode=-9), 2: _Proc(die_in_s=3.0), 3: _Proc()}
     la = _bare_launcher(tmp_path, procs, tp=2, dp=2, microbatches=2, plan_wait_s=5.0)

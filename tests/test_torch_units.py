@@ -17,9 +17,9 @@ from torch_harness import CROSS_PLANS, cross_plan
 
 from resihp.topology import Layout, Migration
 from trainer.data.corpus import IGNORE_INDEX, PackedCorpus
-from trainer.torch_trainer.launcher import local_plan, migrate_plan, restore_plan, shrink_tp_plan
 from trainer.torch_trainer.model import ModelConfig, StageModule
 from trainer.torch_trainer.parallel import UnsupportedLayout, check_runnable
+from trainer.torch_trainer.recovery import local_plan, migrate_plan, restore_plan, shrink_tp_plan
 from trainer.torch_trainer.schedule import SCHEDULES, actions, find_deadlock, stage_orders
 from trainer.torch_trainer.state import plan_pieces, stage_param_names
 

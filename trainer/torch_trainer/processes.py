@@ -1,0 +1,66 @@
+"""Worker processes of the torch job: one per rank, their exits, and the launcher's beat.
+
+The launcher starts each rank as a ``spawn`` process, counts a rank dead when its
+process ends with an error, gathers deaths that come within ``settle_s`` of each other
+into one failure, and refreshes ``launcher/beat`` in the rendezvous store so that the
+survivors keep waiting for the next generation as long as it is there.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .worker import worker_entry
+
+
+class WorkerProcesses:
+    """Start, watch and beat for the worker processes (a :class:`~.launcher.JobLauncher` part)."""
+
+    def _store_beat(self) -> None:
+        """Tell the workers the launcher is there (they wait for the next generation as long
+        as this changes, whatever plan_wait_s is)."""
+        now = time.monotonic()
+        if now >= self._store_beat_s:
+            self._store_beat_s = now + 0.5
+            self.store.set("launcher/beat", repr(time.time()))
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, still beating, and stop early on a signal."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self._store_beat()
+            if self.stop is not None and self.stop.is_set():
+                return
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    def _exited(self) -> set[int]:
+        """Ranks not counted dead yet whose process ended with an error."""
+        return {
+            r
+            for r, p in self.procs.items()
+            if r not in self.dead and p.exitcode is not None and p.exitcode != 0
+        }
+
+    def _alive(self) -> list[int]:
+        return sorted(r for r, p in self.procs.items() if p.is_alive() and r not in self.dead)
+
+    def _settle(self, ranks: set[int]) -> set[int]:
+        """``ranks`` plus the ranks that die within the settle window after them (killed in
+        the same iteration, they are seen some tens of milliseconds apart)."""
+        ranks = set(ranks)
+        for _ in range(4):  # at most 4 windows, however the deaths trickle in
+            self._sleep(self.settle_s)
+            more = self._exited() - ranks
+            if not more:
+                break
+            ranks |= more
+        return ranks
+
+    def _spawn(self, rank: int, start_gen: int) -> None:
+        p = self.ctx.Process(
+            target=worker_entry,
+            args=(rank, self.cfg.to_dict(), "127.0.0.1", self.store.port, start_gen),
+            name=f"resihp-torch-rank{rank}",
+        )
+        p.start()
+        self.procs[rank] = p
