@@ -121,6 +121,13 @@ def plan_dict(p: AdaptationPlan) -> dict[str, Any]:
     }
 
 
+def awaiting_plans(plans: dict[int, AdaptationPlan]) -> list[dict[str, Any]]:
+    """The plans that still wait for a decision or the trainer, oldest first."""
+    return [
+        plan_dict(p) for p in sorted(plans.values(), key=lambda p: p.plan_id) if p.state in AWAITING
+    ]
+
+
 def _rejections(client, keys: JobKeys, plan_ids: set[int]) -> dict[int, dict[str, str]]:
     """plan_id -> who rejected it and their comment, from the audit log: a rejection
     changes a plan's state but leaves no note on it."""
@@ -357,11 +364,7 @@ def stall_headline_of(
     js = {
         "progress": progress,
         "services": services,
-        "awaiting_plans": [
-            plan_dict(p)
-            for p in sorted(plans.values(), key=lambda p: p.plan_id)
-            if p.state in AWAITING
-        ],
+        "awaiting_plans": awaiting_plans(plans),
         "turned_down_plans": turned_down_plans(client, keys, plans),
         "refused_reports": refused_reports(client, keys, applied_s),
         "counters": counters,

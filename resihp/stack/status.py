@@ -15,10 +15,10 @@ from resihp.progress import (
     AWAITING,
     TURNED_DOWN,
     ago_text,
+    awaiting_plans,
     clock_text,
     job_progress,
     last_iteration_entry,
-    plan_dict,
     redis_now_s,
     refused_reports,
     stall_headline,
@@ -257,11 +257,7 @@ def job_status(client, job_id: str) -> dict[str, Any]:
         },
         "plans_by_state": by_state,
         # what an operator may have to act on, oldest first
-        "awaiting_plans": [
-            plan_dict(p)
-            for p in sorted(plans.values(), key=lambda p: p.plan_id)
-            if p.state in AWAITING
-        ],
+        "awaiting_plans": awaiting_plans(plans),
         # why a failure has not been answered: plans turned down, reports refused
         "turned_down_plans": turned_down_plans(client, keys, plans),
         "refused_reports": refused_reports(client, keys, last_applied_s)
