@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from resihp.assembly import COMM_WAIT_S
 from resihp.entry import parse_bool
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
-from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES
+from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES, MASS_LOSS_FRACTION
 
 #: The largest K the collector follows.  The detector validates field ``heartbeat_k``
 #: of the detector_config hash and refuses more (detector/config.py keeps the same
@@ -94,6 +94,11 @@ class CollectorConfig:
     #: reported 3 deadlines (7.5 s) after its last beat; a node or a subset of nodes
     #: dying while another node talks keeps the one-deadline (2.5 s) latency.  0: no hold.
     job_silence_hold_deadlines: float = JOB_SILENCE_HOLD_DEADLINES
+    #: Nodes dying within one deadline of each other that make up at least this fraction
+    #: of the nodes alive (and at least ``MASS_LOSS_MIN_NODES``) are a suspect mass loss:
+    #: their verdicts wait the same hold, and are confirmed only if still silent after
+    #: it with this collector caught up on the stream (:mod:`resihp.liveness`).
+    mass_loss_fraction: float = MASS_LOSS_FRACTION
 
     # --- telemetry retention ---------------------------------------------------------
     #: The telemetry stream is trimmed behind its slowest consumer group (nothing any
@@ -195,6 +200,9 @@ class CollectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+        v = self.mass_loss_fraction
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= 1:
+            raise ValueError(f"mass_loss_fraction: must be in (0, 1], got {v!r}")
         if not isinstance(self.jitter_beats, int | float) or not 0 <= self.jitter_beats < 1:
             raise ValueError(f"jitter_beats: must be in [0, 1), got {self.jitter_beats!r}")
         if self.check_interval_s is not None and not (

@@ -153,6 +153,7 @@ class CollectorService:
             config.heartbeat_k,
             config.jitter_beats,
             hold_deadlines=config.job_silence_hold_deadlines,
+            mass_loss_fraction=config.mass_loss_fraction,
         )
         self.assembler = IterationAssembler(
             grace_s=config.grace_s,
@@ -180,6 +181,9 @@ class CollectorService:
         self._clock_next = 0.0
         self._check_next = 0.0
         self._frontier_s = 0.0
+        #: how far behind the stream this collector is (seconds; 0 when caught up)
+        self.lag_s = 0.0
+        self._suspect_said = 0
         self._stats_next = 0.0
         self._outage = False
         self._finished = False
@@ -314,7 +318,6 @@ class CollectorService:
                 self.liveness.resume(now)
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
-            read_before = self.consumer.stats.read_total
             read_s = now
             batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
             if self.consumer.stats.reconnects_total != reconnects:
@@ -331,11 +334,18 @@ class CollectorService:
                         log.info(
                             "collector: job %s reports again; judging liveness", self.keys.job_id
                         )
-            # Behind in reading (a full batch came back): everything up to the read
-            # frontier has been seen, what arrived after it not yet, so judge
-            # liveness at the frontier, never at a time whose beats are unread.
-            behind = self.consumer.stats.read_total - read_before >= self.config.read_count
-            judge_s = min(now, self._frontier_s) if behind else now
+            # "I am behind" vs "they are silent": only a read of new entries that came
+            # back short proves that every entry that reached Redis by now was read.
+            # Otherwise (a full batch, a re-read of pending entries after a restart, a
+            # reclaim) newer entries may wait unread: everything up to the read frontier
+            # (Redis's arrival time of the newest entry read) has been seen, so liveness is
+            # judged there, never at a time whose beats are unread.  The gap is this
+            # collector's lag, reported in its health and status.
+            if self.consumer.caught_up:
+                judge_s, self.lag_s = now, 0.0
+            else:
+                judge_s = min(now, self._frontier_s) if self._frontier_s else now
+                self.lag_s = max(0.0, now - judge_s)
             handled = self._ingest(batch, now)
             if now >= self._check_next:
                 self._check_next = now + self.config.check_every_s
@@ -679,8 +689,12 @@ class CollectorService:
         if not self._heard:
             self._say_silent(now)
             return
+        if judge_s < now - self._deadline_s():
+            self._count("liveness_checks_behind_total")
+        holds = self.liveness.mass_loss_holds_total
         events = self.liveness.check(judge_s)
         self._job_silence(judge_s, any(ev.state == "dead" for ev in events))
+        self._mass_loss(self.liveness.mass_loss_holds_total - holds)
         for ev in events:
             ev.detected_at_s = now
             log.warning(
@@ -697,6 +711,25 @@ class CollectorService:
             self.client.hset(self.keys.node_heartbeat, mapping=changed)
             for n, t in changed.items():
                 self._node_hb_written[int(n)] = float(t)
+
+    def _mass_loss(self, new_holds: int) -> None:
+        """Say when a suspect mass loss starts holding node verdicts, and when it ends."""
+        n = len(self.liveness.suspect_nodes)
+        if n == self._suspect_said:
+            return
+        if new_holds:
+            self._count("liveness_mass_loss_holds_total", new_holds)
+            log.warning(
+                "collector: job %s: %d node(s) silent within one deadline of each other while "
+                "the rest of the job talks (lag %.1f s): suspect (delayed telemetry?), their "
+                "verdicts held up to %.1f s more",
+                self.keys.job_id,
+                n,
+                self.lag_s,
+                self.liveness.hold_deadlines * self.liveness.deadline_s(),
+            )
+        self._suspect_said = n
+        self._health_now = True
 
     def _job_silence(self, judge_s: float, deaths: bool) -> None:
         """Say when a job-wide silence starts holding the node verdicts, and how it ended."""
@@ -806,6 +839,11 @@ class CollectorService:
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)
             if self._frontier_s
             else None,
+            # how far this collector is behind the stream (0: caught up; a backlog older
+            # than the fail-stop deadline is this collector's lag, not the nodes' silence)
+            bus.COLLECTOR_LAG_S: round(self.lag_s, 3),
+            # nodes whose death verdict is held as part of a suspect mass loss
+            bus.SUSPECT_NODES: len(self.liveness.suspect_nodes),
             # false while the job has been silent since before this collector started,
             # and while a job-wide silence holds the node verdicts
             bus.JUDGING_LIVENESS: self._heard

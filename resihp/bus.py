@@ -190,6 +190,11 @@ class StreamConsumer:
     _pending_checked: bool = False
     _pending_cursor: bytes | str = "0"
     _down_log: ThrottledWarning = field(default_factory=lambda: ThrottledWarning(log))
+    #: Whether the last read proved this consumer caught up: a read of new entries
+    #: (``>``) that came back with fewer than it asked for, so nothing that had reached
+    #: the stream by then is left unread.  A full read, a re-read of pending entries and
+    #: a reclaim prove nothing (newer entries may be waiting).
+    caught_up: bool = False
 
     def ensure_group(self) -> None:
         try:
@@ -233,6 +238,7 @@ class StreamConsumer:
 
     def read(self, count: int = 100, block_ms: int | None = 100):
         """Valid messages of new (or reclaimed, or own-pending) entries."""
+        self.caught_up = False
         try:
             return self._read(count, block_ms)
         except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -278,9 +284,9 @@ class StreamConsumer:
         resp = self.client.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
         )
-        if not resp:
-            return []
-        return self._decode(resp[0][1])
+        entries = resp[0][1] if resp else []
+        self.caught_up = len(entries) < count
+        return self._decode(entries) if entries else []
 
     def ack(self, ids) -> None:
         if not ids:
@@ -302,6 +308,19 @@ JUDGING_LIVENESS = "judging_liveness"
 #: Collector health field: when every node of a running job went quiet at once (its
 #: trainer or host stalled); set while the collector holds the node verdicts back.
 JOB_SILENT_SINCE = "job_silent_since_s"
+
+
+#: Collector health field: how many seconds the collector is behind its telemetry stream
+#: (0 when its last read proved it caught up).
+COLLECTOR_LAG_S = "collector_lag_s"
+#: Collector health field: nodes whose death verdict is held as a suspect mass loss.
+SUSPECT_NODES = "suspect_nodes"
+
+
+def collector_lag_s(collector_health: dict | None) -> float | None:
+    """The collector's lag behind its telemetry stream, from its health payload."""
+    v = (collector_health or {}).get(COLLECTOR_LAG_S)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def job_silent_since(collector_health: dict | None) -> float | None:

@@ -9,7 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resihp.bus import Health, job_silent_since, list_jobs, liveness_judged
+from resihp.bus import (
+    SUSPECT_NODES,
+    Health,
+    collector_lag_s,
+    job_silent_since,
+    list_jobs,
+    liveness_judged,
+)
 from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
 from resihp.plans import PlanStateReader, read_layout
@@ -856,4 +863,10 @@ def _job_line(js: dict[str, Any]) -> str:
                 "; silent since before the collector started: no fail-stop verdicts until it "
                 "reports"
             )
+    lag = collector_lag_s(col)
+    if lag is not None and lag >= 1.0:
+        line += f"; the collector is {lag:.1f} s behind the telemetry stream"
+    suspect = (col or {}).get(SUSPECT_NODES)
+    if isinstance(suspect, int) and suspect > 0:
+        line += f"; {suspect} node(s) silent together held as a suspect mass loss"
     return line
