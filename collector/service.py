@@ -65,6 +65,7 @@ from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
 from resihp.schemas import (
     ENTRY_MESSAGES,
+    RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
     ChunkBatch,
     ChunkTiming,
@@ -125,6 +126,15 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
 #: A read that takes longer than its block timeout plus this fraction of the fail-stop
 #: deadline means this collector was stalled (see ``CollectorService._after_stall``).
 STALL_FRACTION = 0.5
+
+
+def _robust_low(win: np.ndarray) -> np.ndarray:
+    """Per row of offset samples (NaN: none): the smallest, once there are three or more
+    the second smallest, so that no single sample (one beat with a wild clock) moves the
+    estimate past a genuine one."""
+    srt = np.sort(win, axis=1)  # NaN last
+    n = np.sum(~np.isnan(win), axis=1)
+    return srt[np.arange(len(win)), np.where(n >= 3, 1, 0)]
 
 
 class CollectorService:
@@ -196,6 +206,9 @@ class CollectorService:
         self._health_now = False  # write the health payload at the next loop
         self._trim_next = 0.0
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
+        self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
+        #: iteration times of the recent unflagged complete records (the bound's reference)
+        self._recent_iter_s: deque[float] = deque(maxlen=32)
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -524,7 +537,7 @@ class CollectorService:
         pos = self._skew_pos[u]
         self._skew_win[u, pos] = d_u
         self._skew_pos[u] = (pos + 1) % SKEW_WINDOW
-        self._skew_s[u] = np.nanmin(self._skew_win[u], axis=1)
+        self._skew_s[u] = _robust_low(self._skew_win[u])
         self._skew_gen[u] = gen_u
         self._skew_seen_s[u] = np.maximum(self._skew_seen_s[u], arr_u)
 
@@ -608,8 +621,30 @@ class CollectorService:
                 del self._pending[eid]
                 self._ack_ready.append(eid)
 
+    def _bound_record(self, rec: IterationRecord) -> None:
+        """Flag a record whose span is beyond the job's recent median x RECORD_TIME_FACTOR
+        (see :data:`resihp.schemas.RECORD_FLAGS`): no implausible time leaves unflagged."""
+        recent = self._recent_iter_s
+        if len(recent) >= 3:
+            ref = float(np.median(recent))
+            if ref > 0 and rec.iteration_time_s > RECORD_TIME_FACTOR * ref:
+                rec.flags.append("iteration_time_beyond_bound")
+                self._count("iterations_time_flagged_total")
+                self._flag_log.warning(
+                    "collector: iteration %d spans %.1f s, more than %g x the recent median "
+                    "%.2f s: published flagged (a rank's clock stepped, or the job hung)",
+                    rec.iteration,
+                    rec.iteration_time_s,
+                    RECORD_TIME_FACTOR,
+                    ref,
+                )
+                return
+        if rec.complete:
+            recent.append(rec.iteration_time_s)
+
     def _assemble(self, now: float) -> None:
         for rec in self.assembler.poll(now):
+            self._bound_record(rec)
             self._outbox.append((self.keys.iterations, rec, self.config.iterations_maxlen))
             self._count("iterations_published_total")
             if not rec.complete:
