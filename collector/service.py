@@ -419,6 +419,9 @@ class CollectorService:
             for m in msgs:
                 # Heartbeats first: they are the many small messages of a big job.
                 if type(m) is Heartbeat:
+                    if self._wrong_node(np.array([m.rank]), np.array([m.node])).any():
+                        self._dead_letter(self._node_reason(m.rank, m.node, 1, 1), m.to_dict())
+                        continue
                     beats += 1
                     # the coordinator maps known ranks to their layout node itself
                     observe(m.rank, m.node, arrival_s, m.seq, m.iteration, m.generation)
@@ -429,6 +432,12 @@ class CollectorService:
                     continue
                 if type(m) is HeartbeatBatch:
                     hr = m.rows
+                    wrong = self._wrong_node(hr["rank"], hr["node"])
+                    if wrong.any():
+                        bad = hr[wrong]
+                        why = self._node_reason(bad["rank"][0], bad["node"][0], len(bad), len(hr))
+                        self._dead_letter(why, HeartbeatBatch(bad[:3]).to_dict())
+                        hr = hr[~wrong]
                     beats += len(hr)
                     self._track_skew(hr["rank"], hr["wall_time_s"], arrival_s, hr["generation"])
                     for r, n, q, i, g in zip(
@@ -484,6 +493,23 @@ class CollectorService:
         if singles:
             self._add_rows(singles, single_entry, now, checked=False)
         return handled
+
+    def _wrong_node(self, ranks: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """Mask of beats whose node is not their rank's node in the layout (ids from a rank
+        are untrusted: node 999999 for rank 1)."""
+        lay = self.layout
+        if lay is None:
+            return np.zeros(len(ranks), dtype=bool)
+        inside = ranks < lay.world_size
+        return inside & (nodes != ranks // lay.devices_per_node)
+
+    def _node_reason(self, rank: int, node: int, n_bad: int, n: int) -> str:
+        lay = self.layout
+        return (
+            f"heartbeat: node {int(node)} is not rank {int(rank)}'s node "
+            f"{lay.node_of(int(rank)) if lay is not None else '?'} in layout "
+            f"{lay.layout_id if lay is not None else '?'} ({n_bad} of {n} beats)"
+        )
 
     def _track_skew(
         self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s, generation: np.ndarray

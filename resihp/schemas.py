@@ -1044,6 +1044,12 @@ def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
         rank = getattr(msg, "rank", None)
         if isinstance(rank, int) and rank >= max_rank:
             raise SchemaError(f"{cls.__name__}: unknown rank {rank} (job has {max_rank})", d)
+        if isinstance(msg, IterationRecord):
+            rk = msg.ranks.get("rank") if isinstance(msg.ranks, dict) else None
+            if rk is not None and len(rk) and max(rk) >= max_rank:
+                raise SchemaError(
+                    f"IterationRecord: unknown rank {max(rk)} (job has {max_rank})", d
+                )
     return msg
 
 

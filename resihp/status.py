@@ -194,15 +194,21 @@ def _device_health(client, keys: JobKeys) -> tuple[set[int], dict[int, float | N
 OPEN_SCAN = 1000
 
 
-def open_failures(client, keys: JobKeys, failed: set[int]) -> list[FailureReport]:
+def open_failures(
+    client, keys: JobKeys, failed: set[int], world_size: int | None = None
+) -> list[FailureReport]:
     """Failure reports still open, newest first: each failed device is charged to the
     newest report naming it (a fail-slow rank that later died is one open failure, the
-    fail-stop), and a report none of whose devices is still failed is closed."""
+    fail-stop), and a report none of whose devices is still failed is closed.  A report
+    naming a rank beyond the layout (``world_size``) is one the scheduler refused (a
+    forged one of 100,000 ranks): it is never open."""
     if not failed:
         return []
     out, claimed = [], set()
     for f in recent_failures(client, keys, count=OPEN_SCAN):
         if f.kind == "recovery":
+            continue
+        if world_size is not None and f.ranks and max(f.ranks) >= world_size:
             continue
         named = set(f.ranks) | {r for link in f.links for r in link}
         mine = (named & failed) - claimed
@@ -441,7 +447,9 @@ def job_status(client, job_id: str) -> dict[str, Any]:
     else:
         layout_error = None
     failed, dead = _device_health(client, keys)
-    still_open = open_failures(client, keys, failed)
+    still_open = open_failures(
+        client, keys, failed, layout.world_size if layout is not None else None
+    )
     try:
         state = json.loads(client.get(keys.job_state) or b"null")
     except ValueError:
