@@ -207,6 +207,8 @@ class CollectorService:
         self._trim_next = 0.0
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
+        self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
+        self._lost_said = 0
         #: iteration times of the recent unflagged complete records (the bound's reference)
         self._recent_iter_s: deque[float] = deque(maxlen=32)
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -338,6 +340,7 @@ class CollectorService:
                 return 0
             now = self._clock()
             self._after_stall(now - read_s, now)
+            self._count_lost()
             if batch:
                 self._frontier_s = max(self._frontier_s, self._arrival_s(batch[-1][0]))
                 if not self._heard and self._frontier_s >= self._started_s - self._deadline_s():
@@ -381,6 +384,24 @@ class CollectorService:
             self._mark_outage()
             time.sleep(0.2)
             return 0
+
+    def _count_lost(self) -> None:
+        """Entries of the job's producers trimmed before this collector read them: counted
+        (``telemetry_lost_total``: metric, health, ``resihp status``) and said, never silent."""
+        lost = self.consumer.stats.lost_total - self._lost_said
+        if lost <= 0:
+            return
+        self._lost_said += lost
+        self._count("telemetry_lost_total", lost)
+        self._health_now = True
+        self._lost_log.warning(
+            "collector: job %s: %d telemetry entries were trimmed from %s before this "
+            "collector read them (a flood past the stream's MAXLEN?); %d lost so far",
+            self.keys.job_id,
+            lost,
+            self.keys.telemetry,
+            self._lost_said,
+        )
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled
@@ -913,6 +934,8 @@ class CollectorService:
             # when the job was last heard, during a job-wide silence (else None)
             bus.JOB_SILENT_SINCE: None if self._finished else self._job_silent_since,
             "deadletter_total": self.consumer.stats.deadletter_total,
+            # entries trimmed from the telemetry stream before this collector read them
+            "telemetry_lost_total": self.consumer.stats.lost_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
         }
 

@@ -26,6 +26,7 @@ import atexit
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any
 
@@ -35,6 +36,7 @@ import redis
 from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
 from resihp.schemas import (
     CHUNK_DTYPE,
+    ENTRY_SEQ,
     HEARTBEAT_DTYPE,
     ChunkTiming,
     Heartbeat,
@@ -59,8 +61,11 @@ _BEAT_KINDS = (_HB, _HB_ROWS)
 class _Lane:
     """One queue with its sender thread: the bulk lane (rows, messages) or the beat lane."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, producer_id: str):
         self.name = name
+        #: entries are numbered per lane (``ENTRY_SEQ``): a reader counts the gaps
+        self.producer_id = producer_id
+        self.seq = 0
         self.items: deque[tuple[int, Any, int]] = deque()
         self.inflight: list[tuple[dict[bytes, bytes], int]] = []
         self.wake = threading.Event()
@@ -114,8 +119,9 @@ class TelemetryProducer:
         self.max_backoff_s = float(max_backoff_s)
 
         self._lock = threading.Lock()
-        self._bulk = _Lane("resihp-telemetry-producer")
-        self._beats = _Lane("resihp-telemetry-heartbeats")
+        pid = uuid.uuid4().hex[:12]
+        self._bulk = _Lane("resihp-telemetry-producer", f"{pid}-b")
+        self._beats = _Lane("resihp-telemetry-heartbeats", f"{pid}-h")
         # Events queued or in flight (both lanes): only a confirmed send releases queue
         # space, so an outage cannot grow memory past max_queue.
         self._held = 0
@@ -432,6 +438,9 @@ class TelemetryProducer:
                         bad_events += 1
                 fields = encode_entry(ok_msgs, rw, hw)
                 n_ok = len(ok_msgs)
+            if fields:
+                lane.seq += 1
+                fields[ENTRY_SEQ] = f"{lane.producer_id}:{lane.seq}".encode()
             entries.append((fields, n_ok + len(rw) + len(hw)))
         if bad_events:
             self.invalid_total += bad_events

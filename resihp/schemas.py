@@ -1073,6 +1073,10 @@ ENTRY_HEARTBEATS_VERSION = b"hv"
 # (RECORD_CHUNK_DTYPE), its schema version in "rcv"; the record's JSON then has
 # empty chunks.
 ENTRY_RECORD_CHUNKS = b"rc"
+# Field "s" (optional): "<producer id>:<n>", the n-th entry (from 1) of one producer's
+# lane.  A gap in n seen by a reader of new entries is entries lost before it read them
+# (trimmed by the stream's MAXLEN under a flood): counted, never silent.
+ENTRY_SEQ = b"s"
 ENTRY_RECORD_CHUNKS_VERSION = b"rcv"
 
 

@@ -503,6 +503,8 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             "failures_total": client.xlen(keys.failures),
             "plans_total": sum(by_state.values()),
             "deadletter_total": client.xlen(keys.deadletter),
+            # telemetry trimmed from its stream before the collector read it
+            "telemetry_lost_total": counters.get("telemetry_lost_total", 0),
         },
         "plans_by_state": by_state,
         # what an operator may have to act on, oldest first
@@ -871,6 +873,9 @@ def _job_line(js: dict[str, Any]) -> str:
                 "; silent since before the collector started: no fail-stop verdicts until it "
                 "reports"
             )
+    lost = (js.get("counters") or {}).get("telemetry_lost_total", 0)
+    if lost:
+        line += f"; {lost} telemetry entries trimmed before the collector read them"
     lag = collector_lag_s(col)
     if lag is not None and lag >= 1.0:
         line += f"; the collector is {lag:.1f} s behind the telemetry stream"
