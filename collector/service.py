@@ -137,6 +137,12 @@ def _robust_low(win: np.ndarray) -> np.ndarray:
     return srt[np.arange(len(win)), np.where(n >= 3, 1, 0)]
 
 
+#: Messages ``CollectorService.published`` keeps (for tests, benches and status)...
+PUBLISHED_KEPT = 64
+#: ...of which at most this many iteration records.
+PUBLISHED_RECORDS_KEPT = 2
+
+
 class CollectorService:
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
@@ -710,12 +716,22 @@ class CollectorService:
             self.client.xadd(stream, fields, maxlen=maxlen, approximate=True)
             self._outbox.popleft()
             self.published.append(msg)
-            if len(self.published) > 64:
-                del self.published[:-64]
+            if len(self.published) > PUBLISHED_KEPT:
+                del self.published[:-PUBLISHED_KEPT]
+            if isinstance(msg, IterationRecord):
+                self._drop_old_records()
         # Published (or nothing to publish): their entries may be acknowledged now.
         for it in self._release_after_publish:
             self._release(it)
         self._release_after_publish = []
+
+    def _drop_old_records(self) -> None:
+        """Keep only the newest ``PUBLISHED_RECORDS_KEPT`` records in ``published``: a
+        16k-GPU record is ~10^6 chunks as Python lists (hundreds of MB), and keeping 64
+        of them grew the collector by GBs in minutes (issue 24, item 2)."""
+        recs = [i for i, m in enumerate(self.published) if isinstance(m, IterationRecord)]
+        for i in reversed(recs[:-PUBLISHED_RECORDS_KEPT]):
+            del self.published[i]
 
     def _job_finished(self, now: float) -> bool:
         """Whether the trainer said the job ended on purpose.

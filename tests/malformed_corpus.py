@@ -196,5 +196,6 @@ CASES: list[tuple[str, str, dict, str]] = [
     # --- actions (read by the scheduler)
     ("action explode", ACTIONS, _m(action(action="explode")), "unknown action"),
     ("action without an actor", ACTIONS, _m(action(actor="")), "must name who acted"),
-    ("action unknown field", ACTIONS, _m(action(evil=1)), "unknown field"),
+    ("action plan_id as text", ACTIONS, _m(action(plan_id="1")), "expected int"),
+    ("mbstats unknown field", TELEMETRY, _m(mbstats(evil=1)), "unknown field"),
 ]
