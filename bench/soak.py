@@ -33,7 +33,7 @@ from resihp.redis_client import connect, free_port
 from resihp.schemas import FailureReport, LivenessEvent, decode_entry
 
 JOB = "soak"
-TRAINER = ("--tp=8", "--pp=16", "--dp=128", "--microbatches=64")
+TRAINER = ("--tp=8", "--pp=16", "--microbatches=64")
 STREAMS = ("telemetry", "iterations", "liveness", "failures", "deadletter")
 
 
@@ -70,18 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every-s", type=float, default=60.0, help="sample period")
     p.add_argument("--hog", type=int, default=4, help="busy processes beside the stack")
     p.add_argument("--model", default="llama2-70b")
+    p.add_argument("--dp", type=int, default=128, help="replicas (128: 16,384 GPUs)")
     a = p.parse_args(argv)
     minutes = 5.0 if a.quick else a.minutes
     state = Path(tempfile.mkdtemp(prefix="resihp-soak-"))
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.hog)]
     cmd = [
         sys.executable,
-        "-m",
-        "resihp",
+        "-c",
+        "import sys; from resihp.cli import main; sys.exit(main())",
         "up",
         "--model",
         a.model,
-        *(f"--trainer-arg={x}" for x in TRAINER),
+        *(f"--trainer-arg={x}" for x in (*TRAINER, f"--dp={a.dp}")),
         "--job-id",
         JOB,
         "--fresh",
