@@ -522,20 +522,20 @@ class CollectorService:
         return handled
 
     def _wrong_node(self, ranks: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-        """Mask of beats whose node is not their rank's node in the layout (ids from a rank
-        are untrusted: node 999999 for rank 1)."""
+        """Mask of beats naming a node the layout does not have (ids from a rank are
+        untrusted: node 999999).  A node id inside the layout that is not the rank's own is
+        taken: liveness files a known rank under its layout node whatever the beat says."""
         lay = self.layout
         if lay is None:
             return np.zeros(len(ranks), dtype=bool)
-        inside = ranks < lay.world_size
-        return inside & (nodes != ranks // lay.devices_per_node)
+        return nodes >= -(-lay.world_size // lay.devices_per_node)
 
     def _node_reason(self, rank: int, node: int, n_bad: int, n: int) -> str:
         lay = self.layout
+        nodes = -(-lay.world_size // lay.devices_per_node) if lay is not None else "?"
         return (
-            f"heartbeat: node {int(node)} is not rank {int(rank)}'s node "
-            f"{lay.node_of(int(rank)) if lay is not None else '?'} in layout "
-            f"{lay.layout_id if lay is not None else '?'} ({n_bad} of {n} beats)"
+            f"heartbeat: node {int(node)} (rank {int(rank)}) is not a node of layout "
+            f"{lay.layout_id if lay is not None else '?'} ({nodes} nodes; {n_bad} of {n} beats)"
         )
 
     def _track_skew(
