@@ -38,32 +38,39 @@ import sys, time
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
-url, job, node = sys.argv[1], sys.argv[2], int(sys.argv[3])
+from resihp.liveness_agent import NodeAgent
+url, job, node, iv = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+if sys.argv[5] == "1":
+    agent = NodeAgent(url, job, node)  # held while this process lives
 p = TelemetryProducer(url, JobKeys(job), flush_interval_s=0.01).start()
 seq = 0
 while True:
     for rank in range(node * 4, node * 4 + 4):
         p.heartbeat(Heartbeat(rank=rank, node=node, iteration=1, wall_time_s=time.time(), seq=seq))
     seq += 1
-    time.sleep(1.0)
+    time.sleep(iv)
 """
 
 
-def trial(srv: EmbeddedRedis, k: int, sig: int) -> float:
+def trial(srv: EmbeddedRedis, k: int, sig: int, iv: float, agents: bool) -> float:
     job = f"failstop-{k}"
     keys = JobKeys(job)
     client = srv.client()
     lay = Layout.uniform(tp=2, pp=2, dp=4, num_layers=4, num_microbatches=4, devices_per_node=4)
     client.set(keys.layout, json.dumps(lay.to_dict()))
     stop = threading.Event()
-    col = CollectorService(CollectorConfig(job_id=job, block_ms=20), srv.client())
+    cfg = CollectorConfig(job_id=job, block_ms=20, heartbeat_interval_s=iv)
+    col = CollectorService(cfg, srv.client())
     det = DetectorService(DetectorConfig(job_id=job, block_ms=20), srv.client())
     threads = [threading.Thread(target=s.run, args=(stop,), daemon=True) for s in (col, det)]
     for t in threads:
         t.start()
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     nodes = [
-        subprocess.Popen([sys.executable, "-c", NODE, srv.url, job, str(n)], env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", NODE, srv.url, job, str(n), str(iv), "1" if agents else "0"],
+            env=env,
+        )
         for n in range(4)
     ]
     try:
@@ -99,17 +106,22 @@ def trial(srv: EmbeddedRedis, k: int, sig: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--interval-s", type=float, default=0.5, help="heartbeat period")
+    p.add_argument("--no-agents", action="store_true", help="heartbeats only (the baseline)")
     a = p.parse_args(argv)
+    agents = not a.no_agents
     with EmbeddedRedis() as srv:
         for name, sig in (
             ("process killed (SIGKILL)", signal.SIGKILL),
             ("host silent (SIGSTOP)", signal.SIGSTOP),
         ):
             lat = [
-                trial(srv, i + (0 if sig == signal.SIGKILL else 1000), sig) for i in range(a.trials)
+                trial(srv, i + (0 if sig == signal.SIGKILL else 1000), sig, a.interval_s, agents)
+                for i in range(a.trials)
             ]
             print(
-                f"{name:>26}: {a.trials} trials, median {statistics.median(lat):.2f} s, "
+                f"{name:>26} (beats every {a.interval_s:g} s, agents "
+                f"{'off' if a.no_agents else 'on'}): {a.trials} trials, median {statistics.median(lat):.2f} s, "
                 f"max {max(lat):.2f} s, min {min(lat):.2f} s   (load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )

@@ -99,6 +99,10 @@ class CollectorConfig:
     #: their verdicts wait the same hold, and are confirmed only if still silent after
     #: it with this collector caught up on the stream (:mod:`resihp.liveness`).
     mass_loss_fraction: float = MASS_LOSS_FRACTION
+    #: How often the node agents' named connections are looked up (CLIENT LIST): a node
+    #: whose agent connection closed is dead at once (:mod:`resihp.liveness_agent`);
+    #: 0 turns it off (seconds).
+    agent_poll_s: float = 0.1
 
     # --- telemetry retention ---------------------------------------------------------
     #: The telemetry stream is trimmed behind its slowest consumer group (nothing any
@@ -200,6 +204,9 @@ class CollectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+        v = self.agent_poll_s
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
+            raise ValueError(f"agent_poll_s: must be a finite number >= 0, got {v!r}")
         v = self.mass_loss_fraction
         if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= 1:
             raise ValueError(f"mass_loss_fraction: must be in (0, 1], got {v!r}")

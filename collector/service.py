@@ -63,6 +63,7 @@ from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
+from resihp.liveness_agent import agent_nodes
 from resihp.schemas import (
     ENTRY_MESSAGES,
     RECORD_TIME_FACTOR,
@@ -215,6 +216,8 @@ class CollectorService:
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
         self._lost_said = 0
+        self._agents: set[int] = set()  # nodes whose agent connection was seen last look
+        self._agents_next = 0.0
         #: iteration times of the recent unflagged complete records (the bound's reference)
         self._recent_iter_s: deque[float] = deque(maxlen=32)
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -318,6 +321,7 @@ class CollectorService:
         if not self._outage:
             self._count("collector_outages_total")
         self._outage = True
+        self._agents = set()  # agents reconnect after an outage: no comparison across it
 
     def _dead_letter(self, reason: str, raw: Any) -> None:
         bus.dead_letter(self.client, self.keys, self.keys.telemetry, SERVICE, reason, raw)
@@ -373,6 +377,7 @@ class CollectorService:
                 self._check_next = now + self.config.check_every_s
                 self._runtime_k()
                 self._check_liveness(judge_s, now)
+            self._check_agents(now)
             self._assemble(now)
             self._flush_outbox()
             if self._ack_ready:
@@ -809,6 +814,45 @@ class CollectorService:
             self.client.hset(self.keys.node_heartbeat, mapping=changed)
             for n, t in changed.items():
                 self._node_hb_written[int(n)] = float(t)
+
+    def _check_agents(self, now: float) -> None:
+        """Nodes whose agent connection closed since the last look are dead now (module
+        doc of :mod:`resihp.liveness_agent`).  Many closing at once (at least the mass-loss
+        share) is a Redis-side event (a restart, a CLIENT KILL): heartbeats judge those."""
+        if not self.config.agent_poll_s or now < self._agents_next:
+            return
+        self._agents_next = now + self.config.agent_poll_s
+        try:
+            names = [c.get("name", "") for c in self.client.client_list()]
+        except redis.ResponseError as e:  # CLIENT refused (ACL, a managed Redis): heartbeats only
+            log.warning("collector: CLIENT LIST refused (%s): node agents not watched", e)
+            self._agents_next = float("inf")
+            return
+        present = agent_nodes(names, self.keys.job_id)
+        gone = self._agents - present
+        self._agents = present
+        if not gone or self._outage or self._finished or not self._heard:
+            return
+        lv = self.liveness
+        if len(gone) >= max(lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)):
+            log.warning(
+                "collector: job %s: %d node agents disconnected at once: left to heartbeats",
+                self.keys.job_id,
+                len(gone),
+            )
+            return
+        for node in sorted(gone):
+            ev = lv.declare_node_dead(node, now)
+            if ev is None:
+                continue
+            log.warning(
+                "collector: node %d's agent connection closed: node dead, ranks=%s",
+                node,
+                ev.ranks[:16],
+            )
+            self._outbox.append((self.keys.liveness, ev, self.config.liveness_maxlen))
+            self._count("liveness_events_total")
+            self._count("liveness_agent_closed_total")
 
     def _mass_loss(self, new_holds: int) -> None:
         """Say when a suspect mass loss starts holding node verdicts, and when it ends."""

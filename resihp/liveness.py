@@ -437,6 +437,34 @@ class LivenessCoordinator:
         self.suspect_nodes = suspect
         return out
 
+    def declare_node_dead(self, node: int, now_s: float) -> LivenessEvent | None:
+        """A node whose agent connection closed (its process died and its kernel closed
+        the socket, :mod:`resihp.liveness_agent`): dead now, without K missed beats.
+        None when the node is unknown, down already, or has no device alive.  Only beats
+        that arrive after ``now_s`` bring it back (one already in the stream, unread, is
+        from before)."""
+        mon = self.monitors.get(node)
+        if mon is None or node in self.node_down:
+            return None
+        if not any(st.alive for st in mon.ranks.values()):
+            return None
+        last = mon.last_heard_s
+        mon.mark_all_dead()
+        for st in mon.ranks.values():
+            st.last_arrival_s = max(st.last_arrival_s, now_s)
+        mon.last_heard_s = max(mon.last_heard_s, now_s)
+        self.node_down.add(node)
+        self._recent_dead.append((now_s, node))
+        return LivenessEvent(
+            scope="node",
+            node=node,
+            ranks=sorted(mon.ranks),
+            state="dead",
+            detected_at_s=now_s,
+            last_seen_s=last,
+            missed_beats=0,
+        )
+
     # ------------------------------------------------------------ views
     def node_last_heard(self) -> dict[int, float]:
         return {n: m.last_heard_s for n, m in self.monitors.items() if m.last_heard_s > -math.inf}
