@@ -262,6 +262,13 @@ class CollectorConfig:
             f"fail-stop deadlines ({cls.job_silence_hold_deadlines:g}; 0: no hold)",
         )
         p.add_argument(
+            "--agent-poll-s",
+            type=float,
+            default=cls.agent_poll_s,
+            help="how often node agents' connections are looked up; a node whose agent "
+            f"disconnected is dead at once ({cls.agent_poll_s:g} s; 0: off)",
+        )
+        p.add_argument(
             "--telemetry-keep-s",
             type=float,
             default=cls.telemetry_keep_s,
@@ -290,6 +297,7 @@ class CollectorConfig:
             max_open_iterations=a.max_open_iterations,
             tp_dedup=tp_dedup,
             job_silence_hold_deadlines=a.job_silence_hold_deadlines,
+            agent_poll_s=a.agent_poll_s,
             telemetry_keep_s=a.telemetry_keep_s,
             read_count=a.read_count,
             iterations_maxlen=a.iterations_maxlen,
