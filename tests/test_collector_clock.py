@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from test_collector_service import _pump
 
 from collector.config import CollectorConfig
 from collector.service import CollectorService, _robust_low
@@ -32,15 +33,6 @@ def _service(r) -> CollectorService:
     r.set(KEYS.layout, json.dumps(lay.to_dict()))
     cfg = CollectorConfig(job_id=KEYS.job_id, layout_poll_s=0.05, block_ms=5)
     return CollectorService(cfg, r), lay
-
-
-def _pump(svc, until, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        svc.run_once()
-        if until():
-            return True
-    return False
 
 
 def _records(r):
