@@ -52,7 +52,8 @@ while True:
 """
 
 
-#: (job, ranks) of every fail-stop report naming a node that was not stopped
+#: (job, ranks) of every fail-stop report naming a node that was not stopped (or any
+#: node before the signal)
 FALSE: list[tuple[str, list[int]]] = []
 
 
@@ -95,8 +96,9 @@ def trial(srv: EmbeddedRedis, k: int, sig: int, iv: float, agents: bool) -> floa
             for eid, fields in client.xrange(keys.failures):
                 for m in decode_entry(fields)[0]:
                     if isinstance(m, FailureReport) and m.kind == "fail_stop":
-                        if set(m.ranks) & {12, 13, 14, 15}:
-                            return int(eid.split(b"-")[0]) / 1000 - t_sig
+                        at_s = int(eid.split(b"-")[0]) / 1000
+                        if at_s >= t_sig and set(m.ranks) & {12, 13, 14, 15}:
+                            return at_s - t_sig
                         if m.report_id not in false:
                             false.add(m.report_id)
                             FALSE.append((job, m.ranks))
