@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from resihp.assembly import COMM_WAIT_S
 from resihp.entry import parse_bool
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
-from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES
+from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES, MASS_LOSS_FRACTION
 
 #: The largest K the collector follows.  The detector validates field ``heartbeat_k``
 #: of the detector_config hash and refuses more (detector/config.py keeps the same
@@ -94,6 +94,15 @@ class CollectorConfig:
     #: reported 3 deadlines (7.5 s) after its last beat; a node or a subset of nodes
     #: dying while another node talks keeps the one-deadline (2.5 s) latency.  0: no hold.
     job_silence_hold_deadlines: float = JOB_SILENCE_HOLD_DEADLINES
+    #: Nodes dying within one deadline of each other that make up at least this fraction
+    #: of the nodes alive (and at least ``MASS_LOSS_MIN_NODES``) are a suspect mass loss:
+    #: their verdicts wait the same hold, and are confirmed only if still silent after
+    #: it with this collector caught up on the stream (:mod:`resihp.liveness`).
+    mass_loss_fraction: float = MASS_LOSS_FRACTION
+    #: How often the node agents' named connections are looked up (CLIENT LIST): a node
+    #: whose agent connection closed is dead at once (:mod:`resihp.liveness_agent`);
+    #: 0 turns it off (seconds).
+    agent_poll_s: float = 0.1
 
     # --- telemetry retention ---------------------------------------------------------
     #: The telemetry stream is trimmed behind its slowest consumer group (nothing any
@@ -195,6 +204,12 @@ class CollectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+        v = self.agent_poll_s
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
+            raise ValueError(f"agent_poll_s: must be a finite number >= 0, got {v!r}")
+        v = self.mass_loss_fraction
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= 1:
+            raise ValueError(f"mass_loss_fraction: must be in (0, 1], got {v!r}")
         if not isinstance(self.jitter_beats, int | float) or not 0 <= self.jitter_beats < 1:
             raise ValueError(f"jitter_beats: must be in [0, 1), got {self.jitter_beats!r}")
         if self.check_interval_s is not None and not (
@@ -247,6 +262,13 @@ class CollectorConfig:
             f"fail-stop deadlines ({cls.job_silence_hold_deadlines:g}; 0: no hold)",
         )
         p.add_argument(
+            "--agent-poll-s",
+            type=float,
+            default=cls.agent_poll_s,
+            help="how often node agents' connections are looked up; a node whose agent "
+            f"disconnected is dead at once ({cls.agent_poll_s:g} s; 0: off)",
+        )
+        p.add_argument(
             "--telemetry-keep-s",
             type=float,
             default=cls.telemetry_keep_s,
@@ -275,6 +297,7 @@ class CollectorConfig:
             max_open_iterations=a.max_open_iterations,
             tp_dedup=tp_dedup,
             job_silence_hold_deadlines=a.job_silence_hold_deadlines,
+            agent_poll_s=a.agent_poll_s,
             telemetry_keep_s=a.telemetry_keep_s,
             read_count=a.read_count,
             iterations_maxlen=a.iterations_maxlen,

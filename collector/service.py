@@ -63,8 +63,10 @@ from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
+from resihp.liveness_agent import agent_nodes
 from resihp.schemas import (
     ENTRY_MESSAGES,
+    RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
     ChunkBatch,
     ChunkTiming,
@@ -127,6 +129,21 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
 STALL_FRACTION = 0.5
 
 
+def _robust_low(win: np.ndarray) -> np.ndarray:
+    """Per row of offset samples (NaN: none): the smallest, once there are three or more
+    the second smallest, so that no single sample (one beat with a wild clock) moves the
+    estimate past a genuine one."""
+    srt = np.sort(win, axis=1)  # NaN last
+    n = np.sum(~np.isnan(win), axis=1)
+    return srt[np.arange(len(win)), np.where(n >= 3, 1, 0)]
+
+
+#: Messages ``CollectorService.published`` keeps (for tests, benches and status)...
+PUBLISHED_KEPT = 64
+#: ...of which at most this many iteration records.
+PUBLISHED_RECORDS_KEPT = 2
+
+
 class CollectorService:
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
@@ -153,6 +170,7 @@ class CollectorService:
             config.heartbeat_k,
             config.jitter_beats,
             hold_deadlines=config.job_silence_hold_deadlines,
+            mass_loss_fraction=config.mass_loss_fraction,
         )
         self.assembler = IterationAssembler(
             grace_s=config.grace_s,
@@ -180,6 +198,9 @@ class CollectorService:
         self._clock_next = 0.0
         self._check_next = 0.0
         self._frontier_s = 0.0
+        #: how far behind the stream this collector is (seconds; 0 when caught up)
+        self.lag_s = 0.0
+        self._suspect_said = 0
         self._stats_next = 0.0
         self._outage = False
         self._finished = False
@@ -192,6 +213,13 @@ class CollectorService:
         self._health_now = False  # write the health payload at the next loop
         self._trim_next = 0.0
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
+        self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
+        self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
+        self._lost_said = 0
+        self._agents: set[int] = set()  # nodes whose agent connection was seen last look
+        self._agents_next = 0.0
+        #: iteration times of the recent unflagged complete records (the bound's reference)
+        self._recent_iter_s: deque[float] = deque(maxlen=32)
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -293,6 +321,7 @@ class CollectorService:
         if not self._outage:
             self._count("collector_outages_total")
         self._outage = True
+        self._agents = set()  # agents reconnect after an outage: no comparison across it
 
     def _dead_letter(self, reason: str, raw: Any) -> None:
         bus.dead_letter(self.client, self.keys, self.keys.telemetry, SERVICE, reason, raw)
@@ -314,7 +343,6 @@ class CollectorService:
                 self.liveness.resume(now)
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
-            read_before = self.consumer.stats.read_total
             read_s = now
             batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
             if self.consumer.stats.reconnects_total != reconnects:
@@ -322,6 +350,7 @@ class CollectorService:
                 return 0
             now = self._clock()
             self._after_stall(now - read_s, now)
+            self._count_lost()
             if batch:
                 self._frontier_s = max(self._frontier_s, self._arrival_s(batch[-1][0]))
                 if not self._heard and self._frontier_s >= self._started_s - self._deadline_s():
@@ -331,16 +360,24 @@ class CollectorService:
                         log.info(
                             "collector: job %s reports again; judging liveness", self.keys.job_id
                         )
-            # Behind in reading (a full batch came back): everything up to the read
-            # frontier has been seen, what arrived after it not yet, so judge
-            # liveness at the frontier, never at a time whose beats are unread.
-            behind = self.consumer.stats.read_total - read_before >= self.config.read_count
-            judge_s = min(now, self._frontier_s) if behind else now
+            # "I am behind" vs "they are silent": only a read of new entries that came
+            # back short proves that every entry that reached Redis by now was read.
+            # Otherwise (a full batch, a re-read of pending entries after a restart, a
+            # reclaim) newer entries may wait unread: everything up to the read frontier
+            # (Redis's arrival time of the newest entry read) has been seen, so liveness is
+            # judged there, never at a time whose beats are unread.  The gap is this
+            # collector's lag, reported in its health and status.
+            if self.consumer.caught_up:
+                judge_s, self.lag_s = now, 0.0
+            else:
+                judge_s = min(now, self._frontier_s) if self._frontier_s else now
+                self.lag_s = max(0.0, now - judge_s)
             handled = self._ingest(batch, now)
             if now >= self._check_next:
                 self._check_next = now + self.config.check_every_s
                 self._runtime_k()
                 self._check_liveness(judge_s, now)
+            self._check_agents(now)
             self._assemble(now)
             self._flush_outbox()
             if self._ack_ready:
@@ -358,6 +395,24 @@ class CollectorService:
             self._mark_outage()
             time.sleep(0.2)
             return 0
+
+    def _count_lost(self) -> None:
+        """Entries of the job's producers trimmed before this collector read them: counted
+        (``telemetry_lost_total``: metric, health, ``resihp status``) and said, never silent."""
+        lost = self.consumer.stats.lost_total - self._lost_said
+        if lost <= 0:
+            return
+        self._lost_said += lost
+        self._count("telemetry_lost_total", lost)
+        self._health_now = True
+        self._lost_log.warning(
+            "collector: job %s: %d telemetry entries were trimmed from %s before this "
+            "collector read them (a flood past the stream's MAXLEN?); %d lost so far",
+            self.keys.job_id,
+            lost,
+            self.keys.telemetry,
+            self._lost_said,
+        )
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled
@@ -396,6 +451,9 @@ class CollectorService:
             for m in msgs:
                 # Heartbeats first: they are the many small messages of a big job.
                 if type(m) is Heartbeat:
+                    if self._wrong_node(np.array([m.rank]), np.array([m.node])).any():
+                        self._dead_letter(self._node_reason(m.rank, m.node, 1, 1), m.to_dict())
+                        continue
                     beats += 1
                     # the coordinator maps known ranks to their layout node itself
                     observe(m.rank, m.node, arrival_s, m.seq, m.iteration, m.generation)
@@ -406,6 +464,12 @@ class CollectorService:
                     continue
                 if type(m) is HeartbeatBatch:
                     hr = m.rows
+                    wrong = self._wrong_node(hr["rank"], hr["node"])
+                    if wrong.any():
+                        bad = hr[wrong]
+                        why = self._node_reason(bad["rank"][0], bad["node"][0], len(bad), len(hr))
+                        self._dead_letter(why, HeartbeatBatch(bad[:3]).to_dict())
+                        hr = hr[~wrong]
                     beats += len(hr)
                     self._track_skew(hr["rank"], hr["wall_time_s"], arrival_s, hr["generation"])
                     for r, n, q, i, g in zip(
@@ -462,6 +526,23 @@ class CollectorService:
             self._add_rows(singles, single_entry, now, checked=False)
         return handled
 
+    def _wrong_node(self, ranks: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """Mask of beats naming a node the layout does not have (ids from a rank are
+        untrusted: node 999999).  A node id inside the layout that is not the rank's own is
+        taken: liveness files a known rank under its layout node whatever the beat says."""
+        lay = self.layout
+        if lay is None:
+            return np.zeros(len(ranks), dtype=bool)
+        return nodes >= -(-lay.world_size // lay.devices_per_node)
+
+    def _node_reason(self, rank: int, node: int, n_bad: int, n: int) -> str:
+        lay = self.layout
+        nodes = -(-lay.world_size // lay.devices_per_node) if lay is not None else "?"
+        return (
+            f"heartbeat: node {int(node)} (rank {int(rank)}) is not a node of layout "
+            f"{lay.layout_id if lay is not None else '?'} ({nodes} nodes; {n_bad} of {n} beats)"
+        )
+
     def _track_skew(
         self, ranks: np.ndarray, wall_s: np.ndarray, arrival_s, generation: np.ndarray
     ) -> None:
@@ -514,7 +595,7 @@ class CollectorService:
         pos = self._skew_pos[u]
         self._skew_win[u, pos] = d_u
         self._skew_pos[u] = (pos + 1) % SKEW_WINDOW
-        self._skew_s[u] = np.nanmin(self._skew_win[u], axis=1)
+        self._skew_s[u] = _robust_low(self._skew_win[u])
         self._skew_gen[u] = gen_u
         self._skew_seen_s[u] = np.maximum(self._skew_seen_s[u], arr_u)
 
@@ -598,8 +679,30 @@ class CollectorService:
                 del self._pending[eid]
                 self._ack_ready.append(eid)
 
+    def _bound_record(self, rec: IterationRecord) -> None:
+        """Flag a record whose span is beyond the job's recent median x RECORD_TIME_FACTOR
+        (see :data:`resihp.schemas.RECORD_FLAGS`): no implausible time leaves unflagged."""
+        recent = self._recent_iter_s
+        if len(recent) >= 3:
+            ref = float(np.median(recent))
+            if ref > 0 and rec.iteration_time_s > RECORD_TIME_FACTOR * ref:
+                rec.flags.append("iteration_time_beyond_bound")
+                self._count("iterations_time_flagged_total")
+                self._flag_log.warning(
+                    "collector: iteration %d spans %.1f s, more than %g x the recent median "
+                    "%.2f s: published flagged (a rank's clock stepped, or the job hung)",
+                    rec.iteration,
+                    rec.iteration_time_s,
+                    RECORD_TIME_FACTOR,
+                    ref,
+                )
+                return
+        if rec.complete:
+            recent.append(rec.iteration_time_s)
+
     def _assemble(self, now: float) -> None:
         for rec in self.assembler.poll(now):
+            self._bound_record(rec)
             self._outbox.append((self.keys.iterations, rec, self.config.iterations_maxlen))
             self._count("iterations_published_total")
             if not rec.complete:
@@ -618,12 +721,22 @@ class CollectorService:
             self.client.xadd(stream, fields, maxlen=maxlen, approximate=True)
             self._outbox.popleft()
             self.published.append(msg)
-            if len(self.published) > 64:
-                del self.published[:-64]
+            if len(self.published) > PUBLISHED_KEPT:
+                del self.published[:-PUBLISHED_KEPT]
+            if isinstance(msg, IterationRecord):
+                self._drop_old_records()
         # Published (or nothing to publish): their entries may be acknowledged now.
         for it in self._release_after_publish:
             self._release(it)
         self._release_after_publish = []
+
+    def _drop_old_records(self) -> None:
+        """Keep only the newest ``PUBLISHED_RECORDS_KEPT`` records in ``published``: a
+        16k-GPU record is ~10^6 chunks as Python lists (hundreds of MB), and keeping 64
+        of them grew the collector by GBs in minutes (issue 24, item 2)."""
+        recs = [i for i, m in enumerate(self.published) if isinstance(m, IterationRecord)]
+        for i in reversed(recs[:-PUBLISHED_RECORDS_KEPT]):
+            del self.published[i]
 
     def _job_finished(self, now: float) -> bool:
         """Whether the trainer said the job ended on purpose.
@@ -679,8 +792,12 @@ class CollectorService:
         if not self._heard:
             self._say_silent(now)
             return
+        if judge_s < now - self._deadline_s():
+            self._count("liveness_checks_behind_total")
+        holds = self.liveness.mass_loss_holds_total
         events = self.liveness.check(judge_s)
         self._job_silence(judge_s, any(ev.state == "dead" for ev in events))
+        self._mass_loss(self.liveness.mass_loss_holds_total - holds)
         for ev in events:
             ev.detected_at_s = now
             log.warning(
@@ -697,6 +814,64 @@ class CollectorService:
             self.client.hset(self.keys.node_heartbeat, mapping=changed)
             for n, t in changed.items():
                 self._node_hb_written[int(n)] = float(t)
+
+    def _check_agents(self, now: float) -> None:
+        """Nodes whose agent connection closed since the last look are dead now (module
+        doc of :mod:`resihp.liveness_agent`).  Many closing at once (at least the mass-loss
+        share) is a Redis-side event (a restart, a CLIENT KILL): heartbeats judge those."""
+        if not self.config.agent_poll_s or now < self._agents_next:
+            return
+        self._agents_next = now + self.config.agent_poll_s
+        try:
+            names = [c.get("name", "") for c in self.client.client_list()]
+        except redis.ResponseError as e:  # CLIENT refused (ACL, a managed Redis): heartbeats only
+            log.warning("collector: CLIENT LIST refused (%s): node agents not watched", e)
+            self._agents_next = float("inf")
+            return
+        present = agent_nodes(names, self.keys.job_id)
+        gone = self._agents - present
+        self._agents = present
+        if not gone or self._outage or self._finished or not self._heard:
+            return
+        lv = self.liveness
+        if len(gone) >= max(lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)):
+            log.warning(
+                "collector: job %s: %d node agents disconnected at once: left to heartbeats",
+                self.keys.job_id,
+                len(gone),
+            )
+            return
+        for node in sorted(gone):
+            ev = lv.declare_node_dead(node, now)
+            if ev is None:
+                continue
+            log.warning(
+                "collector: node %d's agent connection closed: node dead, ranks=%s",
+                node,
+                ev.ranks[:16],
+            )
+            self._outbox.append((self.keys.liveness, ev, self.config.liveness_maxlen))
+            self._count("liveness_events_total")
+            self._count("liveness_agent_closed_total")
+
+    def _mass_loss(self, new_holds: int) -> None:
+        """Say when a suspect mass loss starts holding node verdicts, and when it ends."""
+        n = len(self.liveness.suspect_nodes)
+        if n == self._suspect_said:
+            return
+        if new_holds:
+            self._count("liveness_mass_loss_holds_total", new_holds)
+            log.warning(
+                "collector: job %s: %d node(s) silent within one deadline of each other while "
+                "the rest of the job talks (lag %.1f s): suspect (delayed telemetry?), their "
+                "verdicts held up to %.1f s more",
+                self.keys.job_id,
+                n,
+                self.lag_s,
+                self.liveness.hold_deadlines * self.liveness.deadline_s(),
+            )
+        self._suspect_said = n
+        self._health_now = True
 
     def _job_silence(self, judge_s: float, deaths: bool) -> None:
         """Say when a job-wide silence starts holding the node verdicts, and how it ended."""
@@ -806,6 +981,11 @@ class CollectorService:
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)
             if self._frontier_s
             else None,
+            # how far this collector is behind the stream (0: caught up; a backlog older
+            # than the fail-stop deadline is this collector's lag, not the nodes' silence)
+            bus.COLLECTOR_LAG_S: round(self.lag_s, 3),
+            # nodes whose death verdict is held as part of a suspect mass loss
+            bus.SUSPECT_NODES: len(self.liveness.suspect_nodes),
             # false while the job has been silent since before this collector started,
             # and while a job-wide silence holds the node verdicts
             bus.JUDGING_LIVENESS: self._heard
@@ -814,6 +994,8 @@ class CollectorService:
             # when the job was last heard, during a job-wide silence (else None)
             bus.JOB_SILENT_SINCE: None if self._finished else self._job_silent_since,
             "deadletter_total": self.consumer.stats.deadletter_total,
+            # entries trimmed from the telemetry stream before this collector read them
+            "telemetry_lost_total": self.consumer.stats.lost_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
         }
 

@@ -21,7 +21,7 @@ import redis
 from dashboard import figures
 from dashboard.data import DashboardData
 from dashboard.predict import healthy_iteration_time_s
-from resihp.bus import liveness_judged
+from resihp.bus import collector_lag_s, liveness_judged
 from resihp.schemas import AdaptationPlan
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -158,6 +158,15 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
                 "at once (verdicts held for a bounded time): no fail-stop verdicts.",
             )
             w.sample("resihp_liveness_judged", _labels(job=job), judging)
+        lag = collector_lag_s(services.get("collector:0"))
+        if lag is not None:
+            w.family(
+                "resihp_collector_lag_seconds",
+                "gauge",
+                "How far the collector is behind the job's telemetry stream (0: caught up); "
+                "while behind it judges liveness at the newest entry it read.",
+            )
+            w.sample("resihp_collector_lag_seconds", _labels(job=job), lag)
         w.family("resihp_failures_total", "counter", "Failure reports by kind.")
         by_kind = Counter(f.kind for f in failures)
         counters = data.counters(job)

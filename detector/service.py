@@ -252,6 +252,7 @@ class DetectorService:
             return
         self.engine.set_layout(layout)
         self.live_in.max_rank = None  # liveness may name ranks of an older, larger layout
+        self.iter_in.max_rank = layout.world_size  # a record of rank 99999 is refused
 
     # ---------------------------------------------------------- main step
     def run_once(self) -> int:

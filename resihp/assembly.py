@@ -447,6 +447,19 @@ class IterationAssembler:
                     )
                 )
                 rows = rows[~unknown]
+            lay = view.layout
+            outside = (
+                (rows["dp"] >= lay.dp) | (rows["stage"] >= lay.pp) | (rows["src_dp"] >= lay.dp)
+            )
+            if outside.any():
+                res.rejected.append(
+                    (
+                        f"chunk rows: dp/stage/src_dp outside the layout ({lay.dp} replicas, "
+                        f"{lay.pp} stages; layout_id {view.layout_id})",
+                        rows[outside],
+                    )
+                )
+                rows = rows[~outside]
             if self.tp_dedup and len(rows):
                 keep = view.tp_index[rows["rank"]] == 0
                 res.tp_dropped_total = int(len(rows) - keep.sum())

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from resihp.keys import DEFAULT_STREAM_MAXLEN, JOB_EPOCHS, JOBS_SET, JobKeys
-from resihp.schemas import ChunkBatch, Message, decode_entry, encode_one
+from resihp.schemas import ENTRY_SEQ, ChunkBatch, Message, decode_entry, encode_one
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,9 @@ class ConsumerStats:
     deadletter_total: int = 0
     reclaimed_total: int = 0
     reconnects_total: int = 0
+    #: entries of numbered producers (``schemas.ENTRY_SEQ``) never delivered: a gap in a
+    #: producer's numbers among new entries (trimmed unread by MAXLEN under a flood)
+    lost_total: int = 0
 
 
 @dataclass
@@ -190,6 +193,13 @@ class StreamConsumer:
     _pending_checked: bool = False
     _pending_cursor: bytes | str = "0"
     _down_log: ThrottledWarning = field(default_factory=lambda: ThrottledWarning(log))
+    #: Whether the last read proved this consumer caught up: a read of new entries
+    #: (``>``) that came back with fewer than it asked for, so nothing that had reached
+    #: the stream by then is left unread.  A full read, a re-read of pending entries and
+    #: a reclaim prove nothing (newer entries may be waiting).
+    caught_up: bool = False
+    #: producer id -> the highest entry number of it delivered (new entries only)
+    _seq_seen: dict[str, int] = field(default_factory=dict)
 
     def ensure_group(self) -> None:
         try:
@@ -233,6 +243,7 @@ class StreamConsumer:
 
     def read(self, count: int = 100, block_ms: int | None = 100):
         """Valid messages of new (or reclaimed, or own-pending) entries."""
+        self.caught_up = False
         try:
             return self._read(count, block_ms)
         except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -278,9 +289,36 @@ class StreamConsumer:
         resp = self.client.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
         )
-        if not resp:
-            return []
-        return self._decode(resp[0][1])
+        entries = resp[0][1] if resp else []
+        self.caught_up = len(entries) < count
+        if entries:
+            self._count_gaps(entries)
+        return self._decode(entries) if entries else []
+
+    #: Producers whose numbers are followed (the oldest forgotten beyond it).
+    MAX_PRODUCERS = 4096
+
+    def _count_gaps(self, entries) -> None:
+        """Count entries of a numbered producer that never reached this group: new entries
+        come in stream order, so a producer's number jumping by more than one is entries
+        trimmed (or lost) before they were read.  Old numbers (a resend) count nothing."""
+        seen = self._seq_seen
+        for _id, fields in entries:
+            raw = fields.get(ENTRY_SEQ) if fields else None
+            if raw is None:
+                continue
+            try:
+                who, _, n_s = raw.decode("ascii").rpartition(":")
+                n = int(n_s)
+            except (UnicodeDecodeError, ValueError):
+                continue
+            last = seen.get(who)
+            if last is not None and n > last + 1:
+                self.stats.lost_total += n - last - 1
+            if last is None or n > last:
+                if last is None and len(seen) >= self.MAX_PRODUCERS:
+                    del seen[next(iter(seen))]
+                seen[who] = n
 
     def ack(self, ids) -> None:
         if not ids:
@@ -302,6 +340,19 @@ JUDGING_LIVENESS = "judging_liveness"
 #: Collector health field: when every node of a running job went quiet at once (its
 #: trainer or host stalled); set while the collector holds the node verdicts back.
 JOB_SILENT_SINCE = "job_silent_since_s"
+
+
+#: Collector health field: how many seconds the collector is behind its telemetry stream
+#: (0 when its last read proved it caught up).
+COLLECTOR_LAG_S = "collector_lag_s"
+#: Collector health field: nodes whose death verdict is held as a suspect mass loss.
+SUSPECT_NODES = "suspect_nodes"
+
+
+def collector_lag_s(collector_health: dict | None) -> float | None:
+    """The collector's lag behind its telemetry stream, from its health payload."""
+    v = (collector_health or {}).get(COLLECTOR_LAG_S)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def job_silent_since(collector_health: dict | None) -> float | None:

@@ -43,6 +43,18 @@ talks) keep the 2.5 I latency exactly: the other nodes beat every I, so by then
 one was heard at least 1.5 I after the failure.  A job whose nodes all died
 already but one (or a one-node job) is that node: its death is a job-wide
 silence.
+
+Mass loss: many nodes dying within one deadline while the rest of the job still
+talks is far more often the observer's problem (a telemetry path that delayed some
+nodes' beats, a collector that fell behind) than that many independent failures.
+When at least ``mass_loss_min_nodes`` nodes and ``mass_loss_fraction`` of the nodes
+alive reach their deadline within one deadline of each other, those verdicts are
+*suspect*: held for ``hold_deadlines`` more deadlines (the same hold as a job-wide
+silence), during which the collector must stay caught up on the stream (it judges
+at its read frontier while behind) and the rest of the job keeps being heard.  A
+node heard again within the hold produces no verdict; one still silent after it is
+dead, ``(1 + hold_deadlines)`` deadlines after its last beat (the cross-check costs a
+real mass failure 5 s more with the defaults; a single node, or a few, keep 2.5 I).
 """
 
 from __future__ import annotations
@@ -61,6 +73,10 @@ JOB_SILENCE_HOLD_DEADLINES = 2.0
 #: How much later than a node another one must have been heard for the first node's
 #: silence to be its own (in intervals): the level-1 rule's margin, one level up.
 QUIET_TOGETHER_BEATS = 1.25
+#: Fraction of the nodes alive whose deaths within one deadline are a suspect mass loss.
+MASS_LOSS_FRACTION = 0.1
+#: ... and at least this many nodes (a 4-node job losing 1 node is not a mass loss).
+MASS_LOSS_MIN_NODES = 4
 
 
 @dataclass
@@ -197,6 +213,8 @@ class LivenessCoordinator:
         k: int = 2,
         jitter_beats: float = 0.5,
         hold_deadlines: float = JOB_SILENCE_HOLD_DEADLINES,
+        mass_loss_fraction: float = MASS_LOSS_FRACTION,
+        mass_loss_min_nodes: int = MASS_LOSS_MIN_NODES,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -208,6 +226,18 @@ class LivenessCoordinator:
         self.k = int(k)
         self.jitter_beats = float(jitter_beats)
         self.hold_deadlines = float(hold_deadlines)
+        if not 0 < mass_loss_fraction <= 1:
+            raise ValueError(f"mass_loss_fraction must be in (0, 1], got {mass_loss_fraction}")
+        if mass_loss_min_nodes < 2:
+            raise ValueError(f"mass_loss_min_nodes must be >= 2, got {mass_loss_min_nodes}")
+        self.mass_loss_fraction = float(mass_loss_fraction)
+        self.mass_loss_min_nodes = int(mass_loss_min_nodes)
+        #: nodes whose death verdict is held as part of a suspect mass loss (see module doc)
+        self.suspect_nodes: set[int] = set()
+        #: (when declared, node) of the node deaths of the last deadline
+        self._recent_dead: list[tuple[float, int]] = []
+        #: suspect mass losses held so far (each new one counted once)
+        self.mass_loss_holds_total = 0
         #: While node verdicts are held because the whole job went quiet together: when
         #: any of its nodes still alive was last heard.  None otherwise.
         self.job_silent_since_s: float | None = None
@@ -322,6 +352,7 @@ class LivenessCoordinator:
             # of other processes beat again at their own phase, a moment later)
             for m in alive:
                 m.judge_from_s = max(m.judge_from_s, job_heard_s)
+        dying: list[tuple[int, NodeMonitor]] = []
         for node, mon in sorted(self.monitors.items()):
             if node in self.node_down:
                 back = mon.take_rejoined()
@@ -349,19 +380,7 @@ class LivenessCoordinator:
                     # silence, not this node's failure (yet)
                     held = True
                     continue
-                mon.mark_all_dead()
-                self.node_down.add(node)
-                events.append(
-                    LivenessEvent(
-                        scope="node",
-                        node=node,
-                        ranks=sorted(mon.ranks),
-                        state="dead",
-                        detected_at_s=now_s,
-                        last_seen_s=mon.last_heard_s,
-                        missed_beats=mon.missed(mon.last_heard_s, now_s),
-                    )
-                )
+                dying.append((node, mon))
                 continue
             for d in mon.check(now_s):
                 events.append(
@@ -376,7 +395,75 @@ class LivenessCoordinator:
                     )
                 )
         self.job_silent_since_s = job_heard_s if held else None
+        for node, mon in self._past_mass_hold(dying, len(alive), hold_s, now_s):
+            mon.mark_all_dead()
+            self.node_down.add(node)
+            self._recent_dead.append((now_s, node))
+            events.append(
+                LivenessEvent(
+                    scope="node",
+                    node=node,
+                    ranks=sorted(mon.ranks),
+                    state="dead",
+                    detected_at_s=now_s,
+                    last_seen_s=mon.last_heard_s,
+                    missed_beats=mon.missed(mon.last_heard_s, now_s),
+                )
+            )
         return events
+
+    def _past_mass_hold(
+        self, dying: list[tuple[int, NodeMonitor]], n_alive: int, hold_s: float, now_s: float
+    ) -> list[tuple[int, NodeMonitor]]:
+        """The nodes of ``dying`` to declare dead now: all of them, unless they make a
+        suspect mass loss with the node deaths of the last deadline (module doc); then
+        only those silent past the hold as well."""
+        horizon = now_s - self.deadline_s()
+        self._recent_dead = [(t, n) for t, n in self._recent_dead if t >= horizon]
+        wave = len(dying) + len(self._recent_dead)
+        mass = (
+            hold_s > 0
+            and len(dying) > 0
+            and wave >= self.mass_loss_min_nodes
+            and wave >= self.mass_loss_fraction * (n_alive + len(self._recent_dead))
+        )
+        if not mass:
+            self.suspect_nodes = set()
+            return dying
+        out = [(n, m) for n, m in dying if now_s - m.quiet_since_s() >= m.deadline_s() + hold_s]
+        suspect = {n for n, _ in dying} - {n for n, _ in out}
+        if suspect - self.suspect_nodes and not self.suspect_nodes:
+            self.mass_loss_holds_total += 1
+        self.suspect_nodes = suspect
+        return out
+
+    def declare_node_dead(self, node: int, now_s: float) -> LivenessEvent | None:
+        """A node whose agent connection closed (its process died and its kernel closed
+        the socket, :mod:`resihp.liveness_agent`): dead now, without K missed beats.
+        None when the node is unknown, down already, or has no device alive.  Only beats
+        that arrive after ``now_s`` bring it back (one already in the stream, unread, is
+        from before)."""
+        mon = self.monitors.get(node)
+        if mon is None or node in self.node_down:
+            return None
+        if not any(st.alive for st in mon.ranks.values()):
+            return None
+        last = mon.last_heard_s
+        mon.mark_all_dead()
+        for st in mon.ranks.values():
+            st.last_arrival_s = max(st.last_arrival_s, now_s)
+        mon.last_heard_s = max(mon.last_heard_s, now_s)
+        self.node_down.add(node)
+        self._recent_dead.append((now_s, node))
+        return LivenessEvent(
+            scope="node",
+            node=node,
+            ranks=sorted(mon.ranks),
+            state="dead",
+            detected_at_s=now_s,
+            last_seen_s=last,
+            missed_beats=0,
+        )
 
     # ------------------------------------------------------------ views
     def node_last_heard(self) -> dict[int, float]:

@@ -8,6 +8,13 @@ packs many messages and many chunk rows into each stream entry
 (:func:`resihp.schemas.encode_entry`), sends many entries per round trip
 (pipelined XADD with an approximate MAXLEN), and while Redis is unreachable it
 keeps the queue, backs off exponentially and resends once Redis answers again.
+
+Heartbeats travel in a lane of their own: their own queue, their own sender thread and
+so their own Redis connection.  A heartbeat never waits behind chunk rows: at 16k GPUs
+one iteration hands over ~10^6 rows (tens of MB of XADDs that take seconds on a loaded
+host), and beats queued behind them reached Redis seconds late, for some nodes and not
+others, which the collector rightly read as those nodes' silence (issue 24: 1,536 of
+2,048 nodes declared dead under load).
 Delivery is at-least-once: a round trip that failed half-way is resent whole,
 so the collector deduplicates chunk rows.  ``close()`` (also run at exit)
 flushes what is queued.
@@ -19,6 +26,7 @@ import atexit
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any
 
@@ -28,6 +36,7 @@ import redis
 from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
 from resihp.schemas import (
     CHUNK_DTYPE,
+    ENTRY_SEQ,
     HEARTBEAT_DTYPE,
     ChunkTiming,
     Heartbeat,
@@ -46,6 +55,21 @@ _CHUNK = 1
 _ROWS = 2
 _HB = 3
 _HB_ROWS = 4
+_BEAT_KINDS = (_HB, _HB_ROWS)
+
+
+class _Lane:
+    """One queue with its sender thread: the bulk lane (rows, messages) or the beat lane."""
+
+    def __init__(self, name: str, producer_id: str):
+        self.name = name
+        #: entries are numbered per lane (``ENTRY_SEQ``): a reader counts the gaps
+        self.producer_id = producer_id
+        self.seq = 0
+        self.items: deque[tuple[int, Any, int]] = deque()
+        self.inflight: list[tuple[dict[bytes, bytes], int]] = []
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
 
 
 class TelemetryProducer:
@@ -95,14 +119,13 @@ class TelemetryProducer:
         self.max_backoff_s = float(max_backoff_s)
 
         self._lock = threading.Lock()
-        self._items: deque[tuple[int, Any, int]] = deque()
-        # Events queued or in flight: only a confirmed send releases queue space,
-        # so an outage cannot grow memory past max_queue.
+        pid = uuid.uuid4().hex[:12]
+        self._bulk = _Lane("resihp-telemetry-producer", f"{pid}-b")
+        self._beats = _Lane("resihp-telemetry-heartbeats", f"{pid}-h")
+        # Events queued or in flight (both lanes): only a confirmed send releases queue
+        # space, so an outage cannot grow memory past max_queue.
         self._held = 0
-        self._inflight: list[tuple[dict[bytes, bytes], int]] = []
-        self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._close_deadline = float("inf")
         self._registered = False
         self._dropped_reported = 0
@@ -119,12 +142,16 @@ class TelemetryProducer:
             atexit.register(self._atexit)
 
     # ------------------------------------------------------------ producer side
+    def _lanes(self) -> tuple[_Lane, _Lane]:
+        return (self._beats, self._bulk)
+
     def start(self) -> TelemetryProducer:
-        if self._thread is None and not self._closed:
-            self._thread = threading.Thread(
-                target=self._run, name="resihp-telemetry-producer", daemon=True
-            )
-            self._thread.start()
+        if self._bulk.thread is None and not self._closed:
+            for lane in self._lanes():
+                lane.thread = threading.Thread(
+                    target=self._run, args=(lane,), name=lane.name, daemon=True
+                )
+                lane.thread.start()
         return self
 
     def heartbeat(self, hb: Heartbeat) -> bool:
@@ -163,11 +190,17 @@ class TelemetryProducer:
             take = min(n, space)
             self.dropped_total += n - take
             self._held += take
-            self._items.append((kind, np.array(rows[:take], copy=True), take))
+            lane = self._beats if kind in _BEAT_KINDS else self._bulk
+            lane.items.append((kind, np.array(rows[:take], copy=True), take))
             full = self._held >= self.max_batch
-        if full and not self._wake.is_set():  # Event.set() costs a notify per call
-            self._wake.set()
+        self._nudge(lane, full)
         return take
+
+    def _nudge(self, lane: _Lane, full: bool) -> None:
+        # a beat goes out now; bulk once a batch is full (else at the flush interval).
+        # Event.set() costs a notify per call: only when not set already.
+        if (full or lane is self._beats) and not lane.wake.is_set():
+            lane.wake.set()
 
     def _offer(self, kind: int, item: Any, n: int) -> bool:
         with self._lock:
@@ -175,10 +208,10 @@ class TelemetryProducer:
                 self.dropped_total += n
                 return False
             self._held += n
-            self._items.append((kind, item, n))
+            lane = self._beats if kind in _BEAT_KINDS else self._bulk
+            lane.items.append((kind, item, n))
             full = self._held >= self.max_batch
-        if full and not self._wake.is_set():  # Event.set() costs a notify per call
-            self._wake.set()
+        self._nudge(lane, full)
         return True
 
     @property
@@ -200,34 +233,40 @@ class TelemetryProducer:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything queued so far is confirmed sent; False on timeout."""
         deadline = time.monotonic() + timeout_s
-        self._wake.set()
+        self._wake_all()
         while self._held > 0:
-            if time.monotonic() >= deadline or self._thread is None:
+            if time.monotonic() >= deadline or self._bulk.thread is None:
                 return self._held == 0
             time.sleep(0.002)
-            self._wake.set()
+            self._wake_all()
         return True
+
+    def _wake_all(self) -> None:
+        for lane in self._lanes():
+            lane.wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Flush what is queued (up to ``timeout_s``), stop the thread. What is left is dropped."""
         if self._closed:
             return
-        if self._thread is None and self._held:
+        if self._bulk.thread is None and self._held:
             self.start()
         with self._lock:
             self._closed = True
         self._close_deadline = time.monotonic() + timeout_s
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s + 1.0)
+        self._wake_all()
+        for lane in self._lanes():
+            if lane.thread is not None:
+                lane.thread.join(max(0.0, self._close_deadline - time.monotonic()) + 1.0)
         with self._lock:
             left = self._held
             if left:
                 self.dropped_total += left
                 self._held = 0
-                self._items.clear()
-                self._inflight = []
+                for lane in self._lanes():
+                    lane.items.clear()
+                    lane.inflight = []
         if left:
             log.warning("telemetry producer closed with %d events unsent (dropped)", left)
         if self._close_at_exit:
@@ -240,7 +279,7 @@ class TelemetryProducer:
             log.exception("telemetry producer: flush at exit failed")
 
     # ------------------------------------------------------------ sender thread
-    def _run(self) -> None:
+    def _run(self, lane: _Lane) -> None:
         backoff_s = 0.0
         while True:
             if backoff_s:
@@ -250,10 +289,10 @@ class TelemetryProducer:
                 else:
                     self._stop.wait(backoff_s)
             else:
-                self._wake.wait(self.flush_interval_s)
-            self._wake.clear()
+                lane.wake.wait(self.flush_interval_s)
+            lane.wake.clear()
             try:
-                ok = self._drain()
+                ok = self._drain(lane)
             except Exception as e:  # the sender must survive anything
                 log.exception("telemetry producer: unexpected error")
                 self.last_error = repr(e)
@@ -263,24 +302,27 @@ class TelemetryProducer:
             else:
                 backoff_s = min(self.max_backoff_s, max(0.05, backoff_s * 2))
             if self._stop.is_set():
-                if self._held == 0 or time.monotonic() >= self._close_deadline:
+                idle = not lane.items and not lane.inflight
+                if idle or time.monotonic() >= self._close_deadline:
                     return
 
-    def _drain(self) -> bool:
-        """Send rounds until the queue is empty; False if Redis failed."""
+    def _drain(self, lane: _Lane) -> bool:
+        """Send rounds until the lane's queue is empty; False if Redis failed."""
         while True:
-            if not self._inflight:
-                self._inflight = self._build_round()
-                if not self._inflight:
+            if not lane.inflight:
+                lane.inflight = self._build_round(lane)
+                if not lane.inflight:
                     return True
-            if not self._send(self._inflight):
+            if not self._send(lane.inflight):
                 return False
-            self._inflight = []
+            lane.inflight = []
 
     def _send(self, entries: list[tuple[dict[bytes, bytes], int]]) -> bool:
         n_events = sum(n for _, n in entries)
         n_sent = sum(n for f, n in entries if f)
-        dropped_delta = self.dropped_total - self._dropped_reported
+        with self._lock:  # two sender threads: each drop is reported by one of them
+            dropped_delta = self.dropped_total - self._dropped_reported
+            self._dropped_reported += dropped_delta
         try:
             pipe = self.client.pipeline(transaction=False)
             for fields, _ in entries:
@@ -296,31 +338,32 @@ class TelemetryProducer:
             self.send_errors_total += 1
             self.last_error = repr(e)
             log.debug("telemetry producer: send failed (%s); will retry", e)
+            with self._lock:
+                self._dropped_reported -= dropped_delta
             return False
         self._registered = True
-        self._dropped_reported += dropped_delta
         with self._lock:
             self._held -= n_events
         self.sent_total += n_sent
         self.entries_total += sum(1 for f, _ in entries if f)
         return True
 
-    def _take(self) -> list[tuple[int, Any, int]]:
+    def _take(self, lane: _Lane) -> list[tuple[int, Any, int]]:
         """Pop up to one round's worth of events, splitting a row array at the boundary."""
         budget = self.max_batch * self.entries_per_round
         out: list[tuple[int, Any, int]] = []
         with self._lock:
-            while self._items and budget > 0:
-                kind, item, n = self._items.popleft()
+            while lane.items and budget > 0:
+                kind, item, n = lane.items.popleft()
                 if n > budget:
-                    self._items.appendleft((kind, item[budget:], n - budget))
+                    lane.items.appendleft((kind, item[budget:], n - budget))
                     item, n = item[:budget], budget
                 out.append((kind, item, n))
                 budget -= n
         return out
 
-    def _build_round(self) -> list[tuple[dict[bytes, bytes], int]]:
-        taken = self._take()
+    def _build_round(self, lane: _Lane) -> list[tuple[dict[bytes, bytes], int]]:
+        taken = self._take(lane)
         if not taken:
             return []
         msgs: list[Message] = []
@@ -395,6 +438,9 @@ class TelemetryProducer:
                         bad_events += 1
                 fields = encode_entry(ok_msgs, rw, hw)
                 n_ok = len(ok_msgs)
+            if fields:
+                lane.seq += 1
+                fields[ENTRY_SEQ] = f"{lane.producer_id}:{lane.seq}".encode()
             entries.append((fields, n_ok + len(rw) + len(hw)))
         if bad_events:
             self.invalid_total += bad_events

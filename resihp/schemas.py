@@ -178,7 +178,59 @@ def _nonneg(cls_name: str, **values: float) -> None:
 
 
 # --------------------------------------------------------------------------
+# physical bounds: every timestamp and id from a rank is untrusted input
+
+#: A rank's clock reading (epoch seconds) must lie in [0, WALL_TIME_MAX_S] (2100-01-01):
+#: anything else is no reading of any clock (``wall_time_s=-1e9`` made five records
+#: read 2.8e9 s).  Smaller offsets of a wrong clock are the collector's to estimate.
+WALL_TIME_MAX_S = 4_102_444_800.0
+#: Ids of ranks and nodes: below the largest job a layout may describe
+#: (``resihp.topology.MAX_WORLD_SIZE``, repeated here: the schemas import nothing of ours).
+MAX_ID = 1 << 20
+#: Iteration and sequence numbers: the packed columns' int32 range.
+MAX_ITERATION = (1 << 31) - 1
+#: The longest span one message may time (a chunk, an iteration): 30 days.
+MAX_SPAN_S = 30 * 86_400.0
+#: Ranks one message (a liveness event, a failure report) may name.
+MAX_RANKS_PER_MESSAGE = MAX_ID
+
+
+def _wall(cls_name: str, **values: float) -> None:
+    for k, v in values.items():
+        if not 0.0 <= v <= WALL_TIME_MAX_S:
+            raise SchemaError(
+                f"{cls_name}.{k}: {v} is outside the physical bounds of a clock reading "
+                f"[0, {WALL_TIME_MAX_S:.0f}] s"
+            )
+
+
+def _ids(cls_name: str, **values: int) -> None:
+    for k, v in values.items():
+        if not 0 <= v < MAX_ID:
+            raise SchemaError(f"{cls_name}.{k}: {v} is not an id in [0, {MAX_ID})")
+
+
+def _iteration(cls_name: str, **values: int) -> None:
+    for k, v in values.items():
+        if not 0 <= v <= MAX_ITERATION:
+            raise SchemaError(f"{cls_name}.{k}: {v} is outside [0, {MAX_ITERATION}]")
+
+
+def _rank_list(cls_name: str, name: str, ranks: list) -> None:
+    if len(ranks) > MAX_RANKS_PER_MESSAGE:
+        raise SchemaError(f"{cls_name}.{name}: {len(ranks)} ranks, more than any job has")
+    bad = [r for r in ranks if not 0 <= r < MAX_ID]
+    if bad:
+        raise SchemaError(f"{cls_name}.{name}: {bad[:8]} are not rank ids in [0, {MAX_ID})")
+
+
+# --------------------------------------------------------------------------
 # message base
+
+#: Keys any JSON message may carry beside its fields: its type and version, and the
+#: arrival time ``resihp record`` annotates each line of a trace with.  Any other key is
+#: refused (a heartbeat carried an unknown 1 MB field).
+_ENVELOPE = frozenset({"type", "schema_version", "arrival_s"})
 
 
 @dataclass
@@ -186,6 +238,10 @@ class Message:
     """Base of every JSON wire message."""
 
     TYPE: ClassVar[str] = ""
+    #: Refuse a JSON object with fields beyond the message's (the messages ranks send: a
+    #: heartbeat carried an unknown 1 MB field).  The stack's own messages keep extra
+    #: fields (a record annotated for the dashboard).
+    STRICT_FIELDS: ClassVar[bool] = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -200,7 +256,24 @@ class Message:
         """Semantic checks beyond field types; raise SchemaError."""
 
     @classmethod
+    def _allowed_keys(cls) -> frozenset[str]:
+        got = cls.__dict__.get("_ALLOWED")
+        if got is None:
+            got = frozenset(f.name for f in dataclasses.fields(cls)) | _ENVELOPE
+            cls._ALLOWED = got
+        return got
+
+    @classmethod
+    def _no_unknown_fields(cls, d: dict[str, Any]) -> None:
+        extra = d.keys() - cls._allowed_keys()
+        if extra:
+            names = sorted(str(k)[:40] for k in extra)[:5]
+            raise SchemaError(f"{cls.__name__}: unknown field(s) {names}")
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
+        if cls.STRICT_FIELDS:
+            cls._no_unknown_fields(d)
         kwargs = {}
         for f in dataclasses.fields(cls):
             if f.name in d:
@@ -217,6 +290,7 @@ class Heartbeat(Message):
     """Liveness of one rank, with its training progress."""
 
     TYPE: ClassVar[str] = "heartbeat"
+    STRICT_FIELDS: ClassVar[bool] = True
     rank: int
     node: int
     iteration: int
@@ -225,7 +299,12 @@ class Heartbeat(Message):
     generation: int = 0
 
     def check(self) -> None:
-        _nonneg("Heartbeat", rank=self.rank, node=self.node, seq=self.seq)
+        _ids("Heartbeat", rank=self.rank, node=self.node)
+        _iteration("Heartbeat", iteration=self.iteration, generation=self.generation)
+        _nonneg("Heartbeat", seq=self.seq)
+        if self.seq >= 1 << 63:
+            raise SchemaError(f"Heartbeat.seq: {self.seq} is out of range")
+        _wall("Heartbeat", wall_time_s=self.wall_time_s)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
@@ -236,6 +315,7 @@ class Heartbeat(Message):
         except KeyError:
             return super().from_dict(d)
         seq, gen = d.get("seq", 0), d.get("generation", 0)
+        cls._no_unknown_fields(d)
         if (
             type(rank) is int
             and type(node) is int
@@ -256,6 +336,7 @@ class ChunkTiming(Message):
     """One timed chunk (the unpacked form; batches use ChunkBatch)."""
 
     TYPE: ClassVar[str] = "chunk"
+    STRICT_FIELDS: ClassVar[bool] = True
     rank: int
     iteration: int
     dp: int
@@ -273,7 +354,14 @@ class ChunkTiming(Message):
             raise SchemaError(f"ChunkTiming.kind: unknown kind {self.kind!r}")
         if self.direction not in (-1, 0, 1):
             raise SchemaError(f"ChunkTiming.direction: must be -1, 0 or 1, got {self.direction!r}")
-        _nonneg("ChunkTiming", rank=self.rank, iteration=self.iteration, stage=self.stage)
+        _nonneg("ChunkTiming", stage=self.stage, dp=self.dp, microbatch=self.microbatch)
+        _ids("ChunkTiming", rank=self.rank)
+        _iteration("ChunkTiming", iteration=self.iteration, microbatch=self.microbatch)
+        if self.src_dp < -1:
+            raise SchemaError(f"ChunkTiming.src_dp: must be >= -1, got {self.src_dp}")
+        _wall("ChunkTiming", start_s=self.start_s, end_s=self.end_s)
+        if self.end_s - self.start_s > MAX_SPAN_S:
+            raise SchemaError(f"ChunkTiming: a chunk of {self.end_s - self.start_s} s")
         if self.end_s < self.start_s:
             raise SchemaError(
                 f"ChunkTiming: negative duration (start {self.start_s}, end {self.end_s})"
@@ -295,6 +383,7 @@ class MicroBatchStats(Message):
     """Sequence-length statistics of one packed micro-batch (eq. 1's N and sum l^2)."""
 
     TYPE: ClassVar[str] = "mbstats"
+    STRICT_FIELDS: ClassVar[bool] = True
     iteration: int
     dp: int
     microbatch: int
@@ -351,6 +440,7 @@ class DeviceProbe(Message):
     """
 
     TYPE: ClassVar[str] = "probe"
+    STRICT_FIELDS: ClassVar[bool] = True
     rank: int
     node: int
     iteration: int
@@ -358,7 +448,8 @@ class DeviceProbe(Message):
     reference_s: float
 
     def check(self) -> None:
-        _nonneg("DeviceProbe", rank=self.rank, node=self.node, iteration=self.iteration)
+        _ids("DeviceProbe", rank=self.rank, node=self.node)
+        _iteration("DeviceProbe", iteration=self.iteration)
         if not (self.probe_s > 0 and self.reference_s > 0):
             raise SchemaError("DeviceProbe: probe_s and reference_s must be > 0")
 
@@ -381,6 +472,19 @@ class LivenessEvent(Message):
             raise SchemaError(f"LivenessEvent.scope: {self.scope!r}")
         if self.state not in ("dead", "alive", "rejoined"):
             raise SchemaError(f"LivenessEvent.state: {self.state!r}")
+        _ids("LivenessEvent", node=self.node)
+        if not self.ranks:
+            raise SchemaError("LivenessEvent.ranks: names no rank")
+        _rank_list("LivenessEvent", "ranks", self.ranks)
+        _nonneg("LivenessEvent", missed_beats=self.missed_beats)
+
+
+#: Flags an IterationRecord may carry.  ``iteration_time_beyond_bound``: its span is more
+#: than ``RECORD_TIME_FACTOR`` times the median of the job's recent records (a rank's
+#: clock stepped, or the job hung): published, but not a measurement to act on alone.
+RECORD_FLAGS = ("iteration_time_beyond_bound",)
+#: See :data:`RECORD_FLAGS`.
+RECORD_TIME_FACTOR = 10.0
 
 
 @dataclass
@@ -416,9 +520,22 @@ class IterationRecord(Message):
     layout_id: int = 0
     complete: bool = True
     probes: dict[str, list] = field(default_factory=dict)
+    #: What the collector found implausible in it (:data:`RECORD_FLAGS`); empty when nothing
+    flags: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        _nonneg("IterationRecord", iteration=self.iteration, iteration_time_s=self.iteration_time_s)
+        _nonneg("IterationRecord", iteration_time_s=self.iteration_time_s)
+        _iteration("IterationRecord", iteration=self.iteration)
+        if self.iteration_time_s > MAX_SPAN_S:
+            raise SchemaError(
+                f"IterationRecord.iteration_time_s: {self.iteration_time_s} s is no iteration"
+            )
+        unknown = [f for f in self.flags if f not in RECORD_FLAGS]
+        if unknown:
+            raise SchemaError(f"IterationRecord.flags: unknown flag(s) {unknown[:4]}")
+        rk = self.ranks.get("rank") if isinstance(self.ranks, dict) else None
+        if rk is not None and len(rk):
+            _rank_list("IterationRecord", "ranks.rank", list(rk))
         for name in ("chunks", "ranks", "microbatches", "probes"):
             cols = getattr(self, name)
             lens = {len(v) for v in cols.values() if isinstance(v, list | np.ndarray)}
@@ -516,6 +633,9 @@ class FailureReport(Message):
                 raise SchemaError(f"FailureReport.links[{i}]: a link is two ranks >= 0, got {link}")
         if any(r < 0 for r in self.ranks) or any(n < 0 for n in self.nodes):
             raise SchemaError("FailureReport: ranks and nodes must be >= 0")
+        _rank_list("FailureReport", "ranks", self.ranks)
+        _rank_list("FailureReport", "nodes", self.nodes)
+        _iteration("FailureReport", iteration=self.iteration)
 
 
 @dataclass
@@ -696,11 +816,41 @@ class PackedBatch:
         return cls(rows)
 
     @classmethod
+    def row_problems(
+        cls, rows: np.ndarray, max_rank: int | None = None
+    ) -> list[tuple[str, np.ndarray]]:
+        """(reason, mask of the rows it refuses) for each way rows here are invalid."""
+        rank = rows["rank"]
+        bad = (rank < 0) | (rank >= MAX_ID)
+        if max_rank is not None:
+            bad |= rank >= max_rank
+        return [(f"{cls.TYPE}: unknown rank", bad)]
+
+    @classmethod
     def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
-        if len(rows) and (
-            (rows["rank"] < 0).any() or (max_rank is not None and (rows["rank"] >= max_rank).any())
-        ):
-            raise SchemaError(f"{cls.TYPE}: unknown rank")
+        if not len(rows):
+            return
+        for reason, bad in cls.row_problems(rows, max_rank):
+            if bad.any():
+                raise SchemaError(reason)
+
+    @classmethod
+    def split_rows(
+        cls, rows: np.ndarray, max_rank: int | None = None
+    ) -> tuple[np.ndarray, list[tuple[str, np.ndarray]]]:
+        """The valid rows, and (reason, refused rows) per problem: one bad row of a packed
+        batch must not take its 4,095 neighbours with it (a beat refused is a rank
+        silent)."""
+        if not len(rows):
+            return rows, []
+        ok = np.ones(len(rows), dtype=bool)
+        refused = []
+        for reason, bad in cls.row_problems(rows, max_rank):
+            bad = bad & ok
+            if bad.any():
+                refused.append((reason, rows[bad]))
+                ok &= ~bad
+        return (rows if ok.all() else rows[ok]), refused
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.TYPE, "schema_version": SCHEMA_VERSION}
@@ -737,27 +887,43 @@ class ChunkBatch(PackedBatch):
     OPTIONAL: ClassVar[dict[str, float]] = {"src_dp": -1, "compute_s": -1.0, "direction": 0}
 
     @classmethod
-    def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
-        if not len(rows):
-            return
-        if not (np.isfinite(rows["start_s"]).all() and np.isfinite(rows["end_s"]).all()):
-            raise SchemaError("chunk_batch: non-finite start_s/end_s")
-        if (rows["end_s"] < rows["start_s"]).any():
-            raise SchemaError("chunk_batch: negative chunk duration")
-        super().check_rows(rows, max_rank)
-        if (rows["kind"] < 0).any() or (rows["kind"] > max(ChunkKind)).any():
-            raise SchemaError("chunk_batch: unknown chunk kind")
-        if (rows["stage"] < 0).any() or (rows["iteration"] < 0).any() or (rows["dp"] < 0).any():
-            raise SchemaError("chunk_batch: negative stage/iteration/dp")
-        if (rows["microbatch"] < 0).any() or (rows["src_dp"] < -1).any():
-            raise SchemaError("chunk_batch: negative microbatch or src_dp < -1")
-        if (np.abs(rows["direction"]) > 1).any():
-            raise SchemaError("chunk_batch: direction must be -1, 0 or 1")
-        # compute_s is -1 when unknown, but never NaN/inf
-        if not np.isfinite(rows["compute_s"]).all():
-            raise SchemaError("chunk_batch: non-finite compute_s")
-        if (rows["compute_s"] > _compute_s_bound(rows["end_s"] - rows["start_s"])).any():
-            raise SchemaError("chunk_batch: compute_s longer than the chunk (end_s - start_s)")
+    def row_problems(
+        cls, rows: np.ndarray, max_rank: int | None = None
+    ) -> list[tuple[str, np.ndarray]]:
+        start, end, comp = rows["start_s"], rows["end_s"], rows["compute_s"]
+        finite = np.isfinite(start) & np.isfinite(end)
+        with np.errstate(invalid="ignore", over="ignore"):
+            dur = np.where(finite, end - start, 0.0)
+            return [
+                ("chunk_batch: non-finite start_s/end_s", ~finite),
+                ("chunk_batch: negative chunk duration", dur < 0),
+                (
+                    "chunk_batch: start_s/end_s outside the physical bounds of a clock "
+                    f"reading [0, {WALL_TIME_MAX_S:.0f}] s",
+                    finite & ((start < 0) | (end > WALL_TIME_MAX_S)),
+                ),
+                (f"chunk_batch: a chunk longer than {MAX_SPAN_S:.0f} s", dur > MAX_SPAN_S),
+                *super().row_problems(rows, max_rank),
+                (
+                    "chunk_batch: unknown chunk kind",
+                    (rows["kind"] < 0) | (rows["kind"] > max(ChunkKind)),
+                ),
+                (
+                    "chunk_batch: negative stage/iteration/dp",
+                    (rows["stage"] < 0) | (rows["iteration"] < 0) | (rows["dp"] < 0),
+                ),
+                (
+                    "chunk_batch: negative microbatch or src_dp < -1",
+                    (rows["microbatch"] < 0) | (rows["src_dp"] < -1),
+                ),
+                ("chunk_batch: direction must be -1, 0 or 1", np.abs(rows["direction"]) > 1),
+                # compute_s is -1 when unknown, but never NaN/inf
+                ("chunk_batch: non-finite compute_s", ~np.isfinite(comp)),
+                (
+                    "chunk_batch: compute_s longer than the chunk (end_s - start_s)",
+                    np.isfinite(comp) & (comp > _compute_s_bound(dur)),
+                ),
+            ]
 
     def iter_messages(self):
         for r in self.rows:
@@ -805,14 +971,28 @@ class HeartbeatBatch(PackedBatch):
     COLUMNS: ClassVar[list[str]] = _HEARTBEAT_COLUMNS
 
     @classmethod
-    def check_rows(cls, rows: np.ndarray, max_rank: int | None = None) -> None:
-        if not len(rows):
-            return
-        if not np.isfinite(rows["wall_time_s"]).all():
-            raise SchemaError("heartbeat_batch: non-finite wall_time_s")
-        super().check_rows(rows, max_rank)
-        if (rows["node"] < 0).any() or (rows["seq"] < 0).any() or (rows["iteration"] < 0).any():
-            raise SchemaError("heartbeat_batch: negative node/seq/iteration")
+    def row_problems(
+        cls, rows: np.ndarray, max_rank: int | None = None
+    ) -> list[tuple[str, np.ndarray]]:
+        w = rows["wall_time_s"]
+        finite = np.isfinite(w)
+        return [
+            ("heartbeat_batch: non-finite wall_time_s", ~finite),
+            (
+                "heartbeat_batch: wall_time_s outside the physical bounds of a clock reading "
+                f"[0, {WALL_TIME_MAX_S:.0f}] s",
+                finite & ((w < 0) | (w > WALL_TIME_MAX_S)),
+            ),
+            *super().row_problems(rows, max_rank),
+            (
+                "heartbeat_batch: negative node/seq/iteration/generation",
+                (rows["node"] < 0)
+                | (rows["seq"] < 0)
+                | (rows["iteration"] < 0)
+                | (rows["generation"] < 0),
+            ),
+            (f"heartbeat_batch: node id out of [0, {MAX_ID})", rows["node"] >= MAX_ID),
+        ]
 
     def iter_messages(self):
         for r, n, i, g, w, q in zip(
@@ -873,6 +1053,12 @@ def decode_message(d: Any, max_rank: int | None = None) -> Message | ChunkBatch:
         rank = getattr(msg, "rank", None)
         if isinstance(rank, int) and rank >= max_rank:
             raise SchemaError(f"{cls.__name__}: unknown rank {rank} (job has {max_rank})", d)
+        if isinstance(msg, IterationRecord):
+            rk = msg.ranks.get("rank") if isinstance(msg.ranks, dict) else None
+            if rk is not None and len(rk) and max(rk) >= max_rank:
+                raise SchemaError(
+                    f"IterationRecord: unknown rank {max(rk)} (job has {max_rank})", d
+                )
     return msg
 
 
@@ -896,6 +1082,10 @@ ENTRY_HEARTBEATS_VERSION = b"hv"
 # (RECORD_CHUNK_DTYPE), its schema version in "rcv"; the record's JSON then has
 # empty chunks.
 ENTRY_RECORD_CHUNKS = b"rc"
+# Field "s" (optional): "<producer id>:<n>", the n-th entry (from 1) of one producer's
+# lane.  A gap in n seen by a reader of new entries is entries lost before it read them
+# (trimmed by the stream's MAXLEN under a flood): counted, never silent.
+ENTRY_SEQ = b"s"
 ENTRY_RECORD_CHUNKS_VERSION = b"rcv"
 
 
@@ -986,7 +1176,7 @@ def decode_entry(
         try:
             if cv is None or int(cv) != SCHEMA_VERSION:
                 raise SchemaError(f"chunk_batch: unsupported schema_version {cv!r}")
-            good.append(ChunkBatch.from_bytes(bytes(raw_c), max_rank))
+            _packed(ChunkBatch, bytes(raw_c), max_rank, good, bad)
         except (SchemaError, ValueError) as e:
             bad.append((str(e), f"<{len(raw_c)} bytes of packed chunks>"))
     if raw_h is not None:
@@ -994,11 +1184,28 @@ def decode_entry(
         try:
             if hv is None or int(hv) != SCHEMA_VERSION:
                 raise SchemaError(f"heartbeat_batch: unsupported schema_version {hv!r}")
-            good.append(HeartbeatBatch.from_bytes(bytes(raw_h), max_rank))
+            _packed(HeartbeatBatch, bytes(raw_h), max_rank, good, bad)
         except (SchemaError, ValueError) as e:
             bad.append((str(e), f"<{len(raw_h)} bytes of packed heartbeats>"))
     attach_record_chunks(good, fields, bad)
     return good, bad
+
+
+def _packed(cls, raw: bytes, max_rank: int | None, good: list, bad: list) -> None:
+    """Decode a packed field: its valid rows to ``good``, each problem's rows to ``bad``."""
+    if not raw:
+        raise SchemaError(f"{cls.TYPE}: empty packed field")
+    if len(raw) % cls.DTYPE.itemsize:
+        raise SchemaError(
+            f"{cls.TYPE}: truncated payload ({len(raw)} bytes is not a multiple of "
+            f"{cls.DTYPE.itemsize})"
+        )
+    rows, refused = cls.split_rows(np.frombuffer(raw, dtype=cls.DTYPE), max_rank)
+    for reason, rws in refused:
+        sample = cls(rws[:3]).to_dict()[cls.JSON_KEY]
+        bad.append((f"{reason} ({len(rws)} of {len(rws) + len(rows)} rows)", sample))
+    if len(rows):
+        good.append(cls(rows))
 
 
 def attach_record_chunks(messages: list, fields: dict, bad: list[tuple[str, Any]]) -> None:

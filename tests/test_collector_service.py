@@ -1027,3 +1027,69 @@ def test_hold_and_retention_settings_from_the_command_line():
     assert (cfg.job_silence_hold_deadlines, cfg.telemetry_keep_s) == (0.0, 300.0)
     svc = CollectorService(cfg, None)  # the hold reaches the liveness rule
     assert svc.liveness.hold_deadlines == 0.0
+
+
+def _sixteen_nodes() -> Layout:
+    return _layout(dp=16)  # 64 ranks, 4 per node: nodes 0-15
+
+
+@pytest.mark.redis
+def test_half_the_nodes_heard_late_is_a_suspect_mass_loss_not_sixteen_deaths(r):
+    """Issue 24: under load the trainer's beats of some nodes reached Redis seconds late
+    (queued behind chunk rows) while others' did not, and the collector declared each
+    late node dead, then re-joined.  Many nodes dying within one deadline while the rest
+    talks is held as suspect; the late nodes are heard within the hold: no event.  A real
+    loss of as many nodes is still reported, after the hold."""
+    _set_layout(r, _sixteen_nodes())
+    svc, clock, beat = _clocked(r)
+    t0 = clock[0]
+    suspect = []
+
+    def each(t):
+        suspect.append(svc.health_extra()["suspect_nodes"])
+
+    # nodes 8-15 (ranks 32-63) are heard late between 10 and 14
+    late = lambda t: range(64) if not t0 + 10 < t < t0 + 14 else range(32)  # noqa: E731
+    _drive(svc, clock, beat, t0, t0 + 20, late, each)
+    assert r.xlen(KEYS.liveness) == 0
+    assert max(suspect) == 8 and suspect[-1] == 0
+    assert svc.stats["liveness_mass_loss_holds_total"] == 1
+    # now they die for good after their beat at 30: reported once the hold is past
+    first = []
+
+    def each2(t):
+        if not first and r.xlen(KEYS.liveness):
+            first.append(t - t0)
+
+    gone = lambda t: range(64) if t <= t0 + 30 else range(32)  # noqa: E731
+    _drive(svc, clock, beat, t0 + 20.25, t0 + 40, gone, each2)
+    assert first == [37.5]  # one deadline plus the hold of two (3 x 2.5 s)
+    events = _stream(r, KEYS.liveness, LivenessEvent)
+    assert sorted(e.node for e in events if e.state == "dead") == list(range(8, 16))
+
+
+@pytest.mark.redis
+def test_a_reclaimed_backlog_is_not_judged_as_silence(r):
+    """A read that re-delivers old entries (a reclaim of another consumer's, or this
+    consumer's own pending ones after a restart) proves nothing about newer ones: the
+    collector is behind, not the nodes silent.  It judges at its read frontier and says
+    its lag; once it has read the backlog nothing was dead."""
+    _set_layout(r, _layout())
+    # the job-wide hold and the mass-loss cross-check off: this is about the judge time
+    svc, clock, beat = _clocked(r, job_silence_hold_deadlines=0, claim_idle_ms=200)
+    t0 = clock[0]
+    _drive(svc, clock, beat, t0, t0 + 10, lambda t: range(8))
+    for t in range(11, 17):  # six seconds of beats the collector has not read
+        beat(t0 + t, range(8))
+    # another collector instance took the first of them and died without acking it
+    r.xreadgroup(svc.consumer.group, "collector-ghost", {KEYS.telemetry: ">"}, count=1)
+    time.sleep(0.8)  # idle past claim_idle_ms, and past the consumer's claim period
+    clock[0] = t0 + 16
+    lags = []
+    for _ in range(4):
+        svc.run_once()
+        lags.append(svc.health_extra()["collector_lag_s"])
+    assert svc.consumer.stats.reclaimed_total == 1
+    assert r.xlen(KEYS.liveness) == 0
+    assert lags[0] == pytest.approx(5.0)  # judged at 11, the newest entry it had read
+    assert lags[-1] == 0.0

@@ -11,6 +11,7 @@ from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.redis_client import EmbeddedRedis, connect, free_port
 from resihp.schemas import (
+    HEARTBEAT_DTYPE,
     ChunkBatch,
     ChunkTiming,
     Heartbeat,
@@ -112,8 +113,9 @@ def test_packs_many_events_per_entry(r):
     p.start()
     assert p.flush(5.0)
     n_entries = r.xlen(KEYS.telemetry)
-    # 10,001 rows and 301 messages at <= 4096 per entry: 3 entries, not 10,302.
-    assert n_entries == 3
+    # 10,001 rows and 1 message at <= 4096 per entry, the 300 beats in their own lane's
+    # entry: 4 entries, not 10,302.
+    assert n_entries == 4
     msgs, rows, bad = _read_all(r)
     assert not bad
     assert len(rows) == 10_001
@@ -200,3 +202,28 @@ def test_buffers_while_redis_down_and_resends_after_restart():
         assert p.sent_total == 110 + 1000 + 4000
         p.close()
         client.close()
+
+
+@pytest.mark.redis
+def test_heartbeats_never_wait_behind_chunk_rows(r):
+    """A 16k-GPU iteration hands over ~10^6 rows at once: beats queued after them went
+    out seconds late (one FIFO), some nodes' and not others', and the collector declared
+    those nodes dead (issue 24).  Beats have a lane of their own: a beat queued after a
+    backlog of rows reaches Redis before the backlog does."""
+    p = TelemetryProducer(None, KEYS, client=r, max_queue=2_000_000, entries_per_round=4)
+    p.chunk_rows(_rows(400_000))
+    rows = np.zeros(8, dtype=HEARTBEAT_DTYPE)
+    rows["rank"] = np.arange(8)
+    rows["wall_time_s"] = 1.0
+    assert p.heartbeat_rows(rows) == 8
+    p.start()
+    assert p.flush(60.0)
+    p.close()
+    kinds = []
+    for _id, fields in r.xrange(KEYS.telemetry):
+        good, bad = decode_entry(fields)
+        assert not bad
+        kinds += ["beat" if isinstance(m, HeartbeatBatch) else "rows" for m in good]
+    assert kinds.count("beat") == 1
+    # 400k rows are ~100 entries of 4,096: the beat is among the first few, not the last
+    assert kinds.index("beat") < 10 < len(kinds)

@@ -8,7 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resihp.bus import Health, job_silent_since, list_jobs, liveness_judged
+from resihp.bus import (
+    SUSPECT_NODES,
+    Health,
+    collector_lag_s,
+    job_silent_since,
+    list_jobs,
+    liveness_judged,
+)
 from resihp.keys import JobKeys
 from resihp.plans import PlanStateReader, read_layout
 from resihp.progress import (
@@ -112,15 +119,21 @@ def _device_health(client, keys: JobKeys) -> tuple[set[int], dict[int, float | N
 OPEN_SCAN = 1000
 
 
-def open_failures(client, keys: JobKeys, failed: set[int]) -> list[FailureReport]:
+def open_failures(
+    client, keys: JobKeys, failed: set[int], world_size: int | None = None
+) -> list[FailureReport]:
     """Failure reports still open, newest first: each failed device is charged to the
     newest report naming it (a fail-slow rank that later died is one open failure, the
-    fail-stop), and a report none of whose devices is still failed is closed."""
+    fail-stop), and a report none of whose devices is still failed is closed.  A report
+    naming a rank beyond the layout (``world_size``) is one the scheduler refused (a
+    forged one of 100,000 ranks): it is never open."""
     if not failed:
         return []
     out, claimed = [], set()
     for f in recent_failures(client, keys, count=OPEN_SCAN):
         if f.kind == "recovery":
+            continue
+        if world_size is not None and f.ranks and max(f.ranks) >= world_size:
             continue
         named = set(f.ranks) | {r for link in f.links for r in link}
         mine = (named & failed) - claimed
@@ -202,7 +215,9 @@ def job_status(client, job_id: str) -> dict[str, Any]:
     else:
         layout_error = None
     failed, dead = _device_health(client, keys)
-    still_open = open_failures(client, keys, failed)
+    still_open = open_failures(
+        client, keys, failed, layout.world_size if layout is not None else None
+    )
     try:
         state = json.loads(client.get(keys.job_state) or b"null")
     except ValueError:
@@ -254,6 +269,8 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             "failures_total": client.xlen(keys.failures),
             "plans_total": sum(by_state.values()),
             "deadletter_total": client.xlen(keys.deadletter),
+            # telemetry trimmed from its stream before the collector read it
+            "telemetry_lost_total": counters.get("telemetry_lost_total", 0),
         },
         "plans_by_state": by_state,
         # what an operator may have to act on, oldest first
@@ -499,4 +516,13 @@ def _job_line(js: dict[str, Any]) -> str:
                 "; silent since before the collector started: no fail-stop verdicts until it "
                 "reports"
             )
+    lost = (js.get("counters") or {}).get("telemetry_lost_total", 0)
+    if lost:
+        line += f"; {lost} telemetry entries trimmed before the collector read them"
+    lag = collector_lag_s(col)
+    if lag is not None and lag >= 1.0:
+        line += f"; the collector is {lag:.1f} s behind the telemetry stream"
+    suspect = (col or {}).get(SUSPECT_NODES)
+    if isinstance(suspect, int) and suspect > 0:
+        line += f"; {suspect} node(s) silent together held as a suspect mass loss"
     return line

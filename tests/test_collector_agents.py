@@ -1,0 +1,68 @@
+"""Fail-stop through the node agents' named connections (issue 24, item 6): a node whose
+agent connection closes is declared dead at once, not after K missed heartbeats."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from collector.config import CollectorConfig
+from collector.service import CollectorService
+from resihp.keys import JobKeys
+from resihp.liveness_agent import NodeAgent, agent_name, agent_nodes
+from resihp.producer import TelemetryProducer
+from resihp.schemas import Heartbeat, LivenessEvent, decode_entry
+from resihp.topology import Layout
+
+KEYS = JobKeys("agents")
+
+
+def _events(r):
+    out = []
+    for _id, f in r.xrange(KEYS.liveness):
+        out += [m for m in decode_entry(f)[0] if isinstance(m, LivenessEvent)]
+    return out
+
+
+def test_agent_names_are_parsed_for_their_job_only():
+    names = [agent_name("agents", 3), agent_name("other", 1), b"resihp-agent:agents:7", "x", ""]
+    assert agent_nodes(names, "agents") == {3, 7}
+    assert agent_nodes(["resihp-agent:agents:-1", "resihp-agent:agents:1a"], "agents") == set()
+
+
+@pytest.mark.redis
+def test_a_closed_agent_connection_is_a_dead_node_without_waiting_for_missed_beats(r, redis_server):
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4, devices_per_node=4)
+    r.set(KEYS.layout, json.dumps(lay.to_dict()))
+    # a 10 s heartbeat deadline: any verdict within the test is the agent's
+    cfg = CollectorConfig(job_id=KEYS.job_id, block_ms=5, heartbeat_interval_s=4.0)
+    svc = CollectorService(cfg, r)
+    p = TelemetryProducer(None, KEYS, client=r, flush_interval_s=0.005).start()
+    agents = {n: NodeAgent(redis_server.url, KEYS.job_id, n) for n in (0, 1)}
+    beating = set(range(8))
+
+    def run(seconds):
+        end, next_beat = time.monotonic() + seconds, 0.0
+        while time.monotonic() < end:
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + 0.25
+                for rank in sorted(beating):
+                    p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
+            svc.run_once()
+
+    run(1.0)
+    assert svc._agents == {0, 1} and _events(r) == []
+    agents[1].close()  # node 1's process dies: its socket closes, its beats stop
+    beating -= {4, 5, 6, 7}
+    run(1.0)
+    (ev,) = _events(r)
+    assert (ev.scope, ev.state, ev.node, ev.ranks) == ("node", "dead", 1, [4, 5, 6, 7])
+    assert ev.missed_beats == 0
+    assert svc.stats["liveness_agent_closed_total"] == 1
+    # a beat of node 1 that reached Redis before the close and is read late is no re-join
+    svc.liveness.observe(4, 1, ev.detected_at_s - 0.1)
+    assert svc.liveness.check(svc._clock()) == []
+    agents[0].close()
+    p.close()
