@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -1015,7 +1016,17 @@ def throughput_notes(inc: Incident) -> list[str]:
 
 
 def _md(text: Any) -> str:
-    return str(text).replace("|", "/").replace("\n", " ")
+    """Untrusted text (actor names, comments, notes, reasons) in a Markdown line or table
+    cell: HTML-escaped, since Markdown renderers pass raw HTML through (a ``<script>`` or
+    ``<img onerror>`` in a comment ran in whoever opened the report), with ``|`` and line
+    breaks defused so it stays one cell."""
+    return html.escape(str(text), quote=False).replace("|", "/").replace("\n", " ")
+
+
+def _fence(body: str) -> str:
+    """A code fence longer than any backtick run in ``body``, so it cannot be closed early."""
+    run = max((len(m) for m in re.findall(r"`+", body)), default=0)
+    return "`" * max(3, run + 1)
 
 
 def to_markdown(inc: Incident) -> str:
@@ -1034,7 +1045,7 @@ def to_markdown(inc: Incident) -> str:
     for r in inc.phase_rows():
         out.append(
             f"| {r['phase']} | {r['at'] or 'not reached'} | {_fmt_s(r['since_previous_s'])} | "
-            f"{_fmt_s(r['since_failure_s'])} | {r['detail'].replace('|', '/')} |"
+            f"{_fmt_s(r['since_failure_s'])} | {_md(r['detail'])} |"
         )
     tp = inc.throughput
     out += [
@@ -1053,13 +1064,11 @@ def to_markdown(inc: Incident) -> str:
         "",
         "## Evidence",
         "",
-        *[f"- **{label}**: {text}" for label, text in evidence_facts(f)],
-        "",
-        "```json",
-        json.dumps({"severity": f.severity, "links": f.links, **f.evidence}, indent=2, default=str),
-        "```",
+        *[f"- **{_md(label)}**: {_md(text)}" for label, text in evidence_facts(f)],
         "",
     ]
+    ev = json.dumps({"severity": f.severity, "links": f.links, **f.evidence}, indent=2, default=str)
+    out += [_fence(ev) + "json", ev, _fence(ev), ""]
     plan, state = _answering_plan(inc)
     out += ["## Plan", ""]
     if plan is None:
@@ -1067,21 +1076,21 @@ def to_markdown(inc: Incident) -> str:
     else:
         out += [
             f"Plan {plan.plan_id} (policy {plan.policy}, proposed with the scheduler in "
-            f"{plan.mode} mode): state **{state}**. {plan.reason}",
+            f"{plan.mode} mode): state **{state}**. {_md(plan.reason)}",
             "",
-            _predicted(plan) + (f" Note: {plan.note}" if plan.note else ""),
+            _predicted(plan) + (f" Note: {_md(plan.note)}" if plan.note else ""),
             "",
             "| what | before | after |",
             "|---|---|---|",
         ]
         for r in figures.plan_diff_rows(plan.before, plan.after):
             mark = " **changed**" if r["changed"] else ""
-            out.append(f"| {r['what']}{mark} | {r['before']} | {r['after']} |")
+            out.append(f"| {_md(r['what'])}{mark} | {_md(r['before'])} | {_md(r['after'])} |")
         out += ["", "Plan states:", ""]
         for p, what in plan_state_rows(inc.plans):
             out.append(
-                f"- {_iso(p.updated_at_s or p.created_at_s)} plan {p.plan_id}: {what}"
-                + (f" ({p.note})" if p.note else "")
+                f"- {_iso(p.updated_at_s or p.created_at_s)} plan {p.plan_id}: {_md(what)}"
+                + (f" ({_md(p.note)})" if p.note else "")
             )
     out += ["", "## Operator actions", ""]
     if not inc.actions:
