@@ -32,7 +32,7 @@ STATIC_HEADERS = {
 def content_security_policy(script_hashes: list[str]) -> str:
     """The CSP: Dash's renderer and clientside callbacks are inline scripts, allowed by
     their hashes; styles stay 'unsafe-inline' (plotly and Dash set style attributes)."""
-    scripts = " ".join(["'self'", *(f"'{h}'" for h in script_hashes)])
+    scripts = " ".join(["'self'", *(f"'{h.strip(chr(39))}'" for h in script_hashes)])
     return "; ".join(
         [
             "default-src 'self'",

@@ -276,3 +276,35 @@ def test_markdown_export_escapes_html_in_actor_names_and_comments(r):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md
     assert "&lt;img src=x onerror=" in md
     assert json.loads(incidents.to_json(inc))["actions"][-1]["actor"].startswith("<script>")
+
+
+@pytest.mark.redis
+def test_metrics_answer_within_a_second_from_a_hung_redis():
+    """A SIGSTOPped Redis held /metrics for 10 s, past the 5 s scrape timeout: the target
+    went down and no rule fired.  Now the scrape answers in under 1 s, saying Redis is down."""
+    import os
+    import signal
+    import time
+
+    from resihp.redis_client import EmbeddedRedis
+
+    srv = EmbeddedRedis(appendonly=False).start()
+    try:
+        client = srv.client()
+        publish_job(client, "job-a", iterations=10, slow_from=99, with_plan=False)
+        app = _app(client, srv)
+        c = app.server.test_client()
+        assert "resihp_dashboard_redis_up 1.0" in c.get("/metrics").get_data(as_text=True)
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                text = c.get("/metrics").get_data(as_text=True)
+                assert time.monotonic() - t0 < 1.0
+                assert "resihp_dashboard_redis_up 0.0" in text
+                assert "resihp_dashboard_login_failures_total 0.0" in text
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        assert "resihp_dashboard_redis_up 1.0" in c.get("/metrics").get_data(as_text=True)
+    finally:
+        srv.cleanup()
