@@ -882,6 +882,8 @@ def plan_state_rows(snaps: list[AdaptationPlan]) -> list[tuple[AdaptationPlan, s
         last[p.plan_id] = p
         if before is None or before.state != p.state:
             out.append((p, p.state))
+        elif p.apply_after_s < 0 <= before.apply_after_s:
+            out.append((p, f"{p.state}, held: auto-apply stopped, waits for an operator"))
         elif p.apply_after_s != before.apply_after_s:
             out.append((p, f"{p.state}, re-timed: applies by itself after {_iso(p.apply_after_s)}"))
         else:

@@ -55,7 +55,7 @@ def _reject_request():
         ],
         "inputs": [
             {"id": b, "property": "n_clicks", "value": 1 if b == "pl-reject" else None}
-            for b in ("pl-ack", "pl-reject", "pl-override")
+            for b in ("pl-ack", "pl-reject", "pl-override", "pl-hold")
         ],
         "changedPropIds": ["pl-reject.n_clicks"],
         "state": [
