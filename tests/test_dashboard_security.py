@@ -10,7 +10,7 @@ import threading
 import pytest
 from dashboard_scenario import publish_job
 
-from dashboard import incidents
+from dashboard import incident_export, incidents
 from dashboard.app import create_app
 from dashboard.config import DashboardConfig
 from dashboard.data import DashboardData
@@ -271,11 +271,11 @@ def test_markdown_export_escapes_html_in_actor_names_and_comments(r):
         d.actions("job-a"),
         [x.to_dict() for x in d.iterations("job-a")],
     )
-    md = incidents.to_markdown(inc)
+    md = incident_export.to_markdown(inc)
     assert "<script" not in md and "<img" not in md
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md
     assert "&lt;img src=x onerror=" in md
-    assert json.loads(incidents.to_json(inc))["actions"][-1]["actor"].startswith("<script>")
+    assert json.loads(incident_export.to_json(inc))["actions"][-1]["actor"].startswith("<script>")
 
 
 @pytest.mark.redis
