@@ -41,6 +41,9 @@ def test_countdown_says_when_a_plan_applies_or_that_it_waits():
     assert "grace period over" in countdown_text(_plan(), 101.0)
     assert "is held" in countdown_text(_plan(apply_after_s=AdaptationPlan.HELD), 0)
     assert "manual mode" in countdown_text(_plan(mode="manual"), 0)
+    # the scheduler switched to auto after proposing: its mode now decides, not the plan's
+    assert "applies automatically" in countdown_text(_plan(mode="manual"), 90.0, "auto")
+    assert "manual mode" in countdown_text(_plan(), 90.0, "manual")
     assert countdown_text(_plan(state="acknowledged"), 0) == ""
     assert countdown_text(None, 0) == ""
 
@@ -50,6 +53,7 @@ def test_buttons_follow_what_the_scheduler_takes():
     assert allowed_actions(_plan()) == {"acknowledge", "reject", "override", "hold"}
     assert "hold" not in allowed_actions(_plan(apply_after_s=AdaptationPlan.HELD))
     assert "hold" not in allowed_actions(_plan(mode="manual"))
+    assert "hold" in allowed_actions(_plan(mode="manual"), "auto")
     assert allowed_actions(_plan(state="acknowledged")) == {"reject", "override"}
     for decided in ("applied", "superseded", "overridden", "refused"):
         assert allowed_actions(_plan(state=decided)) == set(), decided

@@ -129,9 +129,18 @@ BUTTONS = {
 }
 
 
-def allowed_actions(p: AdaptationPlan | None) -> set[str]:
+def scheduler_mode(services: dict[str, dict]) -> str | None:
+    """The mode the job's scheduler runs in now (its health record), or None."""
+    for name in sorted(services):
+        if name.split(":")[0] == "scheduler" and (services[name] or {}).get("mode"):
+            return str(services[name]["mode"])
+    return None
+
+
+def allowed_actions(p: AdaptationPlan | None, mode: str | None = None) -> set[str]:
     """The operator actions the scheduler takes for plan ``p`` (scheduler/lifecycle.py's
-    transitions): none without a plan or on a decided one."""
+    transitions): none without a plan or on a decided one.  ``mode``: the scheduler's
+    mode now (default: the plan's at proposal); Hold only where a clock runs."""
     if p is None:
         return set()
     out = {
@@ -140,19 +149,20 @@ def allowed_actions(p: AdaptationPlan | None) -> set[str]:
         "rejected": {"override"},
         "failed": {"override"},
     }.get(p.state, set())
-    if p.state == "proposed" and p.mode == "auto" and p.apply_after_s >= 0:
+    if p.state == "proposed" and (mode or p.mode) == "auto" and p.apply_after_s >= 0:
         out = out | {"hold"}
     return out
 
 
-def countdown_text(p: AdaptationPlan | None, now_s: float) -> str:
+def countdown_text(p: AdaptationPlan | None, now_s: float, mode: str | None = None) -> str:
     """What happens next to a proposed plan by itself: the auto-apply countdown, held, or
-    waiting for an operator (manual mode); "" for any other plan."""
+    waiting for an operator (manual mode); "" for any other plan.  ``mode``: the
+    scheduler's mode now (default: the plan's at proposal)."""
     if p is None or p.state != "proposed":
         return ""
     if p.apply_after_s < 0:
         return f"plan {p.plan_id} is held: it waits for an operator's decision"
-    if p.mode != "auto":
+    if (mode or p.mode) != "auto":
         return f"plan {p.plan_id} waits for an operator (manual mode)"
     wait = p.apply_after_s - now_s
     if wait > 0:
@@ -441,15 +451,11 @@ def register(app, ctx: AppContext) -> None:
         ).hexdigest()
         now_shown = {"job": job, "plan_id": selected}
         plan = plans.get(selected)
-        allowed = allowed_actions(plan)
+        mode = scheduler_mode(ctx.data.service_health(job)) if plan is not None else None
+        allowed = allowed_actions(plan, mode)
+        text = countdown_text(plan, time.time(), mode)
         live = (
-            html.Div(
-                countdown_text(plan, time.time()),
-                id="pl-countdown-text",
-                className="banner banner-warn",
-            )
-            if countdown_text(plan, time.time())
-            else ""
+            html.Div(text, id="pl-countdown-text", className="banner banner-warn") if text else ""
         )
         controls = (live, *[a not in allowed for a in BUTTONS.values()], followed)
         if sig == last_sig:
