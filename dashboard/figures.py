@@ -59,12 +59,49 @@ def empty_figure(message: str) -> go.Figure:
 # ---------------------------------------------------------------- overview
 
 
-def _vertical_lines(fig: go.Figure, marks: list[tuple[Any, str, str, str | None]]) -> None:
+#: Labels of vertical lines closer than this fraction of the x span share one label: rotated
+#: side by side they overlapped ("acknowledged" over "applied" a second later).
+LABEL_MIN_GAP = 0.025
+
+
+def _xnum(x: Any) -> float:
+    return x.timestamp() if isinstance(x, datetime) else float(x)
+
+
+def merge_close_labels(
+    marks: list[tuple[Any, str, str, str | None]], span: tuple[Any, Any] | None
+) -> list[tuple[Any, str, str, str | None]]:
+    """``marks`` with each run of labels closer than ``LABEL_MIN_GAP`` of ``span`` joined
+    into the run's first label ("acknowledged / applied"); the lines themselves all stay."""
+    labelled = sorted((i for i, m in enumerate(marks) if m[3]), key=lambda i: _xnum(marks[i][0]))
+    if span is None or len(labelled) < 2:
+        return marks
+    width = abs(_xnum(span[1]) - _xnum(span[0]))
+    if width <= 0:
+        return marks
+    out = list(marks)
+    head = labelled[0]
+    for i in labelled[1:]:
+        if (_xnum(marks[i][0]) - _xnum(marks[head][0])) / width < LABEL_MIN_GAP:
+            x, color, dash, label = out[head]
+            out[head] = (x, color, dash, f"{label} / {marks[i][3]}")
+            out[i] = (*marks[i][:3], None)
+        else:
+            head = i
+    return out
+
+
+def _vertical_lines(
+    fig: go.Figure,
+    marks: list[tuple[Any, str, str, str | None]],
+    span: tuple[Any, Any] | None = None,
+) -> None:
     """Full-height lines at x (with an optional rotated label), set in one layout update:
     ``add_vline`` per line re-validates the whole layout each time, which costs seconds
-    once a job has a hundred failures on a page refreshed every second."""
+    once a job has a hundred failures on a page refreshed every second.  ``span``: the x
+    axis's extent, to join labels that would overlap (:func:`merge_close_labels`)."""
     shapes, notes = [], []
-    for x, color, dash, label in marks:
+    for x, color, dash, label in merge_close_labels(marks, span):
         shapes.append(
             {
                 "type": "line",
@@ -161,14 +198,29 @@ def throughput_figure(
         (_ts(f.detected_at_s), FAILURE_COLORS.get(f.kind, "black"), "dot", None) for f in failures
     ]
     marks += [(_ts(t), "#555", "dash", name) for name, t in phases]
-    _vertical_lines(fig, marks)
+    xs = [m[0] for m in marks] + [_ts(ends[0]), _ts(ends[-1])]
+    _vertical_lines(fig, marks, (min(xs), max(xs)))
+    # the failure lines' colors need a key: one legend entry per kind shown
+    kinds = sorted({f.kind for f in failures})
+    for kind in kinds:
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="lines",
+                name=f"{kind} reported",
+                line={"color": FAILURE_COLORS.get(kind, "black"), "dash": "dot", "width": 1},
+                hoverinfo="skip",
+            )
+        )
     fig.update_layout(
         template=PLOT_TEMPLATE,
         title=title,
         height=300,
-        margin={"l": 50, "r": 20, "t": 40, "b": 40},
+        margin={"l": 50, "r": 20, "t": 40, "b": 60 if kinds or stopped else 40},
         yaxis_title="samples/s",
-        showlegend=False,
+        showlegend=bool(kinds) or stopped is not None,
+        legend={"orientation": "h", "y": -0.2},
     )
     return fig
 
@@ -291,6 +343,7 @@ def iteration_time_figure(
         fig,
         [(cp, "#e45756", "dash", None) for cp in change_points(failures) if lo <= cp <= hi]
         + [(its[i], "#888", "dot", f"run restarted at {its[i]}") for i in restarts],
+        (lo, hi),
     )
     shown = [f for f in failures if lo <= f.iteration <= hi]
     if shown:
