@@ -91,6 +91,15 @@ def merge_close_labels(
     return out
 
 
+#: What a graph shows from the page's first paint until its callback answers: an empty
+#: panel for seconds read as "no data" (the overview and skew heatmaps on first view).
+LOADING_TEXT = "loading: reading the job from Redis (a job that has not reported yet says so)"
+
+
+def loading_figure() -> go.Figure:
+    return empty_figure(LOADING_TEXT)
+
+
 def _vertical_lines(
     fig: go.Figure,
     marks: list[tuple[Any, str, str, str | None]],
@@ -165,7 +174,7 @@ def throughput_figure(
     as a zero-rate segment up to now: without it the line ended at the last iteration's
     rate, which read as the job still training at that rate."""
     if not rows:
-        return empty_figure("no iterations yet")
+        return empty_figure("waiting for the first iteration")
     ends = [wall_end(r) for r in rows]
     # A hang (a dead device, no plan yet) publishes nothing: joined across it, the line
     # would ramp smoothly from the last rate before it to the first after it.
@@ -310,7 +319,7 @@ def iteration_time_figure(
 ) -> go.Figure:
     """Observed vs predicted iteration time, change points and failures marked."""
     if not rows:
-        return empty_figure("no iterations yet")
+        return empty_figure("waiting for the first iteration")
     its = [r["iteration"] for r in rows]
     # A trainer restarted from a checkpoint repeats iteration numbers: break the lines
     # there (no zig-zag back across the chart) and mark where the new run starts.

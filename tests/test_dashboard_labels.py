@@ -62,3 +62,27 @@ def test_throughput_chart_names_its_failure_lines_and_joins_close_phase_labels()
     texts = [a.text for a in fig.layout.annotations]
     assert texts == ["plan proposed / acknowledged", "applied"]
     assert len(fig.layout.shapes) == 5
+
+
+def test_graphs_say_loading_from_first_paint_and_waiting_without_iterations():
+    """The overview and skew heatmaps rendered as empty panels for ~6 s on first view."""
+    from dash import dcc
+
+    from dashboard import figures
+    from dashboard.pages import overview, skew
+
+    def graphs(node):
+        if isinstance(node, dcc.Graph):
+            yield node
+        kids = getattr(node, "children", None)
+        for k in kids if isinstance(kids, list) else [kids] if kids is not None else []:
+            yield from graphs(k)
+
+    for page in (overview, skew):
+        found = list(graphs(page.layout(None)))
+        assert found, page.__name__
+        for g in found:
+            texts = [a.text for a in g.figure.layout.annotations]
+            assert texts == [figures.LOADING_TEXT], (page.__name__, g.id, texts)
+    empty = throughput_figure([])
+    assert [a.text for a in empty.layout.annotations] == ["waiting for the first iteration"]

@@ -23,16 +23,29 @@ def layout(ctx: AppContext) -> html.Div:
         [
             html.Div(id="ov-status"),
             html.Div(id="ov-cards", className="cards"),
-            html.Div(dcc.Graph(id="ov-layout", config={"displaylogo": False}), className="panel"),
+            html.Div(
+                dcc.Graph(
+                    id="ov-layout", figure=figures.loading_figure(), config={"displaylogo": False}
+                ),
+                className="panel",
+            ),
             dcc.Store(id="ov-layout-sig"),
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(id="ov-throughput", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="ov-throughput",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                     html.Div(
-                        dcc.Graph(id="ov-itertime", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="ov-itertime",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                 ],

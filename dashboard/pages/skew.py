@@ -42,12 +42,20 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(id="sk-heatmap", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="sk-heatmap",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                     html.Div(
                         [
-                            dcc.Graph(id="sk-coords", config={"displaylogo": False}),
+                            dcc.Graph(
+                                id="sk-coords",
+                                figure=figures.loading_figure(),
+                                config={"displaylogo": False},
+                            ),
                             html.Div(id="sk-node-detail"),
                         ],
                         className="panel col",
@@ -58,12 +66,20 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(id="sk-heartbeat", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="sk-heartbeat",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                     html.Div(
                         [
-                            dcc.Graph(id="sk-recurrence", config={"displaylogo": False}),
+                            dcc.Graph(
+                                id="sk-recurrence",
+                                figure=figures.loading_figure(),
+                                config={"displaylogo": False},
+                            ),
                             html.Div(id="sk-culprits"),
                         ],
                         className="panel col",
