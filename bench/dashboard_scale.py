@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from dashboard import figures
+from dashboard import figures, figures_skew
 from dashboard.data import DashboardData
 from dashboard.metrics import render
 from dashboard.predict import predict_healthy
@@ -45,9 +45,9 @@ def main() -> None:
     lay = Layout.uniform(tp=8, pp=16, dp=128, num_layers=80, num_microbatches=64)
 
     def aggregated():
-        pa, st = figures.device_arrays(world, health, dead=[11, 12], standby=[40])
-        g = figures.skew_grid(pa, st, dpn, max_rows=64)
-        return figures.skew_heatmap_figure(g, dpn).to_json()
+        pa, st = figures_skew.device_arrays(world, health, dead=[11, 12], standby=[40])
+        g = figures_skew.skew_grid(pa, st, dpn, max_rows=64)
+        return figures_skew.skew_heatmap_figure(g, dpn).to_json()
 
     def naive():
         import plotly.graph_objects as go
@@ -56,8 +56,8 @@ def main() -> None:
         return go.Figure(go.Heatmap(z=z, y=[f"node {i}" for i in range(len(z))])).to_json()
 
     def coords():
-        pa, _ = figures.device_arrays(world, health)
-        return figures.coord_heatmap_figure(pa, lay.groups).to_json()
+        pa, _ = figures_skew.device_arrays(world, health)
+        return figures_skew.coord_heatmap_figure(pa, lay.groups).to_json()
 
     agg_json, agg_s = timed(aggregated)
     naive_json, naive_s = timed(naive)

@@ -74,7 +74,7 @@ def _report_parser() -> argparse.ArgumentParser:
 
 def report_main(argv: list[str]) -> int:
     args = _report_parser().parse_args(argv)
-    from dashboard import incidents
+    from dashboard import incident_export, incidents
     from dashboard.data import DashboardData
     from resihp.keys import validate_job_id
     from resihp.redis_client import connect
@@ -108,7 +108,7 @@ def report_main(argv: list[str]) -> int:
     except redis.RedisError as e:
         print(f"report export: cannot read Redis: {e}", file=sys.stderr)
         return 1
-    body = incidents.export(inc, args.format)
+    body = incident_export.export(inc, args.format)
     if args.out == "-":
         sys.stdout.write(body)
     else:

@@ -25,13 +25,17 @@ import redis
 from dash import Input, Output, State, dcc, html, no_update
 
 from dashboard import auth as auth_mod
-from dashboard import metrics
+from dashboard import metrics, security
 from dashboard.config import DashboardConfig
 from dashboard.data import DashboardData
 from dashboard.pages import AppContext, failures, incidents, overview, plans, skew, timeline
 from resihp import bus
 from resihp.keys import JobKeys
 from resihp.redis_client import connect
+
+#: Socket timeouts of the pages' Redis client: a hung Redis costs a page callback this
+#: long (no retries), not redis-py's default of retrying with backoff for tens of seconds.
+PAGE_REDIS_TIMEOUT_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +143,18 @@ def _auth_box(ctx: AppContext, pathname: str, search: str, job: str | None = Non
     # The job rides along in the URL, so the reload a login causes keeps the chosen job.
     nxt = (pathname or "/") + (f"?job={quote(job)}" if job else "")
     if op:
+        # a POST form: logging out changes state, so it passes the Origin check like login
         return [
-            html.Span(f"operator {op} ", id="operator-name"),
-            html.A(
-                "log out", href=f"/auth/logout?next={nxt}", id="logout", style={"color": "#cfe3ff"}
-            ),
+            html.Form(
+                [
+                    html.Span(f"operator {op} ", id="operator-name"),
+                    dcc.Input(name="next", type="hidden", value=nxt),
+                    html.Button("log out", id="logout", type="submit"),
+                ],
+                action="/auth/logout",
+                method="POST",
+                id="logout-form",
+            )
         ]
     err = parse_qs((search or "").lstrip("?")).get("login_error", [""])[0]
     return [
@@ -178,8 +189,22 @@ def _auth_box(ctx: AppContext, pathname: str, search: str, job: str | None = Non
     ]
 
 
+def fast_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client that gives up on a hung Redis after ``timeout_s`` per call, without
+    redis-py's default retries (which stretch a hung server into tens of seconds)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return connect(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
 def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> dash.Dash:
-    client = client or connect(config.redis_url)
+    client = client or fast_client(config.redis_url, PAGE_REDIS_TIMEOUT_S)
     data = DashboardData(client, history=config.history_iterations)
     ctx = AppContext(config=config, data=data, auth=auth_mod.Authenticator(config.operators))
     app = dash.Dash(
@@ -198,8 +223,24 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
         SESSION_COOKIE_SAMESITE="Lax",
         SESSION_COOKIE_NAME="resihp_session",
     )
-    auth_mod.install(server, ctx.auth)
-    metrics.install(server, data)
+    sessions = auth_mod.SessionStore(
+        client, ctx.auth, server.secret_key.encode(), ttl_s=config.session_ttl_s
+    )
+    throttle = auth_mod.LoginThrottle(
+        max_failures=config.login_max_failures,
+        base_backoff_s=config.login_backoff_s,
+        max_backoff_s=config.login_backoff_max_s,
+    )
+    auth_mod.install(server, ctx.auth, sessions, throttle)
+    # /metrics reads through its own client with short timeouts, so a hung Redis cannot
+    # hold a scrape past Prometheus's timeout (it reports Redis as down instead)
+    metrics_client = (
+        fast_client(config.redis_url, metrics.REDIS_TIMEOUT_S) if config.redis_url else client
+    )
+    app.resihp_metrics_data = DashboardData(metrics_client, history=config.history_iterations)
+    metrics.install(server, app.resihp_metrics_data, throttle)
+    csp: list[str] = []
+    security.install(server, lambda: csp[0])
     app.resihp_ctx = ctx  # for tests and the CLI
 
     def serve_layout() -> html.Div:
@@ -311,6 +352,8 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
         text = job_notice(search, names, job)
         return html.Div(text, id="job-notice-text", className="banner banner-warn") if text else ""
 
+    # every inline script (the renderer, clientside callbacks) is registered by now
+    csp.append(security.content_security_policy(app.csp_hashes()))
     return app
 
 

@@ -32,6 +32,11 @@ class DashboardConfig:
         ``"dev"`` (Flask's development server, for debugging only).
     threads: request threads of the waitress server; each open browser tab
         polls about once per refresh interval.
+    session_ttl_s: lifetime of an operator's server-side session (logout ends it sooner).
+    login_max_failures: failed logins per user and per client address before further
+        attempts wait (``dashboard.auth.LoginThrottle``).
+    login_backoff_s / login_backoff_max_s: the first wait, doubled per further failure
+        up to the cap (the longest a real operator waits once an attacker stops).
     """
 
     redis_url: str | None = None
@@ -45,6 +50,10 @@ class DashboardConfig:
     operators: dict[str, str] = field(default_factory=dict)
     server: str = "waitress"
     threads: int = 8
+    session_ttl_s: int = 12 * 3600
+    login_max_failures: int = 5
+    login_backoff_s: float = 1.0
+    login_backoff_max_s: float = 60.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +81,15 @@ class DashboardConfig:
             raise ValueError(f"server: must be one of {SERVERS}, got {self.server!r}")
         if not isinstance(self.threads, int) or not 1 <= self.threads <= 256:
             raise ValueError(f"threads: must be in 1..256, got {self.threads!r}")
+        if not isinstance(self.session_ttl_s, int) or self.session_ttl_s < 60:
+            raise ValueError(f"session_ttl_s: must be an integer >= 60, got {self.session_ttl_s!r}")
+        if not isinstance(self.login_max_failures, int) or self.login_max_failures < 1:
+            raise ValueError(f"login_max_failures: must be >= 1, got {self.login_max_failures!r}")
+        if not 0 < self.login_backoff_s <= self.login_backoff_max_s:
+            raise ValueError(
+                "login_backoff_s / login_backoff_max_s: need 0 < backoff <= max, got "
+                f"{self.login_backoff_s} / {self.login_backoff_max_s}"
+            )
         for name, pw in self.operators.items():
             if not name or ":" in name or "," in name:
                 raise ValueError(f"operators: bad operator name {name!r}")

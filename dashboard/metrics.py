@@ -31,6 +31,12 @@ PROGRESS_STATES = ("running", "hung", "stalled", "finished")
 #: the alert rules watch them with ``increase(...) > 0``, which needs a sample before the
 #: first burst (a series that appears at 3 shows no increase, and the alert never fires).
 ZERO_COUNTERS = ("deadletter_total", "producer_dropped_total")
+#: Socket timeouts of /metrics' own Redis client (no retries): a hung Redis answers the
+#: scrape with ``resihp_dashboard_redis_up 0`` well within Prometheus's scrape timeout.
+REDIS_TIMEOUT_S = 0.25
+#: Past this much time spent reading, the remaining jobs are left out of the scrape (and
+#: ``resihp_dashboard_metrics_truncated`` says so): a slow Redis does not stretch it past 1 s.
+RENDER_BUDGET_S = 0.7
 
 
 def _esc(v: object) -> str:
@@ -68,17 +74,55 @@ class _Writer:
         return "\n".join(line for lines in groups for line in lines) + "\n"
 
 
-def render(data: DashboardData, now_s: float | None = None) -> str:
+def _login_metrics(w: _Writer, throttle) -> None:
+    if throttle is None:
+        return
+    w.family(
+        "resihp_dashboard_login_failures_total",
+        "counter",
+        "Failed operator logins (wrong user or password) since the dashboard started.",
+    )
+    w.sample("resihp_dashboard_login_failures_total", "", throttle.failures_total)
+    w.family(
+        "resihp_dashboard_login_throttled_total",
+        "counter",
+        "Login attempts refused unchecked because of earlier failures (per user or address).",
+    )
+    w.sample("resihp_dashboard_login_throttled_total", "", throttle.throttled_total)
+
+
+def render(
+    data: DashboardData,
+    now_s: float | None = None,
+    throttle=None,
+    budget_s: float = RENDER_BUDGET_S,
+) -> str:
     now_s = time.time() if now_s is None else now_s
+    started = time.monotonic()
     w = _Writer()
+    _login_metrics(w, throttle)
     w.family("resihp_dashboard_redis_up", "gauge", "1 if the dashboard can reach Redis.")
     try:
         jobs = data.jobs()
+        _render_jobs(w, data, jobs, now_s, started + budget_s)
     except redis.RedisError:
+        # a timeout mid-way: what was read is kept, Redis is reported down
         w.sample("resihp_dashboard_redis_up", "", 0)
         return w.text()
     w.sample("resihp_dashboard_redis_up", "", 1)
+    return w.text()
+
+
+def _render_jobs(w: _Writer, data: DashboardData, jobs, now_s: float, deadline: float) -> None:
+    w.family(
+        "resihp_dashboard_metrics_truncated",
+        "gauge",
+        "1 when Redis answered so slowly that this scrape left jobs out (see RENDER_BUDGET_S).",
+    )
     for job in jobs:
+        if time.monotonic() > deadline:
+            w.sample("resihp_dashboard_metrics_truncated", "", 1)
+            return
         rows = [r.to_dict() for r in data.iterations(job)]
         failures = data.failures(job)
         if rows:
@@ -219,10 +263,12 @@ def render(data: DashboardData, now_s: float | None = None) -> str:
             metric = "resihp_" + _NAME_RE.sub("_", name)
             w.family(metric, "counter", f"Job counter {name}.")
             w.sample(metric, _labels(job=job), counters.get(name, 0))
-    return w.text()
+    w.sample("resihp_dashboard_metrics_truncated", "", 0)
 
 
-def install(server: flask.Flask, data: DashboardData) -> None:
+def install(server: flask.Flask, data: DashboardData, throttle=None) -> None:
     @server.get("/metrics")
     def metrics():  # noqa: ANN202
-        return flask.Response(render(data), mimetype=None, content_type=CONTENT_TYPE)
+        return flask.Response(
+            render(data, throttle=throttle), mimetype=None, content_type=CONTENT_TYPE
+        )

@@ -18,6 +18,11 @@ JOBS_SET = f"{PREFIX}:jobs"
 JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
 
+def dashboard_session(session_id: str) -> str:
+    """A dashboard operator's server-side session (a hash with a TTL; logout deletes it)."""
+    return f"{PREFIX}:dashboard:session:{session_id}"
+
+
 def watcher_health(service: str, host: str, pid: int) -> str:
     """Health key of one process serving every job (``--all-jobs``, ``resihp.stack.jobwatch``);
     the only per-service keys outside a job's namespace."""

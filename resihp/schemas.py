@@ -665,6 +665,8 @@ class AdaptationPlan(Message):
     mode: str = "auto"
     policy: str = "resihp"
     updated_at_s: float = 0.0
+    #: auto mode acknowledges a proposed plan at this time; ``HELD`` (< 0): an operator
+    #: held it, and it waits for an operator's decision as in manual mode
     apply_after_s: float = 0.0
     note: str = ""
     #: when it was first acknowledged (0: never); a plan is applied only after that
@@ -672,6 +674,8 @@ class AdaptationPlan(Message):
     #: ``before``'s predicted iteration time with every device healthy (0: not given): what
     #: a plan from a layout that cannot run (``predicted_before_s`` -1) is measured against
     predicted_healthy_s: float = 0.0
+
+    HELD: ClassVar[float] = -1.0
 
     STATES: ClassVar[tuple[str, ...]] = (
         "proposed",
@@ -696,7 +700,8 @@ class OperatorAction(Message):
     """An operator's (or the trainer's) action on a plan."""
 
     TYPE: ClassVar[str] = "action"
-    #: acknowledge | override | reject | set_mode (operators); applied | failed (the trainer:
+    #: acknowledge | override | reject | hold | set_mode (operators; hold stops a proposed
+    #: plan's auto-apply clock until an operator decides); applied | failed (the trainer:
     #: it runs the plan's layout now / it did not apply the plan, ``comment`` says why)
     action: str
     plan_id: int
@@ -711,6 +716,7 @@ class OperatorAction(Message):
         "acknowledge",
         "override",
         "reject",
+        "hold",
         "applied",
         "set_mode",
         "failed",

@@ -29,7 +29,9 @@ trainer gives up on after it was already closed keeps its state (the audit says 
 
 In ``auto`` mode a proposed plan is acknowledged by actor ``"auto"`` once its
 grace period (``apply_after_s``) has passed; in ``manual`` mode it waits for an
-operator.  Every operator action, accepted or refused, yields an
+operator.  An operator's ``hold`` stops that clock for one proposed plan (its
+``apply_after_s`` becomes ``AdaptationPlan.HELD``; the state stays ``proposed``): it
+then waits for an operator's decision as in manual mode.  Every operator action, accepted or refused, yields an
 :class:`AuditRecord` (who, when, what, result).
 
 This module is pure: :class:`PlanBook` keeps plans in memory and returns what
@@ -422,7 +424,7 @@ class PlanBook:
         now = self.clock()
         out = Changes()
         for p in self.open_plans():
-            if p.state != "proposed":
+            if p.state != "proposed" or p.apply_after_s < 0:  # held: an operator decides
                 continue
             start = now if restart else max(p.created_at_s, p.apply_after_s - old_grace_s)
             due = start + grace_s
@@ -447,7 +449,7 @@ class PlanBook:
         if mode != "auto":
             return out
         for p in self.open_plans():
-            if p.state == "proposed" and now >= p.apply_after_s:
+            if p.state == "proposed" and 0 <= p.apply_after_s <= now:
                 self._set(p, "acknowledged", now, out)
                 out.audit.append(
                     AuditRecord(
@@ -501,6 +503,17 @@ class PlanBook:
         plan = self.plans.get(action.plan_id)
         if plan is None:
             return refuse(f"unknown plan {action.plan_id}")
+        if action.action == "hold":
+            if plan.state != "proposed":
+                return refuse(f"plan {plan.plan_id} is {plan.state}; only a proposed plan is held")
+            if plan.apply_after_s < 0:
+                rec.note = f"plan {plan.plan_id} was already held"
+                return out
+            plan.apply_after_s = AdaptationPlan.HELD
+            plan.updated_at_s = now
+            out.plans.append(plan)
+            rec.note = f"auto-apply of plan {plan.plan_id} held: it waits for an operator"
+            return out
         target = {
             "acknowledge": "acknowledged",
             "reject": "rejected",

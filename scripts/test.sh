@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The README's test command: installs the headless browser the dashboard tests drive
-# (Debian's chromium), then runs the whole test suite. pytest exit code 5 (no tests) fails.
+# (Debian's chromium) and promtool (Debian's prometheus package), checks the alert rules
+# with their unit tests, then runs the whole test suite. pytest exit code 5 (no tests) fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x /usr/bin/chromium ]; then
+missing=()
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+command -v promtool >/dev/null || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+    --no-install-recommends "${missing[@]}" >/dev/null
 fi
 [ -n "${VIRTUAL_ENV:-}" ] || . .venv/bin/activate
 ruff check .
+promtool check rules deploy/prometheus/resihp-alerts.yml
+promtool test rules deploy/prometheus/resihp-alerts.test.yml
 python -m pytest -q "$@"

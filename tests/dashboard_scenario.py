@@ -330,6 +330,8 @@ def dash_call(app, output_id: str, values: dict, trigger: str):
         "state": _items("state"),
         "changedPropIds": [trigger],
     }
-    res = app.server.test_client().post("/_dash-update-component", json=req)
+    res = app.server.test_client().post(
+        "/_dash-update-component", headers={"Origin": "http://localhost"}, json=req
+    )
     assert res.status_code in (200, 204), res.get_data(as_text=True)[:500]
     return res.json["response"] if res.status_code == 200 else {}

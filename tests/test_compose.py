@@ -161,7 +161,7 @@ def test_dockerfile_compiles_the_dag_kernel_into_a_baked_cache():
     assert not cache.startswith(("~", "/home", "/root"))  # the resihp user reads it
     # compiled as root after `pip install .`, before the image switches user
     build = text.index("_kernel.available()")
-    assert text.index("RUN pip install .") < build < text.index("USER resihp")
+    assert text.index("RUN pip install --no-deps .") < build < text.index("USER resihp")
 
 
 def _dockerignore_patterns() -> list[tuple[bool, re.Pattern]]:
@@ -246,3 +246,50 @@ def test_dockerignore_keeps_what_the_dockerfile_copies_and_drops_local_state():
         ".env",
     ):
         assert _dockerignored(rel, patterns), rel
+
+
+def test_redis_restarts_like_the_services():
+    assert _compose()["services"]["redis"]["restart"] == "unless-stopped"
+
+
+def test_only_the_trainer_image_carries_torch():
+    """The services image is built without torch (754 MB the services never import);
+    the trainer's image is the services image plus the pinned CPU wheel."""
+    svcs = _compose()["services"]
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    by_target = {s.split("\n", 1)[0].split(" AS ")[1].strip(): s for s in stages}
+    assert set(by_target) == {"services", "trainer"}
+    assert "pip install torch" not in by_target["services"]
+    assert "torch==" not in by_target["services"]
+    assert "if not d.startswith('torch')" in by_target["services"]  # dropped from pyproject's
+    assert "torch==2.13.0" in by_target["trainer"] and "whl/cpu" in by_target["trainer"]
+    assert by_target["trainer"].startswith("services AS trainer")
+    for name in SERVICE_PACKAGES:
+        want = "trainer" if name == "trainer" else "services"
+        assert svcs[name]["build"]["target"] == want, name
+    images = {svcs[n]["image"] for n in SERVICE_PACKAGES if n != "trainer"}
+    assert len(images) == 1 and svcs["trainer"]["image"] not in images
+
+
+BLOCK_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("no torch in the services image")
+sys.meta_path.insert(0, NoTorch())
+import collector.service, detector.service, scheduler.service, dashboard.app, trainer.sim
+import collector.__main__, detector.__main__, scheduler.__main__, dashboard.__main__
+print("ok")
+"""
+
+
+def test_the_services_run_without_torch():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

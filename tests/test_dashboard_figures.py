@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from dashboard_scenario import simulate
 
-from dashboard import figures
+from dashboard import figures, figures_skew
 from dashboard.config import DashboardConfig, operators_from_env, parse_operators
 from dashboard.predict import predict_healthy
 from resihp.schemas import FailureReport
@@ -101,8 +101,8 @@ def test_skew_grid_16k_gpus_aggregates_and_drills_down():
     world, dpn = 16384, 8
     health = {r: {"p": 1.0} for r in range(world)}
     health[12345] = {"p": 0.31}
-    p, state = figures.device_arrays(world, health, dead=[777], standby=[16000])
-    grid = figures.skew_grid(p, state, dpn, max_rows=64)
+    p, state = figures_skew.device_arrays(world, health, dead=[777], standby=[16000])
+    grid = figures_skew.skew_grid(p, state, dpn, max_rows=64)
     assert grid.level == "groups" and len(grid.z) == 64 and grid.cells == 64 * 8
     assert grid.nodes_per_row == 32
     node = 12345 // dpn
@@ -111,24 +111,24 @@ def test_skew_grid_16k_gpus_aggregates_and_drills_down():
     drow = 777 // dpn // 32
     assert grid.z[drow][777 % 8] == 0.0 and "1 dead" in grid.text[drow][777 % 8]
     assert any(k == "standby" for _, _, k in grid.marks)
-    fig = figures.skew_heatmap_figure(grid, dpn)
+    fig = figures_skew.skew_heatmap_figure(grid, dpn)
     assert len(fig.to_json()) < 200_000  # never one element per device in the browser
     lo, hi = grid.row_nodes[row]
-    sub = figures.skew_grid(p, state, dpn, (lo, hi), max_rows=64)
+    sub = figures_skew.skew_grid(p, state, dpn, (lo, hi), max_rows=64)
     assert sub.level == "nodes" and len(sub.z) == 32
     assert sub.z[node - lo][col] == pytest.approx(0.31)
     assert sub.row_labels[node - lo] == f"node {node}"
 
 
 def test_skew_grid_unknown_devices_are_blank():
-    p, state = figures.device_arrays(20, {3: {"p": 0.8}})
-    grid = figures.skew_grid(p, state, 8)
+    p, state = figures_skew.device_arrays(20, {3: {"p": 0.8}})
+    grid = figures_skew.skew_grid(p, state, 8)
     assert len(grid.z) == 3 and grid.z[0][3] == 0.8 and grid.z[0][0] is None
     assert grid.z[2][4] is None  # padding beyond the world
     # Working ranks the detector has not flagged are healthy once it reports anything.
-    p, _ = figures.device_arrays(20, {3: {"p": 0.8}}, active=list(range(16)))
+    p, _ = figures_skew.device_arrays(20, {3: {"p": 0.8}}, active=list(range(16)))
     assert p[0] == 1.0 and p[3] == 0.8 and np.isnan(p[17])
-    p, _ = figures.device_arrays(20, {}, active=list(range(16)))
+    p, _ = figures_skew.device_arrays(20, {}, active=list(range(16)))
     assert np.isnan(p[0])  # no detector output at all: unknown
 
 
@@ -137,10 +137,10 @@ def test_coord_grid_buckets_replicas_and_takes_group_min():
     p = np.ones(lay.world_size)
     slow = lay.groups[150][1][1]
     p[slow] = 0.4
-    z, xl, yl, _ = figures.coord_grid(p, lay.groups, max_cols=64)
+    z, xl, yl, _ = figures_skew.coord_grid(p, lay.groups, max_cols=64)
     assert len(yl) == 2 and len(xl) == 50  # 4 replicas per column
     assert z[1][150 // 4] == pytest.approx(0.4) and z[0][150 // 4] == 1.0
-    _, _, _, text = figures.coord_grid(p, lay.groups, max_cols=64)
+    _, _, _, text = figures_skew.coord_grid(p, lay.groups, max_cols=64)
     assert text[1][150 // 4].endswith(f"min at rank {slow} (dp150, stage 1, tp1)")
     assert text[0][0] == "TP 2"
 
@@ -386,8 +386,10 @@ def test_a_rank_that_rejoined_after_the_layout_is_standby_not_dead():
         {"at_s": written, "layout_id": 1, "key": "b"},
         {"at_s": 1100.0, "layout_id": 1, "key": "b"},  # the trainer registered again
     ]
-    assert figures.layout_since_s(hist, 1) == written
-    assert figures.layout_since_s(hist, 2) is None and figures.layout_since_s([], 1) is None
+    assert figures_skew.layout_since_s(hist, 1) == written
+    assert (
+        figures_skew.layout_since_s(hist, 2) is None and figures_skew.layout_since_s([], 1) is None
+    )
     health = {
         12: {"p": 1.0, "state": "healthy", "since": written + 40},  # re-joined since
         13: {"p": 1.0, "state": "healthy", "since": written - 40},  # stale: before the layout
@@ -395,13 +397,13 @@ def test_a_rank_that_rejoined_after_the_layout_is_standby_not_dead():
         15: {"p": 1.0, "state": "healthy"},  # no time: cannot tell
     }
     dead = [12, 13, 14, 15, 11]  # 11: no verdict at all
-    assert figures.rejoined_ranks(dead, health, written) == {12}
-    assert figures.rejoined_ranks(dead, health, None) == set()
-    assert figures.rejoined_ranks(dead, {"12": health[12]}, written) == {12}
-    p, state = figures.device_arrays(16, health, dead, [], list(range(11)), written)
+    assert figures_skew.rejoined_ranks(dead, health, written) == {12}
+    assert figures_skew.rejoined_ranks(dead, health, None) == set()
+    assert figures_skew.rejoined_ranks(dead, {"12": health[12]}, written) == {12}
+    p, state = figures_skew.device_arrays(16, health, dead, [], list(range(11)), written)
     assert state[12] == 2 and p[12] == 1.0
     assert all(state[r] == 1 and p[r] == 0.0 for r in (11, 13, 14, 15))
-    p, state = figures.device_arrays(16, health, dead, [], list(range(11)))
+    p, state = figures_skew.device_arrays(16, health, dead, [], list(range(11)))
     assert state[12] == 1 and p[12] == 0.0  # no layout time: the layout's word stands
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from dashboard_scenario import publish_job, publish_recovery
 
-from dashboard import incidents
+from dashboard import incident_export, incidents
 from dashboard.data import DashboardData
 
 
@@ -72,17 +72,17 @@ def test_open_incident_and_exports(r):
     _sc, inc = _incident(r, recover=False)
     assert inc.status == "open"
     assert [p.at_s is None for p in inc.phases] == [False, False, False, True, True, True]
-    js = json.loads(incidents.to_json(inc))
+    js = json.loads(incident_export.to_json(inc))
     assert js["timeline"][2]["phase"] == "plan proposed" and js["evidence"]["change_point"] == 40
-    md = incidents.to_markdown(inc)
+    md = incident_export.to_markdown(inc)
     assert "## Recovery timeline" in md and "| detected |" in md and "not reached" in md
     assert "stage 1 layers **changed** | 8 | 5 |" in md
-    html = incidents.to_html(inc)
+    html = incident_export.to_html(inc)
     assert "<h2 id='timeline'>Recovery timeline</h2>" in html
     assert "plotly.js" in html.lower() or "Plotly" in html
     assert "<script src=" not in html and len(html) > 1_000_000  # inlined, opens offline
     with pytest.raises(ValueError, match="format"):
-        incidents.export(inc, "pdf")
+        incident_export.export(inc, "pdf")
     with pytest.raises(incidents.IncidentNotFound):
         incidents.build_incident("job-a", "nope", [], [], [], [])
 
@@ -258,7 +258,7 @@ def test_timeline_never_goes_back_in_time():
     assert [p["phase"] for p in tl][-2:] == ["applied", "throughput recovered"]
     assert all(p["at_s"] is not None and p["since_previous_s"] >= 0 for p in tl[1:])
     assert tl[-1]["at_s"] == at[42] and tl[-1]["detail"].startswith("iteration 42: ")
-    assert "-" not in "".join(_cells(incidents.to_markdown(inc), "applied")[2:4])
+    assert "-" not in "".join(_cells(incident_export.to_markdown(inc), "applied")[2:4])
 
 
 def _cells(md, first):
@@ -308,7 +308,7 @@ def test_during_is_progress_so_a_hung_job_shows_none():
     tp = inc.throughput
     assert tp["during"] == pytest.approx((10 * 60.05 / 60.1 + 10) / 60.15, rel=1e-3)
     assert tp["after"] == pytest.approx(100.0)
-    md = incidents.to_markdown(inc)
+    md = incident_export.to_markdown(inc)
     assert "| 100.000 | 0.332 | 100.000 |" in md
     assert "- during: 20.0 samples completed from the onset to throughput recovered (" in md
     assert "time without progress (a hang) counts" in md
@@ -386,10 +386,10 @@ def test_operator_actions_carry_the_schedulers_verdict(r):
     # The scheduler's plan for a dead rank: the current layout cannot run (-1).
     inc = incident()
     assert inc.plans[-1].predicted_before_s == -1.0
-    md, page = incidents.to_markdown(inc), incidents.to_html(inc)
+    md, page = incident_export.to_markdown(inc), incident_export.to_html(inc)
     assert "Predicted iteration time cannot run -> " in md and "-1.000" not in md
     assert "Predicted iteration time cannot run -&gt; " in page and "-1.000" not in page
-    assert json.loads(incidents.to_json(inc))["plans"][0]["predicted_before_s"] == -1.0
+    assert json.loads(incident_export.to_json(inc))["plans"][0]["predicted_before_s"] == -1.0
 
     for action, actor, override, comment in [
         ("applied", "trainer", {}, ""),  # refused: never acknowledged
@@ -423,7 +423,7 @@ def test_operator_actions_carry_the_schedulers_verdict(r):
     # nothing recovered the dead rank: the incident stays open, saying why
     assert inc.status == incidents.REJECTED_OPEN and inc.is_open
 
-    md = incidents.to_markdown(inc)
+    md = incident_export.to_markdown(inc)
     assert _action_cells(md, "bob")[1:] == [
         "acknowledge",
         "1",
@@ -436,20 +436,20 @@ def test_operator_actions_carry_the_schedulers_verdict(r):
     assert carol[4:6] == ['{"migration": "yes"}', "keep it local"]
     assert carol[6] == "refused: override.migration must be true or false (plan 2)"
     assert _action_cells(md, "alice")[5:] == ["wait for the spare", "accepted"]
-    page = incidents.to_html(inc)
+    page = incident_export.to_html(inc)
     assert (
         "<td>bob</td><td></td><td>go</td>"
         "<td>refused: plan 1 is rejected; cannot acknowledge</td>" in page
     )
     assert page.count('<tr class="refused">') == 3
-    js = json.loads(incidents.to_json(inc))["actions"]
+    js = json.loads(incident_export.to_json(inc))["actions"]
     assert js[3]["comment"] == "go" and js[3]["verdict"] == {
         "result": "refused",
         "note": "plan 1 is rejected; cannot acknowledge",
         "new_plan_id": None,
     }
     # Without the audit log nothing claims a verdict.
-    assert _action_cells(incidents.to_markdown(incident(audit=False)), "bob")[6] == (
+    assert _action_cells(incident_export.to_markdown(incident(audit=False)), "bob")[6] == (
         "no verdict: audit log not read"
     )
 
@@ -618,7 +618,7 @@ def test_a_fail_stop_the_trainer_recovered_alone_counts_from_its_own_layout(r):
         "applied",
     ]
     assert all(p["since_previous_s"] >= 0 for p in inc.phase_rows()[1:])
-    assert f"| {incidents.TRAINER_PHASE} |" in incidents.to_markdown(inc)
+    assert f"| {incidents.TRAINER_PHASE} |" in incident_export.to_markdown(inc)
     # The same as pairs of (time, layout dict).
     pairs = [
         (x["at_s"], lay) for x, lay in zip(lays, (full, own, applied_lay, applied_lay), strict=True)
@@ -657,16 +657,18 @@ def test_the_plan_shown_is_the_one_that_answered_the_incident():
     gone = _plan(1, "superseded", at[33], at[48], ["x"])
     gone.note = "superseded by applied plan 2"
     inc = incidents.build_incident("j", "x", [f], [*p1, *p2, gone], [], rows)
-    md = incidents.export(inc, "md")
+    md = incident_export.export(inc, "md")
     plan_line = next(line for line in md.splitlines() if line.startswith("Plan "))
     assert plan_line.startswith("Plan 1 ") and (
         "state **applied, later superseded by applied plan 2**" in plan_line
     ), plan_line
-    html = incidents.export(inc, "html")
+    html = incident_export.export(inc, "html")
     assert "Plan 1 (" in html and "applied, later superseded by applied plan 2" in html
     # no plan applied yet: the newest snapshot, as it stands
     open_inc = incidents.build_incident("j", "x", [f], p1[:2], [], rows)
-    line = next(x for x in incidents.export(open_inc, "md").splitlines() if x.startswith("Plan "))
+    line = next(
+        x for x in incident_export.export(open_inc, "md").splitlines() if x.startswith("Plan ")
+    )
     assert line.startswith("Plan 1 ") and "state **acknowledged**" in line
 
 
@@ -687,7 +689,7 @@ def test_the_schedulers_own_acknowledgement_is_an_action_of_the_incident():
          "result": "ok", "note": "another incident's plan"},
     ]  # fmt: skip
     inc = incidents.build_incident("j", "x", [f], hist, [], rows, audit=audit)
-    md = incidents.export(inc, "md")
+    md = incident_export.export(inc, "md")
     cells = _action_cells(md, "auto")
     assert "acknowledge" in cells and "grace period elapsed" in cells, cells
     assert "another incident" not in md
@@ -763,7 +765,7 @@ def test_after_ends_where_the_next_failure_began():
     assert inc.status == "recovered"
     assert inc.throughput["after"] == 100.0, inc.throughput
     assert inc.throughput_basis["after_until_report"] == "y"
-    assert any("next failure (y)" in n for n in incidents.throughput_notes(inc))
+    assert any("next failure (y)" in n for n in incident_export.throughput_notes(inc))
     # alone, the same window takes the slow iterations in (median 50)
     alone = incidents.build_incident("j", "x", [f], [], [], rows)
     assert (
@@ -856,7 +858,7 @@ def test_an_incident_whose_plan_failed_on_the_trainer_stays_open_saying_so(r):
         and ph["applied"].detail == f"plan 1 failed on the trainer: {why}"
     )
     assert [(a.action, a.actor) for a in inc.actions][-1] == ("failed", "trainer")
-    assert why in incidents.to_markdown(inc)
+    assert why in incident_export.to_markdown(inc)
     (td,) = turned_down_plans(r, keys, latest_plans(r, keys))
     assert (td["plan_id"], td["state"], td["why"]) == (1, "failed", why)
 

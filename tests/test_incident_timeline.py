@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dashboard import incidents
+from dashboard import incident_export, incidents
 from dashboard.incidents import Phase
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction
 from resihp.topology import Layout
@@ -52,12 +52,12 @@ def test_a_mode_switch_while_the_plan_waited_is_in_the_report_and_its_re_timing_
               "action_id": switch.action_id}]  # fmt: skip
     inc = incidents.build_incident("j", "fs", [f], [p, retimed], [switch, other], [], audit=audit)
     assert [(a.action, a.actor) for a in inc.actions] == [("set_mode", "alice")]
-    md = incidents.to_markdown(inc)
+    md = incident_export.to_markdown(inc)
     assert "plan 2: proposed\n" in md
     assert f"plan 2: proposed, re-timed: applies by itself after {incidents._iso(T0 + 49)}" in md
     assert "| set_mode | 0 | alice |" in md and "changed ['mode', 'grace_period_s']" in md
     assert "(policy resihp, proposed with the scheduler in manual mode)" in md
-    assert "re-timed: applies by itself after" in incidents.to_html(inc)
+    assert "re-timed: applies by itself after" in incident_export.to_html(inc)
 
 
 def test_a_fail_stop_whose_plan_runs_as_predicted_is_recovered_though_slower():

@@ -11,7 +11,7 @@ import redis
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dash import ctx as dash_ctx
 
-from dashboard import figures
+from dashboard import figures, incident_export
 from dashboard import incidents as inc_mod
 from dashboard.pages import AppContext, banner, redis_safe
 
@@ -245,4 +245,4 @@ def register(app, ctx: AppContext) -> None:
             inc = _load(ctx, job, incident_id)
         except (inc_mod.IncidentNotFound, redis.RedisError):
             return no_update
-        return dcc.send_string(inc_mod.export(inc, fmt), f"incident-{incident_id}.{fmt}")
+        return dcc.send_string(incident_export.export(inc, fmt), f"incident-{incident_id}.{fmt}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
-from dashboard import figures, incidents
+from dashboard import figures, figures_skew, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
 from resihp import progress
@@ -23,16 +23,29 @@ def layout(ctx: AppContext) -> html.Div:
         [
             html.Div(id="ov-status"),
             html.Div(id="ov-cards", className="cards"),
-            html.Div(dcc.Graph(id="ov-layout", config={"displaylogo": False}), className="panel"),
+            html.Div(
+                dcc.Graph(
+                    id="ov-layout", figure=figures.loading_figure(), config={"displaylogo": False}
+                ),
+                className="panel",
+            ),
             dcc.Store(id="ov-layout-sig"),
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(id="ov-throughput", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="ov-throughput",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                     html.Div(
-                        dcc.Graph(id="ov-itertime", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="ov-itertime",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                 ],
@@ -54,9 +67,9 @@ def dead_and_slow(
     """Dead ranks (the layout's, and the detector's verdicts the scheduler has not yet
     applied) and slow ranks (p below the bar, neither dead nor set aside as standby).
     A rank the layout lists dead that re-joined after it was written
-    (``layout_since_s``, :func:`figures.rejoined_ranks`) counts as standby."""
+    (``layout_since_s``, :func:`figures_skew.rejoined_ranks`) counts as standby."""
     back = (
-        figures.rejoined_ranks(lay.dead, device_health, layout_since_s)
+        figures_skew.rejoined_ranks(lay.dead, device_health, layout_since_s)
         if lay is not None
         else set()
     )
@@ -158,7 +171,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
         "progress": d.progress(job),
         "liveness": d.liveness(job)[-20:],
         "device_health": d.device_health(job),
-        "layout_since_s": figures.layout_since_s(lays, lay.layout_id if lay else None),
+        "layout_since_s": figures_skew.layout_since_s(lays, lay.layout_id if lay else None),
     }
 
 
@@ -235,7 +248,7 @@ def register(app, ctx: AppContext) -> None:
         since = s["layout_since_s"]
         dead, slow = dead_and_slow(lay, s["device_health"], since)
         if lay is not None:
-            back = figures.rejoined_ranks(lay.dead, s["device_health"], since)
+            back = figures_skew.rejoined_ranks(lay.dead, s["device_health"], since)
             standby = (set(lay.standby) | back) - dead
             cards.append(
                 card(
@@ -372,10 +385,10 @@ def register(app, ctx: AppContext) -> None:
         elif lay is None:
             lay_fig = figures.empty_figure("no layout yet")
         else:
-            p, _state = figures.device_arrays(
+            p, _state = figures_skew.device_arrays(
                 lay.world_size, health, lay.dead, lay.standby, lay.active_ranks(), since
             )
-            lay_fig = figures.coord_heatmap_figure(p, lay.groups)
+            lay_fig = figures_skew.coord_heatmap_figure(p, lay.groups)
             lay_fig.update_layout(
                 title="Layout and health: min p_i of each TP group (stage x DP replica)",
                 height=max(200, 80 + 24 * lay.pp),

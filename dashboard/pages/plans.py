@@ -1,5 +1,10 @@
-"""Plans: the pending plan as a before/after diff, with Acknowledge / Override / Reject for an
-authenticated operator, scheduler refusals, the action stream and the audit log."""
+"""Plans: the pending plan as a before/after diff, with Acknowledge / Override / Reject / Hold for
+an authenticated operator, the auto-apply countdown, scheduler refusals, the action stream and
+the audit log.
+
+A button is enabled only where the scheduler would take its action for the plan on screen
+(:func:`allowed_actions`); after this session's override is accepted the page follows the
+plan that replaced the overridden one."""
 
 from __future__ import annotations
 
@@ -45,8 +50,10 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.H4("Operator actions"),
-                    html.Button("Acknowledge", id="pl-ack"),
-                    html.Button("Reject", id="pl-reject"),
+                    html.Div(id="pl-countdown", className="pl-countdown"),
+                    html.Button("Acknowledge", id="pl-ack", disabled=True),
+                    html.Button("Reject", id="pl-reject", disabled=True),
+                    html.Button("Hold", id="pl-hold", disabled=True, title=HOLD_HELP),
                     html.Div(
                         [
                             html.B("Override: "),
@@ -78,7 +85,12 @@ def layout(ctx: AppContext) -> html.Div:
                                 inline=True,
                                 style={"display": "inline-block", "marginLeft": "8px"},
                             ),
-                            html.Button("Override", id="pl-override", style={"marginLeft": "8px"}),
+                            html.Button(
+                                "Override",
+                                id="pl-override",
+                                disabled=True,
+                                style={"marginLeft": "8px"},
+                            ),
                         ],
                         style={"marginTop": "8px"},
                     ),
@@ -96,6 +108,8 @@ def layout(ctx: AppContext) -> html.Div:
                     dcc.Store(id="pl-auto"),
                     # the (job, plan) whose summary is on screen: an action goes to it only
                     dcc.Store(id="pl-shown"),
+                    # the action id of this session's override the page already followed
+                    dcc.Store(id="pl-followed"),
                 ],
                 className="panel",
             ),
@@ -104,6 +118,70 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div([html.H4("Action stream"), html.Div(id="pl-actions")], className="panel"),
         ]
     )
+
+
+HOLD_HELP = "stop the automatic apply of this plan until an operator decides (audited)"
+BUTTONS = {
+    "pl-ack": "acknowledge",
+    "pl-reject": "reject",
+    "pl-override": "override",
+    "pl-hold": "hold",
+}
+
+
+def scheduler_mode(services: dict[str, dict]) -> str | None:
+    """The mode the job's scheduler runs in now (its health record), or None."""
+    for name in sorted(services):
+        if name.split(":")[0] == "scheduler" and (services[name] or {}).get("mode"):
+            return str(services[name]["mode"])
+    return None
+
+
+def allowed_actions(p: AdaptationPlan | None, mode: str | None = None) -> set[str]:
+    """The operator actions the scheduler takes for plan ``p`` (scheduler/lifecycle.py's
+    transitions): none without a plan or on a decided one.  ``mode``: the scheduler's
+    mode now (default: the plan's at proposal); Hold only where a clock runs."""
+    if p is None:
+        return set()
+    out = {
+        "proposed": {"acknowledge", "reject", "override"},
+        "acknowledged": {"reject", "override"},
+        "rejected": {"override"},
+        "failed": {"override"},
+    }.get(p.state, set())
+    if p.state == "proposed" and (mode or p.mode) == "auto" and p.apply_after_s >= 0:
+        out = out | {"hold"}
+    return out
+
+
+def countdown_text(p: AdaptationPlan | None, now_s: float, mode: str | None = None) -> str:
+    """What happens next to a proposed plan by itself: the auto-apply countdown, held, or
+    waiting for an operator (manual mode); "" for any other plan.  ``mode``: the
+    scheduler's mode now (default: the plan's at proposal)."""
+    if p is None or p.state != "proposed":
+        return ""
+    if p.apply_after_s < 0:
+        return f"plan {p.plan_id} is held: it waits for an operator's decision"
+    if (mode or p.mode) != "auto":
+        return f"plan {p.plan_id} waits for an operator (manual mode)"
+    wait = p.apply_after_s - now_s
+    if wait > 0:
+        return f"plan {p.plan_id} applies automatically in {wait:.0f} s unless held or decided"
+    return f"plan {p.plan_id}: grace period over, applying automatically"
+
+
+def followed_plan(audit: list[dict], action_id: str | None, selected: int | None) -> int | None:
+    """The plan that replaced ``selected`` through this session's accepted override
+    ``action_id`` (None when there is none to follow)."""
+    if not action_id or selected is None:
+        return None
+    rec = next((a for a in audit if a.get("action_id") == action_id), None)
+    if not rec or rec.get("action") != "override" or rec.get("result") != "ok":
+        return None
+    if str(rec.get("plan_id")) != str(selected):
+        return None
+    new = int(str(rec.get("new_plan_id") or "0") or 0)
+    return new or None
 
 
 def _ints(text: str | None, field: str) -> list[int]:
@@ -284,6 +362,9 @@ def register(app, ctx: AppContext) -> None:
         Output("pl-sig", "data"),
         Output("pl-auto", "data"),
         Output("pl-shown", "data"),
+        Output("pl-countdown", "children"),
+        *[Output(b, "disabled") for b in BUTTONS],
+        Output("pl-followed", "data"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
         Input("pl-plan", "value"),
@@ -292,11 +373,19 @@ def register(app, ctx: AppContext) -> None:
         State("pl-sig", "data"),
         State("pl-auto", "data"),
         State("pl-shown", "data"),
+        State("pl-followed", "data"),
     )
-    @redis_safe(11)
-    def refresh(_n, job, selected, last_action, options, last_sig, auto, shown):
+    @redis_safe(17)
+    def refresh(_n, job, selected, last_action, options, last_sig, auto, shown, followed):
         if not job:
-            return (banner("no job selected", "info"), [], None) + ("",) * 5 + (None,) * 3
+            return (
+                (banner("no job selected", "info"), [], None)
+                + ("",) * 5
+                + (None,) * 3
+                + ("",)
+                + (True,) * len(BUTTONS)
+                + (no_update,)
+            )
         orig = selected
         plans = ctx.data.plans(job)
         ordered = sorted(plans.values(), key=lambda p: p.plan_id, reverse=True)
@@ -321,6 +410,13 @@ def register(app, ctx: AppContext) -> None:
             selected = (pending or real or ordered or [None])[0]
             selected = selected.plan_id if selected else None
             auto = selected
+        if last_action and last_action != followed:
+            # this session's override was accepted: show the plan that replaced the one
+            # overridden (its diff and prediction), not the old one
+            new = followed_plan(audit_all, last_action, selected)
+            if new in plans:
+                selected = auto = new
+                followed = last_action
         waiting = [p.plan_id for p in pending if p.plan_id != selected]
         newest = next((p for p in ordered if p.state != "refused"), None)
         if waiting:
@@ -354,8 +450,16 @@ def register(app, ctx: AppContext) -> None:
             ).encode()
         ).hexdigest()
         now_shown = {"job": job, "plan_id": selected}
+        plan = plans.get(selected)
+        mode = scheduler_mode(ctx.data.service_health(job)) if plan is not None else None
+        allowed = allowed_actions(plan, mode)
+        text = countdown_text(plan, time.time(), mode)
+        live = (
+            html.Div(text, id="pl-countdown-text", className="banner banner-warn") if text else ""
+        )
+        controls = (live, *[a not in allowed for a in BUTTONS.values()], followed)
         if sig == last_sig:
-            return (status,) + (no_update,) * 7 + (sig, auto, now_shown)
+            return (status,) + (no_update,) * 7 + (sig, auto, now_shown) + controls
         opts = [{"label": _plan_label(p), "value": p.plan_id} for p in ordered]
         summary = (
             _summary(plans[selected], plans)
@@ -377,7 +481,17 @@ def register(app, ctx: AppContext) -> None:
             else "none"
         )
         audit = audit_all[-200:][::-1]
-        cols = ["at", "actor", "action", "plan_id", "result", "note", "new_plan_id", "override"]
+        cols = [
+            "at",
+            "actor",
+            "action",
+            "plan_id",
+            "result",
+            "note",
+            "comment",
+            "new_plan_id",
+            "override",
+        ]
         arows = [
             {
                 "at": figures._ts(float(a.get("at_s", 0) or 0)).strftime("%H:%M:%S"),
@@ -425,6 +539,7 @@ def register(app, ctx: AppContext) -> None:
             sig,
             auto,
             now_shown,
+            *controls,
         )
 
     @app.callback(
@@ -455,6 +570,7 @@ def register(app, ctx: AppContext) -> None:
         Input("pl-ack", "n_clicks"),
         Input("pl-reject", "n_clicks"),
         Input("pl-override", "n_clicks"),
+        Input("pl-hold", "n_clicks"),
         State("job", "value"),
         State("pl-plan", "value"),
         State("pl-ov-layers", "value"),
@@ -466,11 +582,8 @@ def register(app, ctx: AppContext) -> None:
         prevent_initial_call=True,
     )
     @redis_safe(2)
-    def act(_a, _r, _o, job, plan_id, layers, drop, keep, migration, comment, shown):
-        trig = dash_ctx.triggered_id
-        action = {"pl-ack": "acknowledge", "pl-reject": "reject", "pl-override": "override"}.get(
-            trig
-        )
+    def act(_a, _r, _o, _h, job, plan_id, layers, drop, keep, migration, comment, shown):
+        action = BUTTONS.get(dash_ctx.triggered_id)
         if action is None:
             return no_update, no_update
         if shown != {"job": job, "plan_id": plan_id}:

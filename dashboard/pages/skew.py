@@ -11,7 +11,7 @@ import time
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dash import ctx as dash_ctx
 
-from dashboard import figures
+from dashboard import figures, figures_skew
 from dashboard.pages import SLOW_TICK_MS, AppContext, banner, redis_safe, tick_after_render_ms
 
 PATH = "/skew"
@@ -42,12 +42,20 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(id="sk-heatmap", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="sk-heatmap",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                     html.Div(
                         [
-                            dcc.Graph(id="sk-coords", config={"displaylogo": False}),
+                            dcc.Graph(
+                                id="sk-coords",
+                                figure=figures.loading_figure(),
+                                config={"displaylogo": False},
+                            ),
                             html.Div(id="sk-node-detail"),
                         ],
                         className="panel col",
@@ -58,12 +66,20 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(id="sk-heartbeat", config={"displaylogo": False}),
+                        dcc.Graph(
+                            id="sk-heartbeat",
+                            figure=figures.loading_figure(),
+                            config={"displaylogo": False},
+                        ),
                         className="panel col",
                     ),
                     html.Div(
                         [
-                            dcc.Graph(id="sk-recurrence", config={"displaylogo": False}),
+                            dcc.Graph(
+                                id="sk-recurrence",
+                                figure=figures.loading_figure(),
+                                config={"displaylogo": False},
+                            ),
                             html.Div(id="sk-culprits"),
                         ],
                         className="panel col",
@@ -110,11 +126,11 @@ def device_state(ctx: AppContext, job: str):
         world, dpn = lay.world_size, lay.devices_per_node
         dead, standby, active = lay.dead, lay.standby, lay.active_ranks()
         if dead:
-            since = figures.layout_since_s(ctx.data.layouts(job), lay.layout_id)
+            since = figures_skew.layout_since_s(ctx.data.layouts(job), lay.layout_id)
     else:
         world = (max(health) + 1) if health else 0
         dpn, dead, standby, active = 8, [], [], None
-    p, state = figures.device_arrays(world, health, dead, standby, active, since)
+    p, state = figures_skew.device_arrays(world, health, dead, standby, active, since)
     return lay, p, state, dpn
 
 
@@ -197,7 +213,7 @@ def register(app, ctx: AppContext) -> None:
                 "warn",
             )
             rng, node = None, None
-        hb = figures.heartbeat_age_figure(ctx.data.node_heartbeats(job), time.time())
+        hb = figures_skew.heartbeat_age_figure(ctx.data.node_heartbeats(job), time.time())
         fails = ctx.data.failures(job)
         # Redraw the heatmaps only when what they show changed: a redraw every tick would
         # reset hover and swallow clicks (drill-down).
@@ -215,10 +231,10 @@ def register(app, ctx: AppContext) -> None:
         ).hexdigest()
         if sig == last_sig:
             return status, no_update, no_update, hb, no_update, no_update, no_update, no_update, sig
-        grid = figures.skew_grid(p, state, dpn, rng, max_rows)
-        heat = figures.skew_heatmap_figure(grid, dpn)
+        grid = figures_skew.skew_grid(p, state, dpn, rng, max_rows)
+        heat = figures_skew.skew_heatmap_figure(grid, dpn)
         coords = (
-            figures.coord_heatmap_figure(p, lay.groups)
+            figures_skew.coord_heatmap_figure(p, lay.groups)
             if lay is not None
             else figures.empty_figure("no layout")
         )

@@ -137,8 +137,8 @@ def register(app, ctx: AppContext) -> None:
         rows = ctx.data.iterations(job)
         if not rows:
             return (
-                banner("no iterations yet", "info"),
-                figures.empty_figure("no iterations yet"),
+                banner("waiting for the first iteration", "info"),
+                figures.empty_figure("waiting for the first iteration"),
                 "",
                 "",
                 [],

@@ -1,0 +1,201 @@
+"""An operator's session in real headless chromium against the real scheduler and dashboard
+processes: wrong passwords get throttled, the operator still logs in once the guessing
+stops, the auto-apply countdown is visible and Hold stops it, an override is followed to
+the plan that replaced the old one, and after logout the saved session cookie is refused.
+The Plans page screenshot goes to artifacts/screenshots/plans_countdown.png (and to
+docs/img/ with RESIHP_UPDATE_DOCS_IMG=1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from browser_harness import ROOT, SHOTS, open_page, refresh_docs_img, require_chromium, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dashboard_scenario import publish_job  # noqa: E402
+
+from resihp import bus  # noqa: E402
+from resihp.redis_client import free_port  # noqa: E402
+from resihp.schemas import AdaptationPlan, OperatorAction  # noqa: E402
+
+pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
+
+GRACE_S = 12.0
+
+
+def _plan(r, keys, pid: int) -> dict | None:
+    raw = r.hget(keys.plan_state, str(pid))
+    return json.loads(raw) if raw else None
+
+
+@pytest.fixture
+def stack(r, redis_server, tmp_path):
+    require_chromium()
+    sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
+    env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    argvs = {
+        "scheduler": ["scheduler", "--redis-url", redis_server.url, "--job-id", "job-a"]
+        + ["--mode", "manual"],
+        "dashboard": ["dashboard", "--redis-url", redis_server.url, "--job-id", "job-a"]
+        + ["--port", str(port)],
+    }
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in argvs}  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[n],
+            stderr=subprocess.STDOUT,
+        )
+        for n, argv in argvs.items()
+    ]
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return urllib.request.urlopen(url + "/auth/whoami", timeout=1).status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, 30, "the dashboard server")
+        wait_for(lambda: _plan(r, sc["keys"], 1), 20, "the scheduler's plan")
+        yield sc, url
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for n, log in logs.items():
+            log.close()
+            text = (tmp_path / f"{n}.log").read_text()
+            if "Traceback" in text:
+                print(f"--- {n}\n{text[-4000:]}")
+
+
+def _whoami(url: str, cookie: str) -> dict:
+    req = urllib.request.Request(url + "/auth/whoami", headers={"Cookie": cookie})
+    return json.loads(urllib.request.urlopen(req, timeout=5).read())
+
+
+def test_operator_session_throttle_countdown_hold_override_logout(stack, r):
+    from playwright.sync_api import expect, sync_playwright
+
+    sc, url = stack
+    keys = sc["keys"]
+    expect.set_options(timeout=20_000)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser, page, errors = open_page(pw, 15_000)
+        page.goto(url + "/plans")
+        expect(page.locator("#pl-state")).to_have_text("proposed")
+        expect(page.locator("#pl-countdown")).to_contain_text("manual mode")
+
+        # Password guessing: after a few wrong passwords the form answers "too many".
+        def login(password: str) -> str:
+            page.fill("#login-user", "alice")
+            page.fill("#login-password", password)
+            page.click("#login-submit")
+            page.wait_for_function(
+                "() => (document.querySelector('#login-error')?.textContent || '') !== ''"
+                " || document.querySelector('#operator-name')"
+            )
+            err = page.locator("#login-error")
+            return err.inner_text() if err.count() else ""
+
+        seen = [login(f"guess-{i}") for i in range(8)]
+        assert "wrong user or password" in seen[0]
+        assert any("too many failed logins" in s for s in seen), seen
+        # ... and the right password right now is refused unchecked
+        assert "too many failed logins" in login("wonderland")
+        # Once the guessing stops the operator gets in (the backoff is capped).
+        wait_for(
+            lambda: not login("wonderland") and page.locator("#operator-name").count(),
+            70,
+            "the operator's login after the backoff",
+            poll_s=2,
+        )
+        expect(page.locator("#operator-name")).to_contain_text("alice")
+        cookie = "; ".join(f"{c['name']}={c['value']}" for c in page.context.cookies())
+        assert _whoami(url, cookie) == {"operator": "alice"}
+
+        # Auto mode with a grace period: the page counts down; Hold stops the apply.
+        bus.publish(
+            r,
+            keys.actions,
+            OperatorAction(
+                action="set_mode",
+                plan_id=0,
+                actor="jay",
+                at_s=time.time(),
+                override={"mode": "auto", "grace_period_s": GRACE_S},
+            ),
+        )
+        t_auto = time.monotonic()
+        countdown = page.locator("#pl-countdown")
+        expect(countdown).to_contain_text("applies automatically in")
+        page.screenshot(path=str(SHOTS / "plans_countdown.png"), full_page=True)
+        page.click("#pl-hold")
+        expect(countdown).to_contain_text("is held")
+        expect(page.locator("#pl-hold")).to_be_disabled()
+        wait_for(lambda: time.monotonic() - t_auto > GRACE_S + 3, GRACE_S + 10, "the grace")
+        p1 = _plan(r, keys, 1)
+        assert p1["state"] == "proposed" and p1["apply_after_s"] == AdaptationPlan.HELD
+        audit = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.audit)]
+        assert [(a["actor"], a["action"], a["result"]) for a in audit if a["action"] == "hold"] == [
+            ("alice", "hold", "ok")
+        ]
+        assert not [a for a in audit if a["actor"] == "auto"]
+        expect(countdown).to_contain_text("is held")
+
+        # Override: once the scheduler accepts it, the page shows the replacing plan.
+        expect(page.locator("#pl-ov-layers")).not_to_have_value("")
+        page.fill("#pl-comment", "hold, then my own partition")
+        page.click("#pl-override")
+        expect(page.locator("#pl-outcome-ok")).to_contain_text("accepted override of plan 1")
+        new_id = int(
+            wait_for(
+                lambda: next(
+                    (
+                        p
+                        for p in range(2, 6)
+                        if (_plan(r, keys, p) or {}).get("parent_plan_id") == 1
+                    ),
+                    None,
+                ),
+                10,
+                "the override's plan",
+            )
+        )
+        expect(page.locator("#pl-summary h4").first).to_contain_text(f"Plan {new_id}")
+        expect(page.locator("#pl-audit")).to_contain_text("hold, then my own partition")
+        expect(page.locator("#pl-ack")).to_be_disabled()
+        page.screenshot(path=str(SHOTS / "plans_after_override.png"), full_page=True)
+
+        # Logout ends the session server-side: the saved cookie is refused afterwards.
+        page.click("#logout")
+        expect(page.locator("#login-form")).to_be_visible()
+        assert _whoami(url, cookie) == {"operator": None}
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        failures = next(
+            float(x.split()[1])
+            for x in metrics.splitlines()
+            if x.startswith("resihp_dashboard_login_failures_total ")
+        )
+        assert failures >= 5
+        browser.close()
+    assert not errors, errors
+    refresh_docs_img("plans_countdown.png", "dashboard-plans-countdown.png")
+    refresh_docs_img("plans_after_override.png", "dashboard-plans-after-override.png")

@@ -1,0 +1,165 @@
+"""Deciding a plan on the Plans page (real callbacks, real Redis): the auto-apply countdown
+and Hold, buttons enabled only where the scheduler takes the action, the audit log's
+comment column, and following the plan that replaced an overridden one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+from dashboard_scenario import dash_call, publish_job, publish_plan
+
+from dashboard.app import create_app
+from dashboard.config import DashboardConfig
+from dashboard.pages.plans import allowed_actions, countdown_text, followed_plan
+from resihp.schemas import AdaptationPlan
+
+BUTTONS = ("pl-ack", "pl-reject", "pl-override", "pl-hold")
+
+
+def _plan(state="proposed", mode="auto", apply_after_s=100.0, plan_id=1) -> AdaptationPlan:
+    return AdaptationPlan(
+        plan_id=plan_id,
+        created_at_s=0.0,
+        state=state,
+        reason="r",
+        before={},
+        after={},
+        predicted_before_s=1.0,
+        predicted_after_s=1.0,
+        mode=mode,
+        apply_after_s=apply_after_s,
+    )
+
+
+def test_countdown_says_when_a_plan_applies_or_that_it_waits():
+    assert countdown_text(_plan(), 90.0) == (
+        "plan 1 applies automatically in 10 s unless held or decided"
+    )
+    assert "grace period over" in countdown_text(_plan(), 101.0)
+    assert "is held" in countdown_text(_plan(apply_after_s=AdaptationPlan.HELD), 0)
+    assert "manual mode" in countdown_text(_plan(mode="manual"), 0)
+    # the scheduler switched to auto after proposing: its mode now decides, not the plan's
+    assert "applies automatically" in countdown_text(_plan(mode="manual"), 90.0, "auto")
+    assert "manual mode" in countdown_text(_plan(), 90.0, "manual")
+    assert countdown_text(_plan(state="acknowledged"), 0) == ""
+    assert countdown_text(None, 0) == ""
+
+
+def test_buttons_follow_what_the_scheduler_takes():
+    assert allowed_actions(None) == set()
+    assert allowed_actions(_plan()) == {"acknowledge", "reject", "override", "hold"}
+    assert "hold" not in allowed_actions(_plan(apply_after_s=AdaptationPlan.HELD))
+    assert "hold" not in allowed_actions(_plan(mode="manual"))
+    assert "hold" in allowed_actions(_plan(mode="manual"), "auto")
+    assert allowed_actions(_plan(state="acknowledged")) == {"reject", "override"}
+    for decided in ("applied", "superseded", "overridden", "refused"):
+        assert allowed_actions(_plan(state=decided)) == set(), decided
+
+
+def test_the_page_follows_only_its_own_accepted_override():
+    audit = [
+        {
+            "action_id": "a1",
+            "action": "override",
+            "result": "ok",
+            "plan_id": "1",
+            "new_plan_id": "3",
+        },
+        {
+            "action_id": "a2",
+            "action": "override",
+            "result": "refused",
+            "plan_id": "1",
+            "new_plan_id": "4",
+        },
+    ]
+    assert followed_plan(audit, "a1", 1) == 3
+    assert followed_plan(audit, "a2", 1) is None  # a refusal is no plan to follow
+    assert followed_plan(audit, "a1", 2) is None  # the operator looks at another plan
+    assert followed_plan(audit, None, 1) is None
+
+
+def _refresh(app, job, selected, last_action=None, followed=None, shown=None):
+    vals = {
+        "tick.n_intervals": 1,
+        "job.value": job,
+        "pl-plan.value": selected,
+        "pl-last-action.data": last_action,
+        "pl-shown.data": shown or {"job": job, "plan_id": selected},
+        "pl-followed.data": followed,
+    }
+    return dash_call(app, "pl-status", vals, "tick.n_intervals")
+
+
+@pytest.mark.redis
+def test_refresh_shows_the_countdown_disables_buttons_and_lists_comments(r, redis_server):
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    app = create_app(
+        DashboardConfig(redis_url=redis_server.url, job_id="job-a", secret_key="k"), client=r
+    )
+    p = dataclasses.replace(sc["plan"])
+    p.mode, p.apply_after_s = "auto", time.time() + 30
+    publish_plan(r, sc["keys"], p)
+    out = _refresh(app, "job-a", 1)
+    text = json.dumps(out["pl-countdown"])
+    assert "applies automatically in 3" in text and "unless held" in text, text
+    assert [out[b]["disabled"] for b in BUTTONS] == [False] * 4
+    # held: the countdown stops, Hold goes grey
+    p.apply_after_s = AdaptationPlan.HELD
+    publish_plan(r, sc["keys"], p)
+    out = _refresh(app, "job-a", 1)
+    assert "is held" in json.dumps(out["pl-countdown"])
+    assert [out[b]["disabled"] for b in BUTTONS] == [False, False, False, True]
+    # decided: nothing left to press
+    p.state = "applied"
+    publish_plan(r, sc["keys"], p)
+    out = _refresh(app, "job-a", 1)
+    assert out["pl-countdown"]["children"] == ""
+    assert [out[b]["disabled"] for b in BUTTONS] == [True] * 4
+    cols = [c["id"] for c in out["pl-audit"]["children"]["props"]["columns"]]
+    assert "comment" in cols
+    # a job without plans
+    r.delete(sc["keys"].plan_state)
+    out = _refresh(app, "job-a", None)
+    assert [out[b]["disabled"] for b in BUTTONS] == [True] * 4
+
+
+@pytest.mark.redis
+def test_after_an_accepted_override_the_page_shows_the_replacing_plan(r, redis_server):
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    keys = sc["keys"]
+    app = create_app(
+        DashboardConfig(redis_url=redis_server.url, job_id="job-a", secret_key="k"), client=r
+    )
+    old = dataclasses.replace(sc["plan"])
+    old.state = "overridden"
+    new = dataclasses.replace(sc["plan"])
+    new.plan_id, new.state, new.parent_plan_id = 2, "acknowledged", 1
+    new.after = {**new.after, "layers": [10, 10, 10, 10]}
+    publish_plan(r, keys, old)
+    publish_plan(r, keys, new)
+    r.xadd(
+        keys.audit,
+        {
+            "actor": "alice",
+            "action": "override",
+            "plan_id": "1",
+            "at_s": str(time.time()),
+            "result": "ok",
+            "note": "",
+            "new_plan_id": "2",
+            "override": "{}",
+            "comment": "",
+            "action_id": "act-1",
+        },
+    )
+    out = _refresh(app, "job-a", 1, last_action="act-1")
+    assert out["pl-plan"]["value"] == 2 and out["pl-followed"]["data"] == "act-1"
+    assert "Plan 2" in json.dumps(out["pl-summary"])
+    # followed once: the operator may go back to look at the overridden plan
+    out = _refresh(app, "job-a", 1, last_action="act-1", followed="act-1")
+    assert "pl-plan" not in out or out["pl-plan"].get("value") in (None, 1)
+    assert "Plan 1" in json.dumps(out["pl-summary"])
