@@ -147,6 +147,12 @@ class _Compiled:
         pred_data[b_last] = ids[b_last] - 1
         b_mid = (kd == KIND_B) & (stage < p - 1)
         pred_data[b_mid] = ids[b_mid] + k
+        if kind == "1f1bsplit":
+            # the input gradient leaves the next stage after its W (fused timing), except
+            # from a migrated chunk, whose W its executor defers into idle time (§6.3)
+            nxt_local = (exe == src)[np.minimum(ids + k, n - 1)]
+            late = b_mid & nxt_local
+            pred_data[late] = ids[late] + k + 1
         w = kd == KIND_W
         pred_data[w] = ids[w] - 1
         e_dst = np.concatenate([ids[f_mid], ids[b_mid]])
@@ -165,6 +171,8 @@ class _Compiled:
         self.arith_dev = exe * p + stage
         self.arith_lkey = lkey
         self.arith_moved = src != exe
+        # migrated W chunks of 1f1bsplit run only when nothing else is ready (§6.3)
+        self.arith_defer = (kd == KIND_W) & (src != exe) if kind == "1f1bsplit" else None
         level = _levels_in_order(pred_data, pred_res, topo)
         if level is None:  # pragma: no cover - the logical clock below rules cycles out
             raise ValueError("pipeline DAG has a cycle")
@@ -318,6 +326,9 @@ def _projected_starts(c: _Compiled, cost: np.ndarray, in_cost: np.ndarray) -> np
     cost_l = np.asarray(cost, dtype=float).tolist()
     inc_l = np.asarray(in_cost, dtype=float).tolist()
     lk = lkey.tolist()
+    if c.arith_defer is not None:
+        big = float(np.max(lkey, initial=0)) + 1.0
+        lk = np.where(c.arith_defer, lkey + big, lkey).tolist()
     devs = np.unique(dev)
     dpos = {int(d): i for i, d in enumerate(devs.tolist())}
     dev_i = [dpos[d] for d in dev.tolist()]

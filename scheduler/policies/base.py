@@ -133,12 +133,30 @@ def _measured_replica_s(lay: Layout, p: Mapping[int, float], pred: Predictor) ->
     return out
 
 
+#: The engine kind ResiHP's migrated layouts run under: §6.3 migrates Forward, Backward and
+#: Weight-gradient chunks separately, and a destination defers a migrated chunk's W into
+#: its idle time (``resihp.pipeline.schedule.ENGINE_KINDS``).  Local chunks keep 1F1B's
+#: fused timing, so the fault-free layout runs exactly as calibrated.
+RESIHP_SPLIT_SCHEDULE = "1f1bsplit"
+
+
 class ResiHP(Policy):
     def __init__(self, name="resihp", options: PlanOptions | None = None):
         super().__init__(
             name, stop_detect_s=1.0, slow_detect_iters=3.0, reconfig_s=2.0, overhead=0.013
         )
         self.options = options or PlanOptions()
+
+    def iteration_s(self, state, p, pred):
+        ts = []
+        for lay in state:
+            if not layout_runnable(lay, p):
+                ts.append(float("inf"))
+            elif lay.migrations and lay.schedule == "1f1b":
+                ts.append(pred.iteration_s(lay, p, schedule=RESIHP_SPLIT_SCHEDULE))
+            else:
+                ts.append(pred.iteration_s(lay, p))
+        return max(ts) + self.false_alarm_s_per_iter
 
     def adapt(self, state, p, pred):
         (lay,) = state
