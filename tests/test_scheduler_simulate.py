@@ -61,17 +61,20 @@ def test_oobleck_rebuilds_heterogeneous_pipelines(setup):
     assert sum(len(x.groups[0]) for x in st) == 7  # every intact TP group is reused
 
 
-def test_oobleck_keeps_f_plus_one_pipelines_and_fixed_templates(setup):
+def test_oobleck_reinstantiates_from_start_templates(setup):
     lay, pred = setup
     pol = get_policy("oobleck")
     st = pol.initial_state(lay)
-    # one device lost in 7 of the 8 TP groups: one intact group, one pipeline < f+1 = 2
-    groups = [g for d in range(lay.dp) for g in lay.groups[d]]
-    p = {g[0]: 0.0 for g in groups[1:]}
-    with pytest.raises(Abort, match="f\\+1"):
-        pol.adapt(st, p, pred)
-    ideal = get_policy("oobleck-ideal")
-    assert len(ideal.adapt(ideal.initial_state(lay), p, pred)) == 1
+    # a whole pipeline's groups lost: training goes on with the other (Oobleck's own
+    # reconfiguration tests), the partition of its unchanged template
+    p = {lay.groups[1][s][0]: 0.0 for s in range(lay.pp)}
+    out = pol.adapt(st, p, pred)
+    assert len(out) == 1 and out[0].groups[0] == lay.groups[0]
+    assert out[0].total_microbatches == lay.total_microbatches
+    # every group damaged: no template fits
+    p = {lay.groups[d][s][0]: 0.0 for d in range(lay.dp) for s in range(lay.pp)}
+    with pytest.raises(Abort, match="template"):
+        pol.adapt(pol.initial_state(lay), p, pred)
     # a pipeline's partition is its size's template from the start, whatever the speeds
     pol = get_policy("oobleck")
     out = pol.adapt(pol.initial_state(lay), {5: 0.0, 24: 0.3}, pred)

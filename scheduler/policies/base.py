@@ -295,12 +295,15 @@ class Oobleck(Policy):
     * pipeline templates are computed once, at start, for every group count ``n`` in
       ``[n0, N - f * n0]`` (``N`` groups at start, ``n0`` the fewest groups that hold
       the model in memory); a template's layer partition assumes healthy, equal groups;
-    * at least ``f + 1`` pipelines are kept, ``f = D0 - 1`` for a job started with
-      ``D0`` replicas (the largest threshold the starting layout satisfies);
+    * ``f = D0 - 1`` for a job started with ``D0`` replicas (the largest fault-tolerance
+      threshold whose ``f + 1`` pipelines the starting layout holds); it bounds the
+      templates' sizes.  It is not a floor: the published reconfiguration tests continue
+      with one pipeline after a whole pipeline's hosts fail;
     * on a loss each pipeline keeps its surviving groups and takes the template of their
       count; one left below ``n0`` borrows groups from the largest pipelines that stay at
-      or above ``n0``, else is merged into the smallest other pipeline; fewer than
-      ``f + 1`` pipelines, or no template for a size, ends training (Abort);
+      or above ``n0``, else is merged into the smallest other pipeline; a pipeline with
+      no group left is gone; no template for a size, or fewer than ``n0`` groups in all,
+      ends training (Abort);
     * the global batch is split across pipelines by their throughput (Oobleck's batch
       distribution), re-done only at a reconfiguration;
     * the pause: ``reconfig_s`` plus the layer copy from the surviving replicas.
@@ -401,14 +404,6 @@ class Oobleck(Policy):
             if rest:
                 j = min(range(len(pipes)), key=lambda j: len(pipes[j]))
                 pipes[j].extend(rest)
-        # keep f + 1 pipelines where the groups allow it (a split of the largest)
-        while len(pipes) < self.f + 1:
-            j = max(range(len(pipes)), key=lambda j: len(pipes[j]), default=None)
-            if j is None or len(pipes[j]) < 2 * n0:
-                break
-            half = len(pipes[j]) // 2
-            pipes.append(pipes[j][half:])
-            pipes[j] = pipes[j][:half]
         return pipes
 
     def adapt(self, state, p, pred):
@@ -431,11 +426,9 @@ class Oobleck(Policy):
             if not tmpl:
                 raise Abort("no pipeline template holds the model")
             n0 = min(tmpl)
-            pipes = self._regroup([k for k in kept], n0)
-            if len(pipes) < self.f + 1:
-                raise Abort(
-                    f"{len(pipes)} pipeline(s) left; Oobleck keeps at least f+1 = {self.f + 1}"
-                )
+            pipes = [x for x in self._regroup([k for k in kept], n0) if x]
+            if not pipes:
+                raise Abort(f"fewer than n0 = {n0} intact TP groups: no pipeline template fits")
             new = []
             for groups in pipes:
                 if len(groups) not in tmpl:
