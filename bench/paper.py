@@ -328,7 +328,8 @@ def engine_bound(model: str, events: list[ScenarioEvent], duration_s: float) -> 
         best = pred.samples_per_s(layout, p) if layout_runnable(layout, p) else 0.0
         try:
             res = plan(copy.deepcopy(layout), p, pred)
-            t = pred.iteration_s(res.after, p)
+            # the same execution rules as the resihp policy (split backward when migrating)
+            t = get_policy("resihp").iteration_s([res.after], p, pred)
             if math.isfinite(t) and t > 0:
                 best = max(best, res.after.total_microbatches / t)
         except PlanningError:
