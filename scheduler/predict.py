@@ -205,13 +205,12 @@ class Predictor:
         a1, a2 = self.cost.allreduce_costs(one), self.cost.allreduce_costs(two)
         per, const = c2 - c1, 2 * c1 - c2
         ar_per, ar_const = a2 - a1, 2 * a1 - a2
-        stage = dag.chunk_stage
 
         def run(layer_vectors) -> np.ndarray:
             Lm = np.asarray(layer_vectors, dtype=float)
-            costs = const[None, :] + per[None, :] * Lm[:, stage]
-            ar = ar_const[None, :] + ar_per[None, :] * Lm
-            return dag.evaluate_batch(costs, edges, ar) * self.time_scale
+            return (
+                dag.evaluate_batch_affine(const, per, Lm, edges, ar_const, ar_per) * self.time_scale
+            )
 
         return run
 

@@ -48,3 +48,15 @@ def test_migrated_chunks_defer_w_and_send_gradients_after_b(pred):
     local_f = dev & (dag.chunk_src_dp == 0) & (dag.chunk_kind == 0)
     assert moved_w.sum() == 8
     assert res.start_s[moved_w].max() > res.start_s[local_f].max()
+
+
+def test_affine_batch_evaluation_matches_one_by_one(pred):
+    """The layer what-ifs (dedup of identical replicas) give each partition's own time."""
+    lay = Layout.uniform(2, 4, 3, 16, 4)
+    p = {lay.groups[1][2][0]: 0.5}
+    cands = [[4, 4, 4, 4], [5, 3, 4, 4], [4, 4, 3, 5], [3, 5, 5, 3]]
+    got = pred.layer_evaluator(lay, p)(cands)
+    for c, t in zip(cands, got, strict=True):
+        one = lay.copy()
+        one.layers = c
+        assert t == pytest.approx(pred.iteration_s(one, p), rel=1e-12)

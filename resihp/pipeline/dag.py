@@ -811,6 +811,60 @@ class PipelineDAG:
         tot = np.where(np.isfinite(stage_end), stage_end + ar, 0.0)
         return tot.max(axis=1)
 
+    def evaluate_batch_affine(
+        self,
+        const: np.ndarray,
+        per: np.ndarray,
+        stage_scale: np.ndarray,
+        edge_costs: np.ndarray | None = None,
+        ar_const: np.ndarray | None = None,
+        ar_per: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``evaluate_batch`` for chunk costs ``const + per * stage_scale[v, chunk_stage]``.
+
+        The layer-partition what-ifs have this form (a chunk's cost is affine in its stage's
+        layer count).  Replicas of one template whose ``const``/``per``/edge rows are equal
+        run identically under every row of ``stage_scale``, so each is computed once and the
+        full ``[V, num_chunks]`` cost matrix is never built (16,384-GPU plans).
+        ``stage_scale``: ``[V, pp]``; ``ar_const``/``ar_per``: the all-reduce ``[pp]`` parts.
+        """
+        const = np.asarray(const, dtype=float)
+        per = np.asarray(per, dtype=float)
+        scale = np.asarray(stage_scale, dtype=float)
+        v = scale.shape[0]
+        ic = self._in_edge_cost(edge_costs, None)
+        stage_end = np.full((v, self.pp), -np.inf)
+        for g in self.groups:
+            c = g.compiled
+            k = g.rows
+            sl = slice(g.base, g.base + g.size)
+            cst = const[sl].reshape(k, c.n)
+            pr = per[sl].reshape(k, c.n)
+            ii = None if ic is None else ic[sl].reshape(k, c.n)
+            keys: dict[bytes, int] = {}
+            uniq: list[int] = []
+            for r in range(k):
+                h = cst[r].tobytes() + pr[r].tobytes() + (b"" if ii is None else ii[r].tobytes())
+                if h not in keys:
+                    keys[h] = len(uniq)
+                    uniq.append(r)
+            u = len(uniq)
+            cc = cst[uniq][None, :, :] + pr[uniq][None, :, :] * scale[:, c.stage][:, None, :]
+            iin = None
+            if ii is not None:
+                iin = np.ascontiguousarray(np.broadcast_to(ii[uniq][None], (v, u, c.n)))
+                iin = iin.reshape(v * u, c.n)
+            end = c.run(np.ascontiguousarray(cc.reshape(v * u, c.n)), iin).reshape(v, u, c.n)
+            for (_, st), last in c.dev_last.items():
+                np.maximum(stage_end[:, st], end[:, :, last].max(axis=1), out=stage_end[:, st])
+        ar = np.zeros((v, self.pp))
+        if ar_const is not None:
+            ar = np.asarray(ar_const, dtype=float)[None, :] + (
+                0.0 if ar_per is None else np.asarray(ar_per, dtype=float)[None, :] * scale
+            )
+        tot = np.where(np.isfinite(stage_end), stage_end + ar, 0.0)
+        return tot.max(axis=1)
+
     def brute_force_iteration(self, chunk_cost_s, edge_cost_s=None) -> float:
         """Reference longest path by recursion with memo over explicit edges (small DAGs, tests)."""
         cost = np.asarray(chunk_cost_s, dtype=float)
