@@ -105,6 +105,8 @@ def progress_aware_migration(
         pend_n[d, s] -= 1
         return pending[d][s].pop()
 
+    sent_to: dict[tuple[int, int, int], set[int]] = {}  # (stage, owner, executor) -> mbs
+
     def decide(s: int, t: float) -> None:
         live_col = alive[:, s]
         while True:
@@ -141,16 +143,26 @@ def progress_aware_migration(
                     return  # moving the last chunk onto a slower executor cannot help
                 order = order[:1]  # balancing moves work to d_max only
             j = pending[d_min][s][-1]
+            if not evict:
+                # never hand e the micro-batch whose stage-s chunk e already sent here: the
+                # two replicas would only trade the same work (a no-op swap costing P2P)
+                sent = sent_to.get((s, top, d_min), ())
+                js = [x for x in reversed(pending[d_min][s]) if x not in sent]
+                if not js:
+                    return
+                j = js[0]
             placed = False
             # fail-stop work may go to any peer with memory, fastest progress first
             for e in order.tolist():
                 t_arrive = max(t, free_at[e, s]) + (queued_n[e, s] + pend_n[e, s]) * c[e, s]
                 if mem_ok(e, s, t_arrive):
-                    take_last(d_min, s)
+                    pending[d_min][s].remove(j)
+                    pend_n[d_min, s] -= 1
                     queue[e][s].append((d_min, j))
                     queued_n[e, s] += 1
                     resident[e][s].append(t_arrive + (S - s) * c[e, s])
                     res.migrations.append(Migration(s, d_min, j, e))
+                    sent_to.setdefault((s, d_min, e), set()).add(j)
                     placed = True
                     break
                 res.memory_refusals_total += 1

@@ -47,7 +47,7 @@ from resihp.topology import Layout, LayoutError
 from scheduler.dp import MigrationResult, balance_microbatches, progress_aware_migration
 from scheduler.lifecycle import OverrideError, PlanDraft
 from scheduler.memory import inflight_1f1b
-from scheduler.pp import PartitionError, optimal_partition, partition_moves
+from scheduler.pp import PartitionError, makespan_estimate, optimal_partition, partition_moves
 from scheduler.predict import Predictor
 from scheduler.refine import refine_migrations
 from scheduler.tp import (
@@ -342,6 +342,44 @@ def _home_start(layout: Layout, home: Layout, p: Mapping[int, float]) -> Layout 
     return start
 
 
+#: Partitions the 1F1B makespan formula pre-selects for the engine to score: the formula's
+#: optimum and its best one-layer neighbours (the formula is not the engine's makespan: on
+#: random cases its pick was up to 7.5 % slower in the engine than the engine's best).
+PARTITION_PREFILTER = 8
+
+
+def _engine_pick(lay, p, predictor, best, w, m, caps, e_head) -> list[int]:
+    """The engine's fastest of the formula's optimum and its best one-layer neighbours.
+
+    Scored on the layout without migrations when every group is live (one batched DAG
+    run); otherwise (a stage with an empty replica needs evictions first) the formula's
+    optimum is kept.
+    """
+    if not all(g for st in lay.groups for g in st):
+        return best
+    S = len(best)
+    neigh = []
+    for a in range(S):
+        for b in range(S):
+            if a != b and best[a] > 1 and best[b] < caps[b]:
+                n = list(best)
+                n[a] -= 1
+                n[b] += 1
+                neigh.append((makespan_estimate(n, w, m, e_head), n))
+    neigh.sort(key=lambda x: x[0])
+    pool = [list(best)] + [n for _, n in neigh[: PARTITION_PREFILTER - 1]]
+    if len(pool) == 1:
+        return best
+    base = lay.copy()
+    base.migrations = []
+    try:
+        t = predictor.layer_evaluator(base, p)(pool)
+    except (ValueError, LayoutError):
+        return best
+    i = int(np.argmin(t))
+    return pool[i] if np.isfinite(t[i]) else best
+
+
 def _plan(
     layout: Layout, p: Mapping[int, float], predictor: Predictor, opt: PlanOptions
 ) -> PlanResult:
@@ -431,8 +469,10 @@ def _plan(
                     n = optimal_partition(lay.num_layers, list(ws), m, caps, e_head)
                 except PartitionError:
                     continue
-                if n not in cands:
-                    cands.append(n)
+                # the formula's optimum, and the engine's pick among it and its neighbours
+                for x in (n, _engine_pick(lay, p, predictor, n, list(ws), m, caps, e_head)):
+                    if x not in cands:
+                        cands.append(x)
         if not cands:
             raise PlanningError(
                 f"no layer partition fits device memory (caps {caps}, {lay.num_layers} layers)"

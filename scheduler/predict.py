@@ -120,16 +120,18 @@ class Predictor:
         return head * (1 + self.cost.ratio_b + self.cost.ratio_w) * self.time_scale
 
     # ------------------------------------------------------------ engine
-    def dag(self, layout: Layout) -> PipelineDAG:
+    def dag(self, layout: Layout, schedule: str | None = None) -> PipelineDAG:
+        """The layout's DAG; ``schedule`` overrides its kind (an engine-only kind, e.g. 1f1bsplit)."""
+        kind = schedule or layout.schedule
         key = (
-            layout.schedule,
+            kind,
             tuple(tuple(bool(g) for g in st) for st in layout.groups),
             tuple(layout.microbatches),
             tuple(tuple(m.to_list()) for m in layout.migrations),
         )
         dag = self._dags.get(key)
         if dag is None:
-            dag = PipelineDAG.from_layout(layout)
+            dag = PipelineDAG.from_layout(layout, kind)
             self._dags[key] = dag
             if len(self._dags) > 64:
                 self._dags.popitem(last=False)
@@ -137,13 +139,13 @@ class Predictor:
             self._dags.move_to_end(key)
         return dag
 
-    def _timed(self, layout: Layout, p: dict[int, float]):
+    def _timed(self, layout: Layout, p: dict[int, float], schedule: str | None = None):
         """(DAG, chunk costs, edge costs) with migrated chunks placed by projected arrival.
 
         The engine's re-timing pre-pass (``PipelineDAG.retimed``) needs the
         costs; its result is cached on the structure and the cost vector.
         """
-        dag = self.dag(layout)
+        dag = self.dag(layout, schedule)
         cost = self.cost.chunk_costs(dag, layout, self.seq_len, self._sq, p)
         edges = self.cost.edge_costs(dag, layout)
         if not dag.has_migrations:
@@ -162,16 +164,21 @@ class Predictor:
         return rd, rc, re_
 
     def iteration_s(
-        self, layout: Layout, p: dict[int, float], allreduce_replicas: int | None = None
+        self,
+        layout: Layout,
+        p: dict[int, float],
+        allreduce_replicas: int | None = None,
+        schedule: str | None = None,
     ) -> float:
         """Predicted iteration time; inf when a TP group holds a dead device.
 
         ``allreduce_replicas``: charge the DP all-reduce as if each stage had this many
         replicas (a single pipeline that is one of several, e.g. Oobleck's).
+        ``schedule``: evaluate under this engine kind instead of the layout's.
         """
         if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
             return float("inf")
-        dag, cost, edges = self._timed(layout, p)
+        dag, cost, edges = self._timed(layout, p, schedule)
         if allreduce_replicas and allreduce_replicas > layout.dp:
             wide = copy.copy(layout)
             wide.groups = [layout.groups[0]] * allreduce_replicas
@@ -198,13 +205,12 @@ class Predictor:
         a1, a2 = self.cost.allreduce_costs(one), self.cost.allreduce_costs(two)
         per, const = c2 - c1, 2 * c1 - c2
         ar_per, ar_const = a2 - a1, 2 * a1 - a2
-        stage = dag.chunk_stage
 
         def run(layer_vectors) -> np.ndarray:
             Lm = np.asarray(layer_vectors, dtype=float)
-            costs = const[None, :] + per[None, :] * Lm[:, stage]
-            ar = ar_const[None, :] + ar_per[None, :] * Lm
-            return dag.evaluate_batch(costs, edges, ar) * self.time_scale
+            return (
+                dag.evaluate_batch_affine(const, per, Lm, edges, ar_const, ar_per) * self.time_scale
+            )
 
         return run
 

@@ -61,6 +61,56 @@ def test_oobleck_rebuilds_heterogeneous_pipelines(setup):
     assert sum(len(x.groups[0]) for x in st) == 7  # every intact TP group is reused
 
 
+def test_oobleck_reinstantiates_from_start_templates(setup):
+    lay, pred = setup
+    pol = get_policy("oobleck")
+    st = pol.initial_state(lay)
+    # a whole pipeline's groups lost: training goes on with the other (Oobleck's own
+    # reconfiguration tests), the partition of its unchanged template
+    p = {lay.groups[1][s][0]: 0.0 for s in range(lay.pp)}
+    out = pol.adapt(st, p, pred)
+    assert len(out) == 1 and out[0].groups[0] == lay.groups[0]
+    assert out[0].total_microbatches == lay.total_microbatches
+    # every group damaged: no template fits
+    p = {lay.groups[d][s][0]: 0.0 for d in range(lay.dp) for s in range(lay.pp)}
+    with pytest.raises(Abort, match="template"):
+        pol.adapt(pol.initial_state(lay), p, pred)
+    # a pipeline's partition is its size's template from the start, whatever the speeds
+    pol = get_policy("oobleck")
+    out = pol.adapt(pol.initial_state(lay), {5: 0.0, 24: 0.3}, pred)
+    tmpl = pol.templates(pred)
+    assert all(x.layers == tmpl[len(x.groups[0])] for x in out)
+
+
+def test_adaptra_gains_only_the_slack_the_straggler_made(setup):
+    lay, pred = setup
+    p = {9: 0.5}
+    t_ff = pred.iteration_s(lay, {})
+    t_slow = pred.iteration_s(lay, p)
+    for name in ("adaptra", "adaptra-ideal"):
+        pol = get_policy(name)
+        st = pol.adapt(pol.initial_state(lay), p, pred)
+        assert st[0].schedule == "zbh1"
+        t = pol.iteration_s(st, p, pred)
+        if name == "adaptra":
+            assert t_ff < t <= t_slow
+            faithful = t
+        else:
+            assert t < faithful  # the ideal one also keeps ZB-H1's fault-free bubble saving
+    pol = get_policy("adaptra")
+    pol.initial_state(lay)
+    assert pol.adapt([lay], {}, pred)[0].schedule == "1f1b"  # recovered: back to the job's
+
+
+def test_greyhound_balances_on_measured_replica_times(setup):
+    lay, pred = setup
+    p = {9: 0.5}  # replica 0 stage 1 slow
+    for name in ("greyhound", "greyhound-ideal"):
+        st = get_policy(name).adapt([lay], p, pred)
+        m = st[0].microbatches
+        assert sum(m) == lay.total_microbatches and m[0] < m[1]
+
+
 def test_resihp_beats_baselines_on_fail_stop_timeline(setup):
     lay, pred = setup
     events = [Event(1800.0, None, "kill_device", (5,)), Event(5400.0, None, "kill_device", (1,))]
@@ -99,7 +149,8 @@ def test_every_policy_runs_a_mixed_timeline(setup):
     for name in POLICIES:
         r = run_timeline(get_policy(name), lay, ev, pred, 3600.0, MODEL)
         assert r.samples_per_s > 0
-        assert r.aborted == (name in ("none", "greyhound", "adaptra"))
+        slow_only = ("none", "greyhound", "adaptra", "greyhound-ideal", "adaptra-ideal")
+        assert r.aborted == (name in slow_only)
 
 
 def test_scenario_errors_name_the_line():

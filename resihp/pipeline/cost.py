@@ -164,13 +164,69 @@ class CostModel:
         )
 
     def stage_coefficients(self, layout: Layout, device_speed=None, link_speed=None) -> np.ndarray:
-        """``[dp, pp, 3]`` array of (alpha, beta, tp_comm) per TP group (zeros where empty)."""
+        """``[dp, pp, 3]`` array of (alpha, beta, tp_comm) per TP group (zeros where empty).
+
+        Vectorized over groups (the same numbers as :meth:`stage_cost` for each); only the
+        ranks named in the speed maps are visited, so a 16,384-GPU layout costs one pass.
+        """
+        if not self.stage_overrides:
+            return self._stage_coefficients_fast(layout, device_speed, link_speed)
         out = np.zeros((layout.dp, layout.pp, 3))
         for d in range(layout.dp):
             for s in range(layout.pp):
                 sc = self.stage_cost(layout, d, s, device_speed, link_speed)
                 if sc is not None:
                     out[d, s] = (sc.alpha_s_per_token, sc.beta_s_per_token2, sc.tp_comm_s_per_token)
+        return out
+
+    def _group_min(self, layout: Layout, t: np.ndarray, speeds) -> np.ndarray:
+        """Per group: min over its ranks of ``speeds.get(r, 1.0)`` (1.0 where none named)."""
+        D, P = t.shape
+        out = np.ones((D, P))
+        if not speeds:
+            return out
+        where = {}
+        for d, st in enumerate(layout.groups):
+            for s_, g in enumerate(st):
+                for r in g:
+                    where[r] = (d, s_)
+        mn = np.full((D, P), np.inf)
+        cnt = np.zeros((D, P))
+        for r, v in speeds.items():
+            ds = where.get(r)
+            if ds is not None:
+                mn[ds] = min(mn[ds], float(v))
+                cnt[ds] += 1
+        named = cnt > 0
+        out[named] = np.where(cnt[named] >= t[named], mn[named], np.minimum(1.0, mn[named]))
+        return out
+
+    def _stage_coefficients_fast(self, layout: Layout, device_speed, link_speed) -> np.ndarray:
+        t = np.array([[len(g) for g in st] for st in layout.groups], dtype=float).reshape(
+            layout.dp, layout.pp
+        )
+        live = t > 0
+        speed = self._group_min(layout, t, device_speed)
+        link = self._group_min(layout, t, link_speed)
+        bad = live & (speed <= 0)
+        if bad.any():
+            d, st = (int(x) for x in np.argwhere(bad)[0])
+            raise ValueError(
+                f"device speed of group dp={d} stage={st} is {speed[d, st]}; dead ranks cannot run work"
+            )
+        n = np.asarray(layout.layers, dtype=float)[None, :]
+        alpha = np.broadcast_to(n * self.alpha_layer_s_per_token, t.shape).copy()
+        alpha[:, -1] += self.head_alpha_s_per_token
+        denom = np.where(live, t * speed, 1.0)
+        comm = np.zeros(t.shape)
+        pairs = {(int(a), float(b)) for a, b in zip(t[live], link[live], strict=True)}
+        for a, b in pairs:
+            m = live & (t == a) & (link == b)
+            comm[m] = self._tp_comm_per_token(a, max(b, 1e-9))
+        out = np.zeros((layout.dp, layout.pp, 3))
+        out[..., 0] = np.where(live, alpha / denom, 0.0)
+        out[..., 1] = np.where(live, n * self.beta_layer_s_per_token2 / denom, 0.0)
+        out[..., 2] = np.where(live, n * comm, 0.0)
         return out
 
     # ------------------------------------------------------------ chunks

@@ -147,6 +147,12 @@ class _Compiled:
         pred_data[b_last] = ids[b_last] - 1
         b_mid = (kd == KIND_B) & (stage < p - 1)
         pred_data[b_mid] = ids[b_mid] + k
+        if kind == "1f1bsplit":
+            # the input gradient leaves the next stage after its W (fused timing), except
+            # from a migrated chunk, whose W its executor defers into idle time (§6.3)
+            nxt_local = (exe == src)[np.minimum(ids + k, n - 1)]
+            late = b_mid & nxt_local
+            pred_data[late] = ids[late] + k + 1
         w = kd == KIND_W
         pred_data[w] = ids[w] - 1
         e_dst = np.concatenate([ids[f_mid], ids[b_mid]])
@@ -165,6 +171,8 @@ class _Compiled:
         self.arith_dev = exe * p + stage
         self.arith_lkey = lkey
         self.arith_moved = src != exe
+        # migrated W chunks of 1f1bsplit run only when nothing else is ready (§6.3)
+        self.arith_defer = (kd == KIND_W) & (src != exe) if kind == "1f1bsplit" else None
         level = _levels_in_order(pred_data, pred_res, topo)
         if level is None:  # pragma: no cover - the logical clock below rules cycles out
             raise ValueError("pipeline DAG has a cycle")
@@ -318,6 +326,9 @@ def _projected_starts(c: _Compiled, cost: np.ndarray, in_cost: np.ndarray) -> np
     cost_l = np.asarray(cost, dtype=float).tolist()
     inc_l = np.asarray(in_cost, dtype=float).tolist()
     lk = lkey.tolist()
+    if c.arith_defer is not None:
+        big = float(np.max(lkey, initial=0)) + 1.0
+        lk = np.where(c.arith_defer, lkey + big, lkey).tolist()
     devs = np.unique(dev)
     dpos = {int(d): i for i, d in enumerate(devs.tolist())}
     dev_i = [dpos[d] for d in dev.tolist()]
@@ -797,6 +808,60 @@ class PipelineDAG:
         dev_end = np.where(valid[None], end[:, idx], -np.inf)  # [V, dp, pp]
         stage_end = dev_end.max(axis=1)  # [V, pp]
         ar = np.zeros(self.pp) if allreduce_s is None else np.asarray(allreduce_s, dtype=float)
+        tot = np.where(np.isfinite(stage_end), stage_end + ar, 0.0)
+        return tot.max(axis=1)
+
+    def evaluate_batch_affine(
+        self,
+        const: np.ndarray,
+        per: np.ndarray,
+        stage_scale: np.ndarray,
+        edge_costs: np.ndarray | None = None,
+        ar_const: np.ndarray | None = None,
+        ar_per: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``evaluate_batch`` for chunk costs ``const + per * stage_scale[v, chunk_stage]``.
+
+        The layer-partition what-ifs have this form (a chunk's cost is affine in its stage's
+        layer count).  Replicas of one template whose ``const``/``per``/edge rows are equal
+        run identically under every row of ``stage_scale``, so each is computed once and the
+        full ``[V, num_chunks]`` cost matrix is never built (16,384-GPU plans).
+        ``stage_scale``: ``[V, pp]``; ``ar_const``/``ar_per``: the all-reduce ``[pp]`` parts.
+        """
+        const = np.asarray(const, dtype=float)
+        per = np.asarray(per, dtype=float)
+        scale = np.asarray(stage_scale, dtype=float)
+        v = scale.shape[0]
+        ic = self._in_edge_cost(edge_costs, None)
+        stage_end = np.full((v, self.pp), -np.inf)
+        for g in self.groups:
+            c = g.compiled
+            k = g.rows
+            sl = slice(g.base, g.base + g.size)
+            cst = const[sl].reshape(k, c.n)
+            pr = per[sl].reshape(k, c.n)
+            ii = None if ic is None else ic[sl].reshape(k, c.n)
+            keys: dict[bytes, int] = {}
+            uniq: list[int] = []
+            for r in range(k):
+                h = cst[r].tobytes() + pr[r].tobytes() + (b"" if ii is None else ii[r].tobytes())
+                if h not in keys:
+                    keys[h] = len(uniq)
+                    uniq.append(r)
+            u = len(uniq)
+            cc = cst[uniq][None, :, :] + pr[uniq][None, :, :] * scale[:, c.stage][:, None, :]
+            iin = None
+            if ii is not None:
+                iin = np.ascontiguousarray(np.broadcast_to(ii[uniq][None], (v, u, c.n)))
+                iin = iin.reshape(v * u, c.n)
+            end = c.run(np.ascontiguousarray(cc.reshape(v * u, c.n)), iin).reshape(v, u, c.n)
+            for (_, st), last in c.dev_last.items():
+                np.maximum(stage_end[:, st], end[:, :, last].max(axis=1), out=stage_end[:, st])
+        ar = np.zeros((v, self.pp))
+        if ar_const is not None:
+            ar = np.asarray(ar_const, dtype=float)[None, :] + (
+                0.0 if ar_per is None else np.asarray(ar_per, dtype=float)[None, :] * scale
+            )
         tot = np.where(np.isfinite(stage_end), stage_end + ar, 0.0)
         return tot.max(axis=1)
 

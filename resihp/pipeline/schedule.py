@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "zbh1", "interleaved")
+#: Engine-only kinds (never a Layout's schedule): ``1f1bsplit`` is 1F1B with every backward
+#: split into B and W, W right after its B and the input gradient sent after W, so without
+#: migrations it times exactly like fused 1F1B.  The DAG engine lets a *migrated* chunk
+#: send its gradient after B and defer its W into the executor's idle time (§6.3).
+ENGINE_KINDS = ("1f1bsplit",)
 
 Chunk = tuple  # (kind, mb) or, for interleaved, (kind, mb, vstage)
 
@@ -135,7 +140,10 @@ def _deps(sched: Schedule, k: str, j: int, vs: int) -> list[tuple[str, int, int]
     if k == "F":
         return [("F", j, vs - 1)] if vs > 0 else []
     if k == "B":
-        return [("F", j, vs)] if vs == last else [("B", j, vs + 1)]
+        if vs == last:
+            return [("F", j, vs)]
+        # 1f1bsplit: the input gradient leaves a stage with its W (fused-backward timing)
+        return [("W" if sched.kind == "1f1bsplit" else "B", j, vs + 1)]
     return [("B", j, vs)]
 
 
@@ -191,6 +199,19 @@ def _one_f_one_b(p: int, m: int) -> list[list[Chunk]]:
         seq.extend(("B", j) for j in range(m - warm, m))
         order.append(seq)
     return order
+
+
+def _one_f_one_b_split(p: int, m: int) -> list[list[Chunk]]:
+    """1F1B with each backward as B then W back to back (see ``ENGINE_KINDS``)."""
+    out = []
+    for seq in _one_f_one_b(p, m):
+        row: list[Chunk] = []
+        for c in seq:
+            row.append(c)
+            if c[0] == "B":
+                row.append(("W", c[1]))
+        out.append(row)
+    return out
 
 
 def _zbh1(p: int, m: int) -> list[list[Chunk]]:
@@ -305,12 +326,16 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int, virtual: i
         order, split, v = _one_f_one_b(p, m), False, 1
     elif kind == "zbh1":
         order, split, v = _zbh1(p, m), True, 1
+    elif kind == "1f1bsplit":
+        order, split, v = _one_f_one_b_split(p, m), True, 1
     elif kind == "interleaved":
         if virtual < 1:
             raise ValueError(f"interleaved needs virtual >= 1, got {virtual}")
         order, split, v = _interleaved(p, m, virtual), False, virtual
     else:
-        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")
+        raise ValueError(
+            f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS + ENGINE_KINDS}"
+        )
     sched = Schedule(
         kind=kind,
         num_stages=p,

@@ -84,10 +84,25 @@ def _evict_round_robin(lay: Layout) -> Layout:
     return lay
 
 
-def _greyhound_balance(lay: Layout, p: Mapping[int, float], pred: Predictor) -> Layout:
-    """Greyhound: per-replica micro-batch counts proportional to replica speed (migrations kept only if valid)."""
-    w = pred.per_layer_s(lay, p) * np.asarray(lay.layers)[None, :]
-    per = [float(np.max(w[d])) if np.isfinite(w[d]).all() else float("inf") for d in range(lay.dp)]
+def _greyhound_balance(
+    lay: Layout, p: Mapping[int, float], pred: Predictor, measured: bool = True
+) -> Layout:
+    """Greyhound's DP redistribution: micro-batch counts per replica minimizing max m_d x T_d.
+
+    ``measured`` (Greyhound as published): ``T_d`` is what its profiling sees, each
+    replica's pipeline time under the current counts divided by its count (the
+    engine's per-replica makespan: bubbles and all), since Greyhound times NCCL
+    calls per rank and never learns the devices' true speeds.  ``measured=False``
+    (``greyhound-ideal``): ``T_d`` is the replica's bottleneck stage time from the
+    true device speeds, an oracle the real system does not have.
+    """
+    if measured:
+        per = _measured_replica_s(lay, p, pred)
+    else:
+        w = pred.per_layer_s(lay, p) * np.asarray(lay.layers)[None, :]
+        per = [
+            float(np.max(w[d])) if np.isfinite(w[d]).all() else float("inf") for d in range(lay.dp)
+        ]
     if sum(np.isfinite(per)) == 0:
         return lay
     m = balance_microbatches(per, lay.total_microbatches, 1)
@@ -97,12 +112,51 @@ def _greyhound_balance(lay: Layout, p: Mapping[int, float], pred: Predictor) -> 
     return new
 
 
+def _measured_replica_s(lay: Layout, p: Mapping[int, float], pred: Predictor) -> list[float]:
+    """Seconds per micro-batch each replica takes under ``lay`` (inf where a group is empty/dead)."""
+    base = copy.deepcopy(lay)
+    base.migrations = []
+    ok = [
+        all(g and all(p.get(r, 1.0) > 0 for r in g) for g in base.groups[d]) for d in range(lay.dp)
+    ]
+    if not any(ok):
+        return [float("inf")] * lay.dp
+    live = [d for d in range(lay.dp) if ok[d]]
+    one = copy.deepcopy(base)
+    one.groups = [base.groups[d] for d in live]
+    one.microbatches = [max(1, base.microbatches[d]) for d in live]
+    dag, cost, edges = pred._timed(one, dict(p))
+    ms = dag.evaluate(cost, edges).makespan_s * pred.time_scale
+    out = [float("inf")] * lay.dp
+    for i, d in enumerate(live):
+        out[d] = float(ms[i]) / one.microbatches[i]
+    return out
+
+
+#: The engine kind ResiHP's migrated layouts run under: §6.3 migrates Forward, Backward and
+#: Weight-gradient chunks separately, and a destination defers a migrated chunk's W into
+#: its idle time (``resihp.pipeline.schedule.ENGINE_KINDS``).  Local chunks keep 1F1B's
+#: fused timing, so the fault-free layout runs exactly as calibrated.
+RESIHP_SPLIT_SCHEDULE = "1f1bsplit"
+
+
 class ResiHP(Policy):
     def __init__(self, name="resihp", options: PlanOptions | None = None):
         super().__init__(
             name, stop_detect_s=1.0, slow_detect_iters=3.0, reconfig_s=2.0, overhead=0.013
         )
         self.options = options or PlanOptions()
+
+    def iteration_s(self, state, p, pred):
+        ts = []
+        for lay in state:
+            if not layout_runnable(lay, p):
+                ts.append(float("inf"))
+            elif lay.migrations and lay.schedule == "1f1b":
+                ts.append(pred.iteration_s(lay, p, schedule=RESIHP_SPLIT_SCHEDULE))
+            else:
+                ts.append(pred.iteration_s(lay, p))
+        return max(ts) + self.false_alarm_s_per_iter
 
     def adapt(self, state, p, pred):
         (lay,) = state
@@ -169,7 +223,20 @@ class Greyhound(Policy):
 
 
 class Adaptra(Policy):
-    def __init__(self, name="adaptra"):
+    """Adaptra (arXiv 2504.19232): pipeline-schedule adaptation, no layer or batch moves.
+
+    Adaptra re-plans the pipeline schedule around a straggler with a ZB-style
+    schedule (W chunks absorb the delay) and offloads slow communication to the
+    host.  ``faithful`` (the headline ``adaptra``): it keeps the job's fault-free
+    schedule and gains only the slack the straggler created: the ZB-H1 iteration
+    time under the slowdown scaled by the fault-free 1F1B/ZB-H1 ratio, never above
+    the unadapted time.  The job was calibrated and compared on 1F1B (Table 6's
+    fault-free throughput); Adaptra does not turn a straggler into ZB-H1's
+    fault-free bubble savings.  ``faithful=False`` (``adaptra-ideal``): ZB-H1 with
+    its whole bubble reduction.
+    """
+
+    def __init__(self, name="adaptra", faithful: bool = True):
         super().__init__(
             name,
             slow_detect_iters=10.0,
@@ -178,20 +245,75 @@ class Adaptra(Policy):
             moves_layers=False,
             handles_stop=False,
         )
+        self.faithful = faithful
+        self.base_schedule = "1f1b"
+
+    def initial_state(self, layout: Layout) -> list[Layout]:
+        self.base_schedule = layout.schedule
+        return [layout]
 
     def adapt(self, state, p, pred):
         (lay,) = state
         _refuse_fail_stop(lay, p, "Adaptra")
         new = copy.deepcopy(lay)
         slow = any(p.get(r, 1.0) < 0.999 for r in lay.coords())
-        new.schedule = "zbh1" if slow else lay.schedule
+        new.schedule = "zbh1" if slow else self.base_schedule
         return [new]
+
+    def iteration_s(self, state, p, pred):
+        (lay,) = state
+        if not self.faithful or lay.schedule != "zbh1" or not layout_runnable(lay, p):
+            return super().iteration_s(state, p, pred)
+        plain = copy.deepcopy(lay)
+        plain.schedule = self.base_schedule
+        t_plain = pred.iteration_s(plain, p)
+        t_zb = pred.iteration_s(lay, p)
+        # the schedule's own fault-free saving, which the straggler did not create
+        ff_ratio = pred.iteration_s(plain, {}) / pred.iteration_s(lay, {})
+        return min(t_plain, t_zb * ff_ratio) + self.false_alarm_s_per_iter
+
+
+class _IdealGreyhound(Greyhound):
+    """``greyhound-ideal``: balances on the devices' true speeds (an oracle)."""
+
+    def __init__(self):
+        super().__init__("greyhound-ideal")
+
+    def adapt(self, state, p, pred):
+        (lay,) = state
+        _refuse_fail_stop(lay, p, "Greyhound")
+        return [_greyhound_balance(lay, p, pred, measured=False)]
 
 
 class Oobleck(Policy):
-    """Pipelines re-instantiated from templates on the surviving whole TP groups."""
+    """Oobleck (SOSP'23): pipelines re-instantiated from templates on the surviving whole TP groups.
 
-    def __init__(self, name="oobleck", greyhound=False):
+    As published (the headline ``oobleck``; docs/scheduler.md lists each rule's source):
+
+    * the unit is the ResiHP paper's: a TP group, dropped whole after any device in it
+      fails (Oobleck's own unit is a node);
+    * pipeline templates are computed once, at start, for every group count ``n`` in
+      ``[n0, N - f * n0]`` (``N`` groups at start, ``n0`` the fewest groups that hold
+      the model in memory); a template's layer partition assumes healthy, equal groups;
+    * ``f = D0 - 1`` for a job started with ``D0`` replicas (the largest fault-tolerance
+      threshold whose ``f + 1`` pipelines the starting layout holds); it bounds the
+      templates' sizes.  It is not a floor: the published reconfiguration tests continue
+      with one pipeline after a whole pipeline's hosts fail;
+    * on a loss each pipeline keeps its surviving groups and takes the template of their
+      count; one left below ``n0`` borrows groups from the largest pipelines that stay at
+      or above ``n0``, else is merged into the smallest other pipeline; a pipeline with
+      no group left is gone; no template for a size, or fewer than ``n0`` groups in all,
+      ends training (Abort);
+    * the global batch is split across pipelines by their throughput (Oobleck's batch
+      distribution), re-done only at a reconfiguration;
+    * the pause: ``reconfig_s`` plus the layer copy from the surviving replicas.
+
+    ``ideal=True`` (``oobleck-ideal``, an extra, never in the headline table): any
+    pipeline count from 1 to the starting one, stages re-dealt round-robin, each
+    partition sized with the engine's exact costs, the fastest kept; no ``f + 1`` floor.
+    """
+
+    def __init__(self, name="oobleck", greyhound=False, ideal=False):
         super().__init__(
             name,
             stop_detect_s=1.0,
@@ -202,6 +324,9 @@ class Oobleck(Policy):
             **(GREYHOUND_FALSE_ALARMS if greyhound else {}),
         )
         self.greyhound = greyhound
+        self.ideal = ideal
+        self.start: Layout | None = None
+        self._templates: dict[int, list[int]] | None = None
 
     def _pipeline(
         self, groups: list[list[int]], ref: Layout, pred: Predictor, m: int
@@ -223,6 +348,8 @@ class Oobleck(Policy):
         )
 
     def initial_state(self, layout: Layout) -> list[Layout]:
+        if self.start is None:
+            self.start = copy.deepcopy(layout)
         out = []
         for d in range(layout.dp):
             one = copy.deepcopy(layout)
@@ -232,58 +359,142 @@ class Oobleck(Policy):
             out.append(one)
         return out
 
+    # ------------------------------------------------------------ templates
+    @property
+    def f(self) -> int:
+        return max(0, (self.start.dp if self.start else 1) - 1)
+
+    def templates(self, pred: Predictor) -> dict[int, list[int]]:
+        """Group count -> layer partition, fixed at start (equal, healthy groups)."""
+        if self._templates is None:
+            st = self.start
+            tp = len(st.groups[0][0])
+            m = max(st.microbatches)
+            groups = st.dp * st.pp
+            tmpl = {}
+            for n in range(1, groups + 1):
+                caps = [pred.memory.layer_cap(tp, min(n - s, m)) for s in range(n)]
+                try:
+                    tmpl[n] = optimal_partition(st.num_layers, [1.0] * n, m, caps)
+                except PartitionError:
+                    continue
+            n0 = min(tmpl, default=groups + 1)
+            top = groups - self.f * n0
+            self._templates = {n: x for n, x in tmpl.items() if n <= top}
+        return self._templates
+
+    def _regroup(self, pipes: list[list[list[int]]], n0: int) -> list[list[list[int]]]:
+        """Oobleck's re-instantiation rule on the surviving groups of each pipeline."""
+        pipes = [list(x) for x in pipes]
+        while True:
+            small = [i for i, x in enumerate(pipes) if len(x) < n0]
+            if not small:
+                break
+            i = small[0]
+            need = n0 - len(pipes[i])
+            spare = sum(max(0, len(x) - n0) for j, x in enumerate(pipes) if j != i)
+            if pipes[i] and spare >= need:
+                for _ in range(need):
+                    j = max((j for j in range(len(pipes)) if j != i), key=lambda j: len(pipes[j]))
+                    pipes[i].append(pipes[j].pop())
+                continue
+            rest = pipes.pop(i)
+            if not pipes:
+                break
+            if rest:
+                j = min(range(len(pipes)), key=lambda j: len(pipes[j]))
+                pipes[j].extend(rest)
+        return pipes
+
     def adapt(self, state, p, pred):
+        if self.start is None:
+            self.start = copy.deepcopy(state[0])
         p = dict(p)
         if any(lay.dp > 1 for lay in state):
             state = [x for lay in state for x in self.initial_state(lay)]
         total_mb = sum(lay.total_microbatches for lay in state)
         ref = state[0]
         dead = set().union(*(set(lay.dead) for lay in state)) | {r for r, v in p.items() if v <= 0}
-        intact = []
-        lost_any = False
-        for lay in state:
-            for g in lay.groups[0]:
-                if g and not any(r in dead for r in g):
-                    intact.append(g)
-                else:
-                    lost_any = True
+        kept = [[g for g in lay.groups[0] if g and not any(r in dead for r in g)] for lay in state]
+        lost_any = any(len(k) < len(lay.groups[0]) for k, lay in zip(kept, state, strict=True))
         if not lost_any:
             new = state
+        elif self.ideal:
+            new = self._ideal(kept, ref, p, pred, total_mb, dead)
         else:
-            # templates: try every pipeline count the surviving groups allow, keep the fastest
-            D0 = len(state)
-            best = None
-            for n_pipes in range(1, min(D0, len(intact)) + 1):
-                chunks = [intact[i::n_pipes] for i in range(n_pipes)]
-                pipes = [
-                    self._pipeline(ch, ref, pred, max(1, total_mb // n_pipes)) for ch in chunks
-                ]
-                if any(pl is None for pl in pipes):
-                    continue
-                for pl in pipes:
-                    pl.dead = sorted(dead)
-                self._distribute(pipes, p, pred, total_mb)
-                t = self.iteration_s(pipes, p, pred)
-                if best is None or t < best[0]:
-                    best = (t, pipes)
-            if best is None:
-                raise Abort("surviving TP groups cannot hold the model in any pipeline template")
-            new = best[1]
+            tmpl = self.templates(pred)
+            if not tmpl:
+                raise Abort("no pipeline template holds the model")
+            n0 = min(tmpl)
+            pipes = [x for x in self._regroup([k for k in kept], n0) if x]
+            if not pipes:
+                raise Abort(f"fewer than n0 = {n0} intact TP groups: no pipeline template fits")
+            new = []
+            for groups in pipes:
+                if len(groups) not in tmpl:
+                    raise Abort(f"no pipeline template for {len(groups)} TP groups")
+                new.append(
+                    Layout(
+                        ref.world_size,
+                        ref.devices_per_node,
+                        ref.num_layers,
+                        [groups],
+                        list(tmpl[len(groups)]),
+                        [1],
+                        schedule=ref.schedule,
+                    )
+                )
         new = [copy.deepcopy(lay) for lay in new]
         for lay in new:
             lay.dead = sorted(dead)
-        if self.greyhound or lost_any:
+        if lost_any:
             self._distribute(new, p, pred, total_mb)
+        elif self.greyhound:
+            # Greyhound's redistribution on what its profiling measured per pipeline
+            per = [
+                (
+                    _measured_replica_s(lay, p, pred)[0]
+                    if not self.ideal
+                    else self._model_s(lay, p, pred)
+                )
+                for lay in new
+            ]
+            m = balance_microbatches(per, total_mb, 1) if len(new) > 1 else [total_mb]
+            for lay, mm in zip(new, m, strict=True):
+                lay.microbatches = [mm]
         return new
+
+    def _ideal(self, intact_per_pipe, ref, p, pred, total_mb, dead):
+        """``oobleck-ideal``: the fastest pipeline count and partition by the engine."""
+        intact = [g for k in intact_per_pipe for g in k]
+        D0 = len(intact_per_pipe)
+        best = None
+        for n_pipes in range(1, min(D0, len(intact)) + 1):
+            chunks = [intact[i::n_pipes] for i in range(n_pipes)]
+            pipes = [self._pipeline(ch, ref, pred, max(1, total_mb // n_pipes)) for ch in chunks]
+            if any(pl is None for pl in pipes):
+                continue
+            for pl in pipes:
+                pl.dead = sorted(dead)
+            self._distribute(pipes, p, pred, total_mb)
+            t = self.iteration_s(pipes, p, pred)
+            if best is None or t < best[0]:
+                best = (t, pipes)
+        if best is None:
+            raise Abort("surviving TP groups cannot hold the model in any pipeline template")
+        return best[1]
+
+    @staticmethod
+    def _model_s(lay: Layout, p, pred: Predictor) -> float:
+        """A pipeline's bottleneck stage seconds per micro-batch (Oobleck's planner estimate)."""
+        one = copy.deepcopy(lay)
+        one.microbatches = [1]
+        f, b, w = pred.stage_chunk_s(one, p)
+        return float(np.max(f + b + w))
 
     def _distribute(self, pipes, p, pred, total_mb) -> None:
         """Oobleck's batch distribution: micro-batches per pipeline by its throughput."""
-        per = []
-        for lay in pipes:
-            one = copy.deepcopy(lay)
-            one.microbatches = [1]
-            f, b, w = pred.stage_chunk_s(one, p)
-            per.append(float(np.max(f + b + w)))
+        per = [self._model_s(lay, p, pred) for lay in pipes]
         m = balance_microbatches(per, total_mb, 1) if len(pipes) > 1 else [total_mb]
         for lay, mm in zip(pipes, m, strict=True):
             lay.microbatches = [mm]
@@ -325,6 +536,10 @@ POLICIES: dict[str, callable] = {
     "oobleck": lambda: Oobleck(),
     "recycle+greyhound": lambda: ReCycle("recycle+greyhound", greyhound=True),
     "oobleck+greyhound": lambda: Oobleck("oobleck+greyhound", greyhound=True),
+    # idealised variants: extras beside the published mechanisms, never in a headline table
+    "oobleck-ideal": lambda: Oobleck("oobleck-ideal", ideal=True),
+    "greyhound-ideal": lambda: _IdealGreyhound(),
+    "adaptra-ideal": lambda: Adaptra("adaptra-ideal", faithful=False),
 }
 
 
