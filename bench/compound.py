@@ -51,14 +51,20 @@ def feed_step(rp: TraceReplayer, st) -> list:
     return out
 
 
-def run(model: str, events: list[str], iterations: int = 75, seed: int = 5):
+def run(
+    model: str,
+    events: list[str],
+    iterations: int = 75,
+    seed: int = 5,
+    config: DetectorConfig | None = None,
+):
     """Reports of one simulated job; the planner applies a plan 4 steps into a hang."""
     cfg = SimConfig(
         model=model, seq_len=8192, microbatches=4, schedule="1f1b", speed=0.0,
         iterations=iterations, seed=seed, noise=0.03, heartbeat_interval_s=1.0,
     )  # fmt: skip
     sim = ClusterSim(cfg, parse_scenario("events:\n" + "".join(f"  - {e}\n" for e in events)))
-    rp = TraceReplayer(DetectorConfig(warmup_iters=10), layout=cfg.initial_layout())
+    rp = TraceReplayer(config or DetectorConfig(warmup_iters=10), layout=cfg.initial_layout())
     pred = Predictor(cfg.model, cfg.seq_len, 80.0)
     reports, hung, steps, standby = [], 0, 0, set()
 

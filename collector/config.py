@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from resihp.assembly import COMM_WAIT_S
+from resihp.assembly import ASSEMBLY
 from resihp.entry import parse_bool
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
 from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES, MASS_LOSS_FRACTION
@@ -116,23 +116,23 @@ class CollectorConfig:
     # --- iteration assembly -------------------------------------------------------
     #: After every expected rank has started a later iteration, wait this long for
     #: missing rows before publishing the iteration as incomplete (seconds).
-    grace_s: float = 5.0
+    grace_s: float = ASSEMBLY.grace_s
     #: Publish an iteration as incomplete when none of its rows arrived for this
     #: long (a dead rank stalls its peers) (seconds).
-    stale_s: float = 30.0
+    stale_s: float = ASSEMBLY.stale_s
     #: At most this many iterations are assembled at once; the oldest is
     #: published incomplete beyond it.
-    max_open_iterations: int = 8
+    max_open_iterations: int = ASSEMBLY.max_open
     #: When the layout changes, an open iteration that got no row for this long is
     #: the attempt a fail-stop abandoned: it is published incomplete at once, and
     #: its re-run under the new layout is assembled afresh (seconds).
-    stall_s: float = 2.0
+    stall_s: float = ASSEMBLY.stall_s
     #: Once every expected rank has reported all its compute chunks of an iteration,
     #: wait at most this long for the communication rows (RECV, ALLREDUCE, ...) its
     #: ranks sent for the previous iteration before publishing it complete anyway (a
     #: rank that stopped sending them must not hold records back); 0 publishes at
     #: compute-complete and leaves most communication rows late (seconds).
-    comm_wait_s: float = COMM_WAIT_S
+    comm_wait_s: float = ASSEMBLY.comm_wait_s
     #: A rank whose clock is off Redis's by more than this (estimated from its
     #: heartbeats: send time vs arrival) has its chunk timestamps shifted onto Redis's
     #: clock, so that one skewed node does not stretch every iteration's span

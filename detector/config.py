@@ -130,6 +130,22 @@ class DetectorConfig:
     #: iteration's worth of chunks; the midpoint keeps a mildly slow device from
     #: flapping between excluded and re-admitted).
     probe_recovery_shift: float = 0.10
+    # --- persistence and flapping (detector/persistence.py; docs/detector.md) -----
+    #: A confirmed slowdown is reported once it has lasted this many iterations since
+    #: its change point: longer than the 1-3-iteration stragglers (a GC pause, a
+    #: checkpoint write, a thermal blip) that go away before a re-plan would pay off.
+    persist_min_iters: int = 4
+    #: ... and once the time it has cost (throughput loss x iteration time, summed
+    #: since the change point) reaches the cost of one re-plan (ski rental): the
+    #: communicator rebuild is ~1.5 s (§8.3: < 2 s), plus the re-warm.
+    replan_cost_s: float = 2.0
+    #: ... or, whatever it cost, once it has lasted this many iterations (a job with
+    #: short iterations must not wait for minutes on a slowdown it will not shake).
+    persist_max_iters: int = 10
+    #: A recovery of a reported device is reported once it has stayed healthy this
+    #: many iterations; slow again before that, it is intermittent (flapping) and is
+    #: kept set aside without a new report (3 periods of a 10-on / 10-off flap).
+    stable_iters: int = 30
     #: * Master switch of fail-slow detection (fail-stop is always on).
     failslow_enabled: bool = True
     #: * Ranks excluded from fail-slow reporting (operator's per-rank off switch).
@@ -177,7 +193,15 @@ class DetectorConfig:
         for name in ("batch_count", "warmup_iters", "cpd_window", "heartbeat_k"):
             if not integer(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
-        for name in ("rewarm_iters", "block_ms", "recovery_iters", "gh_min_gap_iters"):
+        for name in (
+            "rewarm_iters",
+            "block_ms",
+            "recovery_iters",
+            "gh_min_gap_iters",
+            "persist_min_iters",
+            "persist_max_iters",
+            "stable_iters",
+        ):
             if not integer(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
         if self.warmup_iters < 5:
@@ -209,6 +233,7 @@ class DetectorConfig:
             "gh_mean_shift",
             "gh_validation_base_s",
             "gh_validation_per_link_s",
+            "replan_cost_s",
         ):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:

@@ -18,6 +18,7 @@ from detector.config import DetectorConfig
 from detector.failslow import FailSlowDetector, Finding
 from detector.failstop import FailStopTracker
 from detector.greyhound import GreyhoundDetector
+from detector.persistence import PersistenceGate
 from detector.predictor import IterationView
 from resihp.schemas import ChunkBatch, FailureReport, IterationRecord, LivenessEvent, Message
 from resihp.topology import Layout
@@ -49,6 +50,8 @@ class Detector:
         self.failstop = FailStopTracker()
         cls = GreyhoundDetector if config.mode == "greyhound" else FailSlowDetector
         self.failslow: FailSlowDetector = cls(self.config, layout)
+        # the Greyhound-style baseline reports as its paper does: no persistence policy
+        self.gate = PersistenceGate(self.config) if config.mode == "resihp" else None
         if layout is not None:
             self.failslow.set_layout(layout)
         self.stats = EngineStats()
@@ -63,6 +66,8 @@ class Detector:
     def set_config(self, config: DetectorConfig) -> None:
         self.config = config.validate()
         self.failslow.apply_config(self.config)
+        if self.gate is not None:
+            self.gate.apply_config(self.config)
 
     def set_layout(self, layout: Layout | None) -> None:
         self.failslow.set_layout(layout)
@@ -138,6 +143,8 @@ class Detector:
         self.last_time_s = rec.end_s
         dead = set(self.failstop.dead)
         findings = self.failslow.process(v)
+        if self.gate is not None:
+            findings = self.gate.step(v.iteration, v.iteration_time_s, findings, self.failslow.slow)
         t = now_s if now_s is not None else rec.end_s
         out = []
         for f in findings:

@@ -9,8 +9,8 @@ Two signals feed change-point detection (:mod:`detector.changepoint`):
    validation is skipped.  Otherwise it is validated (below).
 2. Per-chunk residuals: for every (replica, stage) group the median of
    log(observed / predicted) over its compute chunks, and for every P2P
-   direction log(observed / healthy) of its SEND (median) or RECV (20th
-   percentile: the receives that did not wait for their sender) times.  A
+   direction log(observed / healthy) of the median of its SEND or RECV own
+   times (detector/commtime.py: the wait for the sender taken out).  A
    pipeline hides part of one stage's slowdown, so a slowdown that costs 5 %
    throughput may raise iteration time by far less than 1.25x; the residuals
    see it directly and are insensitive to sequence-length variability because
@@ -39,6 +39,7 @@ from the trainer's idle-device probes (``IterationRecord.probes``) instead.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -931,7 +932,17 @@ class FailSlowDetector:
         """A real shift whose cost was under the bar on the workloads seen so far:
         re-cost it on fresh workloads for a while (the heaviest replica sets the
         pace, so the same slowdown costs more in some data mixes)."""
-        self.watch[(what, key)] = {"cp": cp, "next": v.iteration + 4, "until": v.iteration + 40}
+        self.watch[(what, key)] = {"cp": cp, "next": v.iteration + 1, "until": v.iteration + 40}
+
+    def _current_level(self, what: str, key, cp: ChangePoint) -> ChangePoint:
+        """``cp`` with its post-change level raised to the series' latest one (the median
+        of its last 3 points) when that is higher: a ramp keeps climbing after the change
+        point, and costing its segment mean would report it late."""
+        det = (self.gdet if what == "compute" else self.cdet).get(key)
+        if det is None or len(det.values) < 3:
+            return cp
+        now = float(np.median(list(det.values)[-3:]))
+        return dataclasses.replace(cp, mean_after=now) if now > cp.mean_after else cp
 
     def _recheck_watch(self, x, c, rr, v: IterationView) -> list[Finding]:
         out: list[Finding] = []
@@ -944,8 +955,11 @@ class FailSlowDetector:
                 continue
             if val is None or v.iteration < w["next"]:
                 continue
-            w["next"] = v.iteration + 4
-            cp = w["cp"]
+            cp = w["cp"] = self._current_level(what, key, w["cp"])
+            # re-costed every iteration while the level still climbs (a throttling
+            # ramp crosses the bar within a few iterations), else every 4
+            w["next"] = v.iteration + (1 if cp.mean_after > w.get("level", -np.inf) else 4)
+            w["level"] = cp.mean_after
             joint: dict = {}
             for (ow, ok), o in self.watch.items():
                 if ow == "compute":

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from detector.commtime import own_comm_time
 from resihp.schemas import ChunkKind, IterationRecord
 from resihp.topology import Layout, Migration
 
@@ -170,6 +171,12 @@ class IterationView:
         direction = np.where(
             said != 0, said, _comm_direction(dp, stage, src, mb, kind, start)
         ).astype(np.int8)
+        # RECV / ALLREDUCE rows: the link's own time, the wait for the peer taken out
+        dur, mine = own_comm_time(dp, stage, src, mb, kind, direction, start, dur)
+        if not mine.all():
+            dp, stage, src, mb, kind, dur, start, direction, tn, sq = (
+                a[mine] for a in (dp, stage, src, mb, kind, dur, start, direction, tn, sq)
+            )
 
         rk = rec.ranks or {}
         r = len(rk.get("rank", []) or [])
@@ -745,9 +752,8 @@ def comm_stats(
 ) -> dict[tuple[int, int, int, int], float]:
     """Per-iteration statistic of each communication key (dp, stage, kind, direction).
 
-    SEND and collectives: the median duration.  RECV: the 20th percentile, since
-    a blocking receive also waits for its sender, and only the quicker receives
-    measure the transfer itself; a slower link raises those too.  P2P rows whose
+    The median of the rows' own times (:mod:`detector.commtime`: a RECV or
+    ALLREDUCE row's wait for its peer is already taken out).  P2P rows whose
     direction is unknown are skipped, and so are transfers between replicas: a migrated
     micro-batch's P2P at its host stage, and its owner's P2P with that host.  Their far end
     is another replica's group, so they measure another link than the key names, and one
@@ -772,9 +778,7 @@ def comm_stats(
     starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
     ends = np.r_[starts[1:], len(code)]
     n = ends - starts
-    kk = (code[starts] // 4) % 16
-    q = np.where(kk == RECV, 0.2, 0.5)
-    pos = starts + q * (n - 1)
+    pos = starts + 0.5 * (n - 1)
     lo = np.floor(pos).astype(np.int64)
     hi = np.minimum(lo + 1, ends - 1)
     frac = pos - lo

@@ -46,6 +46,7 @@ import numpy as np
 from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp import entry
+from resihp.assembly import ASSEMBLY
 from resihp.schemas import (
     ChunkBatch,
     ChunkTiming,
@@ -89,6 +90,10 @@ class ReplayStats:
     lines_total: int = 0
     bad_lines_total: int = 0
     records_total: int = 0
+    #: iterations named by the trace's chunk rows, and assembled records published
+    #: incomplete (a row missing when the assembler gave up on it)
+    iterations_seen_total: int = 0
+    incomplete_total: int = 0
     liveness_total: int = 0
     reports_total: int = 0
     #: chunk rows the assembler refused (as the live collector would dead-letter them)
@@ -109,21 +114,25 @@ class TraceReplayer:
         self,
         config: DetectorConfig,
         heartbeat_interval_s: float = 1.0,
-        grace_s: float = 2.0,
+        grace_s: float | None = None,
         layout: Layout | None = None,
         comm_wait_s: float | None = None,
     ):
-        """``comm_wait_s``: the assembler's bound on the wait for an iteration's
-        communication rows (trace seconds; None: the collector's default)."""
-        from resihp.assembly import COMM_WAIT_S, IterationAssembler
+        """The assembler runs with the live collector's settings
+        (``resihp.assembly.ASSEMBLY``); ``grace_s`` / ``comm_wait_s`` override
+        them (trace seconds; None: the collector's default)."""
+        from resihp.assembly import ASSEMBLY, IterationAssembler
         from resihp.liveness import LivenessCoordinator
 
         self.detector = Detector(config, layout)
         self.assembler = IterationAssembler(
-            grace_s=grace_s,
-            stale_s=max(10.0, 5 * grace_s),
-            comm_wait_s=COMM_WAIT_S if comm_wait_s is None else comm_wait_s,
+            grace_s=ASSEMBLY.grace_s if grace_s is None else grace_s,
+            stale_s=ASSEMBLY.stale_s,
+            max_open=ASSEMBLY.max_open,
+            stall_s=ASSEMBLY.stall_s,
+            comm_wait_s=ASSEMBLY.comm_wait_s if comm_wait_s is None else comm_wait_s,
         )
+        self._seen: set[int] = set()
         self.liveness = LivenessCoordinator(interval_s=heartbeat_interval_s, k=config.heartbeat_k)
         self.stats = ReplayStats()
         self.now_s = float("-inf")
@@ -178,6 +187,9 @@ class TraceReplayer:
                     return out
             if len(rows) and arrival_s is None:
                 self._advance(float(rows["end_s"].max()))
+            if len(rows):
+                self._seen.update(np.unique(rows["iteration"]).tolist())
+                self.stats.iterations_seen_total = len(self._seen)
             res = self.assembler.add_rows(rows, self.now_s)
             for reason, bad in res.rejected:
                 self.stats.rejected_rows_total += len(bad)
@@ -209,7 +221,9 @@ class TraceReplayer:
 
     def _emit(self, msgs) -> list[FailureReport]:
         self.stats.liveness_total += sum(isinstance(m, LivenessEvent) for m in msgs)
-        self.stats.records_total += sum(isinstance(m, IterationRecord) for m in msgs)
+        recs = [m for m in msgs if isinstance(m, IterationRecord)]
+        self.stats.records_total += len(recs)
+        self.stats.incomplete_total += sum(not r.complete for r in recs)
         reps = self.detector.handle_batch(msgs, now_s=self.now_s if self._arrival_clock else None)
         self.stats.reports_total += len(reps)
         return reps
@@ -633,13 +647,22 @@ def main(
     by_kind: dict[str, int] = {}
     for r in reports:
         by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
+    if st.iterations_seen_total and st.iterations_seen_total != st.records_total:
+        print(
+            f"detector replay: warning: the trace's chunk rows name {st.iterations_seen_total} "
+            f"iterations but {st.records_total} were assembled: some were dropped or split "
+            f"(assembler settings: {ASSEMBLY})",
+            file=sys.stderr,
+        )
     print(
         f"replayed {st.lines_total} lines ({st.bad_lines_total} bad"
         + (f", {st.rejected_rows_total} chunk rows refused" if st.rejected_rows_total else "")
         + (f", {st.arrival_ignored_total} arrival_s ignored" if st.arrival_ignored_total else "")
         + (f", {st.out_of_order_total} out of order" if st.out_of_order_total else "")
         + (f", {st.late_total} too late to reorder" if st.late_total else "")
-        + f"): {st.records_total} iterations, "
+        + f"): {st.iterations_seen_total} iterations seen, {st.records_total} assembled"
+        + (f" ({st.incomplete_total} incomplete)" if st.incomplete_total else "")
+        + ", "
         f"{st.liveness_total} liveness events -> {len(reports)} reports {by_kind} "
         f"[mode {config.mode}]",
         file=sys.stderr,

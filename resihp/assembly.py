@@ -296,16 +296,37 @@ COMM_WAIT_S = 1.0
 MAX_STATS_ONLY = 1024
 
 
+@dataclass(frozen=True)
+class AssemblySettings:
+    """The assembler's timing settings, defined once: the live collector's defaults
+    (``collector/config.py``) and the detector's offline replay both take them from
+    here, so a trace replays with the iterations the collector would have assembled."""
+
+    #: after every expected rank moved on, wait this long for missing rows (seconds)
+    grace_s: float = 5.0
+    #: publish an iteration incomplete when none of its rows came for this long (seconds)
+    stale_s: float = 30.0
+    #: at most this many iterations open at once
+    max_open: int = 8
+    #: at a layout change, an open iteration without a row for this long was abandoned
+    stall_s: float = 2.0
+    #: bound on the wait for communication rows after compute-complete (seconds)
+    comm_wait_s: float = COMM_WAIT_S
+
+
+ASSEMBLY = AssemblySettings()
+
+
 class IterationAssembler:
     """Builds IterationRecords from chunk rows and MicroBatchStats (see module doc)."""
 
     def __init__(
         self,
-        grace_s: float = 5.0,
-        stale_s: float = 30.0,
-        max_open: int = 8,
+        grace_s: float = ASSEMBLY.grace_s,
+        stale_s: float = ASSEMBLY.stale_s,
+        max_open: int = ASSEMBLY.max_open,
         tp_dedup: bool = False,
-        stall_s: float = 2.0,
+        stall_s: float = ASSEMBLY.stall_s,
         max_stats_only: int = MAX_STATS_ONLY,
         comm_wait_s: float = COMM_WAIT_S,
     ):

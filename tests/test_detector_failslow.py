@@ -14,6 +14,10 @@ from resihp.schemas import LivenessEvent
 from resihp.topology import Layout
 
 LAY = Layout.uniform(tp=2, pp=4, dp=2, num_layers=16, num_microbatches=8)
+#: These tests cover the stages up to recovery; the persistence stage, which holds
+#: reports and recoveries (detector/persistence.py), passes everything through here
+#: and has its own tests (tests/test_detector_persistence.py).
+NO_HOLD = {"persist_min_iters": 1, "replan_cost_s": 0.0, "stable_iters": 0}
 
 
 def _run(det, job, n, at=None):
@@ -33,7 +37,7 @@ def _slow(kind="fail_slow_compute"):
 
 def test_compute_slowdown_detected_localized_and_recovered():
     job = SyntheticJob(LAY, seed=11)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     victim = LAY.groups[1][2][1]  # dp 1, stage 2, second TP rank
     reps = _run(
         det,
@@ -65,7 +69,7 @@ def test_compute_slowdown_detected_localized_and_recovered():
 def test_costly_slowdown_below_the_iteration_gate_is_caught_cheap_one_is_not():
     # 1.4x on one stage raises iteration time well under 1.25x, yet costs > 5 %
     job = SyntheticJob(LAY, seed=12)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     victim = LAY.groups[0][1][0]
     reps = _run(det, job, 80, {50: lambda j: j.rank_slow.update({victim: 1.4})})
     got = [r for r in reps if r.kind == "fail_slow_compute"]
@@ -76,14 +80,14 @@ def test_costly_slowdown_below_the_iteration_gate_is_caught_cheap_one_is_not():
     )
     # a 3 % slowdown costs under 5 %: not reported
     job = SyntheticJob(LAY, seed=12)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     reps = _run(det, job, 80, {50: lambda j: j.rank_slow.update({victim: 1.03})})
     assert [r for r in reps if r.kind != "recovery"] == []
 
 
 def test_comm_slowdown_names_the_link():
     job = SyntheticJob(LAY, seed=13)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     reps = _run(det, job, 80, {50: lambda j: j.link_slow.update({(0, 1): 10.0})})
     comm = [r for r in reps if r.kind == "fail_slow_comm"]
     assert comm and not [r for r in reps if r.kind == "fail_slow_compute"]
@@ -109,13 +113,13 @@ def test_workload_variability_is_benign_for_resihp_but_alarms_greyhound():
         at[start] = _workload_shift
         at[start + 12] = _workload_back
     job = SyntheticJob(LAY, seed=14)
-    ours = Detector(DetectorConfig(), layout=LAY)
+    ours = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     reps = _run(ours, job, 150, dict(at))
     assert reps == []
     fs = ours.failslow.stats
     assert fs.benign_filtered_total >= 1  # the paper's gate dropped the change points
     job = SyntheticJob(LAY, seed=14)
-    gh = Detector(DetectorConfig(mode="greyhound"), layout=LAY)
+    gh = Detector(DetectorConfig(**NO_HOLD, mode="greyhound"), layout=LAY)
     reps = _run(gh, job, 150, dict(at))
     assert reps == []  # validation finds nothing...
     assert gh.failslow.stats.false_alarms_total >= 2  # ...but it paused training to look
@@ -124,7 +128,7 @@ def test_workload_variability_is_benign_for_resihp_but_alarms_greyhound():
 
 def test_greyhound_baseline_detects_a_severe_slowdown():
     job = SyntheticJob(LAY, seed=15)
-    det = Detector(DetectorConfig(mode="greyhound"), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD, mode="greyhound"), layout=LAY)
     victim = LAY.groups[0][3][1]
     reps = _run(det, job, 90, {50: lambda j: j.rank_slow.update({victim: 3.0})})
     got = [r for r in reps if r.kind == "fail_slow_compute"]
@@ -134,7 +138,7 @@ def test_greyhound_baseline_detects_a_severe_slowdown():
 
 def test_failstop_reported_before_cooccurring_failslow_and_pauses_failslow():
     job = SyntheticJob(LAY, seed=16)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     _run(det, job, 40)
     victim = LAY.groups[0][1][0]
     job.rank_slow[victim] = 2.0
@@ -170,10 +174,10 @@ def test_runtime_switches_in_the_engine():
     victim = LAY.groups[0][2][0]
     at = {50: lambda j: j.rank_slow.update({victim: 1.8})}
     # control: with nothing switched off the victim is reported
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     got = [r for r in _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) if _slow()(r)]
     assert [r.ranks for r in got] == [[victim]]
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     det.set_config(det.config.replace(disabled_ranks=frozenset({victim})))
     assert [
         r for r in _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) if r.kind != "recovery"
@@ -182,14 +186,14 @@ def test_runtime_switches_in_the_engine():
     # run is still reported
     other = LAY.groups[1][1][1]
     both = {50: lambda j: j.rank_slow.update({victim: 1.8, other: 1.8})}
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     det.set_config(det.config.replace(disabled_ranks=frozenset({victim})))
     got = [r for r in _run(det, SyntheticJob(LAY, seed=17), 70, both) if _slow()(r)]
     assert [r.ranks for r in got] == [[other]]
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     det.set_config(det.config.replace(failslow_enabled=False))
     assert _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) == []
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     det.set_config(det.config.replace(min_throughput_loss=0.9))  # nothing costs 90 %
     assert _run(det, SyntheticJob(LAY, seed=17), 70, dict(at)) == []
 
@@ -204,7 +208,7 @@ def test_a_disabled_slow_rank_is_not_the_reference_of_its_peer_replica():
         40: lambda j: j.rank_slow.update({off: 2.5}),
         60: lambda j: j.rank_slow.update({victim: 2.5}),
     }
-    det = Detector(DetectorConfig(disabled_ranks=frozenset({off})), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD, disabled_ranks=frozenset({off})), layout=LAY)
     reps = _run(det, SyntheticJob(LAY, seed=30), 80, dict(at))
     got = [(r.kind, r.ranks, r.iteration) for r in reps]
     assert got == [("fail_slow_compute", [victim], 61)], got
@@ -215,7 +219,7 @@ def test_a_disabled_slow_rank_is_not_the_reference_of_its_peer_replica():
 def test_gaps_in_telemetry_no_false_reports_and_detection_survives():
     rng = np.random.default_rng(0)
     job = SyntheticJob(LAY, seed=18)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     victim = LAY.groups[1][0][1]
     reps = []
     for i in range(120):
@@ -233,7 +237,7 @@ def test_gaps_in_telemetry_no_false_reports_and_detection_survives():
 
 def test_out_of_order_and_duplicated_records_and_chunks():
     job = SyntheticJob(LAY, seed=19)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     recs = [job.next_record() for _ in range(90)]
     reps = []
     for i, rec in enumerate(recs):
@@ -252,7 +256,7 @@ def test_out_of_order_and_duplicated_records_and_chunks():
 def test_rank_stops_sending_timings_but_keeps_heartbeat():
     lay = Layout.uniform(tp=1, pp=4, dp=2, num_layers=8, num_microbatches=8)
     job = SyntheticJob(lay, seed=20)
-    det = Detector(DetectorConfig(), layout=lay)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=lay)
     silent = lay.groups[0][2][0]
     reps = []
     for i in range(100):
@@ -281,7 +285,10 @@ def test_one_chunk_an_hour_long_is_not_learned_as_healthy(at):
     it (60), one absurd row must leave the fit where a twin without it has it."""
     lay = Layout.uniform(tp=2, pp=4, dp=1, num_layers=16, num_microbatches=8)
     job = SyntheticJob(lay, seed=7)
-    det, twin = Detector(DetectorConfig(), layout=lay), Detector(DetectorConfig(), layout=lay)
+    det, twin = (
+        Detector(DetectorConfig(**NO_HOLD), layout=lay),
+        Detector(DetectorConfig(**NO_HOLD), layout=lay),
+    )
     reps = []
     for i in range(120):
         rec = job.next_record()
@@ -299,7 +306,7 @@ def test_one_chunk_an_hour_long_is_not_learned_as_healthy(at):
 
 def test_clock_skew_between_nodes_no_false_report():
     job = SyntheticJob(LAY, seed=21)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     reps = []
     for i in range(110):
         if i == 50:
@@ -315,7 +322,7 @@ def test_clock_skew_between_nodes_no_false_report():
 
 def test_garbage_columns_do_not_crash():
     job = SyntheticJob(LAY, seed=22)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     _run(det, job, 30)
     rec = job.next_record()
     rec.chunks["duration_s"][:20] = ["x"] * 20
@@ -342,7 +349,7 @@ def _switch(job, det, lay):
 def _reported_slow(lay, seed, victim, at, factor, n):
     """``victim`` slows by ``factor`` at iteration ``at`` of ``n``; exactly it is reported."""
     job = SyntheticJob(lay, seed=seed)
-    det = Detector(DetectorConfig(), layout=lay)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=lay)
     reps = _run(det, job, n, {at: lambda j: j.rank_slow.update({victim: factor})})
     assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [[victim]]
     return job, det
@@ -375,7 +382,7 @@ def test_swapped_out_slow_device_is_not_reported_recovered():
 
 def test_failslow_switched_off_then_on_still_reports():
     job = SyntheticJob(LAY, seed=24)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     victim = LAY.groups[1][3][0]
     _run(det, job, 30)
     det.set_config(det.config.replace(failslow_enabled=False))
@@ -390,7 +397,7 @@ def test_failslow_switched_off_then_on_still_reports():
 
 def test_restart_from_checkpoint_with_new_layout_is_not_stale():
     job = SyntheticJob(LAY, seed=25)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     _run(det, job, 40)
     lay2 = copy.deepcopy(LAY)
     lay2.layout_id = 3
@@ -408,7 +415,7 @@ def test_slowdown_at_any_point_of_the_warmup_boundary_is_caught(at):
     # the warm-up is 20 iterations (0..19): a slowdown in its last iterations,
     # or in the first one after it, must still be cut from the warm-up regime
     job = SyntheticJob(LAY, seed=11)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     victim = LAY.groups[1][2][1]
     reps = _run(det, job, 60, {at: lambda j: j.rank_slow.update({victim: 1.6})})
     slow = [r for r in reps if r.kind == "fail_slow_compute"]
@@ -475,7 +482,7 @@ def test_a_restarted_detector_still_reports_the_recovery_of_a_device_set_aside(r
     aside.groups[1][2] = [LAY.groups[1][2][0]]
     aside.standby = [victim]
     aside.layout_id = 1
-    det = Detector(DetectorConfig(), layout=aside)  # the new process
+    det = Detector(DetectorConfig(**NO_HOLD), layout=aside)  # the new process
     assert det.restore(published if restore else {}) == (1 if restore else 0)
     job2 = SyntheticJob(aside, seed=12)
     out = []
@@ -577,7 +584,7 @@ def test_a_slow_stage_with_no_healthy_peer_still_slow_after_the_rewarm_stays_slo
 
 def test_a_slow_link_whose_slot_gets_new_ranks_is_not_reported_recovered():
     job = SyntheticJob(LAY, seed=13)
-    det = Detector(DetectorConfig(), layout=LAY)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=LAY)
     reps = _run(det, job, 80, {50: lambda j: j.link_slow.update({(0, 1): 10.0})})
     assert [r.kind for r in reps] == ["fail_slow_comm"]
     # a plan moves other devices into one end of the slot: the slow physical link
@@ -604,7 +611,7 @@ class _NoComputeJob(SyntheticJob):
 
 def _group_reported_slow(lay, victim, seed=11):
     job = _NoComputeJob(lay, seed=seed)
-    det = Detector(DetectorConfig(), layout=lay)
+    det = Detector(DetectorConfig(**NO_HOLD), layout=lay)
     reps = _run(det, job, 40, {30: lambda j: j.rank_slow.update({victim: 2.5})})
     grp = next(g for st in lay.groups for g in st if victim in g)
     assert [r.ranks for r in reps if r.kind == "fail_slow_compute"] == [sorted(grp)]

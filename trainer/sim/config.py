@@ -75,6 +75,10 @@ class SimConfig:
     max_rank_report: int = 4096
     #: Communication rows: "all" (RECV per P2P transfer + ALLREDUCE), "allreduce", "none".
     comm_rows: str = "all"
+    #: What a RECV / ALLREDUCE row's start and end mean (docs/trace-format.md):
+    #: "blocking" (posted until done, waiting for the peer included: what the torch
+    #: trainer writes) or "transfer" (from the sender's end: the transfer alone).
+    comm_timing: str = "blocking"
 
     # --- adaptation -------------------------------------------------------------
     #: Communicator rebuild when groups, layers or exclusions change (seconds, §8.3: < 2 s).
@@ -161,6 +165,8 @@ class SimConfig:
             raise ValueError(
                 f"max_rank_report: must be an integer >= 0, got {self.max_rank_report!r}"
             )
+        if self.comm_timing not in ("blocking", "transfer"):
+            raise ValueError(f"comm_timing: must be blocking or transfer, got {self.comm_timing!r}")
         if self.comm_rows not in ("all", "allreduce", "none"):
             raise ValueError(f"comm_rows: must be all, allreduce or none, got {self.comm_rows!r}")
         if self.fail_stop_policy not in ("wait", "drop_replica"):
@@ -249,6 +255,12 @@ class SimConfig:
             help="write each step's hidden ground truth here (JSON lines)",
         )
         p.add_argument("--comm-rows", default=d.comm_rows, choices=["all", "allreduce", "none"])
+        p.add_argument(
+            "--comm-timing",
+            default=d.comm_timing,
+            choices=["blocking", "transfer"],
+            help="RECV/ALLREDUCE rows: blocking (wait included, as the torch trainer) or transfer",
+        )
         p.add_argument("--reconfig-base-s", type=float, default=d.reconfig_base_s)
         p.add_argument("--reconfig-migration-s", type=float, default=d.reconfig_migration_s)
         p.add_argument(

@@ -594,17 +594,32 @@ class ClusterSim:
             compute[rc] * common[rc] * member[ctx.dev[rc], ctx.row_slot, ctx.kind[rc]]
         )
         rv = chunk_rows[ctx.n_compute_rows : ctx.n_compute_rows + len(ctx.recv_edge)]
+        blocking = cfg.comm_timing == "blocking"
         if len(rv):
-            rv["start_s"] = res.end_s[dag.edge_src[ctx.recv_edge]]
-            rv["start_s"] += base
-            rv["end_s"] = rv["start_s"] + edges[ctx.recv_edge]
+            # docs/trace-format.md, "Communication rows": blocking = posted when the
+            # receiver is ready (its previous chunk's end, else the iteration's start)
+            # until the data is there (the receiving chunk's start), as the torch
+            # trainer times it; transfer = the sender's chunk end plus the transfer.
+            e = ctx.recv_edge
+            sent = res.end_s[dag.edge_src[e]]
+            if blocking:
+                dst = dag.edge_dst[e]
+                prev = dag.pred_res[dst]
+                post = np.where(prev >= 0, res.end_s[np.maximum(prev, 0)], 0.0)
+                rv["start_s"] = base + post
+                rv["end_s"] = base + np.maximum(res.start_s[dst], post)
+            else:
+                rv["start_s"] = base + sent
+                rv["end_s"] = rv["start_s"] + edges[e]
         at = chunk_rows[ctx.n_compute_rows + len(ctx.recv_edge) :]
         if len(at):
             valid = dag.dev_last >= 0
             dev_end = np.where(valid, res.end_s[np.maximum(dag.dev_last, 0)], -np.inf)
             stage_end = dev_end.max(axis=0)
-            at["start_s"] = base + stage_end[ctx.ar_stage]
-            at["end_s"] = at["start_s"] + ar[ctx.ar_stage]
+            # blocking: from the rank's own last chunk (it waits for the slowest replica)
+            own = dev_end[at["dp"], ctx.ar_stage] if blocking else stage_end[ctx.ar_stage]
+            at["start_s"] = base + np.where(np.isfinite(own), own, stage_end[ctx.ar_stage])
+            at["end_s"] = base + stage_end[ctx.ar_stage] + ar[ctx.ar_stage]
         mb = np.zeros(total, dtype=MB_DTYPE)
         mb["iteration"] = self.iteration
         mb["dp"] = np.repeat(np.arange(lay.dp), counts)

@@ -1,0 +1,202 @@
+"""Persistence and flapping policy: which confirmed slowdowns and recoveries are worth a re-plan.
+
+The stages before this one confirm that a device *is* slow (a change point that
+costs throughput, localized and validated).  This stage decides whether it has
+been slow *long enough* to act on, and whether a recovery is stable enough to
+give the device its work back.  docs/detector.md ("Persistence and flapping")
+gives the reasoning; in short:
+
+* **Hold a new slowdown** until it has lasted ``persist_min_iters`` iterations
+  since its change point *and* the time it has already cost (the sum over
+  those iterations of throughput loss x iteration time) reaches
+  ``replan_cost_s``, the cost of one re-plan (ski rental: staying slow is
+  "renting", re-planning is "buying"; buying once the rent paid equals the
+  price is never worse than twice the best choice in hindsight).  After
+  ``persist_max_iters`` it is released whatever it cost: the rule must not
+  wait forever on a job with short iterations.  A slowdown whose device reads
+  healthy in the iteration it would be released is held on; one that the
+  earlier stages see recover while held was a transient straggler and nothing
+  is reported (``transient_total``).
+* **Hold a recovery** of a reported device for ``stable_iters`` iterations: a
+  device that turns slow again meanwhile is intermittent (flapping): the new
+  slowdown is not reported again (the device stays set aside, as reported), and
+  the hold starts over from its next recovery (``flaps_total``).  The recovery
+  is reported once the device has been stable for the whole hold, with
+  ``evidence.intermittent`` and ``evidence.flaps`` when it flapped.
+
+Rejects: slowdowns shorter than the hold (1-3 iteration stragglers), repeated
+reports of a flapping device.  Passes severity changes of a reported device
+that is not under a held recovery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from detector.config import DetectorConfig
+from detector.failslow import Finding, SlowState
+
+
+@dataclass
+class _Held:
+    finding: Finding
+    since_iteration: int  # the change point: when the slowdown began
+    cost_s: float = 0.0  # what it has cost so far (throughput loss x iteration time)
+    iters: int = 0
+
+
+@dataclass
+class _Recovering:
+    finding: Finding
+    stable_iters: int = 0
+    flaps: int = 0
+
+
+@dataclass
+class PersistenceStats:
+    held_total: int = 0
+    transient_total: int = 0
+    flaps_total: int = 0
+    log: list[dict] = field(default_factory=list)
+
+
+def _overlap(a: list[int], b: list[int]) -> bool:
+    return bool(set(a) & set(b))
+
+
+class PersistenceGate:
+    """Sits between the fail-slow detector's findings and the reports (see module doc)."""
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.held: list[_Held] = []
+        self.recovering: list[_Recovering] = []
+        # devices slow again during their recovery hold, waiting for their next recovery
+        self._pending_flap: dict[tuple, _Recovering] = {}
+        self.stats = PersistenceStats()
+
+    def apply_config(self, cfg: DetectorConfig) -> None:
+        self.cfg = cfg
+
+    def step(
+        self,
+        iteration: int,
+        iteration_time_s: float,
+        findings: list[Finding],
+        slow: dict[tuple, SlowState],
+    ) -> list[Finding]:
+        """This iteration's findings in, the ones to report out (held ones may come later)."""
+        out: list[Finding] = []
+        for f in findings:
+            if f.kind == "recovery":
+                out += self._on_recovery(f)
+            elif f.evidence.get("signal") == "severity_change":
+                out += self._on_severity(f)
+            else:
+                out += self._on_slow(f, iteration)
+        out += self._tick_held(iteration, iteration_time_s, slow)
+        out += self._tick_recovering(iteration)
+        return out
+
+    # -------------------------------------------------------------- inputs
+    def _on_slow(self, f: Finding, iteration: int) -> list[Finding]:
+        rec = next((r for r in self.recovering if _overlap(r.finding.ranks, f.ranks)), None)
+        if rec is not None:
+            # slow again before its recovery was stable: intermittent, still set aside
+            rec.flaps += 1
+            rec.stable_iters = 0
+            self.stats.flaps_total += 1
+            self._log(iteration, "flap", f)
+            self.recovering.remove(rec)
+            self._pending_flap[tuple(sorted(f.ranks))] = rec
+            return []
+        if self.cfg.persist_min_iters <= 1 and self.cfg.replan_cost_s <= 0:
+            return [f]
+        cp = f.evidence.get("change_point") or {}
+        since = cp.get("iteration", iteration) if isinstance(cp, dict) else iteration
+        since = int(since) if isinstance(since, int | float) else iteration
+        self.held.append(_Held(f, min(since, iteration)))
+        self.stats.held_total += 1
+        return []
+
+    def _on_recovery(self, f: Finding) -> list[Finding]:
+        held = next((h for h in self.held if _overlap(h.finding.ranks, f.ranks)), None)
+        if held is not None:
+            # recovered before it was ever reported: a transient straggler
+            self.held.remove(held)
+            self.stats.transient_total += 1
+            self._log(f.iteration, "transient", held.finding)
+            return []
+        key = next((k for k in self._pending_flap if _overlap(list(k), f.ranks)), None)
+        if key is not None:
+            rec = self._pending_flap.pop(key)
+            rec.finding = f
+            rec.stable_iters = 0
+            self.recovering.append(rec)
+            return []
+        if self.cfg.stable_iters <= 0:
+            return [f]
+        self.recovering.append(_Recovering(f))
+        return []
+
+    def _on_severity(self, f: Finding) -> list[Finding]:
+        held = next((h for h in self.held if _overlap(h.finding.ranks, f.ranks)), None)
+        if held is not None:
+            held.finding.severity = dict(f.severity)
+            return []
+        if any(_overlap(r.finding.ranks, f.ranks) for r in self.recovering):
+            return []
+        if any(_overlap(list(k), f.ranks) for k in self._pending_flap):
+            return []
+        return [f]
+
+    # --------------------------------------------------------------- clocks
+    def _tick_held(self, iteration: int, it_s: float, slow: dict) -> list[Finding]:
+        out = []
+        cfg = self.cfg
+        for h in list(self.held):
+            f = h.finding
+            loss = f.evidence.get("throughput_loss")
+            loss = float(loss) if isinstance(loss, int | float) else cfg.min_throughput_loss
+            lasted = iteration - h.since_iteration + 1
+            if h.iters == 0:
+                # the iterations from the change point up to the finding, at this cost each
+                h.cost_s = loss * it_s * max(1, lasted)
+            else:
+                h.cost_s += loss * it_s
+            h.iters += 1
+            st = next((s for s in slow.values() if _overlap(s.ranks, f.ranks)), None)
+            still_slow = st is None or st.healthy_streak == 0
+            due = lasted >= cfg.persist_min_iters and (
+                h.cost_s >= cfg.replan_cost_s or lasted >= cfg.persist_max_iters
+            )
+            if due and still_slow:
+                self.held.remove(h)
+                f.iteration = iteration
+                f.evidence["persistence"] = {
+                    "since_iteration": h.since_iteration,
+                    "lasted_iters": lasted,
+                    "cost_s": round(h.cost_s, 3),
+                    "replan_cost_s": cfg.replan_cost_s,
+                }
+                out.append(f)
+        return out
+
+    def _tick_recovering(self, iteration: int) -> list[Finding]:
+        out = []
+        for r in list(self.recovering):
+            r.stable_iters += 1
+            if r.stable_iters >= self.cfg.stable_iters:
+                self.recovering.remove(r)
+                f = r.finding
+                f.iteration = iteration
+                f.evidence["stable_iters"] = r.stable_iters
+                if r.flaps:
+                    f.evidence["intermittent"] = True
+                    f.evidence["flaps"] = r.flaps
+                out.append(f)
+        return out
+
+    def _log(self, iteration: int, what: str, f: Finding) -> None:
+        if len(self.stats.log) < 1000:
+            self.stats.log.append({"iteration": iteration, "what": what, "ranks": list(f.ranks)})
