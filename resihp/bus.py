@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from resihp.keys import DEFAULT_STREAM_MAXLEN, JOB_EPOCHS, JOBS_SET, JobKeys
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
 from resihp.schemas import ChunkBatch, Message, decode_entry, encode_one
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def clear_job(client: redis.Redis, keys: JobKeys) -> int:
     if batch:
         n += client.delete(*batch)
     client.srem(JOBS_SET, keys.job_id)
-    client.hincrby(JOB_EPOCHS, keys.job_id, 1)
+    client.incr(keys.epoch)
     return n
 
 

@@ -58,6 +58,7 @@ from resihp.keys import (
     watcher_health,
     watcher_health_pattern,
 )
+from resihp.redis_client import mget_any
 
 log = logging.getLogger("resihp.jobwatch")
 
@@ -310,7 +311,7 @@ class JobWatcher:
 
         names = list(self.client.scan_iter(match=health_pattern(self.service), count=1000))
         out: dict[str, str] = {}
-        for name, raw in zip(names, self.client.mget(names) if names else [], strict=True):
+        for name, raw in zip(names, mget_any(self.client, names), strict=True):
             try:
                 h = json.loads(raw) if raw else None
             except ValueError:

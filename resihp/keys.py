@@ -13,9 +13,6 @@ from dataclasses import dataclass
 PREFIX = "resihp"
 #: Set of every job id that has ever reported into this Redis.
 JOBS_SET = f"{PREFIX}:jobs"
-#: Hash job id -> how many times its data was deleted (``resihp up --fresh``), so that a
-#: reader holding cached history (the dashboard) notices a new run behind the same id.
-JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
 
 def watcher_health(service: str, host: str, pid: int) -> str:
@@ -199,6 +196,15 @@ class JobKeys:
 
     def health_pattern(self) -> str:
         return f"{self.base}:health:*"
+
+    @property
+    def epoch(self) -> str:
+        """Counter: how many times the job's data was deleted (``resihp up --fresh``), so
+        that a reader holding cached history (the dashboard) notices a new run behind the
+        same id.  Outside ``base:*`` (deleting the job's keys keeps it) yet in the job's
+        hash slot (tag ``{JOB}``), so a transaction may read it with the job's keys on a
+        Redis Cluster."""
+        return f"{PREFIX}:epoch:{{{self.job_id}}}"
 
     def group(self, service: str) -> str:
         """Consumer-group name a service uses on this job's streams."""
