@@ -6,9 +6,11 @@ and a master killed with -9 under running jobs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import redis
+import yaml
 from cluster_fleet import (
     SimFleet,
     all_jobs_services,
@@ -71,6 +73,20 @@ def test_every_key_of_a_job_is_in_the_slot_of_its_hash_tag():
     assert slots == {key_slot(b"job-7")} and len(names) > 20
     # the epoch outlives a deletion of the job's keys (outside base:*), in the same slot
     assert not keys.epoch.startswith(keys.base + ":")
+
+
+def test_compose_has_an_optional_cluster_profile_every_service_can_be_pointed_at():
+    c = yaml.safe_load((Path(__file__).resolve().parents[1] / "docker-compose.yml").read_text())
+    nodes = [n for n in c["services"] if n.startswith("redis-node-")]
+    assert len(nodes) == 6
+    for n in [*nodes, "redis-cluster-init"]:
+        assert c["services"][n]["profiles"] == ["cluster"]  # off unless asked for
+        assert "--cluster-enabled yes" in " ".join(c["services"][n]["command"]) or "init" in n
+    init = c["services"]["redis-cluster-init"]
+    assert "--cluster-replicas 1" in init["command"][0] and set(init["depends_on"]) == set(nodes)
+    for svc in ("collector", "detector", "scheduler", "dashboard", "trainer"):
+        url = c["services"][svc]["environment"]["REDIS_URL"]
+        assert url.startswith("${RESIHP_REDIS_URL:-redis://") and "@redis:6379/0}" in url
 
 
 @pytest.mark.redis
