@@ -197,6 +197,22 @@ class JobKeys:
     def health_pattern(self) -> str:
         return f"{self.base}:health:*"
 
+    def telemetry_shard(self, shard: int) -> str:
+        """Telemetry stream of node group ``shard`` of a job spread over several streams
+        (collector/shard.py): its own hash tag ``{JOB/sK}``, so each shard's stream lands
+        on its own slot (and, on a cluster, usually its own master)."""
+        return f"{PREFIX}:{{{self.job_id}/s{int(shard)}}}:telemetry"
+
+    def shard_pattern(self) -> str:
+        """Every key of the job's telemetry shards (for deleting the job)."""
+        return f"{PREFIX}:{{{self.job_id}/s*}}:*"
+
+    def partials(self, shard: int) -> str:
+        """Partial iteration records of node group ``shard`` of a sharded job, from its
+        shard collector; in the job's slot, so one merger reads every shard's in one
+        XREADGROUP and publishes the job's records on ``iterations``."""
+        return f"{self.base}:partials:{int(shard)}"
+
     @property
     def epoch(self) -> str:
         """Counter: how many times the job's data was deleted (``resihp up --fresh``), so
