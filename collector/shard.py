@@ -1,10 +1,11 @@
 """One job's telemetry beyond one shard: K node groups, K streams, K collectors, one merger.
 
 A job too large for one Redis stream (or one collector core) spreads its telemetry over K
-streams (``keys.telemetry_shard(k)``, hash tag ``{JOB/sk}``: K slots, on a Redis Cluster
-normally K masters).  Node group k is the contiguous nodes ``[k*N/K, (k+1)*N/K)``
-(:func:`shard_of_node`); every rank sends to its node's stream.  Tensor-parallel groups
-stay inside a node, so no TP group spans two shards.
+streams (``keys.telemetry_shard(k, K)``, hash tag ``{JOB/sk.N}``: K slots, one in each
+K-th of the slot space, so on a Redis Cluster of at least K masters normally K masters).
+Node group k is the contiguous nodes ``[k*N/K, (k+1)*N/K)`` (:func:`shard_of_node`); every
+rank sends to its node's stream.  Tensor-parallel groups stay inside a node, so no TP group
+spans two shards.
 
 * :class:`ShardCollector` k is the ordinary collector (validation, dedup, TP aggregation,
   per-node liveness, per-rank clock skew) restricted to the ranks of its nodes: it reads
@@ -59,7 +60,7 @@ class ShardCollector(CollectorService):
         super().__init__(
             config,
             client,
-            telemetry_stream=keys.telemetry_shard(shard),
+            telemetry_stream=keys.telemetry_shard(shard, shards),
             records_stream=keys.partials(shard),
         )
 

@@ -7,8 +7,12 @@ key string themselves; they ask a :class:`JobKeys` for it.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS as SLOTS
+from redis.crc import key_slot
 
 PREFIX = "resihp"
 #: Set of every job id that has ever reported into this Redis.
@@ -197,11 +201,13 @@ class JobKeys:
     def health_pattern(self) -> str:
         return f"{self.base}:health:*"
 
-    def telemetry_shard(self, shard: int) -> str:
-        """Telemetry stream of node group ``shard`` of a job spread over several streams
-        (collector/shard.py): its own hash tag ``{JOB/sK}``, so each shard's stream lands
-        on its own slot (and, on a cluster, usually its own master)."""
-        return f"{PREFIX}:{{{self.job_id}/s{int(shard)}}}:telemetry"
+    def telemetry_shard(self, shard: int, shards: int) -> str:
+        """Telemetry stream of node group ``shard`` of ``shards`` of a job spread over
+        several streams (collector/shard.py), under its own hash tag ``{JOB/sK.N}``: N is
+        the first suffix that puts the slot in the middle of the K-th of ``shards`` equal
+        slot ranges, so on a cluster whose slots are split evenly over its masters (as
+        ``redis-cli --cluster create`` does) up to one shard per master land apart."""
+        return f"{PREFIX}:{{{_shard_tag(self.job_id, int(shard), int(shards))}}}:telemetry"
 
     def shard_pattern(self) -> str:
         """Every key of the job's telemetry shards (for deleting the job)."""
@@ -225,6 +231,19 @@ class JobKeys:
     def group(self, service: str) -> str:
         """Consumer-group name a service uses on this job's streams."""
         return f"{PREFIX}-{service}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_tag(job_id: str, shard: int, shards: int) -> str:
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard must be in [0, {shards}), got {shard}")
+    width = SLOTS / shards
+    centre, half = (shard + 0.5) * width, width / 4
+    for n in range(1_000_000):
+        tag = f"{job_id}/s{shard}.{n}"
+        if abs(key_slot(tag.encode()) - centre) <= half:
+            return tag
+    raise RuntimeError(f"no hash tag for shard {shard} of {shards}")  # pragma: no cover
 
 
 def all_streams(keys: JobKeys) -> list[str]:

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from redis.crc import key_slot
 
 from collector.config import CollectorConfig
 from collector.service import CollectorService
@@ -42,6 +43,13 @@ def test_node_groups_are_contiguous_and_cover_every_node():
     parts = [shard_ranks(lay, k, 2) for k in range(2)]
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(lay.world_size))
     assert {int(r) // 8 for r in parts[0]} == {0, 1} and {int(r) // 8 for r in parts[1]} == {2, 3}
+    # shard k's stream in the k-th of K equal slot ranges: apart on an evenly split cluster
+    for shards in (1, 2, 3, 4):
+        keys = JobKeys("big-job")
+        slots = [key_slot(keys.telemetry_shard(k, shards).encode()) for k in range(shards)]
+        assert [s * shards // 16384 for s in slots] == list(range(shards)), slots
+    with pytest.raises(ValueError, match="shard"):
+        JobKeys("big-job").telemetry_shard(2, 2)
 
 
 def test_k_shard_collectors_and_one_merger_give_the_records_of_one_collector(r):
@@ -60,7 +68,7 @@ def test_k_shard_collectors_and_one_merger_give_the_records_of_one_collector(r):
     producers = [TelemetryProducer(None, one, client=r, close_at_exit=False).start()]
     producers += [
         TelemetryProducer(
-            None, sharded, client=r, close_at_exit=False, stream=sharded.telemetry_shard(k)
+            None, sharded, client=r, close_at_exit=False, stream=sharded.telemetry_shard(k, 2)
         ).start()
         for k in range(2)
     ]
@@ -93,6 +101,6 @@ def test_k_shard_collectors_and_one_merger_give_the_records_of_one_collector(r):
             np.round(y.chunks["duration_s"], 6)
         )
     # the job's shard streams go with the job
-    assert r.exists(sharded.telemetry_shard(1))
+    assert r.exists(sharded.telemetry_shard(1, 2))
     clear_job(r, sharded)
-    assert not r.exists(sharded.telemetry_shard(1)) and not r.exists(sharded.partials(0))
+    assert not r.exists(sharded.telemetry_shard(1, 2)) and not r.exists(sharded.partials(0))
