@@ -96,7 +96,7 @@ def is_cluster_url(url: str) -> bool:
 
 def is_cluster(client: object) -> bool:
     """True for a Redis Cluster client (from a ``redis+cluster://`` URL)."""
-    return isinstance(client, RedisCluster)
+    return isinstance(client, RedisCluster | PendingCluster)
 
 
 def _as_outage(e: Exception) -> redis.ConnectionError:
@@ -207,22 +207,53 @@ def connect(
         nodes, url_kwargs = parse_cluster_url(url)
         kwargs.pop("health_check_interval")  # the cluster client checks its nodes itself
         kwargs.pop("db", None)
+
+        def make() -> ResilientCluster:
+            try:
+                return ResilientCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                    decode_responses=decode_responses,
+                    **{**kwargs, **url_kwargs},
+                )
+            except RedisClusterException as e:
+                if _transient(e):
+                    raise _as_outage(e) from e
+                raise
+
         try:
-            return ResilientCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                decode_responses=decode_responses,
-                **{**kwargs, **url_kwargs},
-            )
-        except RedisClusterException as e:
-            if _transient(e):
-                raise _as_outage(e) from e
-            raise
+            return make()
+        except redis.ConnectionError:
+            # none of its nodes answers yet: a service waits for it as for a single
+            # instance (whose client connects at the first command, too)
+            return PendingCluster(make, redact(url))
     check_db(url)
     return redis.Redis.from_url(url, decode_responses=decode_responses, **kwargs)
 
 
+class PendingCluster:
+    """A cluster client none of whose nodes answered yet: every use tries to reach the
+    cluster again (``redis.ConnectionError`` until one node answers), then is the
+    :class:`ResilientCluster` itself."""
+
+    def __init__(self, make, url: str):
+        self._make = make
+        self._client: ResilientCluster | None = None
+        self.url = url
+
+    def __getattr__(self, name: str):
+        if self._client is None:
+            self._client = self._make()
+        return getattr(self._client, name)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
 def where(client: redis.Redis | RedisCluster) -> str:
     """Where ``client`` connects, as a URL without its password (for messages)."""
+    if isinstance(client, PendingCluster) and client._client is None:
+        return client.url
     if is_cluster(client):
         nodes = ",".join(f"{n.host}:{n.port}" for n in client.get_primaries())
         tls = client.nodes_manager.connection_kwargs.get("ssl")

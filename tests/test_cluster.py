@@ -60,9 +60,13 @@ def test_a_cluster_url_names_its_nodes_and_bad_ones_are_refused(monkeypatch):
     check_url("redis://h:1/0")  # single-instance URLs as before
     with pytest.raises(ValueError, match="database"):
         check_url("redis://h:1/abc")
-    monkeypatch.setenv("REDIS_URL", "redis+cluster://127.0.0.1:1")
-    with pytest.raises(redis.ConnectionError, match="Redis Cluster unavailable"):
-        connect()  # nothing answers: an outage, as for a single instance
+    monkeypatch.setenv("REDIS_URL", "redis+cluster://:pw@127.0.0.1:1")
+    pending = connect()  # nothing answers: a client that waits, as for a single instance
+    assert is_cluster(pending) and where(pending) == "redis+cluster://:***@127.0.0.1:1"
+    for _ in range(2):  # every use tries again, an outage until a node answers
+        with pytest.raises(redis.ConnectionError, match="Redis Cluster unavailable"):
+            pending.ping()
+    pending.close()
 
 
 def test_every_key_of_a_job_is_in_the_slot_of_its_hash_tag():
