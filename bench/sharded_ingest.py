@@ -19,6 +19,7 @@ cores, K > 2 cannot run faster here; what K buys is shown by the per-collector C
 event staying flat as K grows (the work splits) -- the projection rests on that.
 
     python bench/sharded_ingest.py              # 16k: 3 iterations, 100k: 2, K = 1 2 4
+    python bench/sharded_ingest.py --dp 800 --shards 4   # one of them
     python bench/sharded_ingest.py --quick      # 16k only, 2 iterations, K = 1 2
 """
 
@@ -204,8 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--dp", type=int, nargs="+", default=[128, 800], help="layouts (TP8 PP16)")
+    ap.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="values of K")
     a = ap.parse_args(argv)
-    plan = [(128, 2, (1, 2))] if a.quick else [(128, 3, (1, 2, 4)), (800, 2, (1, 2, 4))]
+    iters = {128: 3, 800: 2}
+    plan = [(dp, iters.get(dp, 2), tuple(a.shards)) for dp in a.dp]
+    if a.quick:
+        plan = [(128, 2, (1, 2))]
     tmp = Path(tempfile.mkdtemp(prefix="resihp-shards-"))
     rows = []
     with EmbeddedCluster(die_with_parent=True) as cl:
