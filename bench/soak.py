@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from resihp.cli import main; sys.exit(main())",
+        "import sys; from resihp.stack.cli import main; sys.exit(main())",
         "up",
         "--model",
         a.model,

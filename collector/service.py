@@ -149,15 +149,25 @@ class CollectorService:
     judge liveness when due, publish finished iterations, acknowledge what is safe);
     ``run(stop)`` loops it and keeps the health key fresh."""
 
-    def __init__(self, config: CollectorConfig, client: redis.Redis):
+    def __init__(
+        self,
+        config: CollectorConfig,
+        client: redis.Redis,
+        telemetry_stream: str | None = None,
+        records_stream: str | None = None,
+    ):
         self.config = config
         self.client = client
         self.keys = JobKeys(config.job_id)
+        #: the stream read and the one records go to: the job's own unless a shard
+        #: collector (collector/shard.py) names its shard's stream and the partials stream
+        self.telemetry_stream = telemetry_stream or self.keys.telemetry
+        self.records_stream = records_stream or self.keys.iterations
         self._down_log = bus.ThrottledWarning(log)
         self.consumer = bus.StreamConsumer(
             client,
             self.keys,
-            self.keys.telemetry,
+            self.telemetry_stream,
             self.keys.group(SERVICE),
             consumer=f"{SERVICE}-{config.instance}",
             claim_idle_ms=config.claim_idle_ms,
@@ -324,7 +334,7 @@ class CollectorService:
         self._agents = set()  # agents reconnect after an outage: no comparison across it
 
     def _dead_letter(self, reason: str, raw: Any) -> None:
-        bus.dead_letter(self.client, self.keys, self.keys.telemetry, SERVICE, reason, raw)
+        bus.dead_letter(self.client, self.keys, self.telemetry_stream, SERVICE, reason, raw)
         self._count("collector_rejected_total")
 
     # ------------------------------------------------------------ main step
@@ -703,7 +713,7 @@ class CollectorService:
     def _assemble(self, now: float) -> None:
         for rec in self.assembler.poll(now):
             self._bound_record(rec)
-            self._outbox.append((self.keys.iterations, rec, self.config.iterations_maxlen))
+            self._outbox.append((self.records_stream, rec, self.config.iterations_maxlen))
             self._count("iterations_published_total")
             if not rec.complete:
                 self._count("iterations_incomplete_total")
@@ -764,7 +774,7 @@ class CollectorService:
         if self._silence_said or now - self._started_s < self._deadline_s():
             return
         self._silence_said = True
-        last = self.client.xrevrange(self.keys.telemetry, count=1)
+        last = self.client.xrevrange(self.telemetry_stream, count=1)
         if not last:  # a trainer still starting (the torch one takes seconds): not news
             log.info(
                 "collector: no telemetry from job %s yet; liveness is judged once it reports",
@@ -924,7 +934,7 @@ class CollectorService:
         if not self._frontier_s:
             return None  # nothing read yet: no window to keep from
         try:
-            groups = self.client.xinfo_groups(self.keys.telemetry)
+            groups = self.client.xinfo_groups(self.telemetry_stream)
         except redis.ResponseError:  # no stream (Redis lost its data): nothing to trim
             return None
         if not groups:
@@ -936,7 +946,7 @@ class CollectorService:
             ms, seq = self._id(g["last-delivered-id"])
             need = (ms, seq + 1)
             if g["pending"]:
-                summary = self.client.xpending(self.keys.telemetry, name)
+                summary = self.client.xpending(self.telemetry_stream, name)
                 if summary["pending"] and summary["min"] is not None:
                     need = min(need, self._id(summary["min"]))
             if need < floor:
@@ -961,10 +971,10 @@ class CollectorService:
                     "before the newest: it holds the trim back (the stream is bounded by its "
                     "MAXLEN only); delete the group if nobody reads it",
                     by,
-                    self.keys.telemetry,
+                    self.telemetry_stream,
                     behind_s,
                 )
-        removed = int(self.client.xtrim(self.keys.telemetry, minid=minid, approximate=False))
+        removed = int(self.client.xtrim(self.telemetry_stream, minid=minid, approximate=False))
         self._count("telemetry_trimmed_total", removed)
         return removed
 

@@ -161,7 +161,7 @@ class _JobCache:
     hash_cache: dict[str, tuple[float, Any]] = field(default_factory=dict)
     #: the job's plan_state, read incrementally (``plans()``)
     plan_reader: PlanStateReader | None = None
-    #: the job's JOB_EPOCHS value this cache was filled under, and when it was checked
+    #: the job's ``keys.epoch`` value this cache was filled under, and when it was checked
     epoch: bytes | None = None
     epoch_checked_s: float = float("-inf")
 
@@ -193,7 +193,7 @@ class DashboardData:
             c = self._caches.get(job_id)
             if c is not None and now - c.epoch_checked_s < self.hash_ttl_s:
                 return c
-        epoch = self.client.hget(JOB_EPOCHS, job_id)
+        epoch = self.client.get(JobKeys(job_id).epoch)
         with self._lock:
             c = self._caches.get(job_id)
             if c is None or c.epoch != epoch:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -52,7 +53,10 @@ def clear_job(client: redis.Redis, keys: JobKeys) -> int:
     n = 0
     batch: list = []
     keep = keys.stack_claim.encode()  # the stack deleting the job still holds it
-    for k in client.scan_iter(match=f"{keys.base}:*", count=1000):
+    for k in itertools.chain(
+        client.scan_iter(match=f"{keys.base}:*", count=1000),
+        client.scan_iter(match=keys.shard_pattern(), count=1000),
+    ):
         if k == keep or k == keys.stack_claim:
             continue
         batch.append(k)
@@ -62,7 +66,7 @@ def clear_job(client: redis.Redis, keys: JobKeys) -> int:
     if batch:
         n += client.delete(*batch)
     client.srem(JOBS_SET, keys.job_id)
-    client.hincrby(JOB_EPOCHS, keys.job_id, 1)
+    client.incr(keys.epoch)
     return n
 
 

@@ -228,11 +228,9 @@ class RedisRefused(SystemExit):
 
 def redis_where(client) -> str:
     """Where ``client`` connects, without its password (for messages)."""
-    kw = client.connection_pool.connection_kwargs
-    if kw.get("path"):
-        return f"unix://{kw['path']}"
-    scheme = "rediss" if "SSL" in client.connection_pool.connection_class.__name__ else "redis"
-    return f"{scheme}://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+    from resihp.redis_client import where
+
+    return where(client)
 
 
 def _refused(who: str, client, err: Exception) -> RedisRefused:

@@ -7,15 +7,16 @@ key string themselves; they ask a :class:`JobKeys` for it.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS as SLOTS
+from redis.crc import key_slot
 
 PREFIX = "resihp"
 #: Set of every job id that has ever reported into this Redis.
 JOBS_SET = f"{PREFIX}:jobs"
-#: Hash job id -> how many times its data was deleted (``resihp up --fresh``), so that a
-#: reader holding cached history (the dashboard) notices a new run behind the same id.
-JOB_EPOCHS = f"{PREFIX}:job_epochs"
 
 
 def dashboard_session(session_id: str) -> str:
@@ -205,9 +206,49 @@ class JobKeys:
     def health_pattern(self) -> str:
         return f"{self.base}:health:*"
 
+    def telemetry_shard(self, shard: int, shards: int) -> str:
+        """Telemetry stream of node group ``shard`` of ``shards`` of a job spread over
+        several streams (collector/shard.py), under its own hash tag ``{JOB/sK.N}``: N is
+        the first suffix that puts the slot in the middle of the K-th of ``shards`` equal
+        slot ranges, so on a cluster whose slots are split evenly over its masters (as
+        ``redis-cli --cluster create`` does) up to one shard per master land apart."""
+        return f"{PREFIX}:{{{_shard_tag(self.job_id, int(shard), int(shards))}}}:telemetry"
+
+    def shard_pattern(self) -> str:
+        """Every key of the job's telemetry shards (for deleting the job)."""
+        return f"{PREFIX}:{{{self.job_id}/s*}}:*"
+
+    def partials(self, shard: int) -> str:
+        """Partial iteration records of node group ``shard`` of a sharded job, from its
+        shard collector; in the job's slot, so one merger reads every shard's in one
+        XREADGROUP and publishes the job's records on ``iterations``."""
+        return f"{self.base}:partials:{int(shard)}"
+
+    @property
+    def epoch(self) -> str:
+        """Counter: how many times the job's data was deleted (``resihp up --fresh``), so
+        that a reader holding cached history (the dashboard) notices a new run behind the
+        same id.  Outside ``base:*`` (deleting the job's keys keeps it) yet in the job's
+        hash slot (tag ``{JOB}``), so a transaction may read it with the job's keys on a
+        Redis Cluster."""
+        return f"{PREFIX}:epoch:{{{self.job_id}}}"
+
     def group(self, service: str) -> str:
         """Consumer-group name a service uses on this job's streams."""
         return f"{PREFIX}-{service}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_tag(job_id: str, shard: int, shards: int) -> str:
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard must be in [0, {shards}), got {shard}")
+    width = SLOTS / shards
+    centre, half = (shard + 0.5) * width, width / 4
+    for n in range(1_000_000):
+        tag = f"{job_id}/s{shard}.{n}"
+        if abs(key_slot(tag.encode()) - centre) <= half:
+            return tag
+    raise RuntimeError(f"no hash tag for shard {shard} of {shards}")  # pragma: no cover
 
 
 def all_streams(keys: JobKeys) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import redis
 
 from resihp.bus import publish, register_job, set_job_state
-from resihp.keys import JOB_EPOCHS, JobKeys
+from resihp.keys import JobKeys
 from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError, decode_json
 from resihp.topology import Layout
 
@@ -157,7 +157,7 @@ class PlanStateReader:
     The first :meth:`refresh` reads the hash once (snapshots kept raw, nothing decoded)
     and notes the newest entry of ``keys.plans``.  The scheduler writes every snapshot to
     both in one transaction, so later refreshes read only the stream entries after that
-    one: one round trip (the job's ``JOB_EPOCHS`` value, the hash's and the stream's
+    one: one round trip (the job's ``keys.epoch`` value, the hash's and the stream's
     lengths, the new entries), which carries no snapshot when nothing changed.  It reads
     the whole hash again (still decoding only snapshots whose bytes changed) when it
     cannot be sure it saw every change: the job's data was deleted (``resihp up
@@ -195,7 +195,7 @@ class PlanStateReader:
         if not self._loaded:
             return self._full_load()
         pipe = self.client.pipeline(transaction=True)
-        pipe.hget(JOB_EPOCHS, self.keys.job_id)
+        pipe.get(self.keys.epoch)
         pipe.hlen(self.keys.plan_state)
         pipe.xlen(self.keys.plans)
         pipe.xrange(self.keys.plans, min=_after(self._last_id), max="+")
@@ -230,7 +230,7 @@ class PlanStateReader:
 
     def _full_load(self) -> bool:
         pipe = self.client.pipeline(transaction=True)
-        pipe.hget(JOB_EPOCHS, self.keys.job_id)
+        pipe.get(self.keys.epoch)
         pipe.hgetall(self.keys.plan_state)
         pipe.xrevrange(self.keys.plans, count=1)
         pipe.xlen(self.keys.plans)

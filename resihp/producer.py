@@ -94,6 +94,7 @@ class TelemetryProducer:
         entries_per_round: int = 64,
         max_backoff_s: float = 2.0,
         close_at_exit: bool = True,
+        stream: str | None = None,
     ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -111,6 +112,9 @@ class TelemetryProducer:
             client = connect(redis_url, socket_timeout=5)
         self.client = client
         self.keys = keys
+        #: the job's telemetry stream, or its node group's (``keys.telemetry_shard``) for
+        #: a job sharded over several streams (collector/shard.py)
+        self.stream = stream or keys.telemetry
         self.max_queue = int(max_queue)
         self.flush_interval_s = float(flush_interval_s)
         self.max_batch = int(max_batch)
@@ -327,7 +331,7 @@ class TelemetryProducer:
             pipe = self.client.pipeline(transaction=False)
             for fields, _ in entries:
                 if fields:
-                    pipe.xadd(self.keys.telemetry, fields, maxlen=self.maxlen, approximate=True)
+                    pipe.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
             if not self._registered:
                 pipe.sadd(JOBS_SET, self.keys.job_id)
             if dropped_delta:

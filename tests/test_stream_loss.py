@@ -10,7 +10,7 @@ from collector.service import CollectorService
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
-from resihp.status import job_status
+from resihp.stack.status import job_status
 
 KEYS = JobKeys("flood")
 

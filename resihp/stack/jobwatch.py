@@ -59,7 +59,7 @@ from resihp.keys import (
     watcher_health,
     watcher_health_pattern,
 )
-from resihp.redis_client import connect
+from resihp.redis_client import connect, mget_any
 from resihp.stack.processes import health_pid_gone
 
 log = logging.getLogger("resihp.stack.jobwatch")
@@ -311,7 +311,7 @@ class JobWatcher:
         instance name), from one scan of every job's health keys of this service."""
         names = list(self.client.scan_iter(match=health_pattern(self.service), count=1000))
         out: dict[str, str] = {}
-        for name, raw in zip(names, self.client.mget(names) if names else [], strict=True):
+        for name, raw in zip(names, mget_any(self.client, names), strict=True):
             try:
                 h = json.loads(raw) if raw else None
             except ValueError:

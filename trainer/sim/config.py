@@ -12,8 +12,6 @@ import math
 import os
 from dataclasses import dataclass
 
-from redis.connection import parse_url
-
 from resihp.keys import validate_job_id
 from resihp.pipeline.models import (
     MODEL_PRESETS,
@@ -22,6 +20,7 @@ from resihp.pipeline.models import (
     table6_efficiency,
 )
 from resihp.pipeline.schedule import SCHEDULE_KINDS
+from resihp.redis_client import check_url
 from resihp.topology import Layout
 
 
@@ -107,8 +106,8 @@ class SimConfig:
         except ValueError as e:
             raise ValueError(f"job_id: {e}") from None
         if self.redis_url is not None:
-            try:  # the client's own parse, so that `connect` cannot fail on it later
-                parse_url(self.redis_url)
+            try:  # the client factory's own parse, so that `connect` cannot fail on it later
+                check_url(self.redis_url)
             except ValueError as e:
                 raise ValueError(f"redis_url: {e}") from None
         try:

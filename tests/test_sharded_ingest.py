@@ -1,0 +1,106 @@
+"""One job's telemetry over K streams (collector/shard.py): K shard collectors, each with
+its node group's ranks and nodes only, and one merger whose records equal those one
+collector assembles from the same rows on one stream."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from redis.crc import key_slot
+
+from collector.config import CollectorConfig
+from collector.service import CollectorService
+from collector.shard import RecordMerger, ShardCollector, shard_of_node, shard_ranks
+from collector.synth import iteration_rows
+from resihp.bus import clear_job
+from resihp.keys import JobKeys
+from resihp.producer import TelemetryProducer
+from resihp.schemas import IterationRecord, decode_entry
+from resihp.topology import Layout
+
+pytestmark = pytest.mark.redis
+
+
+def _cfg(job: str, instance: str = "0") -> CollectorConfig:
+    # no heartbeats in this test: judge liveness loosely
+    return CollectorConfig(job_id=job, instance=instance, block_ms=5, heartbeat_interval_s=30.0)
+
+
+def _records(client, keys: JobKeys) -> list[IterationRecord]:
+    out = []
+    for _, fields in client.xrange(keys.iterations):
+        good, _ = decode_entry(fields)
+        out += [m for m in good if isinstance(m, IterationRecord)]
+    return out
+
+
+def test_node_groups_are_contiguous_and_cover_every_node():
+    assert [shard_of_node(n, 10, 4) for n in range(10)] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    lay = Layout.uniform(2, 2, 8, num_layers=4, num_microbatches=4)
+    parts = [shard_ranks(lay, k, 2) for k in range(2)]
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(lay.world_size))
+    assert {int(r) // 8 for r in parts[0]} == {0, 1} and {int(r) // 8 for r in parts[1]} == {2, 3}
+    # shard k's stream in the k-th of K equal slot ranges: apart on an evenly split cluster
+    for shards in (1, 2, 3, 4):
+        keys = JobKeys("big-job")
+        slots = [key_slot(keys.telemetry_shard(k, shards).encode()) for k in range(shards)]
+        assert [s * shards // 16384 for s in slots] == list(range(shards)), slots
+    with pytest.raises(ValueError, match="shard"):
+        JobKeys("big-job").telemetry_shard(2, 2)
+
+
+def test_k_shard_collectors_and_one_merger_give_the_records_of_one_collector(r):
+    lay = Layout.uniform(2, 2, 8, num_layers=4, num_microbatches=4)  # 32 ranks, 4 nodes
+    one, sharded = JobKeys("one"), JobKeys("sharded")
+    for keys in (one, sharded):
+        r.set(keys.layout, json.dumps(lay.to_dict()))
+    single = CollectorService(_cfg("one"), r)
+    shards = [ShardCollector(_cfg("sharded", f"shard{k}"), r, k, 2) for k in range(2)]
+    merger = RecordMerger(r, "sharded", 2)
+    for svc in (single, *shards):
+        svc.run_once()  # joins its group, reads the layout
+    # each shard judges its own nodes only
+    assert sorted(shards[0].liveness.monitors) == [0, 1]
+    assert sorted(shards[1].liveness.monitors) == [2, 3]
+    producers = [TelemetryProducer(None, one, client=r, close_at_exit=False).start()]
+    producers += [
+        TelemetryProducer(
+            None, sharded, client=r, close_at_exit=False, stream=sharded.telemetry_shard(k, 2)
+        ).start()
+        for k in range(2)
+    ]
+    rng = np.random.default_rng(3)
+    for it in range(4):
+        rows = iteration_rows(lay, it, t0_s=time.time() + it, rng=rng)
+        producers[0].chunk_rows(rows)
+        node = rows["rank"] // lay.devices_per_node
+        for k in range(2):
+            producers[1 + k].chunk_rows(rows[(node >= 2) == bool(k)])
+    for p in producers:
+        p.flush(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        len(_records(r, one)) < 3 or len(_records(r, sharded)) < 3
+    ):
+        for svc in (single, *shards):
+            svc.run_once()
+        merger.run_once(block_ms=5)
+    for p in producers:
+        p.close()
+    a, b = _records(r, one)[:3], _records(r, sharded)[:3]
+    assert [x.iteration for x in b] == [0, 1, 2] and all(x.complete for x in b)
+    for x, y in zip(a, b, strict=True):
+        assert (x.num_ranks_reporting, x.samples) == (y.num_ranks_reporting, y.samples) == (32, 32)
+        assert x.iteration_time_s == pytest.approx(y.iteration_time_s)
+        assert sorted(x.ranks["rank"]) == sorted(y.ranks["rank"])
+        assert len(x.chunks["kind"]) == len(y.chunks["kind"])
+        assert sorted(np.round(x.chunks["duration_s"], 6)) == sorted(
+            np.round(y.chunks["duration_s"], 6)
+        )
+    # the job's shard streams go with the job
+    assert r.exists(sharded.telemetry_shard(1, 2))
+    clear_job(r, sharded)
+    assert not r.exists(sharded.telemetry_shard(1, 2)) and not r.exists(sharded.partials(0))
