@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from resihp import bus, progress
-from resihp.keys import JOB_EPOCHS, JobKeys
+from resihp.keys import JobKeys
 from resihp.plans import PlanStateReader
 from resihp.schemas import (
     ENTRY_MESSAGES,

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from resihp.keys import DEFAULT_STREAM_MAXLEN, JOB_EPOCHS, JOBS_SET, JobKeys
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
 from resihp.schemas import ENTRY_SEQ, ChunkBatch, Message, decode_entry, encode_one
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resihp.stack.jobwatch import watchers
 from resihp.keys import JobKeys
 from resihp.redis_client import connect
 from resihp.scenario import parse_scenario
 from resihp.schemas import FailureReport, IterationRecord, LivenessEvent, decode_entry
+from resihp.stack.jobwatch import watchers
 from trainer.sim.config import SimConfig
 from trainer.sim.service import SimTrainer
 

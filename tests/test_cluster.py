@@ -27,7 +27,6 @@ from redis.exceptions import RedisClusterException
 
 from dashboard.data import DashboardData
 from resihp.bus import Health, clear_job, list_jobs, register_job
-from resihp.stack.jobwatch import JobWatcher, watchers
 from resihp.keys import JobKeys, all_streams
 from resihp.plans import PlanStateReader, latest_plans
 from resihp.redis_client import (
@@ -39,6 +38,7 @@ from resihp.redis_client import (
     parse_cluster_url,
     where,
 )
+from resihp.stack.jobwatch import JobWatcher, watchers
 
 KILL_RANK_5 = "events:\n  - {at_iteration: 8, action: kill_device, rank: 5}\n"
 
