@@ -190,6 +190,19 @@ def throughput_figure(
             hovertemplate="iteration %{customdata}<br>%{y:.2f} samples/s<extra></extra>",
         )
     )
+    # the failure lines' colors need a key: one legend entry per kind shown
+    kinds = sorted({f.kind for f in failures})
+    for kind in kinds:
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="lines",
+                name=f"{kind} reported",
+                line={"color": FAILURE_COLORS.get(kind, "black"), "dash": "dot", "width": 1},
+                hoverinfo="skip",
+            )
+        )
     if stopped is not None and stopped[1] > stopped[0]:
         since_s, now_s = stopped
         fig.add_trace(
@@ -209,19 +222,6 @@ def throughput_figure(
     marks += [(_ts(t), "#555", "dash", name) for name, t in phases]
     xs = [m[0] for m in marks] + [_ts(ends[0]), _ts(ends[-1])]
     _vertical_lines(fig, marks, (min(xs), max(xs)))
-    # the failure lines' colors need a key: one legend entry per kind shown
-    kinds = sorted({f.kind for f in failures})
-    for kind in kinds:
-        fig.add_trace(
-            go.Scatter(
-                x=[None],
-                y=[None],
-                mode="lines",
-                name=f"{kind} reported",
-                line={"color": FAILURE_COLORS.get(kind, "black"), "dash": "dot", "width": 1},
-                hoverinfo="skip",
-            )
-        )
     fig.update_layout(
         template=PLOT_TEMPLATE,
         title=title,
