@@ -1,4 +1,4 @@
-"""Own transfer time of RECV and ALLREDUCE rows, with the wait for the peer taken out.
+"""Communication rows: their own time (the wait for the peer taken out) and per-iteration statistics.
 
 docs/trace-format.md ("Communication rows") defines a RECV or ALLREDUCE row as
 the trainer times it: from posting the operation to its completion, so a
@@ -29,12 +29,18 @@ it moves the link's baseline, not its changes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from resihp.schemas import ChunkKind
 
+if TYPE_CHECKING:
+    from detector.predictor import IterationView
+
 F = int(ChunkKind.F)
 B = int(ChunkKind.B)
+SEND = int(ChunkKind.SEND)
 RECV = int(ChunkKind.RECV)
 ALLREDUCE = int(ChunkKind.ALLREDUCE)
 #: Slack when comparing a receive's posting time with its sender's end (seconds): the
@@ -89,3 +95,64 @@ def own_comm_time(
         ok = np.isfinite(ready) & np.isfinite(start[ar])
         dur[ar[ok]] = np.maximum(0.0, end[ar[ok]] - np.maximum(start[ar[ok]], ready[ok]))
     return dur, keep
+
+
+def _cross_replica(v: IterationView) -> np.ndarray:
+    """Mask of rows whose P2P peer runs in another replica (see :func:`comm_stats`)."""
+    out = v.src_dp != v.dp  # migrated work at its host
+    moved = (v.src_dp != v.dp) & (v.kind == int(ChunkKind.F))
+    if not moved.any():
+        return out
+
+    def code(st, d, j):  # (stage, owner replica, micro-batch) as one integer
+        return (st.astype(np.int64) * 65536 + d) * 65536 + j
+
+    # every stage of a micro-batch run away from its owner
+    away = np.unique(code(v.stage[moved], v.src_dp[moved].astype(np.int64), v.mb[moved]))
+    # the neighbour a P2P row talks to: the next stage for a forward send or a backward
+    # receive, the previous one for a forward receive or a backward send
+    toward_next = ((v.kind == SEND) & (v.direction > 0)) | ((v.kind == RECV) & (v.direction < 0))
+    nb = v.stage.astype(np.int64) + np.where(toward_next, 1, -1)
+    return out | np.isin(code(nb, v.src_dp.astype(np.int64), v.mb), away)
+
+
+def comm_stats(
+    v: IterationView, keep: np.ndarray | None = None
+) -> dict[tuple[int, int, int, int], float]:
+    """Per-iteration statistic of each communication key (dp, stage, kind, direction).
+
+    The median of the rows' own times (:mod:`detector.commtime`: a RECV or
+    ALLREDUCE row's wait for its peer is already taken out).  P2P rows whose
+    direction is unknown are skipped, and so are transfers between replicas: a migrated
+    micro-batch's P2P at its host stage, and its owner's P2P with that host.  Their far end
+    is another replica's group, so they measure another link than the key names, and one
+    slow far end would read as this replica's link slowing down.
+    """
+    comm = v.kind > int(ChunkKind.W)
+    if keep is not None:
+        comm &= keep
+    p2p = (v.kind == SEND) | (v.kind == RECV)
+    comm &= ~p2p | (v.direction != 0)
+    comm &= ~(p2p & _cross_replica(v))
+    if not comm.any():
+        return {}
+    d = v.dp[comm].astype(np.int64)
+    st = v.stage[comm].astype(np.int64)
+    k = v.kind[comm].astype(np.int64)
+    dr = v.direction[comm].astype(np.int64) + 1
+    code = ((d * 4096 + st) * 16 + k) * 4 + dr
+    dur = v.duration_s[comm]
+    order = np.lexsort((dur, code))
+    code, dur = code[order], dur[order]
+    starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    ends = np.r_[starts[1:], len(code)]
+    n = ends - starts
+    pos = starts + 0.5 * (n - 1)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, ends - 1)
+    frac = pos - lo
+    val = dur[lo] * (1 - frac) + dur[hi] * frac
+    out = {}
+    for c, x in zip(code[starts].tolist(), val.tolist(), strict=True):
+        out[(c // (4096 * 64), (c // 64) % 4096, (c // 4) % 16, c % 4 - 1)] = x
+    return out

@@ -1,0 +1,147 @@
+"""Fail-slow detection's shared vocabulary: findings, slow states, stats, thresholds, peer residuals.
+
+Imported by the stages (:mod:`detector.failslow` and its stage modules
+:mod:`detector.warmup`, :mod:`detector.validation`, :mod:`detector.severity`) and by
+:mod:`detector.persistence`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from detector.predictor import IterationView, grouped_median
+
+Group = tuple[int, int]  # (dp, stage)
+LinkKey = tuple[int, int, int, int]  # (dp, stage, kind, direction) of a P2P statistic
+
+
+@dataclass
+class Finding:
+    """A confirmed fail-slow (or recovery) before it becomes a FailureReport."""
+
+    kind: str  # fail_slow_compute | fail_slow_comm | recovery
+    iteration: int
+    ranks: list[int]
+    severity: dict[int, float]
+    links: list[list[int]] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SlowState:
+    """A device (group or link) currently reported slow."""
+
+    kind: str
+    ranks: list[int]
+    since_iteration: int
+    factor: float
+    group: Group | None = None
+    link: LinkKey | None = None
+    pair: tuple[int, int] | None = None  # (dp, lower stage) of a slow link
+    healthy_streak: int = 0
+    #: the streak's residuals above the baseline (the recovered group's level)
+    streak_shifts: list[float] = field(default_factory=list)
+
+
+@dataclass
+class FailSlowStats:
+    validations_total: int = 0
+    validation_cpu_s_total: float = 0.0
+    false_alarms_total: int = 0  # validations that confirmed nothing
+    benign_filtered_total: int = 0
+    iteration_changepoints_total: int = 0
+    chunk_changepoints_total: int = 0
+    below_cost_total: int = 0
+    reports_total: int = 0
+    recoveries_total: int = 0
+    records_total: int = 0
+    validation_log: list[dict] = field(default_factory=list)
+
+
+#: A group this much slower than its healthy scale in a warm-up iteration runs slow in that
+#: iteration's DAG when the iteration-time offset is learned (below it: noise).
+WARM_SLOW_RATIO = 1.10
+#: A re-warm group at least this much slower than its own speed before the reconfiguration
+#: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.07 (the last
+#: stage's LM head does not scale with its layers), a slow link 2.3, a GPU at 0.6x 1.6.
+PRIOR_OUTLIER_RATIO = 1.10
+#: A known-slow group or link whose level moves by at least this factor (either way) is
+#: reported again with its new severity (if the move costs or gains enough throughput).
+SEVERITY_STEP = 0.25
+#: The same for a group the plan shrank, its time scaled by the TP degree as well: healthy
+#: TP-4 groups shrunk to 2 read 0.93-1.01 (less time in collectives), a GPU at 0.6x 1.6.
+PRIOR_REGROUP_RATIO = 1.25
+
+
+def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> dict[Group, float]:
+    if not mask.any():
+        return {}
+    gk = v.dp[mask].astype(np.int64) * 4096 + v.stage[mask]
+    keys, meds = grouped_median(gk, values[mask])
+    return {
+        (g // 4096, g % 4096): m
+        for g, m in zip(keys.tolist(), meds.tolist(), strict=True)
+        if np.isfinite(m)
+    }
+
+
+def _peer_relative(
+    x: dict[Group, float], known_slow: set[Group] = frozenset()
+) -> dict[Group, float]:
+    """Each group's residual against the median of the same stage in the other replicas.
+
+    A slow device is slower than its DP peers doing the same work; a residual
+    that moves with the whole stage (eq.-1 misfit when the data mix leaves the
+    warm-up's range) is not the device.  Groups in ``known_slow`` are left out
+    of every peer median: otherwise a known-slow replica drags its peers'
+    residuals down (with two replicas, by its whole slowdown), a re-warm learns
+    that as their baseline, and its recovery later looks like the peers slowing
+    down.  A stage with no other healthy replica keeps the absolute residual.
+    """
+    by_stage: dict[int, list[tuple[Group, float]]] = {}
+    for g, val in x.items():
+        by_stage.setdefault(g[1], []).append((g, val))
+    out = {}
+    for members in by_stage.values():
+        healthy = [(g, val) for g, val in members if g not in known_slow]
+        vals = np.array([val for _, val in healthy])
+        n = len(vals)
+        if n:
+            ref_all = float(np.median(vals))  # reference for the known-slow groups
+        for g, val in members:
+            if g in known_slow:
+                out[g] = val - ref_all if n else val
+        if n == 1:
+            out[healthy[0][0]] = float(vals[0])
+            continue
+        if n == 0:
+            continue
+        # median of the others = median of the sorted values with this one left out
+        order = np.argsort(vals, kind="stable")
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
+        srt = vals[order]
+        m = n - 1  # peers per group
+        lo, hi = (m - 1) // 2, m // 2  # median positions among the peers
+        # position j among the peers is j in the sorted list if j < rank, else j + 1
+        a = np.where(lo < rank, srt[lo], srt[np.minimum(lo + 1, n - 1)])
+        b = np.where(hi < rank, srt[hi], srt[np.minimum(hi + 1, n - 1)])
+        med = (a + b) / 2
+        for (g, _), val, md in zip(healthy, vals.tolist(), med.tolist(), strict=True):
+            out[g] = val - md
+    return out
+
+
+def _robust(xs: list[float], floor: float) -> tuple[float, float]:
+    a = np.asarray(xs, dtype=float)
+    a = a[np.isfinite(a)]
+    if not len(a):
+        return 0.0, floor
+    med = float(np.median(a))
+    mad = float(np.median(np.abs(a - med))) * 1.4826
+    sd = float(np.std(a))
+    # MAD ignores a stray spike in the warm-up; never go below half the plain sd
+    return med, max(floor, mad, 0.5 * sd)
