@@ -125,7 +125,7 @@ def test_prometheus_has_its_own_bind_address_on_host_loopback():
     # Prometheus has no authentication: opening the dashboard must not open it too
     prom = _compose()["services"]["prometheus"]
     assert prom["ports"] == ["${RESIHP_PROMETHEUS_BIND:-127.0.0.1}:9090:9090"]
-    assert "RESIHP_PROMETHEUS_BIND" in (ROOT / "README.md").read_text()
+    assert "RESIHP_PROMETHEUS_BIND" in (ROOT / "docs" / "operations.md").read_text()
 
 
 def test_optional_prometheus_scrapes_the_dashboard_with_the_alert_rules():
