@@ -822,7 +822,8 @@ class CollectorService:
     def _check_agents(self, now: float) -> None:
         """Nodes whose agent connection closed since the last look are dead now (module
         doc of :mod:`resihp.liveness_agent`).  Many closing at once (at least the mass-loss
-        share) is a Redis-side event (a restart, a CLIENT KILL): heartbeats judge those."""
+        share) is a Redis-side event (a restart, a CLIENT KILL), and all of a job's agents at
+        once is the job's process ending: heartbeats judge those."""
         if not self.config.agent_poll_s or now < self._agents_next:
             return
         self._agents_next = now + self.config.agent_poll_s
@@ -838,7 +839,11 @@ class CollectorService:
         if not gone or self._outage or self._finished or not self._heard:
             return
         lv = self.liveness
-        if len(gone) >= max(lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)):
+        # every agent of the job gone at once is the job's own end (a single-process
+        # simulator stopped or crashed): heartbeats and the job-silence hold judge it
+        if not present or len(gone) >= max(
+            lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)
+        ):
             log.warning(
                 "collector: job %s: %d node agents disconnected at once: left to heartbeats",
                 self.keys.job_id,
