@@ -106,10 +106,15 @@ class CollectorConfig:
 
     # --- telemetry retention ---------------------------------------------------------
     #: The telemetry stream is trimmed behind its slowest consumer group (nothing any
-    #: group has not acknowledged, or not yet read, is removed), keeping at least this
-    #: many seconds of entries before the newest one the collector read, for a
+    #: group has not acknowledged, or not yet read, is removed), keeping this many
+    #: seconds of entries before the newest one the collector read, for a
     #: ``resihp record`` (plain XREAD/XRANGE, no group) started a moment later (seconds).
     telemetry_keep_s: float = 60.0
+    #: ...and at most about this many MB of them: the window shrinks to
+    #: ``telemetry_keep_mb`` / the stream's byte rate as the collector reads it.  A
+    #: 16k-GPU trainer that sends every rank's chunk rows (3.1M rows of 44 B per iteration)
+    #: writes ~15 MB/s at 9 s iterations, so 60 s alone would keep ~1 GB in Redis (MB).
+    telemetry_keep_mb: float = 256.0
     #: How often the collector trims the telemetry stream (seconds).
     telemetry_trim_every_s: float = 5.0
 
@@ -177,6 +182,7 @@ class CollectorConfig:
             "clock_skew_correct_s",
             "iterations_budget_mb",
             "telemetry_trim_every_s",
+            "telemetry_keep_mb",
         )
         for name in positive:
             v = getattr(self, name)
@@ -275,6 +281,13 @@ class CollectorConfig:
             help="keep at least this many seconds of telemetry when trimming the stream "
             f"behind its consumer groups ({cls.telemetry_keep_s:g})",
         )
+        p.add_argument(
+            "--telemetry-keep-mb",
+            type=float,
+            default=cls.telemetry_keep_mb,
+            help="...and at most about this many MB of it (the window shrinks to this over "
+            f"the stream's byte rate; {cls.telemetry_keep_mb:g})",
+        )
         p.add_argument("--read-count", type=int, default=cls.read_count)
         p.add_argument("--iterations-maxlen", type=int, default=cls.iterations_maxlen)
         p.add_argument("--iterations-budget-mb", type=float, default=cls.iterations_budget_mb)
@@ -299,6 +312,7 @@ class CollectorConfig:
             job_silence_hold_deadlines=a.job_silence_hold_deadlines,
             agent_poll_s=a.agent_poll_s,
             telemetry_keep_s=a.telemetry_keep_s,
+            telemetry_keep_mb=a.telemetry_keep_mb,
             read_count=a.read_count,
             iterations_maxlen=a.iterations_maxlen,
             iterations_budget_mb=a.iterations_budget_mb,

@@ -41,7 +41,8 @@ Wiring only; the decisions live in :mod:`resihp.liveness` and
 * The telemetry stream is trimmed every ``telemetry_trim_every_s`` behind its
   slowest consumer group (XTRIM MINID: nothing a group has not read or not
   acknowledged goes), keeping ``telemetry_keep_s`` before the newest entry read for
-  ``resihp record``, which reads without a group.  The producer's MAXLEN stays as
+  ``resihp record``, which reads without a group, and no more than about
+  ``telemetry_keep_mb`` of it at the byte rate the collector reads.  The producer's MAXLEN stays as
   the backstop (a group that stops reading holds the trim back).
 """
 
@@ -222,6 +223,9 @@ class CollectorService:
         self._job_silent_since: float | None = None
         self._health_now = False  # write the health payload at the next loop
         self._trim_next = 0.0
+        #: the telemetry stream's byte rate (bytes per second of arrival time), smoothed
+        self.telemetry_bytes_per_s = 0.0
+        self._rate_mark: tuple[float, int] | None = None  # (frontier_s, bytes read) then
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
@@ -828,7 +832,8 @@ class CollectorService:
     def _check_agents(self, now: float) -> None:
         """Nodes whose agent connection closed since the last look are dead now (module
         doc of :mod:`resihp.liveness_agent`).  Many closing at once (at least the mass-loss
-        share) is a Redis-side event (a restart, a CLIENT KILL): heartbeats judge those."""
+        share) is a Redis-side event (a restart, a CLIENT KILL), and all of a job's agents at
+        once is the job's process ending: heartbeats judge those."""
         if not self.config.agent_poll_s or now < self._agents_next:
             return
         self._agents_next = now + self.config.agent_poll_s
@@ -844,7 +849,11 @@ class CollectorService:
         if not gone or self._outage or self._finished or not self._heard:
             return
         lv = self.liveness
-        if len(gone) >= max(lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)):
+        # every agent of the job gone at once is the job's own end (a single-process
+        # simulator stopped or crashed): heartbeats and the job-silence hold judge it
+        if not present or len(gone) >= max(
+            lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)
+        ):
             log.warning(
                 "collector: job %s: %d node agents disconnected at once: left to heartbeats",
                 self.keys.job_id,
@@ -939,7 +948,7 @@ class CollectorService:
             return None
         if not groups:
             return None
-        keep_ms = int(round(self.config.telemetry_keep_s * 1000))
+        keep_ms = int(round(self.telemetry_keep_window_s() * 1000))
         floor, by = (max(0, int(round(self._frontier_s * 1000)) - keep_ms), 0), ""
         for g in groups:
             name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
@@ -952,6 +961,22 @@ class CollectorService:
             if need < floor:
                 floor, by = need, name
         return f"{floor[0]}-{floor[1]}", by
+
+    def telemetry_keep_window_s(self) -> float:
+        """Seconds of telemetry kept before the newest entry read: ``telemetry_keep_s``,
+        shortened so that it holds about ``telemetry_keep_mb`` at the byte rate this
+        collector reads the stream at (updated here, smoothed over trims)."""
+        mark = (self._frontier_s, self.consumer.stats.read_bytes_total)
+        if self._rate_mark is not None and mark[0] > self._rate_mark[0]:
+            rate = (mark[1] - self._rate_mark[1]) / (mark[0] - self._rate_mark[0])
+            old = self.telemetry_bytes_per_s
+            self.telemetry_bytes_per_s = rate if not old else 0.5 * (old + rate)
+        if self._rate_mark is None or mark[0] > self._rate_mark[0]:
+            self._rate_mark = mark
+        keep_s = self.config.telemetry_keep_s
+        if self.telemetry_bytes_per_s > 0:
+            keep_s = min(keep_s, self.config.telemetry_keep_mb * 1e6 / self.telemetry_bytes_per_s)
+        return keep_s
 
     def trim_telemetry(self) -> int:
         """Trim the telemetry stream to :meth:`telemetry_trim_floor`; -> entries removed.
@@ -1007,6 +1032,8 @@ class CollectorService:
             # entries trimmed from the telemetry stream before this collector read them
             "telemetry_lost_total": self.consumer.stats.lost_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
+            # the telemetry stream's byte rate, which bounds the window kept in Redis
+            "telemetry_bytes_per_s": round(self.telemetry_bytes_per_s),
         }
 
     def run(self, stop: threading.Event) -> None:

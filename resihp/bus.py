@@ -173,6 +173,8 @@ class ConsumerStats:
     #: entries of numbered producers (``schemas.ENTRY_SEQ``) never delivered: a gap in a
     #: producer's numbers among new entries (trimmed unread by MAXLEN under a flood)
     lost_total: int = 0
+    #: bytes of the entries read (field names and values): the stream's byte rate
+    read_bytes_total: int = 0
 
 
 @dataclass
@@ -219,6 +221,7 @@ class StreamConsumer:
             if fields is None:  # entry trimmed away while pending
                 bad_ids.append(entry_id)
                 continue
+            self.stats.read_bytes_total += sum(len(k) + len(v) for k, v in fields.items())
             try:
                 good, bad = decode_entry(fields, self.max_rank)
             except Exception as e:  # noqa: BLE001 - a poison entry must not stop the service

@@ -40,12 +40,28 @@ def agent_nodes(client_names, job_id: str) -> set[int]:
 class NodeAgent:
     """Holds one named connection for ``node`` of ``job_id`` while its process lives."""
 
-    def __init__(self, redis_url: str, job_id: str, node: int):
+    def __init__(self, redis_url: str | None, job_id: str, node: int, like=None):
+        """Connect to ``redis_url``, or (``like``: a client) where that client connects."""
         self.name = agent_name(job_id, node)
-        self.conn = redis.Redis.from_url(
-            redis_url, single_connection_client=True, socket_keepalive=True
-        )
-        self.conn.client_setname(self.name)
+        if like is not None:
+            pool = like.connection_pool
+            self.conn = redis.Redis(
+                connection_pool=redis.ConnectionPool(
+                    connection_class=pool.connection_class, **pool.connection_kwargs
+                ),
+                single_connection_client=True,
+            )
+        else:
+            self.conn = redis.Redis.from_url(
+                redis_url, single_connection_client=True, socket_keepalive=True
+            )
+        try:
+            self.conn.client_setname(self.name)
+        except BaseException:
+            self.conn.close()
+            raise
 
     def close(self) -> None:
+        pool = self.conn.connection_pool
         self.conn.close()
+        pool.disconnect()  # a pool of its own: close the socket, not only release it

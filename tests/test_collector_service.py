@@ -1093,3 +1093,28 @@ def test_a_reclaimed_backlog_is_not_judged_as_silence(r):
     assert r.xlen(KEYS.liveness) == 0
     assert lags[0] == pytest.approx(5.0)  # judged at 11, the newest entry it had read
     assert lags[-1] == 0.0
+
+
+@pytest.mark.redis
+def test_the_telemetry_window_is_bounded_in_bytes_too(r):
+    """At 16k GPUs 60 s of chunk rows is ~1 GB of Redis: the kept window shrinks to
+    ``telemetry_keep_mb`` over the byte rate the collector reads the stream at."""
+    _set_layout(r, _layout())
+    entry = encode_entry(
+        [Heartbeat(rank=k, node=k // 4, iteration=1, wall_time_s=0.0, seq=0) for k in range(8)]
+    )
+    per_entry = sum(len(k) + len(v) for k, v in entry.items())
+    # one entry a second; room for about 20 of them
+    svc, clock, beat = _clocked(r, telemetry_keep_s=60.0, telemetry_keep_mb=20 * per_entry / 1e6)
+    t0 = clock[0]
+    for t in range(100):
+        beat(t0 + t, range(8))
+        if t % 10 == 9:
+            clock[0] = t0 + t
+            svc.run_once()
+            svc.trim_telemetry()
+    assert svc.telemetry_bytes_per_s == pytest.approx(per_entry, rel=0.2)
+    assert 15.0 <= svc.telemetry_keep_window_s() <= 25.0
+    left = _ids(r)
+    assert left[-1] == int(round((t0 + 99) * 1000))
+    assert 15 <= len(left) <= 26  # the 60 s window alone keeps 61 entries

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from datetime import datetime
 
 import numpy as np
@@ -623,3 +624,26 @@ def test_a_refused_override_before_the_applied_plan_is_not_the_latest_news(r, re
     from resihp.plans import latest_plans
 
     assert turned_down_plans(r, keys, latest_plans(r, keys)) == []
+
+
+@pytest.mark.redis
+def test_the_overview_warns_of_collector_lag_and_lost_telemetry(r, redis_server):
+    """A collector behind its stream, or telemetry trimmed before it was read, makes every
+    figure on the page late or incomplete: a banner says so, and goes when it is over."""
+    sc = publish_job(r, "job-a", iterations=5)
+    keys = sc["keys"]
+    for name in ("detector", "scheduler"):
+        bus.Health(r, keys, name).beat("ok")
+    bus.Health(r, keys, "collector").beat("ok", **{bus.COLLECTOR_LAG_S: 0.0})
+    app = _app(r, redis_server)
+    assert _overview(app)["ov-status"]["children"] == ""
+    bus.Health(r, keys, "collector").beat("ok", **{bus.COLLECTOR_LAG_S: 7.5})
+    text = json.dumps(_overview(app)["ov-status"])
+    assert "7.5 s behind the telemetry stream" in text and "trimmed" not in text, text
+    r.hincrby(keys.counters, "telemetry_lost_total", 42)
+    time.sleep(0.6)  # past the dashboard's hash cache (hash_ttl_s)
+    text = json.dumps(_overview(app)["ov-status"])
+    assert "7.5 s behind" in text and "42 telemetry entries were trimmed" in text, text
+    bus.Health(r, keys, "collector").beat("ok", **{bus.COLLECTOR_LAG_S: 0.0})
+    text = json.dumps(_overview(app)["ov-status"])
+    assert "behind" not in text and "42 telemetry entries" in text, text

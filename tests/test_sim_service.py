@@ -330,3 +330,58 @@ def test_a_restarted_trainer_resumes_the_job_it_finds_in_redis(r):
     fresh.close()
     _msgs, rows = _drain(r, JobKeys("new-one"))
     assert set(rows["iteration"].tolist()) == {0}
+
+
+def test_node_agents_report_a_killed_node_through_the_side_channel(r):
+    """The simulator holds a node agent per node: a node the scenario kills is reported
+    by its agent's closed connection (no missed beat), its live peer is never reported,
+    and the job's own end (every agent closing at once) is not a failure."""
+    import threading
+
+    from collector.config import CollectorConfig
+    from collector.service import CollectorService
+    from resihp.liveness_agent import agent_nodes
+    from resihp.scenario import parse_scenario
+    from resihp.schemas import LivenessEvent
+
+    keys = JobKeys("agents")
+    sc = parse_scenario("events:\n  - {at_iteration: 4, action: kill_node, node: 1}\n")
+    cfg = _cfg(job_id="agents", tp=2, pp=2, dp=4, speed=4.0)  # 16 ranks: nodes 0 and 1
+    tr = SimTrainer(cfg, r, scenario=sc)
+    col = CollectorService(CollectorConfig(job_id="agents", block_ms=5, layout_poll_s=0.1), r)
+    stop_tr, stop_col = threading.Event(), threading.Event()
+    threads = [
+        threading.Thread(target=tr.run, args=(stop_tr,), daemon=True),
+        threading.Thread(target=col.run, args=(stop_col,), daemon=True),
+    ]
+    for th in threads:
+        th.start()
+
+    def dead_events():
+        out = []
+        for _id, fields in r.xrange(keys.liveness):
+            good, _bad = decode_entry(fields)
+            out += [e for e in good if isinstance(e, LivenessEvent) and e.state == "dead"]
+        return out
+
+    try:
+        deadline = time.monotonic() + 60
+        while tr.sim.iteration < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        names = [c.get("name", "") for c in r.client_list()]
+        assert agent_nodes(names, "agents") == {0, 1}  # healthy: both agents, no report
+        assert dead_events() == []
+        while not dead_events() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop_tr.set()
+        threads[0].join(30)
+        time.sleep(1.0)  # the collector sees node 0's agent close with the job's end
+    finally:
+        stop_tr.set()
+        stop_col.set()
+        for th in threads:
+            th.join(30)
+    events = dead_events()
+    assert [(e.scope, e.node, e.missed_beats) for e in events] == [("node", 1, 0)], events
+    assert col.stats["liveness_agent_closed_total"] == 1
+    assert agent_nodes([c.get("name", "") for c in r.client_list()], "agents") == set()

@@ -12,7 +12,7 @@ from dashboard import figures, figures_skew, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
 from resihp import progress
-from resihp.bus import job_silent_since, liveness_judged
+from resihp.bus import collector_lag_s, job_silent_since, liveness_judged
 
 PATH = "/"
 NAME = "Overview"
@@ -168,6 +168,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
         "open_incidents": open_inc,
         "health": d.service_health(job),
         "job_state": d.job_state(job),
+        "counters": d.counters(job),
         "progress": d.progress(job),
         "liveness": d.liveness(job)[-20:],
         "device_health": d.device_health(job),
@@ -175,7 +176,39 @@ def summarize(ctx: AppContext, job: str) -> dict:
     }
 
 
+#: Collector lag (seconds behind the telemetry stream) the overview warns about.
+LAG_BANNER_S = 1.0
+
+
+def telemetry_banner(s: dict[str, Any]) -> Any:
+    """Say when the telemetry the page shows is late or incomplete: the collector is behind
+    its stream (health ``collector_lag_s``), or entries were trimmed before it read them
+    (counter ``telemetry_lost_total``: records of those iterations are missing or partial)."""
+    col = next((v for k, v in s["health"].items() if k.startswith("collector:")), None)
+    said = []
+    lag = collector_lag_s(col)
+    if lag is not None and lag >= LAG_BANNER_S:
+        said.append(
+            f"the collector is {lag:.1f} s behind the telemetry stream (figures and fail-stop "
+            "verdicts are that late)"
+        )
+    lost = (s.get("counters") or {}).get("telemetry_lost_total", 0)
+    if lost > 0:
+        said.append(
+            f"{lost} telemetry entries were trimmed before the collector read them (some "
+            "iterations are missing or incomplete)"
+        )
+    return banner("Telemetry: " + "; ".join(said) + ".", "warn") if said else ""
+
+
 def job_banner(s: dict[str, Any]) -> Any:
+    """The job's state banner (:func:`job_state_banner`) and the telemetry banner, each
+    only when it has something to say."""
+    shown = [b for b in (job_state_banner(s), telemetry_banner(s)) if b]
+    return shown[0] if len(shown) == 1 else shown or ""
+
+
+def job_state_banner(s: dict[str, Any]) -> Any:
     """Say when the job is not running: ended on purpose, or silent since before the
     collector started (its stack was killed), so the page shows history."""
     st = s["job_state"]

@@ -22,6 +22,12 @@ Heartbeats do not wait for the main loop: while it emits none (a slow plan poll,
 slow step, a wait for the producer), a thread of its own (:class:`_BeatKeeper`) beats for
 the live ranks, as a real trainer's heartbeat thread does, so that one slow step is
 not taken for every node failing at once.
+
+Node agents (:mod:`resihp.liveness_agent`): for a job of up to ``node_agents_max_nodes``
+nodes the simulator holds one named Redis connection per node with a live device and
+closes it when the scenario kills the node's every device (at the step the kill falls in,
+when that node's heartbeats stop), so the collector reports the node dead within its
+CLIENT LIST poll instead of after missed beats; a node that re-joins gets a new one.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from resihp.bus import (
     set_job_state,
 )
 from resihp.keys import JobKeys
+from resihp.liveness_agent import NodeAgent
 from resihp.plans import PlanFollower, read_layout, register_running
 from resihp.producer import TelemetryProducer
 from resihp.progress import last_iteration_entry
@@ -99,6 +106,10 @@ class SimTrainer:
         #: heartbeats the keeper thread sent while the main loop sent none
         self.keepalive_beats_total = 0
         self._keeper = _BeatKeeper(self)
+        #: node -> its agent connection (nodes with a live device, jobs of up to
+        #: ``node_agents_max_nodes`` nodes); rebuilt after a Redis error
+        self.agents: dict[int, NodeAgent] = {}
+        self._agents_errors = 0
         self._truth = open(config.truth_out, "a") if config.truth_out else None  # noqa: SIM115
 
     # ------------------------------------------------------------ lifecycle
@@ -228,6 +239,32 @@ class SimTrainer:
         self._registered = False
         self._register()
 
+    def _sync_agents(self) -> None:
+        """An agent for each node with a live device; the agents of nodes the scenario
+        killed whole are closed (see the module doc)."""
+        if self.redis_errors_total != self._agents_errors:  # Redis dropped them, maybe
+            self._agents_errors = self.redis_errors_total
+            self._close_agents()
+        lay = self.sim.layout
+        dpn = lay.devices_per_node
+        cap = self.cfg.node_agents_max_nodes
+        if not cap or -(-len(self.sim.alive) // dpn) > cap:
+            return
+        live = set((np.flatnonzero(self.sim.alive) // dpn).tolist())
+        for node in [n for n in self.agents if n not in live]:
+            self.agents.pop(node).close()
+        for node in sorted(live - self.agents.keys()):
+            try:
+                self.agents[node] = NodeAgent(None, self.cfg.job_id, node, like=self.client)
+            except (redis.RedisError, OSError) as e:
+                self._down_log.warning("node agents: cannot connect (%s); retrying", e)
+                return
+
+    def _close_agents(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+        self.agents.clear()
+
     def close(self, stopped: bool = False) -> None:
         """``stopped``: the run was ended on purpose (a stop signal), not by a crash."""
         self._keeper.stop()
@@ -250,6 +287,7 @@ class SimTrainer:
         if self._truth is not None:
             self._truth.close()
             self._truth = None
+        self._close_agents()  # after the job state: the collector knows it ended
 
     def _record_truth(self, step: SimStep) -> None:
         if self._truth is not None:
@@ -378,6 +416,7 @@ class SimTrainer:
         sent = self._follow_plans(stop) if self._registered else 0
         step = self.sim.step()
         self._keeper.follow(self.sim)
+        self._sync_agents()
         sent += self._emit(step, stop)
         self.steps_total += 1
         if step.true_state.status == "ok":
