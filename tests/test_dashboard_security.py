@@ -8,7 +8,7 @@ import json
 import threading
 
 import pytest
-from dashboard_scenario import publish_job
+from dashboard_scenario import plan_action_request, publish_job
 
 from dashboard import incident_export, incidents
 from dashboard.app import create_app
@@ -47,28 +47,7 @@ def _login(c, user="alice", password="s3cret", nxt="/plans", headers=ORIGIN):
 
 
 def _reject_request():
-    return {
-        "output": "..pl-action-result.children...pl-last-action.data..",
-        "outputs": [
-            {"id": "pl-action-result", "property": "children"},
-            {"id": "pl-last-action", "property": "data"},
-        ],
-        "inputs": [
-            {"id": b, "property": "n_clicks", "value": 1 if b == "pl-reject" else None}
-            for b in ("pl-ack", "pl-reject", "pl-override", "pl-hold")
-        ],
-        "changedPropIds": ["pl-reject.n_clicks"],
-        "state": [
-            {"id": "job", "property": "value", "value": "job-a"},
-            {"id": "pl-plan", "property": "value", "value": 1},
-            {"id": "pl-ov-layers", "property": "value", "value": ""},
-            {"id": "pl-ov-drop", "property": "value", "value": ""},
-            {"id": "pl-ov-keep", "property": "value", "value": ""},
-            {"id": "pl-ov-migration", "property": "value", "value": []},
-            {"id": "pl-comment", "property": "value", "value": "replayed"},
-            {"id": "pl-shown", "property": "data", "value": {"job": "job-a", "plan_id": 1}},
-        ],
-    }
+    return plan_action_request("pl-reject", comment="replayed")
 
 
 def _cookie(c) -> str:
