@@ -366,3 +366,19 @@ def plan_action_request(
             {"id": "pl-shown", "property": "data", "value": shown},
         ],
     }
+
+
+def incident_of(r, job: str = "job-a", report_id: str = "fr-slow-1"):
+    """The incident ``report_id`` of ``job`` assembled from what Redis holds (no audit)."""
+    from dashboard import incidents
+    from dashboard.data import DashboardData
+
+    d = DashboardData(r)
+    return incidents.build_incident(
+        job,
+        report_id,
+        d.failures(job),
+        d.plan_history(job),
+        d.actions(job),
+        [x.to_dict() for x in d.iterations(job)],
+    )

@@ -8,12 +8,11 @@ import json
 import threading
 
 import pytest
-from dashboard_scenario import plan_action_request, publish_job
+from dashboard_scenario import incident_of, plan_action_request, publish_job
 
-from dashboard import incident_export, incidents
+from dashboard import incident_export
 from dashboard.app import create_app
 from dashboard.config import DashboardConfig
-from dashboard.data import DashboardData
 from resihp import bus
 from resihp.keys import JobKeys
 from resihp.schemas import OperatorAction
@@ -241,15 +240,7 @@ def test_markdown_export_escapes_html_in_actor_names_and_comments(r):
             comment='<img src=x onerror="alert(2)"> | ```',
         ),
     )
-    d = DashboardData(r)
-    inc = incidents.build_incident(
-        "job-a",
-        "fr-slow-1",
-        d.failures("job-a"),
-        d.plan_history("job-a"),
-        d.actions("job-a"),
-        [x.to_dict() for x in d.iterations("job-a")],
-    )
+    inc = incident_of(r)
     md = incident_export.to_markdown(inc)
     assert "<script" not in md and "<img" not in md
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md
