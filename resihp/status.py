@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resihp import openness
 from resihp.bus import Health, job_silent_since, list_jobs, liveness_judged
 from resihp.keys import JobKeys
 from resihp.lifetime import launcher_alive
@@ -174,7 +175,7 @@ def _device_health(client, keys: JobKeys) -> tuple[set[int], dict[int, float | N
             r = int(rank)
         except ValueError:
             continue
-        if not isinstance(h, dict) or h.get("state") in (None, "healthy"):
+        if not isinstance(h, dict) or not openness.is_failed_state(h.get("state")):
             continue
         failed.add(r)
         if h.get("state") == "dead":
@@ -188,23 +189,10 @@ OPEN_SCAN = 1000
 
 
 def open_failures(client, keys: JobKeys, failed: set[int]) -> list[FailureReport]:
-    """Failure reports still open, newest first: each failed device is charged to the
-    newest report naming it (a fail-slow rank that later died is one open failure, the
-    fail-stop), and a report none of whose devices is still failed is closed."""
+    """Failure reports still open, newest first (:mod:`resihp.openness` defines "open")."""
     if not failed:
         return []
-    out, claimed = [], set()
-    for f in recent_failures(client, keys, count=OPEN_SCAN):
-        if f.kind == "recovery":
-            continue
-        named = set(f.ranks) | {r for link in f.links for r in link}
-        mine = (named & failed) - claimed
-        if mine:
-            out.append(f)
-            claimed |= mine
-        if claimed >= failed:
-            break
-    return out
+    return openness.open_failures(recent_failures(client, keys, count=OPEN_SCAN), failed)
 
 
 def _plan_dict(p: AdaptationPlan) -> dict[str, Any]:
