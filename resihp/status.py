@@ -671,7 +671,9 @@ def _pending(st: dict[str, Any]) -> int:
     return sum(st["plans_by_state"].get(s, 0) for s in AWAITING)
 
 
-def summary_line(st: dict[str, Any]) -> str:
+def summary_line(st: dict[str, Any], starting: bool = False) -> str:
+    """One console line; ``starting``: the services are still within their startup time,
+    so one with no health key yet is said to be starting, not down."""
     it = st.get("last_iteration") or {}
     age = it.get("age_s")
     n_open = st["open_failures"]
@@ -681,7 +683,11 @@ def summary_line(st: dict[str, Any]) -> str:
         + (f" ({n_dev} devices)" if n_dev != n_open else "")
         + f" | pending plans {_pending(st)}"
         f" | services up {sum(1 for s in st['services'].values() if _up(s))}"
-        + (f" ({', '.join(st['missing_services'])} down)" if st.get("missing_services") else "")
+        + (
+            f" ({', '.join(st['missing_services'])} {'starting' if starting else 'down'})"
+            if st.get("missing_services")
+            else ""
+        )
     )
     head = stall_headline(st)
     if head:
