@@ -101,7 +101,9 @@ def report_main(argv: list[str]) -> int:
             audit=data.audit(job),
             now_s=time.time(),
             layouts=data.layouts(job),
-            failed_ranks=openness.failed_ranks(data.device_health(job)),
+            open_ids=openness.open_report_ids(
+                reversed(data.failures(job)), data.device_health(job)
+            ),
         )
     except incidents.IncidentNotFound as e:
         print(f"report export: {e.args[0]}", file=sys.stderr)

@@ -55,7 +55,6 @@ from typing import Any
 import numpy as np
 
 from dashboard import figures
-from resihp import openness
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction
 
 PHASES = ("failure", "detected", "plan proposed", "acknowledged", "applied", "throughput recovered")
@@ -529,7 +528,7 @@ def build_incident(
     audit: list[dict[str, Any]] | None = None,
     now_s: float | None = None,
     layouts: list[Any] | None = None,
-    failed_ranks: set[int] | None = None,
+    open_ids: set[str] | None = None,
 ) -> Incident:
     """One incident.  ``audit`` is the job's audit log (``DashboardData.audit``): without it
     every action's verdict is unknown, and an action refused by the scheduler could count as
@@ -538,10 +537,10 @@ def build_incident(
     (``DashboardData.layouts``, or (time_s, layout dict) pairs): a layout the trainer chose
     on its own before any plan was applied (a fail-stop recovered without a plan) becomes the
     phase :data:`TRAINER_PHASE`, and recovery is judged from it; without it only a plan's
-    application counts as a reconfiguration.  ``failed_ranks`` (the job's failed devices,
-    :func:`resihp.openness.failed_ranks` of ``DashboardData.device_health``) decides whether
-    the incident is open, as :mod:`resihp.openness` defines it for every view; without it
-    (a timeline judged from data alone) recovery of throughput closes it."""
+    application counts as a reconfiguration.  ``open_ids`` (the job's open reports,
+    :func:`resihp.openness.open_report_ids` of ``DashboardData.device_health``) decides
+    whether the incident is open, as :mod:`resihp.openness` defines it for every view;
+    without it (a timeline judged from data alone) recovery of throughput closes it."""
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
@@ -838,14 +837,7 @@ def build_incident(
     window = rows[max(0, idx_lo - CONTEXT_ITERATIONS) : idx_hi + CONTEXT_ITERATIONS]
     # Recovery closes an incident whatever was decided on the way; a rejection does not:
     # the failure is still there (a dead rank keeps the trainer hung) until something recovers it.
-    still_failed = (
-        None
-        if failed_ranks is None
-        else any(
-            x.report_id == f.report_id
-            for x in openness.open_failures(reversed(failures), failed_ranks)
-        )
-    )
+    still_failed = None if open_ids is None else f.report_id in open_ids
     if still_failed is False:
         status = "recovered"
     elif recovered_t is not None:

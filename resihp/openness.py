@@ -56,3 +56,11 @@ def open_failures(
         if claimed >= failed:
             break
     return out
+
+
+def open_report_ids(
+    reports_newest_first: Iterable[FailureReport], device_health: Mapping[Any, Any]
+) -> set[str]:
+    """The ids of the open reports, given the job's device health (rank -> {"state": ...})."""
+    failed = failed_ranks(device_health)
+    return {f.report_id for f in open_failures(reports_newest_first, failed)}

@@ -83,7 +83,7 @@ def _load(ctx: AppContext, job: str, incident_id: str) -> inc_mod.Incident:
         audit=d.audit(job),
         now_s=time.time(),
         layouts=d.layouts(job),
-        failed_ranks=openness.failed_ranks(d.device_health(job)),
+        open_ids=openness.open_report_ids(reversed(d.failures(job)), d.device_health(job)),
     )
 
 
@@ -108,7 +108,7 @@ def register(app, ctx: AppContext) -> None:
         fails = d.failures(job)
         hist, acts, audit = d.plan_history(job), d.actions(job), d.audit(job)
         lays = d.layouts(job)
-        failed = openness.failed_ranks(d.device_health(job))
+        open_ids = openness.open_report_ids(reversed(fails), d.device_health(job))
         rows = inc_mod.wall_rows([r.to_dict() for r in d.iterations(job)])
         data = []
         now = time.time()
@@ -123,7 +123,7 @@ def register(app, ctx: AppContext) -> None:
                 audit=audit,
                 now_s=now,
                 layouts=lays,
-                failed_ranks=failed,
+                open_ids=open_ids,
             )
             ph = {p.name: p.at_s for p in inc.phases}
             onset = inc.phases[0].at_s

@@ -148,7 +148,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
     lays = d.layouts(job)
     now = time.time()
     open_inc = []
-    failed = openness.failed_ranks(d.device_health(job))
+    open_ids = openness.open_report_ids(reversed(fails), d.device_health(job))
     wrows = incidents.wall_rows(rows)
     # An old incident can still be open behind many newer ones that closed: look back
     # over the last OPEN_LOOKBACK reports, show the newest OPEN_SHOWN that are open.
@@ -163,7 +163,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
             audit=audit,
             now_s=now,
             layouts=lays,
-            failed_ranks=failed,
+            open_ids=open_ids,
         )
         if inc.is_open:
             open_inc.append(inc)
