@@ -62,6 +62,9 @@ PHASES = ("failure", "detected", "plan proposed", "acknowledged", "applied", "th
 TRAINER_PHASE = "reconfigured by the trainer (no plan)"
 #: Iterations on each side of the incident kept in the report.
 CONTEXT_ITERATIONS = 60
+#: the status of an incident whose throughput came back while a device it names is still
+#: failed (:mod:`resihp.openness`: open until the device comes back or is replaced)
+RECOVERED_OPEN = "open, throughput recovered, device still failed"
 #: the status of an incident whose plan an operator rejected and that has not recovered
 REJECTED_OPEN = "open, plan rejected"
 #: the status of an incident whose newest plan the trainer could not run, not recovered
@@ -89,7 +92,8 @@ class Incident:
     actions: list[OperatorAction] = field(default_factory=list)
     iterations: list[dict[str, Any]] = field(default_factory=list)
     throughput: dict[str, float | None] = field(default_factory=dict)
-    #: ``open``, :data:`REJECTED_OPEN`, :data:`FAILED_OPEN` or ``recovered``
+    #: ``open``, :data:`RECOVERED_OPEN`, :data:`REJECTED_OPEN`, :data:`FAILED_OPEN` or
+    #: ``recovered`` (the only closed one)
     status: str = "open"
     #: the scheduler's verdict on each of ``actions`` (same order), from the audit log
     verdicts: list[dict[str, Any]] = field(default_factory=list)
@@ -524,6 +528,7 @@ def build_incident(
     audit: list[dict[str, Any]] | None = None,
     now_s: float | None = None,
     layouts: list[Any] | None = None,
+    open_ids: set[str] | None = None,
 ) -> Incident:
     """One incident.  ``audit`` is the job's audit log (``DashboardData.audit``): without it
     every action's verdict is unknown, and an action refused by the scheduler could count as
@@ -532,7 +537,10 @@ def build_incident(
     (``DashboardData.layouts``, or (time_s, layout dict) pairs): a layout the trainer chose
     on its own before any plan was applied (a fail-stop recovered without a plan) becomes the
     phase :data:`TRAINER_PHASE`, and recovery is judged from it; without it only a plan's
-    application counts as a reconfiguration."""
+    application counts as a reconfiguration.  ``open_ids`` (the job's open reports,
+    :func:`resihp.openness.open_report_ids` of ``DashboardData.device_health``) decides
+    whether the incident is open, as :mod:`resihp.openness` defines it for every view;
+    without it (a timeline judged from data alone) recovery of throughput closes it."""
     f = next((x for x in failures if x.report_id == incident_id), None)
     if f is None:
         raise IncidentNotFound(f"no failure report {incident_id!r} in job {job_id!r}")
@@ -829,8 +837,11 @@ def build_incident(
     window = rows[max(0, idx_lo - CONTEXT_ITERATIONS) : idx_hi + CONTEXT_ITERATIONS]
     # Recovery closes an incident whatever was decided on the way; a rejection does not:
     # the failure is still there (a dead rank keeps the trainer hung) until something recovers it.
-    if recovered_t is not None:
+    still_failed = None if open_ids is None else f.report_id in open_ids
+    if still_failed is False:
         status = "recovered"
+    elif recovered_t is not None:
+        status = "recovered" if still_failed is None else RECOVERED_OPEN
     elif decided_name == "rejected":
         status = REJECTED_OPEN
     elif failed is not None:

@@ -335,3 +335,50 @@ def dash_call(app, output_id: str, values: dict, trigger: str):
     )
     assert res.status_code in (200, 204), res.get_data(as_text=True)[:500]
     return res.json["response"] if res.status_code == 200 else {}
+
+
+def plan_action_request(
+    button: str, layers: str = "", drop: str = "", comment: str = "", shown: dict | None = None
+) -> dict:
+    """The Plans page's action callback request (``/_dash-update-component``) for a click on
+    ``button`` with plan 1 of job-a selected; ``shown``: the (job, plan) the
+    page has on screen (by default that same plan)."""
+    shown = {"job": "job-a", "plan_id": 1} if shown is None else shown
+    return {
+        "output": "..pl-action-result.children...pl-last-action.data..",
+        "outputs": [
+            {"id": "pl-action-result", "property": "children"},
+            {"id": "pl-last-action", "property": "data"},
+        ],
+        "inputs": [
+            {"id": b, "property": "n_clicks", "value": 1 if b == button else None}
+            for b in ("pl-ack", "pl-reject", "pl-override", "pl-hold")
+        ],
+        "changedPropIds": [f"{button}.n_clicks"],
+        "state": [
+            {"id": "job", "property": "value", "value": "job-a"},
+            {"id": "pl-plan", "property": "value", "value": 1},
+            {"id": "pl-ov-layers", "property": "value", "value": layers},
+            {"id": "pl-ov-drop", "property": "value", "value": drop},
+            {"id": "pl-ov-keep", "property": "value", "value": ""},
+            {"id": "pl-ov-migration", "property": "value", "value": []},
+            {"id": "pl-comment", "property": "value", "value": comment},
+            {"id": "pl-shown", "property": "data", "value": shown},
+        ],
+    }
+
+
+def incident_of(r, job: str = "job-a", report_id: str = "fr-slow-1"):
+    """The incident ``report_id`` of ``job`` assembled from what Redis holds (no audit)."""
+    from dashboard import incidents
+    from dashboard.data import DashboardData
+
+    d = DashboardData(r)
+    return incidents.build_incident(
+        job,
+        report_id,
+        d.failures(job),
+        d.plan_history(job),
+        d.actions(job),
+        [x.to_dict() for x in d.iterations(job)],
+    )

@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from dashboard_scenario import publish_job
+from dashboard_scenario import plan_action_request, publish_job
 
 from dashboard.app import create_app, start_health_thread
 from dashboard.config import DashboardConfig
@@ -31,31 +31,7 @@ def app(r, redis_server):
 
 
 def _action_request(button: str, layers="9,5,9,9", shown=None):
-    """A click on ``button`` with plan 1 of job-a selected; ``shown``: the (job, plan) the
-    page has on screen (by default that same plan)."""
-    shown = {"job": "job-a", "plan_id": 1} if shown is None else shown
-    return {
-        "output": "..pl-action-result.children...pl-last-action.data..",
-        "outputs": [
-            {"id": "pl-action-result", "property": "children"},
-            {"id": "pl-last-action", "property": "data"},
-        ],
-        "inputs": [
-            {"id": b, "property": "n_clicks", "value": 1 if b == button else None}
-            for b in ("pl-ack", "pl-reject", "pl-override", "pl-hold")
-        ],
-        "changedPropIds": [f"{button}.n_clicks"],
-        "state": [
-            {"id": "job", "property": "value", "value": "job-a"},
-            {"id": "pl-plan", "property": "value", "value": 1},
-            {"id": "pl-ov-layers", "property": "value", "value": layers},
-            {"id": "pl-ov-drop", "property": "value", "value": "5"},
-            {"id": "pl-ov-keep", "property": "value", "value": ""},
-            {"id": "pl-ov-migration", "property": "value", "value": []},
-            {"id": "pl-comment", "property": "value", "value": "move it"},
-            {"id": "pl-shown", "property": "data", "value": shown},
-        ],
-    }
+    return plan_action_request(button, layers=layers, drop="5", comment="move it", shown=shown)
 
 
 @pytest.mark.redis

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from dashboard_scenario import publish_job, publish_recovery
+from dashboard_scenario import incident_of, publish_job, publish_recovery
 
 from dashboard import incident_export, incidents
 from dashboard.data import DashboardData
@@ -17,15 +17,7 @@ def _incident(r, recover: bool):
     sc = publish_job(r, "job-a", iterations=60, slow_from=40)
     if recover:
         publish_recovery(r, sc, applied_at_s=sc["times"][59][1] + 0.5)
-    d = DashboardData(r)
-    inc = incidents.build_incident(
-        "job-a",
-        "fr-slow-1",
-        d.failures("job-a"),
-        d.plan_history("job-a"),
-        d.actions("job-a"),
-        [x.to_dict() for x in d.iterations("job-a")],
-    )
+    inc = incident_of(r)
     return sc, inc
 
 

@@ -163,3 +163,15 @@ def test_after_an_accepted_override_the_page_shows_the_replacing_plan(r, redis_s
     out = _refresh(app, "job-a", 1, last_action="act-1", followed="act-1")
     assert "pl-plan" not in out or out["pl-plan"].get("value") in (None, 1)
     assert "Plan 1" in json.dumps(out["pl-summary"])
+
+
+def test_the_incident_plan_history_says_a_plan_was_held():
+    from dashboard.incidents import plan_state_rows
+
+    first = _plan(apply_after_s=100.0)
+    held = dataclasses.replace(first, apply_after_s=AdaptationPlan.HELD, updated_at_s=5.0)
+    rows = plan_state_rows([first, held])
+    assert [what for _, what in rows] == [
+        "proposed",
+        "proposed, held: auto-apply stopped, waits for an operator",
+    ]

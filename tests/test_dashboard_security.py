@@ -8,12 +8,11 @@ import json
 import threading
 
 import pytest
-from dashboard_scenario import publish_job
+from dashboard_scenario import incident_of, plan_action_request, publish_job
 
-from dashboard import incident_export, incidents
+from dashboard import incident_export
 from dashboard.app import create_app
 from dashboard.config import DashboardConfig
-from dashboard.data import DashboardData
 from resihp import bus
 from resihp.keys import JobKeys
 from resihp.schemas import OperatorAction
@@ -47,28 +46,7 @@ def _login(c, user="alice", password="s3cret", nxt="/plans", headers=ORIGIN):
 
 
 def _reject_request():
-    return {
-        "output": "..pl-action-result.children...pl-last-action.data..",
-        "outputs": [
-            {"id": "pl-action-result", "property": "children"},
-            {"id": "pl-last-action", "property": "data"},
-        ],
-        "inputs": [
-            {"id": b, "property": "n_clicks", "value": 1 if b == "pl-reject" else None}
-            for b in ("pl-ack", "pl-reject", "pl-override", "pl-hold")
-        ],
-        "changedPropIds": ["pl-reject.n_clicks"],
-        "state": [
-            {"id": "job", "property": "value", "value": "job-a"},
-            {"id": "pl-plan", "property": "value", "value": 1},
-            {"id": "pl-ov-layers", "property": "value", "value": ""},
-            {"id": "pl-ov-drop", "property": "value", "value": ""},
-            {"id": "pl-ov-keep", "property": "value", "value": ""},
-            {"id": "pl-ov-migration", "property": "value", "value": []},
-            {"id": "pl-comment", "property": "value", "value": "replayed"},
-            {"id": "pl-shown", "property": "data", "value": {"job": "job-a", "plan_id": 1}},
-        ],
-    }
+    return plan_action_request("pl-reject", comment="replayed")
 
 
 def _cookie(c) -> str:
@@ -262,15 +240,7 @@ def test_markdown_export_escapes_html_in_actor_names_and_comments(r):
             comment='<img src=x onerror="alert(2)"> | ```',
         ),
     )
-    d = DashboardData(r)
-    inc = incidents.build_incident(
-        "job-a",
-        "fr-slow-1",
-        d.failures("job-a"),
-        d.plan_history("job-a"),
-        d.actions("job-a"),
-        [x.to_dict() for x in d.iterations("job-a")],
-    )
+    inc = incident_of(r)
     md = incident_export.to_markdown(inc)
     assert "<script" not in md and "<img" not in md
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md

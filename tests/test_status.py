@@ -356,6 +356,9 @@ def test_a_service_left_down_or_dead_is_said_to_be_down(redis_server, r):
     assert js["services"]["collector:0"]["pid_alive"] is True
     line = summary_line(js)
     assert "services up 1 (scheduler down)" in line, line
+    # within `resihp up`'s startup time a service with no health key yet is starting
+    line = summary_line(js, starting=True)
+    assert "services up 1 (scheduler starting)" in line and "down" not in line, line
     text = format_status(st)
     assert "service scheduler: DOWN" in text
     assert "service detector:0: ok, but its process is gone" in text

@@ -14,6 +14,7 @@ from dash import ctx as dash_ctx
 from dashboard import figures, incident_export
 from dashboard import incidents as inc_mod
 from dashboard.pages import AppContext, banner, redis_safe
+from resihp import openness
 
 PATH = "/incidents"
 NAME = "Incidents"
@@ -82,6 +83,7 @@ def _load(ctx: AppContext, job: str, incident_id: str) -> inc_mod.Incident:
         audit=d.audit(job),
         now_s=time.time(),
         layouts=d.layouts(job),
+        open_ids=openness.open_report_ids(reversed(d.failures(job)), d.device_health(job)),
     )
 
 
@@ -106,12 +108,22 @@ def register(app, ctx: AppContext) -> None:
         fails = d.failures(job)
         hist, acts, audit = d.plan_history(job), d.actions(job), d.audit(job)
         lays = d.layouts(job)
+        open_ids = openness.open_report_ids(reversed(fails), d.device_health(job))
         rows = inc_mod.wall_rows([r.to_dict() for r in d.iterations(job)])
         data = []
         now = time.time()
         for f in inc_mod.list_incidents(fails)[::-1][:100]:
             inc = inc_mod.build_incident(
-                job, f.report_id, fails, hist, acts, rows, audit=audit, now_s=now, layouts=lays
+                job,
+                f.report_id,
+                fails,
+                hist,
+                acts,
+                rows,
+                audit=audit,
+                now_s=now,
+                layouts=lays,
+                open_ids=open_ids,
             )
             ph = {p.name: p.at_s for p in inc.phases}
             onset = inc.phases[0].at_s

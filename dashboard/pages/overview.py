@@ -11,7 +11,7 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dashboard import figures, figures_skew, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
-from resihp import progress
+from resihp import openness, progress
 from resihp.bus import collector_lag_s, job_silent_since, liveness_judged
 
 PATH = "/"
@@ -148,12 +148,22 @@ def summarize(ctx: AppContext, job: str) -> dict:
     lays = d.layouts(job)
     now = time.time()
     open_inc = []
+    open_ids = openness.open_report_ids(reversed(fails), d.device_health(job))
     wrows = incidents.wall_rows(rows)
     # An old incident can still be open behind many newer ones that closed: look back
     # over the last OPEN_LOOKBACK reports, show the newest OPEN_SHOWN that are open.
     for f in reversed(incidents.list_incidents(fails)[-OPEN_LOOKBACK:]):
         inc = incidents.build_incident(
-            job, f.report_id, fails, hist, acts, wrows, audit=audit, now_s=now, layouts=lays
+            job,
+            f.report_id,
+            fails,
+            hist,
+            acts,
+            wrows,
+            audit=audit,
+            now_s=now,
+            layouts=lays,
+            open_ids=open_ids,
         )
         if inc.is_open:
             open_inc.append(inc)

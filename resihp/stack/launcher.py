@@ -828,7 +828,7 @@ def _run_stack(args, stop: threading.Event) -> int:
                 next_summary = now + (1.0 if tty else 5.0)
                 try:
                     st = collect_status(url, args.job_id)["jobs"][args.job_id]
-                    line = summary_line(st)
+                    line = summary_line(st, starting=starting)
                 except UnknownJob:  # the trainer has not registered the job yet
                     line = f"[{args.job_id}] waiting for the job to report"
                 except (redis.ConnectionError, redis.TimeoutError) as e:

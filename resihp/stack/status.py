@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from resihp import openness
 from resihp.bus import (
     SUSPECT_NODES,
     Health,
@@ -106,7 +107,7 @@ def _device_health(client, keys: JobKeys) -> tuple[set[int], dict[int, float | N
             r = int(rank)
         except ValueError:
             continue
-        if not isinstance(h, dict) or h.get("state") in (None, "healthy"):
+        if not isinstance(h, dict) or not openness.is_failed_state(h.get("state")):
             continue
         failed.add(r)
         if h.get("state") == "dead":
@@ -122,27 +123,11 @@ OPEN_SCAN = 1000
 def open_failures(
     client, keys: JobKeys, failed: set[int], world_size: int | None = None
 ) -> list[FailureReport]:
-    """Failure reports still open, newest first: each failed device is charged to the
-    newest report naming it (a fail-slow rank that later died is one open failure, the
-    fail-stop), and a report none of whose devices is still failed is closed.  A report
-    naming a rank beyond the layout (``world_size``) is one the scheduler refused (a
-    forged one of 100,000 ranks): it is never open."""
+    """Failure reports still open, newest first (:mod:`resihp.openness` defines "open")."""
     if not failed:
         return []
-    out, claimed = [], set()
-    for f in recent_failures(client, keys, count=OPEN_SCAN):
-        if f.kind == "recovery":
-            continue
-        if world_size is not None and f.ranks and max(f.ranks) >= world_size:
-            continue
-        named = set(f.ranks) | {r for link in f.links for r in link}
-        mine = (named & failed) - claimed
-        if mine:
-            out.append(f)
-            claimed |= mine
-        if claimed >= failed:
-            break
-    return out
+    reports = recent_failures(client, keys, count=OPEN_SCAN)
+    return openness.open_failures(reports, failed, world_size)
 
 
 def _status_plans(client, keys: JobKeys) -> tuple[dict[int, AdaptationPlan], dict[str, int]]:
@@ -343,7 +328,9 @@ def _pending(st: dict[str, Any]) -> int:
     return sum(st["plans_by_state"].get(s, 0) for s in AWAITING)
 
 
-def summary_line(st: dict[str, Any]) -> str:
+def summary_line(st: dict[str, Any], starting: bool = False) -> str:
+    """One console line; ``starting``: the services are still within their startup time,
+    so one with no health key yet is said to be starting, not down."""
     it = st.get("last_iteration") or {}
     age = it.get("age_s")
     n_open = st["open_failures"]
@@ -353,7 +340,11 @@ def summary_line(st: dict[str, Any]) -> str:
         + (f" ({n_dev} devices)" if n_dev != n_open else "")
         + f" | pending plans {_pending(st)}"
         f" | services up {sum(1 for s in st['services'].values() if _up(s))}"
-        + (f" ({', '.join(st['missing_services'])} down)" if st.get("missing_services") else "")
+        + (
+            f" ({', '.join(st['missing_services'])} {'starting' if starting else 'down'})"
+            if st.get("missing_services")
+            else ""
+        )
     )
     head = stall_headline(st)
     if head:

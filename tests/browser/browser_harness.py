@@ -1,11 +1,17 @@
 """Shared parts of the browser tests: the headless chromium they drive, where screenshots go,
-polling for a condition, and opening a page that records the page's JavaScript errors."""
+polling for a condition, the scheduler + dashboard processes they run against, and opening a
+page that records the page's JavaScript errors."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,3 +63,58 @@ def refresh_docs_img(shot: str, doc_name: str) -> None:
         img = ROOT / "docs" / "img"
         img.mkdir(parents=True, exist_ok=True)
         shutil.copy(SHOTS / shot, img / doc_name)
+
+
+def plan_state(r, keys, pid: int) -> dict | None:
+    """Plan ``pid``'s current snapshot in Redis (None before the scheduler made it)."""
+    raw = r.hget(keys.plan_state, str(pid))
+    return json.loads(raw) if raw else None
+
+
+@contextlib.contextmanager
+def scheduler_and_dashboard(redis_url: str, port: int, tmp_path: Path, r, keys):
+    """The real scheduler (manual mode) and dashboard (operator alice:wonderland) for job-a
+    as processes, up and with the scheduler's plan 1 made; yields the dashboard's URL and
+    stops both after (printing a process log that holds a traceback)."""
+    env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
+    base = ["--redis-url", redis_url, "--job-id", "job-a"]
+    argvs = {
+        "scheduler": ["scheduler", *base, "--mode", "manual"],
+        "dashboard": ["dashboard", *base, "--port", str(port)],
+    }
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in argvs}  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[n],
+            stderr=subprocess.STDOUT,
+        )
+        for n, argv in argvs.items()
+    ]
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return urllib.request.urlopen(url + "/", timeout=1).status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, 30, "the dashboard server")
+        wait_for(lambda: plan_state(r, keys, 1), 20, "the scheduler's plan")
+        yield url
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for n, log in logs.items():
+            log.close()
+            text = (tmp_path / f"{n}.log").read_text()
+            if "Traceback" in text:
+                print(f"--- {n}.log\n{text[-4000:]}")

@@ -17,16 +17,22 @@ docs/img/; test_dashboard_stack.py adds the pipeline timeline).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from browser_harness import ROOT, SHOTS, open_page, refresh_docs_img, require_chromium, wait_for
+from browser_harness import (
+    SHOTS,
+    open_page,
+    plan_state,
+    refresh_docs_img,
+    require_chromium,
+    scheduler_and_dashboard,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dashboard_scenario import publish_big_job, publish_job, touch_heartbeats  # noqa: E402
@@ -38,68 +44,13 @@ from resihp.schemas import IterationRecord  # noqa: E402
 pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
 
 
-def _plan(r, keys, pid: int) -> dict | None:
-    raw = r.hget(keys.plan_state, str(pid))
-    return json.loads(raw) if raw else None
-
-
 @pytest.fixture
 def stack(r, redis_server, tmp_path):
     require_chromium()
     sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
     sc["big"] = publish_big_job(r, "big")  # a second job in the same Redis: 16,384 GPUs
-    env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
-    procs = []
-    logs = []
-
-    def spawn(name, argv):
-        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed in teardown
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", *argv],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-
-    port = free_port()
-    spawn(
-        "scheduler",
-        ["scheduler", "--redis-url", redis_server.url, "--job-id", "job-a", "--mode", "manual"],
-    )
-    spawn(
-        "dashboard",
-        ["dashboard", "--redis-url", redis_server.url, "--job-id", "job-a", "--port", str(port)],
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return urllib.request.urlopen(url + "/", timeout=1).status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_for(up, 30, "the dashboard server")
-        wait_for(lambda: _plan(r, sc["keys"], 1), 20, "the scheduler's plan")
+    with scheduler_and_dashboard(redis_server.url, free_port(), tmp_path, r, sc["keys"]) as url:
         yield sc, url
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
-        for f in tmp_path.glob("*.log"):
-            text = f.read_text()
-            if "Traceback" in text:
-                print(f"--- {f.name}\n{text[-4000:]}")
 
 
 def test_dashboard_end_to_end(stack, r, tmp_path):
@@ -211,7 +162,7 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         expect(page.locator("#pl-diff")).to_contain_text("stage 1 layers")
         page.click("#pl-ack")
         expect(page.locator("#pl-action-refused")).to_contain_text("log in")
-        assert r.xlen(keys.actions) == 0 and _plan(r, keys, 1)["state"] == "proposed"
+        assert r.xlen(keys.actions) == 0 and plan_state(r, keys, 1)["state"] == "proposed"
 
         # Wrong password, then the operator logs in.
         page.fill("#login-user", "alice")
@@ -230,7 +181,7 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         expect(page.locator("#pl-action-sent")).to_contain_text("Sent override")
         expect(page.locator("#pl-outcome-refused")).to_contain_text("sum to 32")
         expect(page.locator("#pl-refusals")).to_contain_text("sum to 32")
-        refused = _plan(r, keys, 2)
+        refused = plan_state(r, keys, 2)
         assert refused["state"] == "refused" and refused["parent_plan_id"] == 1
 
         # Acknowledge: an OperatorAction by alice, and the plan's state changes in Redis.
@@ -238,7 +189,9 @@ def test_dashboard_end_to_end(stack, r, tmp_path):
         expect(page.locator("#pl-action-sent")).to_contain_text(
             "Sent acknowledge for plan 1 as alice"
         )
-        wait_for(lambda: _plan(r, keys, 1)["state"] == "acknowledged", 10, "plan 1 acknowledged")
+        wait_for(
+            lambda: plan_state(r, keys, 1)["state"] == "acknowledged", 10, "plan 1 acknowledged"
+        )
         acts = [json.loads(f[b"m"])[0] for _, f in r.xrange(keys.actions)]
         assert [(a["action"], a["actor"]) for a in acts] == [
             ("override", "alice"),

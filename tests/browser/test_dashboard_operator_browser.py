@@ -8,15 +8,21 @@ docs/img/ with RESIHP_UPDATE_DOCS_IMG=1)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from browser_harness import ROOT, SHOTS, open_page, refresh_docs_img, require_chromium, wait_for
+from browser_harness import (
+    SHOTS,
+    open_page,
+    plan_state,
+    refresh_docs_img,
+    require_chromium,
+    scheduler_and_dashboard,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dashboard_scenario import publish_job  # noqa: E402
@@ -30,59 +36,12 @@ pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
 GRACE_S = 12.0
 
 
-def _plan(r, keys, pid: int) -> dict | None:
-    raw = r.hget(keys.plan_state, str(pid))
-    return json.loads(raw) if raw else None
-
-
 @pytest.fixture
 def stack(r, redis_server, tmp_path):
     require_chromium()
     sc = publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
-    env = {**os.environ, "RESIHP_OPERATORS": "alice:wonderland", "PYTHONUNBUFFERED": "1"}
-    port = free_port()
-    argvs = {
-        "scheduler": ["scheduler", "--redis-url", redis_server.url, "--job-id", "job-a"]
-        + ["--mode", "manual"],
-        "dashboard": ["dashboard", "--redis-url", redis_server.url, "--job-id", "job-a"]
-        + ["--port", str(port)],
-    }
-    logs = {n: open(tmp_path / f"{n}.log", "w") for n in argvs}  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=logs[n],
-            stderr=subprocess.STDOUT,
-        )
-        for n, argv in argvs.items()
-    ]
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return urllib.request.urlopen(url + "/auth/whoami", timeout=1).status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_for(up, 30, "the dashboard server")
-        wait_for(lambda: _plan(r, sc["keys"], 1), 20, "the scheduler's plan")
+    with scheduler_and_dashboard(redis_server.url, free_port(), tmp_path, r, sc["keys"]) as url:
         yield sc, url
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for n, log in logs.items():
-            log.close()
-            text = (tmp_path / f"{n}.log").read_text()
-            if "Traceback" in text:
-                print(f"--- {n}\n{text[-4000:]}")
 
 
 def _whoami(url: str, cookie: str) -> dict:
@@ -151,7 +110,7 @@ def test_operator_session_throttle_countdown_hold_override_logout(stack, r):
         expect(countdown).to_contain_text("is held")
         expect(page.locator("#pl-hold")).to_be_disabled()
         wait_for(lambda: time.monotonic() - t_auto > GRACE_S + 3, GRACE_S + 10, "the grace")
-        p1 = _plan(r, keys, 1)
+        p1 = plan_state(r, keys, 1)
         assert p1["state"] == "proposed" and p1["apply_after_s"] == AdaptationPlan.HELD
         audit = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.audit)]
         assert [(a["actor"], a["action"], a["result"]) for a in audit if a["action"] == "hold"] == [
@@ -171,7 +130,7 @@ def test_operator_session_throttle_countdown_hold_override_logout(stack, r):
                     (
                         p
                         for p in range(2, 6)
-                        if (_plan(r, keys, p) or {}).get("parent_plan_id") == 1
+                        if (plan_state(r, keys, p) or {}).get("parent_plan_id") == 1
                     ),
                     None,
                 ),
