@@ -8,7 +8,6 @@ import re
 
 import pytest
 from dashboard_scenario import dash_call, publish_job, publish_recovery
-from resihp.status import collect_status, summary_line
 
 from dashboard import incidents
 from dashboard.app import create_app
@@ -16,6 +15,7 @@ from dashboard.config import DashboardConfig
 from resihp import bus
 from resihp.openness import failed_ranks, open_failures
 from resihp.schemas import FailureReport
+from resihp.stack.status import collect_status, summary_line
 
 
 def _report(rid: str, kind: str, rank: int, at_s: float) -> FailureReport:
