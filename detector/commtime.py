@@ -46,6 +46,9 @@ ALLREDUCE = int(ChunkKind.ALLREDUCE)
 #: Slack when comparing a receive's posting time with its sender's end (seconds): the
 #: record's times are rounded, and a pure-transfer row starts exactly at the sender's end.
 POST_SLACK_S = 1e-4
+#: A link (replica, stage, direction) with more than this share of its receives posted
+#: late in an iteration is not measured in it (see :func:`own_comm_time`).
+MAX_LATE_SHARE = 0.5
 
 
 def _code(dp, stage, src, mb) -> np.ndarray:
@@ -83,7 +86,12 @@ def own_comm_time(
             sender_end[hit] = ends[pos[hit]]
         known = np.isfinite(sender_end) & np.isfinite(start[recv])
         late = known & (start[recv] > sender_end + POST_SLACK_S)
-        keep[recv[late]] = False
+        # a link whose receives were mostly late this iteration gives no sample: the median
+        # of the few that waited swings with which ones they were (noise, not the link)
+        link = (dp[recv].astype(np.int64) * 4096 + stage[recv]) * 4 + direction[recv] + 1
+        _, inv = np.unique(link, return_inverse=True)
+        late_share = np.bincount(inv, weights=late) / np.bincount(inv)
+        keep[recv[late | (late_share[inv] > MAX_LATE_SHARE)]] = False
         w = known & ~late
         dur[recv[w]] = np.maximum(0.0, end[recv[w]] - np.maximum(start[recv[w]], sender_end[w]))
     ar = np.flatnonzero(kind == ALLREDUCE)

@@ -25,7 +25,8 @@ gives the reasoning; in short:
   ``evidence.intermittent`` and ``evidence.flaps`` when it flapped.
 
 Rejects: slowdowns shorter than the hold (1-3 iteration stragglers), repeated
-reports of a flapping device.  Passes severity changes of a reported device
+reports of a flapping device.  Passes at once: a group the warm-up comparisons found
+slow (it was slow through the whole warm-up window).  Passes severity changes of a reported device
 that is not under a held recovery.
 """
 
@@ -35,6 +36,10 @@ from dataclasses import dataclass, field
 
 from detector.config import DetectorConfig
 from detector.failslow import Finding, SlowState
+
+#: Findings of the warm-up comparisons (detector/warmup.py): the group was slow through
+#: the (re-)warm-up's iterations, longer than any hold here.
+WARMUP_SIGNALS = ("warmup_peer_comparison", "warmup_prior_comparison")
 
 
 @dataclass
@@ -112,6 +117,8 @@ class PersistenceGate:
             return []
         if self.cfg.persist_min_iters <= 1 and self.cfg.replan_cost_s <= 0:
             return [f]
+        if f.evidence.get("signal") in WARMUP_SIGNALS:
+            return [f]  # slow through a whole (re-)warm-up window: it has persisted
         cp = f.evidence.get("change_point") or {}
         since = cp.get("iteration", iteration) if isinstance(cp, dict) else iteration
         since = int(since) if isinstance(since, int | float) else iteration

@@ -134,7 +134,12 @@ class ValidationStage:
         """A real shift whose cost was under the bar on the workloads seen so far:
         re-cost it on fresh workloads for a while (the heaviest replica sets the
         pace, so the same slowdown costs more in some data mixes)."""
-        self.watch[(what, key)] = {"cp": cp, "next": v.iteration + 1, "until": v.iteration + 40}
+        self.watch[(what, key)] = {
+            "cp": cp,
+            "next": v.iteration + 4,
+            "until": v.iteration + 40,
+            "level": cp.mean_after,
+        }
 
     def _current_level(self, what: str, key, cp: ChangePoint) -> ChangePoint:
         """``cp`` with its post-change level raised to the series' latest one (the median
@@ -155,13 +160,17 @@ class ValidationStage:
             if v.iteration > w["until"] or (val is not None and val - base < lim):
                 del self.watch[(what, key)]
                 continue
-            if val is None or v.iteration < w["next"]:
+            if val is None:
                 continue
-            cp = w["cp"] = self._current_level(what, key, w["cp"])
-            # re-costed every iteration while the level still climbs (a throttling
-            # ramp crosses the bar within a few iterations), else every 4
-            w["next"] = v.iteration + (1 if cp.mean_after > w.get("level", -np.inf) else 4)
-            w["level"] = cp.mean_after
+            cp = self._current_level(what, key, w["cp"])
+            # re-costed every 4 iterations, and at once when its level rose by another
+            # min_chunk_shift since it was last costed (a throttling ramp crosses the bar
+            # within a few iterations; re-costing flat noise every iteration would only
+            # add validations)
+            rose = cp.mean_after - w["level"] >= float(np.log1p(self.cfg.min_chunk_shift))
+            if v.iteration < w["next"] and not rose:
+                continue
+            w["cp"], w["level"], w["next"] = cp, cp.mean_after, v.iteration + 4
             joint: dict = {}
             for (ow, ok), o in self.watch.items():
                 if ow == "compute":

@@ -143,6 +143,16 @@ def test_unpacked_chunk_lines_replay_like_the_packed_batches(trace):
     assert [(r.kind, r.ranks, r.iteration, r.severity) for r in got] == key
 
 
+def _replay_cli(trace, tmp_path) -> subprocess.CompletedProcess:
+    """``python -m detector replay TRACE --out tmp_path/o``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "detector", "replay", str(trace), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_replay_names_the_line_of_refused_rows_and_counts_what_it_does_not_print(tmp_path):
     from resihp.topology import Layout
 
@@ -155,12 +165,7 @@ def test_replay_names_the_line_of_refused_rows_and_counts_what_it_does_not_print
     lines.append(json.dumps({"type": "layout", "layout": {"world_size": 4}}))
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    p = subprocess.run(
-        [sys.executable, "-m", "detector", "replay", str(path), "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    p = _replay_cli(path, tmp_path)
     err = p.stderr.splitlines()
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     # an assembler refusal came without its line, and errors past the 20th vanished
@@ -848,12 +853,7 @@ def test_replay_warns_when_it_assembled_fewer_iterations_than_the_trace_holds(tm
     lines, _items, _lay = _long_iteration_trace(rows_per_iteration_at_end=True, microbatches=16)
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(lines) + "\n")
-    p = subprocess.run(
-        [sys.executable, "-m", "detector", "replay", str(trace), "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = _replay_cli(trace, tmp_path)
     assert p.returncode == 0, p.stderr
     seen = re.search(r"(\d+) iterations seen, (\d+) assembled", p.stderr)
     assert seen and int(seen.group(1)) == 36 and int(seen.group(2)) < 36, p.stderr

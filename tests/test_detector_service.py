@@ -291,6 +291,10 @@ def test_live_service_and_replay_report_the_same(r):
     svc = _svc(r, job="same")
     for rec in recs:
         bus.publish(r, keys.iterations, rec)
+    while svc.run_once():
+        pass
+    # after the records, as in the trace: read first, a fail-stop pauses fail-slow verdicts
+    # for 20 iterations and the persistence stage's hold then ends on another iteration
     bus.publish(r, keys.liveness, dead)
     while svc.run_once():
         pass

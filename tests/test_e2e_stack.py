@@ -106,7 +106,8 @@ def test_fail_slow_then_fail_stop_detected_planned_applied_and_recovered(tmp_pat
     slow = [r for r in reports if r.kind == "fail_slow_compute"]
     stop = [r for r in reports if r.kind == "fail_stop"]
     assert slow and slow[0].ranks == [4], kinds
-    assert 30 <= slow[0].iteration <= 33, "fail-slow detected within 3 iterations"
+    # held by the persistence stage: lasted >= 4 iterations and cost a re-plan, or lasted 10
+    assert 32 <= slow[0].iteration <= 40, "fail-slow reported once it persisted (4-10 iterations)"
     assert slow[0].severity["4"] < 0.8 and "predicted_healthy_s" in json.dumps(slow[0].evidence)
     assert stop and 9 in stop[0].ranks, kinds
     # no false alarm before the injected slowdown
@@ -140,7 +141,9 @@ events:
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(330)  # 8 gloo ranks on 2 cores: ~60 iterations plus two regroupings
+# 8 gloo ranks on 2 cores: ~90 iterations (the recovery is held 30 stable iterations) plus
+# two regroupings
+@pytest.mark.timeout(450)
 def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
     """The real torch.distributed job (TP2 x PP2 x DP2 on gloo): a slow rank is localized
     from its own chunk timings, the plan sets it aside (its TP group shrinks), and once it
@@ -152,11 +155,11 @@ def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
         "torch",
         "--trainer-arg=--iterations=400",
         "--duration",
-        "240",
+        "340",
     )
     keys = JobKeys("default")
     try:
-        deadline = time.time() + 220
+        deadline = time.time() + 320
         set_aside = given_back = False
         while time.time() < deadline and not given_back:
             time.sleep(1)
@@ -172,7 +175,7 @@ def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
     assert set_aside and given_back, f"{kinds}\n{out[-3000:]}"
     # (8 ranks on 2 cores are noisy: a transient report elsewhere is not what this checks)
     slow = [r for r in reports if r.kind == "fail_slow_compute" and r.ranks == [3]]
-    assert slow and 25 <= slow[0].iteration <= 30, kinds
+    assert slow and 27 <= slow[0].iteration <= 35, kinds  # after the 4-10-iteration hold
     assert slow[0].severity["3"] < 0.5
     back = [r for r in reports if r.kind == "recovery" and r.ranks == [3]]
     assert back and back[0].iteration >= 45, kinds

@@ -170,7 +170,8 @@ def test_slow_link_lengthens_its_transfers():
     sc = parse_scenario(
         "events:\n  - {at_iteration: 1, action: slow_link, ranks: [8, 9, 10, 11], factor: 0.05}\n"
     )
-    steps = list(simulate_run(_cfg(noise=0.0), sc, iterations=2))
+    # the pure-transfer form: a blocking receive (the default) also holds the wait
+    steps = list(simulate_run(_cfg(noise=0.0, comm_timing="transfer"), sc, iterations=2))
 
     def recv(step):
         r = step.chunk_rows
