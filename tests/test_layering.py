@@ -34,11 +34,26 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:``: a type-only import
+    never runs, so it makes no import edge."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = child.test if isinstance(child, ast.If) else None
+            if isinstance(test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(test):
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
 def _imports(mod: str) -> set[str]:
     f = MODULES[mod]
     base = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
     deps: set[str | None] = set()
-    for node in ast.walk(ast.parse(f.read_text())):
+    for node in _runtime_nodes(ast.parse(f.read_text())):
         if isinstance(node, ast.Import):
             deps |= {_owner(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
