@@ -355,15 +355,17 @@ def test_a_plan_from_the_home_layout_that_brings_no_device_back_is_no_restore():
     pred = Predictor("llama2-7b", 4096)
     home = Layout.uniform(4, 2, 2, 32, 8)
     cur = plan(home, {9: 0.0}, pred).after  # rank 11 parked on standby
-    res = plan(cur, {9: 0.0, 4: 0.2}, pred, home=home)
+    res = plan(cur, {9: 0.0, 4: 0.5}, pred, home=home)
     assert not [m for m in res.moves if m["what"] == "restore"], res.moves
     assert "restores" not in res.note and "no idle device comes back" in res.note, res.note
     assert 11 not in res.after.coords()
     # its TP moves are the regroupings of the current groups, not of the home layout's
     regroups = [m for m in res.moves if m["what"] == "tp_regroup"]
-    assert regroups and all(
-        sorted(m["from"]) == sorted(cur.groups[m["dp"]][m["stage"]]) for m in regroups
-    ), regroups
+    # (since Algorithm 1 stopped emitting no-op swaps, the home plan wins here with the
+    # current groups left as they are: any regrouping must be of a current group)
+    assert all(sorted(m["from"]) == sorted(cur.groups[m["dp"]][m["stage"]]) for m in regroups), (
+        regroups
+    )
     # a real restore still says what it brings back
     node1 = {r: 0.0 for r in range(8, 16)}
     shrunk = plan(home, node1, pred).after

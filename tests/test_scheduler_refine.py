@@ -106,7 +106,9 @@ def test_joint_probes_leave_the_descents_local_optimum(monkeypatch):
     probed, probed_other = plan(lay(), SLOW, PRED), plan(lay(), other, PRED)
     monkeypatch.setattr(planner, "PROBE_BUDGET", 0)
     descent, descent_other = plan(lay(), SLOW, PRED), plan(lay(), other, PRED)
-    assert probed.predicted_after_s < 0.96 * descent.predicted_after_s
+    # (more than 4 % before Algorithm 1 stopped emitting no-op swaps and the planner began
+    # scoring partitions by the engine: the descent now starts closer, the probes still gain)
+    assert probed.predicted_after_s < descent.predicted_after_s * (1 - 1e-3)
     assert probed.predicted_after_s == pytest.approx(PRED.iteration_s(probed.after, SLOW))
     assert probed.after.layers != descent.after.layers
     assert probed.after.microbatches[1] < probed.after.microbatches[0]  # off the slow replica
