@@ -104,6 +104,10 @@ class DetectorConfig:
     cpd_penalty: float = 8.0
     #: Sliding window of points handed to ruptures.
     cpd_window: int = 48
+    #: MB of iteration views (chunk columns) the detector keeps for costing and gating a
+    #: change: at most cpd_window views and at most this many MB, the newest 8 always.
+    #: A 16,384-GPU view is ~20 MB, so 48 of them grew the detector by ~1 GB (issue 24).
+    view_history_mb: float = 256.0
     #: Minimum segment length for ruptures (points).
     cpd_min_size: int = 2
     #: CUSUM screen slack and decision level, in noise standard deviations.
@@ -204,6 +208,9 @@ class DetectorConfig:
         ):
             if not integer(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
+        mb = self.view_history_mb
+        if not isinstance(mb, int | float) or isinstance(mb, bool) or not mb > 0:
+            bad("view_history_mb", "must be a number > 0")
         if self.warmup_iters < 5:
             bad("warmup_iters", "needs at least 5 iterations to fit alpha, beta and the noise")
         for name in ("forget", "threshold", "min_throughput_loss", "cpd_penalty"):

@@ -52,6 +52,7 @@ from detector.predictor import (
     ChunkPredictor,
     IterationPredictor,
     IterationView,
+    ViewHistory,
     comm_stats,
     infer_layout,
     link_of,
@@ -118,7 +119,7 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
         self.gdet: dict[Group, OnlineChangeDetector] = {}
         self.cdet: dict[LinkKey, OnlineChangeDetector] = {}
         self.idet = self._new_det(direction=1)
-        self.recent: deque[IterationView] = deque(maxlen=cfg.cpd_window)
+        self.recent = ViewHistory(cfg.cpd_window, int(cfg.view_history_mb * 2**20))
         self.pending: deque[IterationView] = deque()
         self._folds = 0
         self.watch: dict[tuple, dict] = {}

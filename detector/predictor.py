@@ -120,6 +120,11 @@ class IterationView:
     def num_chunks(self) -> int:
         return len(self.kind)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the view's column arrays (what a history of views costs)."""
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
     @classmethod
     def from_record(cls, rec: IterationRecord) -> IterationView:
         ch = rec.chunks or {}
@@ -792,3 +797,48 @@ def _mean_stats(v: IterationView) -> tuple[float, float]:
         return 0.0, 0.0
     arr = np.array(list(v.mb_stats.values()))
     return float(arr[:, 0].mean()), float(arr[:, 1].mean())
+
+
+class ViewHistory:
+    """The newest iteration views a detector keeps, bounded by count and by bytes.
+
+    ``maxlen`` views at most (the change-point window), and never more than ``max_bytes``
+    of column arrays, but always the newest ``keep_min`` whatever they cost: at 256 GPUs
+    48 views are ~15 MB and the count binds; at 16,384 GPUs one view is ~20 MB and the
+    byte budget binds (the slowdown-costing stage reads the last 8, the change-point gate
+    every view since the change, which is then averaged over fewer iterations)."""
+
+    def __init__(self, maxlen: int, max_bytes: int, keep_min: int = 8):
+        self.maxlen, self.max_bytes, self.keep_min = maxlen, max_bytes, keep_min
+        self._views: deque[IterationView] = deque()
+        self._bytes: deque[int] = deque()
+        self.bytes_total = 0
+
+    def append(self, v: IterationView) -> None:
+        n = v.nbytes
+        self._views.append(v)
+        self._bytes.append(n)
+        self.bytes_total += n
+        while len(self._views) > self.maxlen or (
+            self.bytes_total > self.max_bytes and len(self._views) > self.keep_min
+        ):
+            self._views.popleft()
+            self.bytes_total -= self._bytes.popleft()
+
+    def extend(self, views) -> None:
+        for v in views:
+            self.append(v)
+
+    def clear(self) -> None:
+        self._views.clear()
+        self._bytes.clear()
+        self.bytes_total = 0
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i):
+        return self._views[i]

@@ -314,3 +314,25 @@ def test_kind_codes_from_names_any_case_and_ints():
 
     assert _kind_codes(["F", "RECV", "w", "bogus", "ALLREDUCE"]).tolist() == [0, 4, 2, -1, 5]
     assert _kind_codes([0, 6, 7, -1]).tolist() == [0, 6, -1, -1]
+
+
+def test_the_detectors_view_history_is_bounded_in_bytes_keeping_the_newest():
+    lay = Layout.uniform(tp=1, pp=4, dp=2, num_layers=8, num_microbatches=8)
+    job = SyntheticJob(lay, seed=5)
+    one = IterationView.from_record(job.next_record()).nbytes
+    assert one > 0
+    # a budget of 10.5 views: the byte bound binds before the 48-view count does
+    cfg = DetectorConfig(warmup_iters=5, view_history_mb=10.5 * one / 2**20)
+    det = Detector(cfg, layout=lay)
+    for _ in range(60):
+        det.handle(job.next_record())
+    recent = det.failslow.recent
+    assert len(recent) == 10 and recent.bytes_total <= 10.5 * one
+    assert recent[-1].iteration == job.iteration - 1  # the newest stays
+    # never fewer than the 8 the costing stage reads, however small the budget
+    det = Detector(DetectorConfig(warmup_iters=5, view_history_mb=1e-9), layout=lay)
+    for _ in range(30):
+        det.handle(job.next_record())
+    assert len(det.failslow.recent) == 8
+    with pytest.raises(ValueError, match="view_history_mb"):
+        DetectorConfig(view_history_mb=0)
