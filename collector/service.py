@@ -65,6 +65,7 @@ from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
 from resihp.liveness_agent import agent_nodes
+from resihp.redis_client import is_cluster
 from resihp.schemas import (
     ENTRY_MESSAGES,
     RECORD_TIME_FACTOR,
@@ -85,6 +86,9 @@ from resihp.topology import MAX_WORLD_SIZE, Layout, LayoutError
 log = logging.getLogger(__name__)
 
 SERVICE = "collector"
+#: Seconds between CLIENT LIST reads of a job none of whose node agents was connected at
+#: the last read (agent_poll_s once one is).
+AGENT_IDLE_POLL_S = 2.0
 #: Batches of beats per rank whose smallest clock offset is the rank's estimate: enough to
 #: ride out a few delayed beats, few enough to follow a clock running at another rate.
 SKEW_WINDOW = 8
@@ -836,9 +840,13 @@ class CollectorService:
         once is the job's process ending: heartbeats judge those."""
         if not self.config.agent_poll_s or now < self._agents_next:
             return
-        self._agents_next = now + self.config.agent_poll_s
+        if is_cluster(self.client):
+            # a connection lives on one master and CLIENT LIST reads one node: on a
+            # cluster liveness is heartbeats only
+            self._agents_next = float("inf")
+            return
         try:
-            names = [c.get("name", "") for c in self.client.client_list()]
+            names = [c.get("name", "") for c in self.client.client_list(_type="normal")]
         except redis.ResponseError as e:  # CLIENT refused (ACL, a managed Redis): heartbeats only
             log.warning("collector: CLIENT LIST refused (%s): node agents not watched", e)
             self._agents_next = float("inf")
@@ -846,6 +854,10 @@ class CollectorService:
         present = agent_nodes(names, self.keys.job_id)
         gone = self._agents - present
         self._agents = present
+        # CLIENT LIST costs Redis O(its clients) on its main thread: a job without agents
+        # (a torch job, a simulator above node_agents_max_nodes) is looked at every
+        # AGENT_IDLE_POLL_S only, so an agent is first seen within that
+        self._agents_next = now + (self.config.agent_poll_s if present else AGENT_IDLE_POLL_S)
         if not gone or self._outage or self._finished or not self._heard:
             return
         lv = self.liveness

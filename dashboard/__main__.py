@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from dashboard.config import SERVERS, suspect_operators
-from resihp import entry, openness
+from resihp import entry
 
 #: --job-id of the dashboard; report export's is in _report_parser.
 JOB_HELP = "job shown first (default $RESIHP_JOB_ID, else the first job in Redis)"
@@ -101,9 +101,7 @@ def report_main(argv: list[str]) -> int:
             audit=data.audit(job),
             now_s=time.time(),
             layouts=data.layouts(job),
-            open_ids=openness.open_report_ids(
-                reversed(data.failures(job)), data.device_health(job)
-            ),
+            open_ids=data.open_report_ids(job),
         )
     except incidents.IncidentNotFound as e:
         print(f"report export: {e.args[0]}", file=sys.stderr)

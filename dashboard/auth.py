@@ -153,10 +153,19 @@ class LoginThrottle:
         for k in stale or sorted(self._state, key=lambda k: self._state[k][2])[:1000]:
             del self._state[k]
 
+    @staticmethod
+    def _user_key(user: str) -> str:
+        """The throttle's key for a user name: names are form input (up to the form's
+        size limit), so a long one is kept as its digest and a key costs a bounded size."""
+        if len(user) <= 128:
+            return user
+        return "sha256:" + hashlib.sha256(user.encode("utf-8", "replace")).hexdigest()
+
     def attempt(self, user: str, addr: str) -> float:
         """0 when this attempt may check a password (and is counted as a failure until
         :meth:`succeeded`), else the seconds until the next attempt is allowed."""
         now = self._clock()
+        user = self._user_key(user)
         with self._lock:
             entries = [self._entry(("user", user), now), self._entry(("addr", addr), now)]
             wait = max(e[1] - now for e in entries)
@@ -175,7 +184,7 @@ class LoginThrottle:
     def succeeded(self, user: str, addr: str) -> None:
         with self._lock:
             self.failures_total -= 1  # counted up front in attempt()
-            self._state.pop(("user", user), None)
+            self._state.pop(("user", self._user_key(user)), None)
             self._state.pop(("addr", addr), None)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from resihp import bus, progress
+from resihp import bus, openness, progress
 from resihp.keys import JobKeys
 from resihp.plans import PlanStateReader
 from resihp.schemas import (
@@ -529,6 +529,15 @@ class DashboardData:
             lay = None
         c.hash_cache["layout"] = (time.monotonic(), (raw, lay))
         return lay
+
+    def open_report_ids(self, job_id: str, failures: list | None = None) -> set[str]:
+        """The ids of the job's open failure reports (:mod:`resihp.openness` defines
+        "open"); ``failures``: the job's reports oldest first, if already read."""
+        fails = self.failures(job_id) if failures is None else failures
+        lay = self.layout(job_id)
+        return openness.open_report_ids(
+            reversed(fails), self.device_health(job_id), lay.world_size if lay else None
+        )
 
     def device_health(self, job_id: str) -> dict[int, dict[str, Any]]:
         """rank -> {"p": float, "state": str, ...}; malformed values are skipped.

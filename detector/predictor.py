@@ -35,6 +35,11 @@ ALLREDUCE = int(ChunkKind.ALLREDUCE)
 TP_COMM = int(ChunkKind.TP_COMM)
 _KIND_BY_NAME = {k.name: int(k) for k in ChunkKind}
 #: Feature scaling so the 2x2 normal equations are well conditioned.
+#: The largest ids a view takes (rows beyond are unusable, counted in ``unusable_total``):
+#: 4,096 pipeline stages and replicas, 65,536 micro-batches.  Ids are untrusted input,
+#: arrays are sized by them, and :func:`detector.commtime._code` packs them in 64 bits.
+MAX_VIEW_INDEX = 4096
+MAX_VIEW_MICROBATCH = 65536
 N_UNIT = 1e4
 SQ_UNIT = 1e8
 
@@ -142,6 +147,8 @@ class IterationView:
         said = _col(ch, "direction", n, np.int32, 0)
         said = np.where(np.abs(said) <= 1, said, 0)
         ok = (dp >= 0) & (stage >= 0) & (kind >= 0) & np.isfinite(dur) & (dur >= 0)
+        ok &= (dp < MAX_VIEW_INDEX) & (stage < MAX_VIEW_INDEX) & (src < MAX_VIEW_INDEX)
+        ok &= mb < MAX_VIEW_MICROBATCH
         unusable = int(n - ok.sum())
         # Duplicated chunk rows (a re-sent batch): keep the first of each key.
         # A P2P row's direction tells a micro-batch's activation from its
@@ -192,6 +199,7 @@ class IterationView:
         rbusy = _col(rk, "busy_s", r, np.float64, np.nan)
         rcomm = _col(rk, "comm_s", r, np.float64, np.nan)
         good = (rank >= 0) & (rdp >= 0) & (rst >= 0)
+        good &= (rdp < MAX_VIEW_INDEX) & (rst < MAX_VIEW_INDEX)
         if r:
             _, first = np.unique(rank[good], return_index=True)
             sel = np.flatnonzero(good)[np.sort(first)]

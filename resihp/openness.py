@@ -52,9 +52,9 @@ def open_failures(
     for f in reports_newest_first:
         if f.kind == "recovery":
             continue
-        if world_size is not None and f.ranks and max(f.ranks) >= world_size:
-            continue
         named = set(f.ranks) | {r for link in f.links for r in link}
+        if world_size is not None and named and max(named) >= world_size:
+            continue
         mine = (named & failed) - claimed
         if mine:
             out.append(f)
@@ -65,8 +65,10 @@ def open_failures(
 
 
 def open_report_ids(
-    reports_newest_first: Iterable[FailureReport], device_health: Mapping[Any, Any]
+    reports_newest_first: Iterable[FailureReport],
+    device_health: Mapping[Any, Any],
+    world_size: int | None = None,
 ) -> set[str]:
     """The ids of the open reports, given the job's device health (rank -> {"state": ...})."""
     failed = failed_ranks(device_health)
-    return {f.report_id for f in open_failures(reports_newest_first, failed)}
+    return {f.report_id for f in open_failures(reports_newest_first, failed, world_size)}

@@ -468,7 +468,9 @@ def test_evidence_facts_read_the_detectors_real_reports():
         60: lambda j, lay: j.rank_slow.update({lay.groups[1][2][1]: 1.6}),
         90: lambda j, lay: j.rank_slow.update({lay.groups[1][2][1]: 1.0}),
     }
-    lay, reps = _detector_reports("resihp", 110, at)
+    # a recovery is reported once the device has been stable for 30 iterations (the
+    # detector's persistence stage, docs/detector.md)
+    lay, reps = _detector_reports("resihp", 130, at)
     victim = lay.groups[1][2][1]
     slow = next(r for r in reps if r.kind == "fail_slow_compute")
     facts = dict(incidents.evidence_facts(slow))

@@ -148,6 +148,16 @@ def test_throttle_backoff_doubles_per_user_and_per_address_and_is_capped():
     assert [t.attempt("alice", "1.2.3.4") for _ in range(3)] == [0, 0, 0]
 
 
+def test_throttle_keys_cost_a_bounded_size_whatever_the_user_name():
+    from dashboard.auth import LoginThrottle
+
+    t = LoginThrottle(max_failures=2, base_backoff_s=1, max_backoff_s=8, clock=lambda: 0.0)
+    huge = "x" * 400_000  # a form field of 400 kB
+    assert [t.attempt(huge, "1.2.3.4") for _ in range(2)] == [0, 0]
+    assert t.attempt(huge, "5.6.7.8") > 0  # the same long name is still one user
+    assert max(len(k[1]) for k in t._state) <= 128
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize(
     "nxt",

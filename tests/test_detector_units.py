@@ -336,3 +336,16 @@ def test_the_detectors_view_history_is_bounded_in_bytes_keeping_the_newest():
     assert len(det.failslow.recent) == 8
     with pytest.raises(ValueError, match="view_history_mb"):
         DetectorConfig(view_history_mb=0)
+
+
+def test_a_view_passes_over_rows_whose_ids_are_beyond_its_bounds():
+    lay = Layout.uniform(tp=1, pp=4, dp=2, num_layers=8, num_microbatches=8)
+    rec = SyntheticJob(lay, seed=6).next_record()
+    n = len(rec.chunks["kind"])
+    rec.chunks["stage"] = list(rec.chunks["stage"])
+    rec.chunks["stage"][0] = 2**31 - 1  # forged: arrays are sized by stage ids
+    rec.chunks["microbatch"] = list(rec.chunks["microbatch"])
+    rec.chunks["microbatch"][1] = 70_000  # would alias in the link matcher's packed key
+    v = IterationView.from_record(rec)
+    assert v.unusable_total == 2 and v.num_chunks <= n - 2
+    assert int(v.stage.max()) < 4 and int(v.mb.max()) < 8

@@ -36,6 +36,18 @@ def test_a_report_is_open_while_a_device_it_names_is_still_failed():
     assert open_failures(newest_first, set()) == []
 
 
+def test_a_report_naming_a_device_beyond_the_layout_is_never_open():
+    real = _report("dead-1", "fail_stop", 1, 10.0)
+    forged = FailureReport(
+        report_id="forged", kind="fail_slow_comm", ranks=[1], nodes=[0], detected_at_s=20.0,
+        iteration=60, links=[[1, 99_999]], severity={"1": 0.5},
+    )  # fmt: skip
+    assert [f.report_id for f in open_failures([forged, real], {1})] == ["forged"]
+    # with the layout's size the forged one is passed over and the real one stays open
+    ids = [f.report_id for f in open_failures([forged, real], {1}, world_size=16)]
+    assert ids == ["dead-1"]
+
+
 @pytest.mark.redis
 def test_status_overview_and_incidents_agree_on_what_is_open(r, redis_server):
     """The console said "open failures 2" while the incidents page said both recovered and

@@ -14,7 +14,6 @@ from dash import ctx as dash_ctx
 from dashboard import figures, incident_export
 from dashboard import incidents as inc_mod
 from dashboard.pages import AppContext, banner, redis_safe
-from resihp import openness
 
 PATH = "/incidents"
 NAME = "Incidents"
@@ -83,7 +82,7 @@ def _load(ctx: AppContext, job: str, incident_id: str) -> inc_mod.Incident:
         audit=d.audit(job),
         now_s=time.time(),
         layouts=d.layouts(job),
-        open_ids=openness.open_report_ids(reversed(d.failures(job)), d.device_health(job)),
+        open_ids=d.open_report_ids(job),
     )
 
 
@@ -108,7 +107,7 @@ def register(app, ctx: AppContext) -> None:
         fails = d.failures(job)
         hist, acts, audit = d.plan_history(job), d.actions(job), d.audit(job)
         lays = d.layouts(job)
-        open_ids = openness.open_report_ids(reversed(fails), d.device_health(job))
+        open_ids = d.open_report_ids(job, fails)
         rows = inc_mod.wall_rows([r.to_dict() for r in d.iterations(job)])
         data = []
         now = time.time()

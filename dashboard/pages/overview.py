@@ -11,7 +11,7 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dashboard import figures, figures_skew, incidents
 from dashboard.pages import AppContext, banner, card, redis_safe
 from dashboard.predict import healthy_iteration_time_s
-from resihp import openness, progress
+from resihp import progress
 from resihp.bus import collector_lag_s, job_silent_since, liveness_judged
 
 PATH = "/"
@@ -148,7 +148,7 @@ def summarize(ctx: AppContext, job: str) -> dict:
     lays = d.layouts(job)
     now = time.time()
     open_inc = []
-    open_ids = openness.open_report_ids(reversed(fails), d.device_health(job))
+    open_ids = d.open_report_ids(job, fails)
     wrows = incidents.wall_rows(rows)
     # An old incident can still be open behind many newer ones that closed: look back
     # over the last OPEN_LOOKBACK reports, show the newest OPEN_SHOWN that are open.

@@ -55,6 +55,7 @@ from resihp.liveness_agent import NodeAgent
 from resihp.plans import PlanFollower, read_layout, register_running
 from resihp.producer import TelemetryProducer
 from resihp.progress import last_iteration_entry
+from resihp.redis_client import is_cluster
 from resihp.scenario import Scenario, load_scenario
 from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, SchemaError, decode_entry
 from resihp.topology import Layout, LayoutError
@@ -248,7 +249,9 @@ class SimTrainer:
         lay = self.sim.layout
         dpn = lay.devices_per_node
         cap = self.cfg.node_agents_max_nodes
-        if not cap or -(-len(self.sim.alive) // dpn) > cap:
+        if not cap or -(-len(self.sim.alive) // dpn) > cap or is_cluster(self.client):
+            # on a Redis Cluster a connection lives on one master and the collector's
+            # CLIENT LIST reads another: liveness there is heartbeats only
             return
         live = set((np.flatnonzero(self.sim.alive) // dpn).tolist())
         for node in [n for n in self.agents if n not in live]:
