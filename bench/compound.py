@@ -28,7 +28,7 @@ import time
 from detector.config import DetectorConfig
 from detector.replay import TraceReplayer
 from resihp.scenario import parse_scenario
-from resihp.schemas import ChunkBatch
+from resihp.wire import ChunkBatch
 from scheduler.planner import plan
 from scheduler.predict import Predictor
 from trainer.sim.config import SimConfig

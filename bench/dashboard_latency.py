@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             browser.close()
         published = {}
         for eid, fields in client.xrange(keys.iterations):
-            from resihp.schemas import decode_entry
+            from resihp.wire import decode_entry
 
             for m in decode_entry(fields)[0]:
                 published.setdefault(m.iteration, int(eid.decode().split("-")[0]) / 1000.0)

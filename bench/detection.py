@@ -47,7 +47,7 @@ from detector.engine import Detector
 from detector.predictor import IterationView
 from resihp.assembly import IterationAssembler
 from resihp.scenario import parse_scenario
-from resihp.schemas import decode_entry, encode_one
+from resihp.wire import decode_entry, encode_one
 from trainer.data.lengths import LengthSampler, stdlib_document_lengths
 from trainer.sim.config import SimConfig
 from trainer.sim.core import ClusterSim

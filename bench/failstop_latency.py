@@ -30,8 +30,9 @@ from detector.config import DetectorConfig
 from detector.service import DetectorService
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis
-from resihp.schemas import FailureReport, decode_entry
+from resihp.schemas import FailureReport
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 NODE = """
 import sys, time

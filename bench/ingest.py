@@ -48,8 +48,9 @@ from collector.service import CollectorService, encode_fast
 from collector.synth import iteration_rows
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis, connect
-from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, encode_entry
+from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord
 from resihp.topology import Layout
+from resihp.wire import encode_entry
 
 JOB = "ingest-bench"
 

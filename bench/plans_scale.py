@@ -33,9 +33,10 @@ from dashboard.data import DashboardData
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, latest_plans
 from resihp.redis_client import EmbeddedRedis
-from resihp.schemas import AdaptationPlan, SchemaError, decode_json
+from resihp.schemas import AdaptationPlan, SchemaError
 from resihp.stack.status import _status_plans
 from resihp.topology import Layout
+from resihp.wire import decode_json
 
 JOB = "scale"
 LAYOUT = Layout.uniform(tp=8, pp=8, dp=4, num_layers=80, num_microbatches=32)

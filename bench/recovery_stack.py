@@ -24,7 +24,8 @@ from pathlib import Path
 
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis, free_port
-from resihp.schemas import AdaptationPlan, FailureReport, LivenessEvent, decode_entry
+from resihp.schemas import AdaptationPlan, FailureReport, LivenessEvent
+from resihp.wire import decode_entry
 
 
 def _print_tails(paths: list[Path], lines: int = 15) -> None:

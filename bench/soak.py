@@ -30,7 +30,8 @@ import numpy as np
 from resihp.bus import Health, collector_lag_s
 from resihp.keys import JobKeys
 from resihp.redis_client import connect, free_port
-from resihp.schemas import FailureReport, LivenessEvent, decode_entry
+from resihp.schemas import FailureReport, LivenessEvent
+from resihp.wire import decode_entry
 
 JOB = "soak"
 TRAINER = ("--tp=8", "--pp=16", "--microbatches=64")

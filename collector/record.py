@@ -33,7 +33,7 @@ from resihp import entry
 from resihp.bus import list_jobs
 from resihp.keys import JobKeys
 from resihp.plans import layout_history
-from resihp.schemas import ChunkBatch, HeartbeatBatch, decode_entry
+from resihp.wire import ChunkBatch, HeartbeatBatch, decode_entry
 
 
 @dataclass

@@ -60,6 +60,7 @@ import numpy as np
 import redis
 
 from collector.config import CollectorConfig, parse_heartbeat_k
+from collector.retention import TelemetryRetention
 from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
@@ -67,21 +68,17 @@ from resihp.liveness import LivenessCoordinator
 from resihp.liveness_agent import agent_nodes
 from resihp.redis_client import is_cluster
 from resihp.schemas import (
-    ENTRY_MESSAGES,
     RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
-    ChunkBatch,
     ChunkTiming,
     DeviceProbe,
     Heartbeat,
-    HeartbeatBatch,
     IterationRecord,
     Message,
     MicroBatchStats,
-    chunks_to_rows,
-    encode_record,
 )
 from resihp.topology import MAX_WORLD_SIZE, Layout, LayoutError
+from resihp.wire import ENTRY_MESSAGES, ChunkBatch, HeartbeatBatch, chunks_to_rows, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +106,9 @@ def _dumps(d: dict[str, Any], fast: bool) -> str:
 
 
 def encode_fast(msg: Message) -> dict[bytes, bytes]:
-    """The entry ``schemas.encode_one`` would build, without ``dataclasses.asdict``'s deep
+    """The entry ``wire.encode_one`` would build, without ``dataclasses.asdict``'s deep
     copy of every column list and with a faster float formatter (seconds saved on the
-    record of a 16k-GPU iteration).  Decodes with ``schemas.decode_entry`` like any entry."""
+    record of a 16k-GPU iteration).  Decodes with ``wire.decode_entry`` like any entry."""
     if isinstance(msg, IterationRecord) and msg.packable_chunks():
         return encode_record(msg, lambda d: _dumps(d, fast=True))
     d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
@@ -149,7 +146,7 @@ PUBLISHED_KEPT = 64
 PUBLISHED_RECORDS_KEPT = 2
 
 
-class CollectorService:
+class CollectorService(TelemetryRetention):
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
     ``run(stop)`` loops it and keeps the health key fresh."""
@@ -938,82 +935,6 @@ class CollectorService:
                 self.keys.job_id,
                 judge_s - was,
             )
-
-    # ------------------------------------------------------------ retention
-    @staticmethod
-    def _id(raw: bytes | str) -> tuple[int, int]:
-        ms, _, seq = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition("-")
-        return int(ms), int(seq or 0)
-
-    def telemetry_trim_floor(self) -> tuple[str, str] | None:
-        """The id the telemetry stream may be trimmed to (XTRIM MINID: entries below it
-        go) and the group that sets it (``""``: the retention window), or None.
-
-        The oldest entry any consumer group still needs: its oldest pending (delivered,
-        not acknowledged) entry, else the one after its last-delivered id; and never
-        more than ``telemetry_keep_s`` before the newest entry this collector read."""
-        if not self._frontier_s:
-            return None  # nothing read yet: no window to keep from
-        try:
-            groups = self.client.xinfo_groups(self.telemetry_stream)
-        except redis.ResponseError:  # no stream (Redis lost its data): nothing to trim
-            return None
-        if not groups:
-            return None
-        keep_ms = int(round(self.telemetry_keep_window_s() * 1000))
-        floor, by = (max(0, int(round(self._frontier_s * 1000)) - keep_ms), 0), ""
-        for g in groups:
-            name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
-            ms, seq = self._id(g["last-delivered-id"])
-            need = (ms, seq + 1)
-            if g["pending"]:
-                summary = self.client.xpending(self.telemetry_stream, name)
-                if summary["pending"] and summary["min"] is not None:
-                    need = min(need, self._id(summary["min"]))
-            if need < floor:
-                floor, by = need, name
-        return f"{floor[0]}-{floor[1]}", by
-
-    def telemetry_keep_window_s(self) -> float:
-        """Seconds of telemetry kept before the newest entry read: ``telemetry_keep_s``,
-        shortened so that it holds about ``telemetry_keep_mb`` at the byte rate this
-        collector reads the stream at (updated here, smoothed over trims)."""
-        mark = (self._frontier_s, self.consumer.stats.read_bytes_total)
-        if self._rate_mark is not None and mark[0] > self._rate_mark[0]:
-            rate = (mark[1] - self._rate_mark[1]) / (mark[0] - self._rate_mark[0])
-            old = self.telemetry_bytes_per_s
-            self.telemetry_bytes_per_s = rate if not old else 0.5 * (old + rate)
-        if self._rate_mark is None or mark[0] > self._rate_mark[0]:
-            self._rate_mark = mark
-        keep_s = self.config.telemetry_keep_s
-        if self.telemetry_bytes_per_s > 0:
-            keep_s = min(keep_s, self.config.telemetry_keep_mb * 1e6 / self.telemetry_bytes_per_s)
-        return keep_s
-
-    def trim_telemetry(self) -> int:
-        """Trim the telemetry stream to :meth:`telemetry_trim_floor`; -> entries removed.
-
-        Exact (not ``~``): every few seconds it removes what arrived since the last trim,
-        and its cost beyond whole macro nodes is one node's entries; an approximate trim
-        keeps up to a node (100 entries) more than the rule says."""
-        got = self.telemetry_trim_floor()
-        if got is None:
-            return 0
-        minid, by = got
-        if by and by != self.consumer.group:
-            behind_s = self._frontier_s - self._id(minid)[0] / 1000.0
-            if behind_s > 2 * self.config.telemetry_keep_s:
-                self._trim_log.warning(
-                    "collector: consumer group %s of %s still needs telemetry from %.0f s "
-                    "before the newest: it holds the trim back (the stream is bounded by its "
-                    "MAXLEN only); delete the group if nobody reads it",
-                    by,
-                    self.telemetry_stream,
-                    behind_s,
-                )
-        removed = int(self.client.xtrim(self.telemetry_stream, minid=minid, approximate=False))
-        self._count("telemetry_trimmed_total", removed)
-        return removed
 
     # ------------------------------------------------------------ loop
     def health_extra(self) -> dict[str, Any]:

@@ -30,8 +30,9 @@ import redis
 from collector.config import CollectorConfig
 from collector.service import CollectorService, encode_fast
 from resihp.keys import JobKeys
-from resihp.schemas import IterationRecord, decode_entry
+from resihp.schemas import IterationRecord
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 log = logging.getLogger(__name__)
 

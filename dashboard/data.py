@@ -25,18 +25,15 @@ from resihp import bus, openness, progress
 from resihp.keys import JobKeys
 from resihp.plans import PlanStateReader
 from resihp.schemas import (
-    ENTRY_MESSAGES,
     AdaptationPlan,
     FailureReport,
     IterationRecord,
     LivenessEvent,
     OperatorAction,
     SchemaError,
-    attach_record_chunks,
-    decode_entry,
-    decode_message,
 )
 from resihp.topology import Layout, LayoutError
+from resihp.wire import ENTRY_MESSAGES, attach_record_chunks, decode_entry, decode_message
 
 #: Entries fetched per XRANGE round trip while catching up.
 _BATCH = 500

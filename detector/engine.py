@@ -20,8 +20,9 @@ from detector.failstop import FailStopTracker
 from detector.greyhound import GreyhoundDetector
 from detector.persistence import PersistenceGate
 from detector.predictor import IterationView
-from resihp.schemas import ChunkBatch, FailureReport, IterationRecord, LivenessEvent, Message
+from resihp.schemas import FailureReport, IterationRecord, LivenessEvent, Message
 from resihp.topology import Layout
+from resihp.wire import ChunkBatch
 
 FAILSTOP_HOLD_ITERS = 20
 

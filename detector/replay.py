@@ -48,20 +48,17 @@ from detector.engine import Detector
 from resihp import entry
 from resihp.assembly import ASSEMBLY
 from resihp.schemas import (
-    ChunkBatch,
     ChunkTiming,
     DeviceProbe,
     FailureReport,
     Heartbeat,
-    HeartbeatBatch,
     IterationRecord,
     LivenessEvent,
     MicroBatchStats,
     SchemaError,
-    chunks_to_rows,
-    decode_message,
 )
 from resihp.topology import Layout, LayoutError
+from resihp.wire import ChunkBatch, HeartbeatBatch, chunks_to_rows, decode_message
 
 #: Trace seconds between liveness checks and assembler polls.
 CHECK_EVERY_S = 0.25

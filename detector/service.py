@@ -30,8 +30,9 @@ from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp import bus, entry
 from resihp.keys import JobKeys
-from resihp.schemas import FailureReport, IterationRecord, LivenessEvent, decode_entry
+from resihp.schemas import FailureReport, IterationRecord, LivenessEvent
 from resihp.topology import Layout, LayoutError
+from resihp.wire import decode_entry
 
 log = logging.getLogger(__name__)
 SERVICE = "detector"

@@ -25,7 +25,8 @@ from typing import Any
 import redis
 
 from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
-from resihp.schemas import ENTRY_SEQ, ChunkBatch, Message, decode_entry, encode_one
+from resihp.schemas import Message
+from resihp.wire import ENTRY_SEQ, ChunkBatch, decode_entry, encode_one
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class ConsumerStats:
     deadletter_total: int = 0
     reclaimed_total: int = 0
     reconnects_total: int = 0
-    #: entries of numbered producers (``schemas.ENTRY_SEQ``) never delivered: a gap in a
+    #: entries of numbered producers (``wire.ENTRY_SEQ``) never delivered: a gap in a
     #: producer's numbers among new entries (trimmed unread by MAXLEN under a flood)
     lost_total: int = 0
     #: bytes of the entries read (field names and values): the stream's byte rate

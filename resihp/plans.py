@@ -20,8 +20,9 @@ import redis
 
 from resihp.bus import publish, register_job, set_job_state
 from resihp.keys import JobKeys
-from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError, decode_json
+from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError
 from resihp.topology import Layout
+from resihp.wire import decode_json
 
 
 def read_layout(client: redis.Redis, keys: JobKeys) -> Layout | None:

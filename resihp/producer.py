@@ -5,7 +5,7 @@ A training step must never wait for Redis.  Every public method only appends
 to a bounded in-memory queue (constant time, no I/O); when the queue is full
 the event is dropped and counted in ``dropped_total``.  The sender thread
 packs many messages and many chunk rows into each stream entry
-(:func:`resihp.schemas.encode_entry`), sends many entries per round trip
+(:func:`resihp.wire.encode_entry`), sends many entries per round trip
 (pipelined XADD with an approximate MAXLEN), and while Redis is unreachable it
 keeps the queue, backs off exponentially and resends once Redis answers again.
 
@@ -36,16 +36,13 @@ import redis
 from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
 from resihp.schemas import (
     CHUNK_DTYPE,
-    ENTRY_SEQ,
     HEARTBEAT_DTYPE,
     ChunkTiming,
     Heartbeat,
     Message,
     MicroBatchStats,
-    chunks_to_rows,
-    encode_entry,
-    heartbeats_to_rows,
 )
+from resihp.wire import ENTRY_SEQ, chunks_to_rows, encode_entry, heartbeats_to_rows
 
 log = logging.getLogger(__name__)
 

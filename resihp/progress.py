@@ -9,13 +9,9 @@ import time
 from typing import Any
 
 from resihp.keys import JobKeys
-from resihp.schemas import (
-    AdaptationPlan,
-    IterationRecord,
-    SchemaError,
-    decode_entry,
-)
+from resihp.schemas import AdaptationPlan, IterationRecord, SchemaError
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 
 def last_iteration(client, keys: JobKeys) -> IterationRecord | None:

@@ -39,8 +39,9 @@ from resihp import bus, entry
 from resihp.keys import JobKeys
 from resihp.pipeline.models import MODEL_PRESETS
 from resihp.plans import first_layout
-from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction, SchemaError, decode_json
+from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction, SchemaError
 from resihp.topology import Layout, LayoutError
+from resihp.wire import decode_json
 from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import AuditRecord, Changes, OverrideError, PlanBook, PlanDraft
 from scheduler.planner import PlanningError, PlanOptions, layout_runnable, override_options, plan

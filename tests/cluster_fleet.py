@@ -18,8 +18,9 @@ from pathlib import Path
 from resihp.keys import JobKeys
 from resihp.redis_client import connect
 from resihp.scenario import parse_scenario
-from resihp.schemas import FailureReport, IterationRecord, LivenessEvent, decode_entry
+from resihp.schemas import FailureReport, IterationRecord, LivenessEvent
 from resihp.stack.jobwatch import watchers
+from resihp.wire import decode_entry
 from trainer.sim.config import SimConfig
 from trainer.sim.service import SimTrainer
 

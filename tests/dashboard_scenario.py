@@ -14,14 +14,9 @@ import time
 
 from resihp import bus
 from resihp.keys import JobKeys
-from resihp.schemas import (
-    AdaptationPlan,
-    FailureReport,
-    IterationRecord,
-    OperatorAction,
-    encode_one,
-)
+from resihp.schemas import AdaptationPlan, FailureReport, IterationRecord, OperatorAction
 from resihp.topology import Layout
+from resihp.wire import encode_one
 
 F_S, B_S = 0.010, 0.020  # healthy per-layer-stage chunk times (s) for 8 layers
 

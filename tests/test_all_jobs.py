@@ -22,9 +22,10 @@ from resihp.bus import JOBS_SET, Health, register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.plans import latest_plans
 from resihp.redis_client import free_port
-from resihp.schemas import FailureReport, IterationRecord, decode_entry
+from resihp.schemas import FailureReport, IterationRecord
 from resihp.stack.jobwatch import JobWatcher, claim_job, process_id, release_job, watchers
 from resihp.stack.launcher import JobInUse, prepare_job
+from resihp.wire import decode_entry
 
 pytestmark = pytest.mark.redis
 

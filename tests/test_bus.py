@@ -11,14 +11,8 @@ import pytest
 from resihp import bus
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis
-from resihp.schemas import (
-    ENTRY_CHUNKS,
-    ENTRY_CHUNKS_VERSION,
-    ENTRY_MESSAGES,
-    ChunkBatch,
-    Heartbeat,
-    encode_entry,
-)
+from resihp.schemas import Heartbeat
+from resihp.wire import ENTRY_CHUNKS, ENTRY_CHUNKS_VERSION, ENTRY_MESSAGES, ChunkBatch, encode_entry
 
 pytestmark = pytest.mark.redis
 

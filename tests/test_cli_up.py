@@ -146,8 +146,8 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
     from resihp.bus import job_state
     from resihp.keys import JobKeys
     from resihp.redis_client import EmbeddedRedis
-    from resihp.schemas import decode_entry
     from resihp.stack.status import job_status
+    from resihp.wire import decode_entry
 
     srv = EmbeddedRedis(data_dir=str(tmp_path / "redis")).start()
     try:
@@ -796,7 +796,8 @@ def test_only_a_crash_signal_restarts_the_trainer_and_the_restart_drops_fresh():
 @pytest.mark.slow
 def test_a_trainer_killed_by_sigkill_is_started_again_and_carries_its_run_on(tmp_path):
     from resihp.keys import JobKeys
-    from resihp.schemas import IterationRecord, decode_entry
+    from resihp.schemas import IterationRecord
+    from resihp.wire import decode_entry
 
     proc, t0 = _sim_stack(tmp_path)
     stack_file = tmp_path / "stack.json"

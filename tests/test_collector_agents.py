@@ -13,8 +13,9 @@ from collector.service import CollectorService
 from resihp.keys import JobKeys
 from resihp.liveness_agent import NodeAgent, agent_name, agent_nodes
 from resihp.producer import TelemetryProducer
-from resihp.schemas import Heartbeat, LivenessEvent, decode_entry
+from resihp.schemas import Heartbeat, LivenessEvent
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 KEYS = JobKeys("agents")
 

@@ -15,15 +15,9 @@ from collector.config import CollectorConfig
 from collector.service import CollectorService, _robust_low
 from collector.synth import iteration_rows
 from resihp.keys import JobKeys
-from resihp.schemas import (
-    HEARTBEAT_DTYPE,
-    RECORD_TIME_FACTOR,
-    Heartbeat,
-    IterationRecord,
-    decode_entry,
-    encode_entry,
-)
+from resihp.schemas import HEARTBEAT_DTYPE, RECORD_TIME_FACTOR, Heartbeat, IterationRecord
 from resihp.topology import Layout
+from resihp.wire import decode_entry, encode_entry
 
 KEYS = JobKeys("clk")
 

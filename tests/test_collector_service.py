@@ -17,19 +17,15 @@ from collector.synth import iteration_rows
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import (
-    ChunkBatch,
     ChunkKind,
     DeviceProbe,
     Heartbeat,
-    HeartbeatBatch,
     IterationRecord,
     LivenessEvent,
     MicroBatchStats,
-    decode_entry,
-    decode_json,
-    encode_entry,
 )
 from resihp.topology import Layout
+from resihp.wire import ChunkBatch, HeartbeatBatch, decode_entry, decode_json, encode_entry
 
 JOB = "svc"
 KEYS = JobKeys(JOB)
@@ -725,6 +721,7 @@ def test_the_iterations_budget_counts_a_records_packed_chunks():
     from ``iterations_budget_mb`` must count them (it counted the JSON only)."""
     from collector.service import encode_fast, record_maxlen
     from resihp import schemas as S
+    from resihp import wire as W
 
     n = 200_000  # chunk rows of a big iteration
     rec = IterationRecord(
@@ -737,8 +734,8 @@ def test_the_iterations_budget_counts_a_records_packed_chunks():
         },
     )  # fmt: skip
     fields = encode_fast(rec)
-    packed = len(fields[S.ENTRY_RECORD_CHUNKS])
-    assert packed == n * S.RECORD_CHUNK_DTYPE.itemsize > 10 * len(fields[S.ENTRY_MESSAGES])
+    packed = len(fields[W.ENTRY_RECORD_CHUNKS])
+    assert packed == n * S.RECORD_CHUNK_DTYPE.itemsize > 10 * len(fields[W.ENTRY_MESSAGES])
     total = sum(len(v) for v in fields.values())
     assert record_maxlen(fields, 2000, 100.0) == int(100e6 // total)  # ~18 records, not ~2000
     assert record_maxlen(fields, 2000, 1.0) == 16  # the floor

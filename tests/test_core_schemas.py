@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from resihp import schemas as S
+from resihp import wire as W
 from resihp.keys import JobKeys
 
 
@@ -46,7 +47,7 @@ def test_every_message_round_trips_through_json():
         S.OperatorAction(action="acknowledge", plan_id=1, actor="alice", at_s=2.0),
     ]
     for m in msgs:
-        back = S.decode_json(m.to_json())
+        back = W.decode_json(m.to_json())
         assert back == m
         assert json.loads(m.to_json())["schema_version"] == S.SCHEMA_VERSION
 
@@ -119,13 +120,13 @@ def test_every_message_round_trips_through_json():
 )
 def test_bad_messages_are_refused_with_reason(payload, reason):
     with pytest.raises(S.SchemaError) as ei:
-        S.decode_message(payload)
+        W.decode_message(payload)
     assert reason in ei.value.reason
 
 
 def test_nan_is_refused():
     with pytest.raises(S.SchemaError, match="finite"):
-        S.decode_json(
+        W.decode_json(
             '{"type":"heartbeat","schema_version":1,"rank":1,"node":0,"iteration":1,"wall_time_s":NaN}'
         )
 
@@ -133,11 +134,11 @@ def test_nan_is_refused():
 def test_unknown_rank_is_refused_when_world_known():
     hb = S.Heartbeat(rank=64, node=8, iteration=0, wall_time_s=0.0)
     with pytest.raises(S.SchemaError, match="unknown rank"):
-        S.decode_message(hb.to_dict(), max_rank=64)
+        W.decode_message(hb.to_dict(), max_rank=64)
 
 
 def _rows(n):
-    rows = S.ChunkBatch.empty(n)
+    rows = W.ChunkBatch.empty(n)
     rows["rank"] = np.arange(n)
     rows["start_s"] = np.arange(n, dtype=float)
     rows["end_s"] = rows["start_s"] + 0.5
@@ -147,35 +148,35 @@ def _rows(n):
 
 def test_packed_entry_keeps_good_messages_and_rejects_bad_ones():
     hb = S.Heartbeat(rank=1, node=0, iteration=0, wall_time_s=1.0)
-    fields = S.encode_entry([hb], _rows(5))
+    fields = W.encode_entry([hb], _rows(5))
     # corrupt one message inside the packed list: the neighbour must survive
-    msgs = json.loads(fields[S.ENTRY_MESSAGES])
+    msgs = json.loads(fields[W.ENTRY_MESSAGES])
     msgs.append({"type": "heartbeat", "schema_version": 1})
-    fields[S.ENTRY_MESSAGES] = json.dumps(msgs).encode()
-    good, bad = S.decode_entry(fields)
-    assert good[0] == hb and isinstance(good[1], S.ChunkBatch) and len(good[1]) == 5
+    fields[W.ENTRY_MESSAGES] = json.dumps(msgs).encode()
+    good, bad = W.decode_entry(fields)
+    assert good[0] == hb and isinstance(good[1], W.ChunkBatch) and len(good[1]) == 5
     assert len(bad) == 1 and "missing field" in bad[0][0]
 
 
 def test_packed_chunks_truncated_nan_negative_unknown_rank():
     rows = _rows(4)
     raw = rows.tobytes()
-    assert "truncated" in S.decode_entry({b"c": raw[:-3], b"cv": b"1"})[1][0][0]
+    assert "truncated" in W.decode_entry({b"c": raw[:-3], b"cv": b"1"})[1][0][0]
     bad = rows.copy()
     bad["end_s"][2] = math.nan
-    assert "non-finite" in S.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
+    assert "non-finite" in W.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
     bad = rows.copy()
     bad["end_s"][1] = bad["start_s"][1] - 1
-    assert "negative" in S.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
-    assert "unknown rank" in S.decode_entry({b"c": raw, b"cv": b"1"}, max_rank=2)[1][0][0]
-    assert "schema_version" in S.decode_entry({b"c": raw, b"cv": b"7"})[1][0][0]
+    assert "negative" in W.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
+    assert "unknown rank" in W.decode_entry({b"c": raw, b"cv": b"1"}, max_rank=2)[1][0][0]
+    assert "schema_version" in W.decode_entry({b"c": raw, b"cv": b"7"})[1][0][0]
 
 
 def test_chunk_batch_json_form_round_trips():
     rows = _rows(3)
-    d = S.ChunkBatch(rows).to_dict()
-    back = S.decode_message(json.loads(json.dumps(d)))
-    assert isinstance(back, S.ChunkBatch)
+    d = W.ChunkBatch(rows).to_dict()
+    back = W.decode_message(json.loads(json.dumps(d)))
+    assert isinstance(back, W.ChunkBatch)
     assert np.array_equal(back.rows, rows)
     assert [c.rank for c in back.iter_messages()] == [0, 1, 2]
 
@@ -191,16 +192,16 @@ def test_chunk_direction_is_checked_and_optional_in_json():
     rows = _rows(3)
     rows["kind"] = int(S.ChunkKind.RECV)
     rows["direction"] = [1, -1, 0]
-    back = S.decode_message(json.loads(json.dumps(S.ChunkBatch(rows).to_dict())))
+    back = W.decode_message(json.loads(json.dumps(W.ChunkBatch(rows).to_dict())))
     assert back.rows["direction"].tolist() == [1, -1, 0]
     assert [c.direction for c in back.iter_messages()] == [1, -1, 0]
     # a trace written before the column existed: direction unknown (0)
-    d = S.ChunkBatch(rows).to_dict()
+    d = W.ChunkBatch(rows).to_dict()
     del d["chunks"]["direction"]
-    assert S.decode_message(d).rows["direction"].tolist() == [0, 0, 0]
+    assert W.decode_message(d).rows["direction"].tolist() == [0, 0, 0]
     bad = rows.copy()
     bad["direction"][1] = 2
-    assert "direction" in S.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
+    assert "direction" in W.decode_entry({b"c": bad.tobytes(), b"cv": b"1"})[1][0][0]
     with pytest.raises(S.SchemaError, match="direction"):
         S.ChunkTiming(
             rank=0,
@@ -241,10 +242,10 @@ def _record(n=5):
 
 def test_iteration_record_chunks_travel_packed_and_come_back_exact():
     rec = _record()
-    fields = S.encode_one(rec)
-    assert len(fields[S.ENTRY_RECORD_CHUNKS]) == 5 * S.RECORD_CHUNK_DTYPE.itemsize
-    assert json.loads(fields[S.ENTRY_MESSAGES])[0]["chunks"] == {}
-    (back,), bad = S.decode_entry(fields)
+    fields = W.encode_one(rec)
+    assert len(fields[W.ENTRY_RECORD_CHUNKS]) == 5 * S.RECORD_CHUNK_DTYPE.itemsize
+    assert json.loads(fields[W.ENTRY_MESSAGES])[0]["chunks"] == {}
+    (back,), bad = W.decode_entry(fields)
     assert bad == []
     assert isinstance(back.chunks["start_s"], np.ndarray)
     assert back.chunks["kind"].tolist() == rec.chunks["kind"]
@@ -252,29 +253,29 @@ def test_iteration_record_chunks_travel_packed_and_come_back_exact():
     # a record without the full column set (an older producer) stays JSON
     old = _record()
     del old.chunks["direction"]
-    assert S.ENTRY_RECORD_CHUNKS not in S.encode_one(old)
-    assert S.decode_entry(S.encode_one(old))[0][0].chunks == old.chunks
+    assert W.ENTRY_RECORD_CHUNKS not in W.encode_one(old)
+    assert W.decode_entry(W.encode_one(old))[0][0].chunks == old.chunks
 
 
 @pytest.mark.parametrize(
     "mangle,reason",
     [
-        (lambda f: f.update({S.ENTRY_RECORD_CHUNKS: f[S.ENTRY_RECORD_CHUNKS][:-3]}), "truncated"),
-        (lambda f: f.update({S.ENTRY_RECORD_CHUNKS_VERSION: b"9"}), "schema_version"),
+        (lambda f: f.update({W.ENTRY_RECORD_CHUNKS: f[W.ENTRY_RECORD_CHUNKS][:-3]}), "truncated"),
+        (lambda f: f.update({W.ENTRY_RECORD_CHUNKS_VERSION: b"9"}), "schema_version"),
         (
-            lambda f: f.update({S.ENTRY_RECORD_CHUNKS: b"\x00" * 6 + b"\x63" + b"\x00" * 21}),
+            lambda f: f.update({W.ENTRY_RECORD_CHUNKS: b"\x00" * 6 + b"\x63" + b"\x00" * 21}),
             "unknown chunk kind",
         ),
         (
-            lambda f: f.update({S.ENTRY_MESSAGES: b"[%s,%s]" % ((f[S.ENTRY_MESSAGES][1:-1],) * 2)}),
+            lambda f: f.update({W.ENTRY_MESSAGES: b"[%s,%s]" % ((f[W.ENTRY_MESSAGES][1:-1],) * 2)}),
             "2 iteration records",
         ),
     ],
 )
 def test_bad_packed_record_chunks_are_reported_and_the_record_kept(mangle, reason):
-    fields = S.encode_one(_record())
+    fields = W.encode_one(_record())
     mangle(fields)
-    good, bad = S.decode_entry(fields)
+    good, bad = W.decode_entry(fields)
     assert good and all(isinstance(m, S.IterationRecord) and m.chunks == {} for m in good)
     assert len(bad) == 1 and reason in bad[0][0]
 
@@ -291,19 +292,19 @@ def test_a_micro_batch_beyond_2_24_tokens_is_refused():
     wrecked the predictor's eq. (1) fit: 5 false fail-slow reports in a replay."""
     huge = _mbstats(token_budget=10**20, num_docs=2, max_len=10**20, sum_sq_len=1e40)
     with pytest.raises(S.SchemaError, match="beyond the 16777216 tokens"):
-        S.decode_message(huge)
+        W.decode_message(huge)
     with pytest.raises(S.SchemaError, match="beyond"):
-        S.decode_message(_mbstats(token_budget=2**24 + 1, num_docs=1, max_len=1))
+        W.decode_message(_mbstats(token_budget=2**24 + 1, num_docs=1, max_len=1))
     n = 2**24  # the bound itself is a micro-batch
-    ok = S.decode_message(_mbstats(token_budget=n, num_docs=1, max_len=n, sum_sq_len=float(n) ** 2))
+    ok = W.decode_message(_mbstats(token_budget=n, num_docs=1, max_len=n, sum_sq_len=float(n) ** 2))
     assert ok.token_budget == n
     # documents hold at least one token each
     with pytest.raises(S.SchemaError, match="num_docs 5000 exceeds token_budget 4096"):
-        S.decode_message(_mbstats(num_docs=5000, sum_sq_len=4096.0, max_len=1))
+        W.decode_message(_mbstats(num_docs=5000, sum_sq_len=4096.0, max_len=1))
 
 
 def _chunk_batch_json(**col):
-    d = S.ChunkBatch(_rows(2)).to_dict()
+    d = W.ChunkBatch(_rows(2)).to_dict()
     for c, (i, v) in col.items():
         d["chunks"][c][i] = v
     return json.loads(json.dumps(d))
@@ -311,45 +312,45 @@ def _chunk_batch_json(**col):
 
 def test_integers_too_large_for_a_column_are_out_of_range_not_non_integers():
     with pytest.raises(S.SchemaError, match="column iteration: value out of range for int32"):
-        S.decode_message(_chunk_batch_json(iteration=(0, 10**30)))
-    hb = S.HeartbeatBatch(
-        S.heartbeats_to_rows(
+        W.decode_message(_chunk_batch_json(iteration=(0, 10**30)))
+    hb = W.HeartbeatBatch(
+        W.heartbeats_to_rows(
             [S.Heartbeat(rank=r, node=0, iteration=1, wall_time_s=1.0) for r in (0, 1)]
         )
     ).to_dict()
     hb["heartbeats"]["seq"] = [2**63, 1]  # numpy makes floats of these
     with pytest.raises(S.SchemaError, match="column seq: value out of range for int64"):
-        S.decode_message(hb)
+        W.decode_message(hb)
     with pytest.raises(S.SchemaError, match="column iteration: expected integers"):
-        S.decode_message(_chunk_batch_json(iteration=(0, 1.5)))
+        W.decode_message(_chunk_batch_json(iteration=(0, 1.5)))
 
 
 def test_a_json_true_among_numbers_is_not_read_as_1():
     for col, i in (("rank", 1), ("start_s", 0)):
         with pytest.raises(S.SchemaError, match=f"column {col}: true/false where a number"):
-            S.decode_message(_chunk_batch_json(**{col: (i, True)}))
+            W.decode_message(_chunk_batch_json(**{col: (i, True)}))
     d = _chunk_batch_json()
     d["chunks"]["iteration"] = [False, True]
     with pytest.raises(S.SchemaError, match="column iteration: expected integers"):
-        S.decode_message(d)
+        W.decode_message(d)
 
 
 def test_compute_s_longer_than_its_chunk_is_refused(recwarn):
     """compute_s 1e308 (the time computing inside a 0.5 s chunk) was accepted and overflowed
     the detector's sums: a numpy RuntimeWarning on stderr, and no line named."""
     with pytest.raises(S.SchemaError, match="compute_s longer than the chunk"):
-        S.decode_message(_chunk_batch_json(compute_s=(1, 1e308)))
+        W.decode_message(_chunk_batch_json(compute_s=(1, 1e308)))
     rows = _rows(3)
     rows["compute_s"] = [0.4, -1.0, 0.6]  # 0.6 s inside a 0.5 s chunk
-    assert "compute_s longer" in S.decode_entry({b"c": rows.tobytes(), b"cv": b"1"})[1][0][0]
+    assert "compute_s longer" in W.decode_entry({b"c": rows.tobytes(), b"cv": b"1"})[1][0][0]
     one = {"type": "chunk", "schema_version": 1, "rank": 0, "iteration": 0, "dp": 0, "stage": 0}
     one.update({"microbatch": 0, "kind": "F", "start_s": 1.0, "end_s": 1.5, "compute_s": 9.0})
     with pytest.raises(S.SchemaError, match="compute_s 9.0 is longer than the chunk"):
-        S.decode_message(one)
+        W.decode_message(one)
     # a compute_s equal to the duration survives epoch-sized times' rounding
     rows = _rows(2)
     rows["start_s"] += 1.7e9
     rows["end_s"] = rows["start_s"] + 0.1
     rows["compute_s"] = 0.1
-    assert len(S.decode_message(S.ChunkBatch(rows).to_dict())) == 2
+    assert len(W.decode_message(W.ChunkBatch(rows).to_dict())) == 2
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

@@ -12,7 +12,8 @@ import pytest
 from detector.config import DetectorConfig
 from detector.replay import replay
 from resihp.scenario import parse_scenario
-from resihp.schemas import ChunkBatch, FailureReport, decode_json
+from resihp.schemas import FailureReport
+from resihp.wire import ChunkBatch, decode_json
 from trainer.sim.config import SimConfig
 from trainer.sim.core import simulate_run
 
@@ -808,8 +809,8 @@ def test_replay_and_the_live_collector_and_detector_report_the_same_on_long_iter
     from collector.config import CollectorConfig
     from detector.engine import Detector
     from resihp.assembly import IterationAssembler
-    from resihp.schemas import ChunkBatch as CB
     from resihp.schemas import Heartbeat, MicroBatchStats
+    from resihp.wire import ChunkBatch as CB
 
     lines, items, lay = _long_iteration_trace(rows_per_iteration_at_end=False)
     cc = CollectorConfig()

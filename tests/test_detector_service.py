@@ -15,8 +15,9 @@ from detector.service import DetectorService
 from detector.synthetic import SyntheticJob
 from resihp import bus
 from resihp.keys import JobKeys
-from resihp.schemas import FailureReport, Heartbeat, LivenessEvent, decode_entry
+from resihp.schemas import FailureReport, Heartbeat, LivenessEvent
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 pytestmark = pytest.mark.redis
 

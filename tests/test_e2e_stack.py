@@ -15,7 +15,8 @@ import pytest
 from resihp.keys import JobKeys
 from resihp.plans import latest_plans, read_layout
 from resihp.redis_client import connect, free_port
-from resihp.schemas import FailureReport, IterationRecord, decode_entry
+from resihp.schemas import FailureReport, IterationRecord
+from resihp.wire import decode_entry
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

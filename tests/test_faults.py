@@ -16,18 +16,15 @@ from resihp import bus
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.redis_client import EmbeddedRedis
-from resihp.schemas import (
+from resihp.schemas import Heartbeat, IterationRecord, LivenessEvent, MicroBatchStats
+from resihp.topology import Layout
+from resihp.wire import (
     ENTRY_CHUNKS,
     ENTRY_CHUNKS_VERSION,
     ENTRY_MESSAGES,
-    Heartbeat,
-    IterationRecord,
-    LivenessEvent,
-    MicroBatchStats,
     decode_entry,
     encode_entry,
 )
-from resihp.topology import Layout
 
 pytestmark = pytest.mark.redis
 

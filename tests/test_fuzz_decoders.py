@@ -10,17 +10,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resihp.schemas import (
-    CHUNK_DTYPE,
-    HEARTBEAT_DTYPE,
-    MESSAGE_TYPES,
-    ChunkBatch,
-    HeartbeatBatch,
-    Message,
-    SchemaError,
-    decode_entry,
-    decode_json,
-)
+from resihp.schemas import CHUNK_DTYPE, HEARTBEAT_DTYPE, MESSAGE_TYPES, Message, SchemaError
+from resihp.wire import ChunkBatch, HeartbeatBatch, decode_entry, decode_json
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FIELDS = [b"m", b"c", b"cv", b"h", b"hv", b"rc", b"rcv", b"x"]

@@ -22,15 +22,9 @@ from resihp import bus
 from resihp.keys import JobKeys
 from resihp.plans import write_layout
 from resihp.scenario import ScenarioError, load_scenario, parse_scenario
-from resihp.schemas import (
-    CHUNK_DTYPE,
-    Heartbeat,
-    SchemaError,
-    decode_entry,
-    decode_json,
-    encode_entry,
-)
+from resihp.schemas import CHUNK_DTYPE, Heartbeat, SchemaError
 from resihp.topology import MAX_WORLD_SIZE, Layout, LayoutError
+from resihp.wire import decode_entry, decode_json, encode_entry
 from scheduler.config import SchedulerConfig
 from scheduler.service import SchedulerService
 

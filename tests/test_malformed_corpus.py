@@ -24,7 +24,8 @@ from collector.synth import iteration_rows
 from detector.config import DetectorConfig
 from detector.service import DetectorService
 from resihp.keys import JobKeys
-from resihp.schemas import IterationRecord, decode_entry, encode_entry
+from resihp.schemas import IterationRecord
+from resihp.wire import decode_entry, encode_entry
 from scheduler.config import SchedulerConfig
 from scheduler.service import SchedulerService
 

@@ -20,8 +20,8 @@ from resihp import bus
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, PlanStateReader
 from resihp.schemas import AdaptationPlan
-from resihp.schemas import decode_json as _decode_json
 from resihp.topology import Layout
+from resihp.wire import decode_json as _decode_json
 
 pytestmark = pytest.mark.redis
 

@@ -10,15 +10,8 @@ import pytest
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.redis_client import EmbeddedRedis, connect, free_port
-from resihp.schemas import (
-    HEARTBEAT_DTYPE,
-    ChunkBatch,
-    ChunkTiming,
-    Heartbeat,
-    HeartbeatBatch,
-    MicroBatchStats,
-    decode_entry,
-)
+from resihp.schemas import HEARTBEAT_DTYPE, ChunkTiming, Heartbeat, MicroBatchStats
+from resihp.wire import ChunkBatch, HeartbeatBatch, decode_entry
 
 KEYS = JobKeys("ptest")
 

@@ -10,8 +10,9 @@ import pytest
 from resihp.bus import publish
 from resihp.keys import JobKeys
 from resihp.plans import PlanFollower, latest_plans, write_layout
-from resihp.schemas import FailureReport, OperatorAction, decode_json
+from resihp.schemas import FailureReport, OperatorAction
 from resihp.topology import Layout
+from resihp.wire import decode_json
 from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import AuditRecord
 from scheduler.service import SchedulerService

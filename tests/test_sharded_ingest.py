@@ -18,8 +18,9 @@ from collector.synth import iteration_rows
 from resihp.bus import clear_job
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
-from resihp.schemas import IterationRecord, decode_entry
+from resihp.schemas import IterationRecord
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 pytestmark = pytest.mark.redis
 

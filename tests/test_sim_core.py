@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from resihp.scenario import parse_scenario
-from resihp.schemas import ChunkBatch, ChunkKind
+from resihp.schemas import ChunkKind
 from resihp.topology import Layout
+from resihp.wire import ChunkBatch
 from trainer.sim import ClusterSim, SimConfig, simulate_run
 
 

@@ -13,14 +13,9 @@ import pytest
 
 from resihp.keys import JOBS_SET, JobKeys
 from resihp.plans import read_layout
-from resihp.schemas import (
-    AdaptationPlan,
-    ChunkBatch,
-    HeartbeatBatch,
-    MicroBatchStats,
-    decode_entry,
-)
+from resihp.schemas import AdaptationPlan, MicroBatchStats
 from resihp.topology import Layout
+from resihp.wire import ChunkBatch, HeartbeatBatch, decode_entry
 from trainer.sim import SimConfig
 from trainer.sim.service import SimTrainer
 

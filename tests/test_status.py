@@ -16,8 +16,9 @@ from resihp.bus import Health, publish, register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.plans import latest_plans
 from resihp.scenario import parse_scenario
-from resihp.schemas import FailureReport, IterationRecord, OperatorAction, encode_one
+from resihp.schemas import FailureReport, IterationRecord, OperatorAction
 from resihp.stack.status import UnknownJob, collect_status, format_status, summary_line
+from resihp.wire import encode_one
 from scheduler.config import SchedulerConfig
 from scheduler.service import SchedulerService
 from trainer.sim import SimConfig

@@ -16,15 +16,8 @@ import pytest
 
 from resihp.keys import JobKeys
 from resihp.plans import read_layout
-from resihp.schemas import (
-    AdaptationPlan,
-    ChunkBatch,
-    ChunkKind,
-    Heartbeat,
-    MicroBatchStats,
-    OperatorAction,
-    decode_entry,
-)
+from resihp.schemas import AdaptationPlan, ChunkKind, Heartbeat, MicroBatchStats, OperatorAction
+from resihp.wire import ChunkBatch, decode_entry
 from trainer.torch_trainer.config import TrainConfig
 from trainer.torch_trainer.launcher import launch
 from trainer.torch_trainer.reference import reference_losses

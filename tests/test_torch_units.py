@@ -413,7 +413,8 @@ def test_cli_rejects_bad_flags_and_scenarios(tmp_path, capsys):
 def test_idle_rank_probe_is_timed_and_sent_as_a_device_probe(r):
     from resihp.keys import JobKeys
     from resihp.producer import TelemetryProducer
-    from resihp.schemas import DeviceProbe, decode_entry
+    from resihp.schemas import DeviceProbe
+    from resihp.wire import decode_entry
     from trainer.torch_trainer.telemetry import RankTelemetry, probe_seconds
 
     t = probe_seconds(torch.device("cpu"))

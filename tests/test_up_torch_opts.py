@@ -16,9 +16,10 @@ from resihp.bus import register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.plans import write_layout
 from resihp.redis_client import free_port
-from resihp.schemas import AdaptationPlan, IterationRecord, encode_one
+from resihp.schemas import AdaptationPlan, IterationRecord
 from resihp.stack.status import collect_status, format_status, summary_line
 from resihp.topology import Layout
+from resihp.wire import encode_one
 
 
 def _up_args(*argv):

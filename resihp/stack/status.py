@@ -33,10 +33,11 @@ from resihp.progress import (
     turned_down_plans,
 )
 from resihp.redis_client import connect, redact
-from resihp.schemas import AdaptationPlan, FailureReport, SchemaError, decode_entry
+from resihp.schemas import AdaptationPlan, FailureReport, SchemaError
 from resihp.stack.jobwatch import watchers
 from resihp.stack.processes import health_pid_gone, launcher_alive
 from resihp.topology import Layout
+from resihp.wire import decode_entry
 
 STACK_FILE = "stack.json"
 

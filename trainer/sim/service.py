@@ -57,8 +57,9 @@ from resihp.producer import TelemetryProducer
 from resihp.progress import last_iteration_entry
 from resihp.redis_client import is_cluster
 from resihp.scenario import Scenario, load_scenario
-from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, SchemaError, decode_entry
+from resihp.schemas import HEARTBEAT_DTYPE, IterationRecord, SchemaError
 from resihp.topology import Layout, LayoutError
+from resihp.wire import decode_entry
 
 from .config import SimConfig
 from .core import ClusterSim, SimStep, mb_stats_messages
