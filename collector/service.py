@@ -60,6 +60,7 @@ import numpy as np
 import redis
 
 from collector.config import CollectorConfig, parse_heartbeat_k
+from collector.predictions import LayoutPredictions
 from collector.retention import TelemetryRetention
 from resihp import bus
 from resihp.assembly import IterationAssembler
@@ -245,6 +246,7 @@ class CollectorService(TelemetryRetention):
         self._counters: dict[str, int] = defaultdict(int)
         self.stats: dict[str, int] = defaultdict(int)
         self.published: list[Any] = []  # last few records/events, for tests and status
+        self.predictions = LayoutPredictions(client, self.keys)
         self._group_ready = False
 
     # ------------------------------------------------------------ helpers
@@ -740,6 +742,8 @@ class CollectorService(TelemetryRetention):
                 del self.published[:-PUBLISHED_KEPT]
             if isinstance(msg, IterationRecord):
                 self._drop_old_records()
+                if stream == self.keys.iterations:  # a shard's partial is no whole iteration
+                    self.predictions.observe(msg, self.layout)
         # Published (or nothing to publish): their entries may be acknowledged now.
         for it in self._release_after_publish:
             self._release(it)

@@ -28,6 +28,7 @@ import numpy as np
 import redis
 
 from collector.config import CollectorConfig
+from collector.predictions import LayoutPredictions
 from collector.service import CollectorService, encode_fast
 from resihp.keys import JobKeys
 from resihp.schemas import IterationRecord
@@ -150,6 +151,7 @@ class RecordMerger:
         self.keys = JobKeys(self.job_id)
         self.group = self.keys.group("merger")
         self.streams = [self.keys.partials(k) for k in range(self.shards)]
+        self.predictions = LayoutPredictions(self.client, self.keys)
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
@@ -181,6 +183,7 @@ class RecordMerger:
             self.client.xadd(
                 self.keys.iterations, encode_fast(rec), maxlen=self.maxlen, approximate=True
             )
+            self.predictions.observe(rec)
             for k, (eid, _) in parts.items():
                 self.client.xack(self.streams[k], self.group, eid)
             del self.open[it], self.first_s[it]

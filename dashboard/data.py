@@ -12,6 +12,7 @@ not decode is skipped here (the services that own those streams dead-letter it).
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -30,10 +31,18 @@ from resihp.schemas import (
     IterationRecord,
     LivenessEvent,
     OperatorAction,
+    OverridePreviewReply,
+    OverridePreviewRequest,
     SchemaError,
 )
 from resihp.topology import Layout, LayoutError
-from resihp.wire import ENTRY_MESSAGES, attach_record_chunks, decode_entry, decode_message
+from resihp.wire import (
+    ENTRY_MESSAGES,
+    attach_record_chunks,
+    decode_entry,
+    decode_json,
+    decode_message,
+)
 
 #: Entries fetched per XRANGE round trip while catching up.
 _BATCH = 500
@@ -446,7 +455,45 @@ class DashboardData:
         bus.incr_counter(self.client, keys, "dashboard_actions_total")
         return _s(eid)
 
+    #: Preview requests a job's list keeps (newest): a scheduler that is down does not
+    #: let clicks pile up in Redis.
+    PREVIEW_QUEUE_MAX = 20
+
+    def request_preview(self, job_id: str, req: OverridePreviewRequest) -> None:
+        """Ask the job's scheduler what an override would do (``scheduler.previews``)."""
+        req.check()
+        keys = JobKeys(job_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.rpush(keys.override_previews, req.to_json())
+        pipe.ltrim(keys.override_previews, -self.PREVIEW_QUEUE_MAX, -1)
+        pipe.expire(keys.override_previews, 120)
+        pipe.execute()
+
+    def preview_reply(self, job_id: str, request_id: str) -> OverridePreviewReply | None:
+        """The scheduler's answer to preview ``request_id`` (None: none yet, or unreadable)."""
+        raw = self.client.get(JobKeys(job_id).override_preview(request_id))
+        if raw is None:
+            return None
+        try:
+            msg = decode_json(raw)
+        except SchemaError:
+            return None
+        return msg if isinstance(msg, OverridePreviewReply) else None
+
     # ------------------------------------------------------------ layout / devices
+    def layout_predictions(self, job_id: str) -> dict[int, float]:
+        """Layout id -> its DAG-predicted healthy iteration time, as the collector recorded
+        it once per layout (``keys.layout_predictions``); unreadable entries passed over."""
+        out: dict[int, float] = {}
+        for k, v in self.client.hgetall(JobKeys(job_id).layout_predictions).items():
+            try:
+                sec = float(json.loads(v)["predicted_healthy_s"])
+                if math.isfinite(sec) and sec > 0:
+                    out[int(k)] = sec
+            except (TypeError, ValueError, KeyError):
+                continue
+        return out
+
     def layouts(self, job_id: str) -> list[dict[str, Any]]:
         """Every layout the trainer ran (``keys.layouts``, newest 2000), oldest first, as small
         summaries: ``at_s`` (when it was written: the entry id), ``layout_id``, ``key`` (a

@@ -9,6 +9,7 @@ figures (skew and coordinate heatmaps, heartbeat ages) are :mod:`dashboard.figur
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter, defaultdict
 from datetime import UTC, datetime
@@ -253,6 +254,7 @@ def predicted_series(
     failures: list[FailureReport] = (),
     healthy_predicted_s: float | None = None,
     healthy_layout_id: int | None = None,
+    by_layout: dict[int, float] | None = None,
 ) -> list[float | None]:
     """Predicted healthy iteration time per row.
 
@@ -260,9 +262,12 @@ def predicted_series(
     evidence (``PREDICTED_KEYS``) reported at or before that iteration, on rows of the
     layout it was reported under; else the DAG prediction for the current layout
     (``healthy_predicted_s``) on rows of that layout (``healthy_layout_id``; None: any
-    row); else None. Evidence used to stand for every later row, however many plans had
-    changed the layout since: the gauge and the chart showed a past layout's prediction.
+    row); else the prediction the collector recorded for the row's layout
+    (``by_layout``, ``keys.layout_predictions``); else None. Evidence used to stand for
+    every later row, however many plans had changed the layout since: the gauge and the
+    chart showed a past layout's prediction.
     """
+    by_layout = by_layout or {}
     evid = sorted(
         (f.iteration, v)
         for f in failures
@@ -280,10 +285,12 @@ def predicted_series(
             out.append(own)
         elif current is not None and lid == current_layout:
             out.append(current)
-        elif healthy_layout_id is None or lid == healthy_layout_id:
+        elif healthy_predicted_s is not None and (
+            healthy_layout_id is None or lid == healthy_layout_id
+        ):
             out.append(healthy_predicted_s)
         else:
-            out.append(None)
+            out.append(by_layout.get(lid) if isinstance(lid, int) else None)
     return out
 
 
@@ -316,8 +323,10 @@ def iteration_time_figure(
     failures: list[FailureReport] = (),
     healthy_predicted_s: float | None = None,
     healthy_layout_id: int | None = None,
+    by_layout: dict[int, float] | None = None,
 ) -> go.Figure:
-    """Observed vs predicted iteration time, change points and failures marked."""
+    """Observed vs predicted iteration time, change points and failures marked;
+    ``by_layout``: each layout's recorded healthy time (see :func:`predicted_series`)."""
     if not rows:
         return empty_figure("waiting for the first iteration")
     its = [r["iteration"] for r in rows]
@@ -335,7 +344,7 @@ def iteration_time_figure(
             marker={"size": 4},
         )
     )
-    pred = predicted_series(rows, failures, healthy_predicted_s, healthy_layout_id)
+    pred = predicted_series(rows, failures, healthy_predicted_s, healthy_layout_id, by_layout)
     if any(p is not None for p in pred):
         fig.add_trace(
             go.Scatter(
@@ -484,11 +493,44 @@ def stage_bubble_ratios(cols) -> dict[int, float]:
 FLOW_LABELS = {1: " act", -1: " grad"}
 
 
+#: Labels smaller than this (px) are hidden rather than shrunk into an unreadable smear.
+TIMELINE_TEXT_MIN_PX = 8
+
+
+def timeline_label_mask(c: dict[str, np.ndarray], keep: np.ndarray) -> np.ndarray:
+    """Which chunks of ``keep`` carry their label: on each (dp, stage) row no two labelled
+    chunks overlap in time, so no two labels are drawn over each other (bars overlay:
+    a migrated chunk running beside its host's own chunks shared their space, and their
+    labels were drawn on top of one another).  Migrated chunks choose first (their label
+    says where the micro-batch came from), then the rest, earliest first."""
+    show = np.zeros(len(c["dp"]), dtype=bool)
+    idx = np.flatnonzero(keep)
+    if not idx.size:
+        return show
+    start = c["start_s"][idx]
+    end = start + np.maximum(c["duration_s"][idx], 0.0)
+    migrated = (c["src_dp"] != c["dp"])[idx]
+    order = np.lexsort((start, ~migrated, c["stage"][idx], c["dp"][idx]))
+    # per row: the labelled intervals, disjoint, as sorted starts and their ends
+    taken: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for j in order:
+        starts, ends = taken.setdefault((int(c["dp"][idx[j]]), int(c["stage"][idx[j]])), ([], []))
+        lo, hi = float(start[j]), float(end[j])
+        k = bisect.bisect_right(starts, lo)
+        if (k and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi):
+            continue
+        starts.insert(k, lo)
+        ends.insert(k, hi)
+        show[idx[j]] = True
+    return show
+
+
 def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_label) -> list:
     """One bar trace per (kind, migrated?): uniform styling per trace keeps big figures cheap."""
     traces = []
     keep = np.isin(c["dp"], dps)
     migrated_all = c["src_dp"] != c["dp"]
+    labelled = timeline_label_mask(c, keep)
     labels: dict[tuple[int, int], str] = {}
     # P2P chunks are split by what they carry: a middle stage receives both a
     # micro-batch's activation and its gradient
@@ -517,6 +559,7 @@ def _timeline_traces(c: dict[str, np.ndarray], t0: float, dps: list[int], row_la
                 marker["line"] = {"color": "#d62728", "width": 2.5}
                 marker["pattern"] = {"shape": "/"}
                 text = text + "←dp" + c["src_dp"][m].astype(str).astype(object)
+            text = np.where(labelled[m], text, "")
             traces.append(
                 go.Bar(
                     orientation="h",
@@ -594,6 +637,8 @@ def timeline_figure(
         margin={"l": 200, "r": 20, "t": 60, "b": 40},
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
         bargap=0.15,
+        # a label that does not fit its bar at a readable size is hidden, not shrunk
+        uniformtext={"minsize": TIMELINE_TEXT_MIN_PX, "mode": "hide"},
     )
     fig.update_xaxes(title_text="ms since iteration start", row=len(panels), col=1)
     return fig

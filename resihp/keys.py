@@ -121,6 +121,23 @@ class JobKeys:
         which layout was in force when, for traces recorded after the fact."""
         return f"{self.base}:layouts"
 
+    @property
+    def override_previews(self) -> str:
+        """List of OverridePreviewRequest JSON (RPUSH by the dashboard, LPOP by the
+        scheduler): "what would this override do?", answered without changing a plan."""
+        return f"{self.base}:override_previews"
+
+    def override_preview(self, request_id: str) -> str:
+        """The scheduler's OverridePreviewReply to request ``request_id`` (JSON, with a TTL)."""
+        return f"{self.base}:override_preview:{request_id}"
+
+    @property
+    def layout_predictions(self) -> str:
+        """Hash layout_id -> JSON {predicted_healthy_s, iteration, at_s}: the DAG-predicted
+        healthy iteration time of each layout the job ran, written by the collector once per
+        layout, so charts draw the prediction for iterations of layouts long replaced."""
+        return f"{self.base}:layout_predictions"
+
     # --- plain keys ---
     @property
     def layout(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -728,6 +729,56 @@ class OperatorAction(Message):
             raise SchemaError("OperatorAction.actor must name who acted")
 
 
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass
+class OverridePreviewRequest(Message):
+    """ "What would this override of plan ``plan_id`` do?", asked by the dashboard before an
+    operator sends it; the scheduler answers with an :class:`OverridePreviewReply` under
+    ``keys.override_preview(request_id)`` and changes nothing."""
+
+    TYPE: ClassVar[str] = "override_preview_request"
+    STRICT_FIELDS: ClassVar[bool] = True
+    request_id: str
+    plan_id: int
+    override: dict[str, Any]
+    actor: str
+    at_s: float
+
+    def check(self) -> None:
+        # the id names a Redis key: letters, digits, '-' and '_' only
+        if not _REQUEST_ID_RE.match(self.request_id):
+            raise SchemaError(
+                "OverridePreviewRequest.request_id: 1-64 characters of [A-Za-z0-9_-], got "
+                f"{self.request_id[:80]!r}"
+            )
+        if not self.actor:
+            raise SchemaError("OverridePreviewRequest.actor must name who asked")
+        _wall("OverridePreviewRequest", at_s=self.at_s)
+
+
+@dataclass
+class OverridePreviewReply(Message):
+    """The scheduler's answer to an :class:`OverridePreviewRequest`: the plan the override
+    would make (``after``, a Layout dict, and its predicted iteration time, from the
+    planner and predictor that decide the override itself), or why the scheduler would
+    refuse it (``ok`` false, ``note``).  ``predicted_before_s`` is the overridden plan's
+    ``before`` layout's time (-1: it cannot run)."""
+
+    TYPE: ClassVar[str] = "override_preview"
+    request_id: str
+    plan_id: int
+    ok: bool
+    answered_at_s: float
+    predicted_before_s: float = -1.0
+    predicted_after_s: float = -1.0
+    after: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+    #: how long the scheduler took to plan it (seconds)
+    planning_s: float = 0.0
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     c.TYPE: c
     for c in (
@@ -740,5 +791,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         FailureReport,
         AdaptationPlan,
         OperatorAction,
+        OverridePreviewRequest,
+        OverridePreviewReply,
     )
 }

@@ -465,6 +465,45 @@ class PlanBook:
         return out
 
     # ------------------------------------------------------------ actions
+    @staticmethod
+    def override_draft(
+        plan: AdaptationPlan,
+        override: Any,
+        replan: Callable[[AdaptationPlan, dict[str, Any]], PlanDraft],
+    ) -> tuple[PlanDraft, str]:
+        """The plan an override of ``plan`` makes and the note on ranks it benches ('' when
+        none); OverrideError when the scheduler refuses it.  Shared by :meth:`act` and
+        :meth:`preview`, so a preview says what the override itself will do."""
+        validate_override_shape(override)
+        draft = replan(plan, override)
+        check_override_result(override, draft.after)
+        benched = _benched_for(override, plan.before, draft.after)
+        if benched:
+            draft.note = (f"{draft.note}; " if draft.note else "") + benched
+        return draft, benched
+
+    def preview(
+        self,
+        plan_id: int,
+        override: Any,
+        replan: Callable[[AdaptationPlan, dict[str, Any]], PlanDraft],
+    ) -> tuple[PlanDraft | None, str]:
+        """What :meth:`act` would do with an override of plan ``plan_id`` now, changing
+        nothing: (the plan it would make, its note) or (None, why it would be refused)."""
+        plan = self.plans.get(plan_id)
+        if plan is None:
+            return None, f"unknown plan {plan_id}"
+        if "overridden" not in TRANSITIONS[plan.state]:
+            return None, f"plan {plan.plan_id} is {plan.state}; cannot override"
+        why = self.stale(plan)
+        if why:
+            return None, f"{why}: it cannot be overridden"
+        try:
+            draft, _ = self.override_draft(plan, override, replan)
+        except OverrideError as e:
+            return None, str(e)
+        return draft, draft.note
+
     def act(
         self,
         action: OperatorAction,
@@ -556,9 +595,7 @@ class PlanBook:
                 return refuse(f"{why}: it cannot be {target}")
         if action.action == "override":
             try:
-                validate_override_shape(action.override)
-                draft = replan(plan, action.override)
-                check_override_result(action.override, draft.after)
+                draft, benched = self.override_draft(plan, action.override, replan)
             except OverrideError as e:
                 reason = str(e)
                 refused = self._new(
@@ -584,9 +621,7 @@ class PlanBook:
                 out.plans.append(refused)
                 rec.new_plan_id = refused.plan_id
                 return refuse(reason)
-            benched = _benched_for(action.override, plan.before, draft.after)
             if benched:
-                draft.note = (f"{draft.note}; " if draft.note else "") + benched
                 rec.note = benched
             draft.reason = draft.reason or f"override of plan {plan.plan_id} by {action.actor}"
             new = self._new(

@@ -42,6 +42,7 @@ from resihp.plans import first_layout
 from resihp.schemas import AdaptationPlan, FailureReport, OperatorAction, SchemaError
 from resihp.topology import Layout, LayoutError
 from resihp.wire import decode_json
+from scheduler import previews
 from scheduler.config import SchedulerConfig
 from scheduler.lifecycle import AuditRecord, Changes, OverrideError, PlanBook, PlanDraft
 from scheduler.planner import PlanningError, PlanOptions, layout_runnable, override_options, plan
@@ -436,7 +437,7 @@ class SchedulerService:
             return None
         return PlanDraft(layout.to_dict(), after.to_dict(), before, t, [], reason=reason)
 
-    def _replan(self, plan_: AdaptationPlan, override: dict) -> PlanDraft:
+    def _replan(self, plan_: AdaptationPlan, override: dict, what: str = "override") -> PlanDraft:
         try:
             before = Layout.from_dict(plan_.before)
         except LayoutError as e:
@@ -444,7 +445,7 @@ class SchedulerService:
         p = self.speeds(before)
         opt = override_options(self._options(), override)
         try:
-            with self._planning(f"override of plan {plan_.plan_id}"):
+            with self._planning(f"{what} of plan {plan_.plan_id}"):
                 res = plan(before, p, self.predictor, opt)
         except PlanningError as e:
             raise OverrideError(str(e)) from e
@@ -778,6 +779,7 @@ class SchedulerService:
         # Operators' actions and the trainer's confirmations first: they were decided on
         # the plans as they stood, before any report in the same step replaces them.
         handled = self._handle_actions()
+        previews.handle(self)
         if handled:
             # an override re-plans (seconds at scale): plans due are acknowledged and the
             # health key refreshed before the reports' planning step, not after it

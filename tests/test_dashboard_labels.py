@@ -86,3 +86,33 @@ def test_graphs_say_loading_from_first_paint_and_waiting_without_iterations():
             assert texts == [figures.LOADING_TEXT], (page.__name__, g.id, texts)
     empty = throughput_figure([])
     assert [a.text for a in empty.layout.annotations] == ["waiting for the first iteration"]
+
+
+def test_migrated_chunk_labels_on_the_timeline_never_overlap():
+    """Bars overlay: a migrated micro-batch running beside its host's own chunks drew its
+    "mb←dp" label over theirs.  No two labels of a row may share time; migrated ones win."""
+    from dashboard.figures import timeline_figure
+
+    # row dp0 s0: local F0 0-10 ms, migrated F0 from dp1 at 5-15 ms (overlaps both), local
+    # F1 10-20 ms; row dp0 s1: two chunks far apart
+    cols = {
+        "dp": [0, 0, 0, 0, 0],
+        "stage": [0, 0, 0, 1, 1],
+        "src_dp": [0, 1, 0, 0, 0],
+        "microbatch": [0, 0, 1, 0, 1],
+        "kind": ["F", "F", "F", "F", "F"],
+        "start_s": [0.000, 0.005, 0.010, 0.000, 0.050],
+        "duration_s": [0.010, 0.010, 0.010, 0.010, 0.010],
+    }
+    fig = timeline_figure(cols)
+    shown = []  # (row, start ms, end ms, text) of every label drawn
+    for tr in fig.data:
+        for y, b, x, t in zip(tr.y, tr.base, tr.x, tr.text, strict=True):
+            if t:
+                shown.append((y, b, b + x, t))
+    texts = sorted(t for *_, t in shown)
+    assert texts == ["0", "0←dp1", "1"], texts  # the two local chunks it covers lose theirs
+    for i, (y, lo, hi, _) in enumerate(shown):
+        for y2, lo2, hi2, _ in shown[i + 1 :]:
+            assert y != y2 or hi <= lo2 or hi2 <= lo
+    assert fig.layout.uniformtext.mode == "hide"  # too small for its bar: hidden, not shrunk

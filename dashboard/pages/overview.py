@@ -383,7 +383,11 @@ def register(app, ctx: AppContext) -> None:
             rows, s["failures"][-100:], title="Throughput (samples/s)", stopped=stopped
         )
         itf = figures.iteration_time_figure(
-            rows, s["failures"][-200:], healthy, lay.layout_id if lay is not None else None
+            rows,
+            s["failures"][-200:],
+            healthy,
+            lay.layout_id if lay is not None else None,
+            ctx.data.layout_predictions(job),
         )
         inc = s["open_incidents"]
         if inc:

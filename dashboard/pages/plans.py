@@ -20,7 +20,12 @@ from dash import ctx as dash_ctx
 
 from dashboard import auth, figures
 from dashboard.pages import AppContext, banner, redis_safe
-from resihp.schemas import AdaptationPlan, OperatorAction
+from resihp.schemas import (
+    AdaptationPlan,
+    OperatorAction,
+    OverridePreviewReply,
+    OverridePreviewRequest,
+)
 
 PATH = "/plans"
 NAME = "Plans"
@@ -86,6 +91,13 @@ def layout(ctx: AppContext) -> html.Div:
                                 style={"display": "inline-block", "marginLeft": "8px"},
                             ),
                             html.Button(
+                                "Preview",
+                                id="pl-preview-btn",
+                                disabled=True,
+                                title=PREVIEW_HELP,
+                                style={"marginLeft": "8px"},
+                            ),
+                            html.Button(
                                 "Override",
                                 id="pl-override",
                                 disabled=True,
@@ -94,6 +106,9 @@ def layout(ctx: AppContext) -> html.Div:
                         ],
                         style={"marginTop": "8px"},
                     ),
+                    html.Div(id="pl-preview", style={"marginTop": "8px"}),
+                    dcc.Store(id="pl-preview-req"),
+                    dcc.Interval(id="pl-preview-poll", interval=400, disabled=True),
                     dcc.Input(
                         id="pl-comment",
                         type="text",
@@ -121,6 +136,12 @@ def layout(ctx: AppContext) -> html.Div:
 
 
 HOLD_HELP = "stop the automatic apply of this plan until an operator decides (audited)"
+PREVIEW_HELP = (
+    "ask the scheduler what this override would do: its predicted iteration time and "
+    "whether the layout is feasible (nothing is sent as an action)"
+)
+#: How long the page waits for the scheduler's preview before saying it is not answering.
+PREVIEW_WAIT_S = 10.0
 BUTTONS = {
     "pl-ack": "acknowledge",
     "pl-reject": "reject",
@@ -289,14 +310,7 @@ def _summary(p: AdaptationPlan, plans: dict[int, AdaptationPlan]) -> list:
         ),
         html.Div(f"{p.reason} · policy {p.policy} · mode {p.mode} · failures {p.failure_ids}"),
         html.Div(
-            f"predicted iteration time {figures.predicted_text(p.predicted_before_s)} → "
-            f"{figures.predicted_text(p.predicted_after_s)}"
-            + (
-                f" ({(p.predicted_after_s / p.predicted_before_s - 1) * 100:+.1f}% time, "
-                f"{p.predicted_before_s / p.predicted_after_s:.2f}x throughput)"
-                if p.predicted_before_s > 0 and p.predicted_after_s > 0
-                else ""
-            )
+            "predicted iteration time " + _change_text(p.predicted_before_s, p.predicted_after_s)
         ),
     ]
     if p.note:
@@ -349,6 +363,73 @@ def _summary(p: AdaptationPlan, plans: dict[int, AdaptationPlan]) -> list:
     return out
 
 
+def _change_text(before_s: float, after_s: float) -> str:
+    """ "1.234 s → 1.100 s (-10.9% time, 1.12x throughput)" from two predicted times."""
+    text = f"{figures.predicted_text(before_s)} → {figures.predicted_text(after_s)}"
+    if before_s > 0 and after_s > 0:
+        text += (
+            f" ({(after_s / before_s - 1) * 100:+.1f}% time, {before_s / after_s:.2f}x throughput)"
+        )
+    return text
+
+
+def preview_view(reply: OverridePreviewReply | None, plan: AdaptationPlan | None, waited_s: float):
+    """The preview panel: the scheduler's answer, or that it is not answering."""
+    if reply is None:
+        if waited_s < PREVIEW_WAIT_S:
+            return banner("Preview: asking the scheduler ...", "info")
+        return html.Div(
+            banner(
+                f"Preview: the scheduler is not answering (no reply in {PREVIEW_WAIT_S:.0f} s). "
+                "Is it running for this job? An override sent now waits for it too.",
+                "error",
+            ),
+            id="pl-preview-timeout",
+        )
+    took = f"planned in {reply.planning_s:.2f} s"
+    if not reply.ok:
+        return html.Div(
+            [
+                banner(
+                    f"Preview of plan {reply.plan_id}'s override: layout check failed, the "
+                    f"scheduler would refuse it: {reply.note}",
+                    "error",
+                ),
+                html.Div(f"({took}; nothing was sent)", className="card-sub"),
+            ],
+            id="pl-preview-refused",
+        )
+    out = [
+        html.Div(
+            [
+                html.B("Preview (the scheduler's planner and predictor, nothing sent): "),
+                html.Span(
+                    "predicted iteration time "
+                    + _change_text(reply.predicted_before_s, reply.predicted_after_s),
+                    id="pl-preview-time",
+                ),
+                f"; layout check ok ({took})",
+                f". Note: {reply.note}" if reply.note else "",
+            ],
+            className="banner banner-ok",
+        )
+    ]
+    if plan is not None:
+        rows = [r for r in figures.plan_diff_rows(plan.before, reply.after) if r["changed"]]
+        out.append(
+            html.Table(
+                [html.Tr([html.Th("what"), html.Th("now"), html.Th("with this override")])]
+                + [
+                    html.Tr([html.Td(r["what"]), html.Td(r["before"]), html.Td(r["after"])])
+                    for r in rows
+                ],
+                className="simple",
+                id="pl-preview-diff",
+            )
+        )
+    return html.Div(out, id="pl-preview-ok")
+
+
 def register(app, ctx: AppContext) -> None:
     @app.callback(
         Output("pl-status", "children"),
@@ -364,6 +445,7 @@ def register(app, ctx: AppContext) -> None:
         Output("pl-shown", "data"),
         Output("pl-countdown", "children"),
         *[Output(b, "disabled") for b in BUTTONS],
+        Output("pl-preview-btn", "disabled"),
         Output("pl-followed", "data"),
         Input("tick", "n_intervals"),
         Input("job", "value"),
@@ -375,7 +457,7 @@ def register(app, ctx: AppContext) -> None:
         State("pl-shown", "data"),
         State("pl-followed", "data"),
     )
-    @redis_safe(17)
+    @redis_safe(18)
     def refresh(_n, job, selected, last_action, options, last_sig, auto, shown, followed):
         if not job:
             return (
@@ -383,7 +465,7 @@ def register(app, ctx: AppContext) -> None:
                 + ("",) * 5
                 + (None,) * 3
                 + ("",)
-                + (True,) * len(BUTTONS)
+                + (True,) * (len(BUTTONS) + 1)
                 + (no_update,)
             )
         orig = selected
@@ -457,7 +539,12 @@ def register(app, ctx: AppContext) -> None:
         live = (
             html.Div(text, id="pl-countdown-text", className="banner banner-warn") if text else ""
         )
-        controls = (live, *[a not in allowed for a in BUTTONS.values()], followed)
+        controls = (
+            live,
+            *[a not in allowed for a in BUTTONS.values()],
+            "override" not in allowed,
+            followed,
+        )
         if sig == last_sig:
             return (status,) + (no_update,) * 7 + (sig, auto, now_shown) + controls
         opts = [{"label": _plan_label(p), "value": p.plan_id} for p in ordered]
@@ -563,6 +650,57 @@ def register(app, ctx: AppContext) -> None:
             return "", ["on"], "", ""
         lay = p.after.get("layers") or []
         return ",".join(map(str, lay)), (["on"] if p.after.get("migrations") else []), "", ""
+
+    @app.callback(
+        Output("pl-preview", "children"),
+        Output("pl-preview-req", "data"),
+        Output("pl-preview-poll", "disabled"),
+        Input("pl-preview-btn", "n_clicks"),
+        Input("pl-preview-poll", "n_intervals"),
+        Input("pl-plan", "value"),
+        Input("job", "value"),
+        State("pl-ov-layers", "value"),
+        State("pl-ov-drop", "value"),
+        State("pl-ov-keep", "value"),
+        State("pl-ov-migration", "value"),
+        State("pl-preview-req", "data"),
+        State("pl-shown", "data"),
+        prevent_initial_call=True,
+    )
+    @redis_safe(3)
+    def preview(_c, _n, plan_id, job, layers, drop, keep, migration, req, shown):
+        trigger = dash_ctx.triggered_id
+        if trigger in ("pl-plan", "job"):
+            return "", None, True  # a preview belongs to the plan it was asked for
+        if trigger == "pl-preview-btn":
+            operator = auth.current_operator()
+            if not operator:
+                # a preview makes the scheduler plan (seconds at scale): operators only
+                return banner("Log in as an operator to preview an override.", "error"), None, True
+            if not job or plan_id is None or shown != {"job": job, "plan_id": plan_id}:
+                return banner("Preview: no plan on screen yet.", "error"), None, True
+            try:
+                override = build_override(layers, drop, keep, migration)
+            except ValueError as e:
+                return banner(f"Preview refused (nothing was asked): {e}", "error"), None, True
+            ask = OverridePreviewRequest(
+                request_id=uuid.uuid4().hex[:16],
+                plan_id=int(plan_id),
+                override=override,
+                actor=operator,
+                at_s=time.time(),
+            )
+            ctx.data.request_preview(job, ask)
+            req = {"job": job, "plan_id": int(plan_id), "id": ask.request_id, "at_s": ask.at_s}
+            return preview_view(None, None, 0.0), req, False
+        if not req:
+            return no_update, no_update, True
+        reply = ctx.data.preview_reply(req["job"], req["id"])
+        waited = time.time() - float(req["at_s"])
+        if reply is None and waited < PREVIEW_WAIT_S:
+            return no_update, no_update, False
+        plan = ctx.data.plans(req["job"]).get(req["plan_id"]) if reply is not None else None
+        return preview_view(reply, plan, waited), no_update, True
 
     @app.callback(
         Output("pl-action-result", "children"),
