@@ -141,6 +141,14 @@ def test_records_published_and_entries_acked_only_after(r):
     assert counters["iterations_published_total"] == 1
     assert counters["chunk_rows_duplicate_total"] == 40
     assert counters["chunk_rows_total"] == len(rows) + 40
+    # the layout's healthy time is recorded once (the overview's line for later layouts)
+    assert _pump(svc, lambda: r.hexists(KEYS.layout_predictions, "0"))
+    pred = json.loads(r.hget(KEYS.layout_predictions, "0"))
+    assert pred["iteration"] == 0
+    from resihp.pipeline.healthy import predict_healthy
+
+    want = predict_healthy(lay, mine.chunks, {})["iteration_time_s"]
+    assert pred["predicted_healthy_s"] == pytest.approx(want, rel=1e-5) and want > 0
     p.close()
 
 

@@ -175,3 +175,54 @@ def test_the_incident_plan_history_says_a_plan_was_held():
         "proposed",
         "proposed, held: auto-apply stopped, waits for an operator",
     ]
+
+
+@pytest.mark.redis
+def test_the_override_preview_shows_the_schedulers_answer_or_that_it_is_not_answering(
+    r, redis_server
+):
+    from resihp.schemas import OverridePreviewReply
+
+    sc = publish_job(r, "job-a", iterations=20, slow_from=12)
+    app = create_app(
+        DashboardConfig(redis_url=redis_server.url, job_id="job-a", secret_key="k"), client=r
+    )
+
+    def poll(req):
+        return dash_call(
+            app, "pl-preview", {"pl-preview-req.data": req}, "pl-preview-poll.n_intervals"
+        )
+
+    # not logged in: nothing is asked
+    out = dash_call(
+        app,
+        "pl-preview",
+        {"pl-plan.value": 1, "job.value": "job-a", "pl-shown.data": {"job": "job-a", "plan_id": 1}},
+        "pl-preview-btn.n_clicks",
+    )
+    assert "Log in" in json.dumps(out["pl-preview"]) and not r.exists(sc["keys"].override_previews)
+    req = {"job": "job-a", "plan_id": 1, "id": "q1", "at_s": time.time()}
+    assert "pl-preview" not in poll(req)  # no answer yet: keep polling, nothing redrawn
+    old = {**req, "at_s": time.time() - 11}
+    out = poll(old)
+    assert "scheduler is not answering" in json.dumps(out["pl-preview"])
+    assert out["pl-preview-poll"]["disabled"] is True
+    reply = OverridePreviewReply(
+        request_id="q1",
+        plan_id=1,
+        ok=True,
+        answered_at_s=time.time(),
+        predicted_before_s=2.0,
+        predicted_after_s=1.6,
+        after={**sc["plan"].after, "layers": [9, 7, 8, 8]},
+        planning_s=0.3,
+    )
+    r.set(sc["keys"].override_preview("q1"), reply.to_json())
+    text = json.dumps(poll(req)["pl-preview"])
+    assert "2.000 s \\u2192 1.600 s (-20.0% time, 1.25x throughput)" in text, text
+    assert "layout check ok" in text and "pl-preview-diff" in text
+    assert "stage 0 layers" in text and "stage 2 layers" not in text  # what would change
+    reply.ok, reply.note = False, "layers [1, 1]: stage(s) [0] exceed device memory"
+    r.set(sc["keys"].override_preview("q1"), reply.to_json())
+    text = json.dumps(poll(req)["pl-preview"])
+    assert "layout check failed" in text and "exceed device memory" in text

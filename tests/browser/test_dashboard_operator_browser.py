@@ -1,7 +1,9 @@
 """An operator's session in real headless chromium against the real scheduler and dashboard
 processes: wrong passwords get throttled, the operator still logs in once the guessing
-stops, the auto-apply countdown is visible and Hold stops it, an override is followed to
-the plan that replaced the old one, and after logout the saved session cookie is refused.
+stops, the auto-apply countdown is visible and Hold stops it, an override is previewed
+(the scheduler's predicted time, before anything is sent) and then followed to the plan
+that replaced the old one, which carries the previewed time, and after logout the saved
+session cookie is refused.
 The Plans page screenshot goes to artifacts/screenshots/plans_countdown.png (and to
 docs/img/ with RESIHP_UPDATE_DOCS_IMG=1)."""
 
@@ -128,9 +130,23 @@ def test_operator_session_throttle_countdown_hold_override_logout(stack, r):
         ]
         assert not [a for a in audit if a["actor"] == "auto"]
         expect(countdown).to_contain_text("is held")
+        n_actions = r.xlen(keys.actions)
+
+        # Preview: before anything is sent, the scheduler's planner says what the override
+        # would do (its predicted time, the layout check) ...
+        expect(page.locator("#pl-ov-layers")).not_to_have_value("")
+        proposed = page.locator("#pl-ov-layers").input_value()
+        page.fill("#pl-ov-layers", "9,5,9,9")  # not the plan's partition: its own prediction
+        page.click("#pl-preview-btn")
+        expect(page.locator("#pl-preview-ok")).to_contain_text("layout check ok")
+        predicted = page.locator("#pl-preview-time").inner_text()
+        assert re.search(r"predicted iteration time .+ → \d+\.\d{3} s", predicted), predicted
+        assert r.xlen(keys.actions) == n_actions  # a preview is no action
+        assert proposed != "9,5,9,9", proposed
+        expect(page.locator("#pl-preview-diff")).to_contain_text("stage 1 layers")
+        page.screenshot(path=str(SHOTS / "plans_preview.png"), full_page=True)
 
         # Override: once the scheduler accepts it, the page shows the replacing plan.
-        expect(page.locator("#pl-ov-layers")).not_to_have_value("")
         page.fill("#pl-comment", "hold, then my own partition")
         page.click("#pl-override")
         expect(page.locator("#pl-outcome-ok")).to_contain_text("accepted override of plan 1")
@@ -149,6 +165,9 @@ def test_operator_session_throttle_countdown_hold_override_logout(stack, r):
             )
         )
         expect(page.locator("#pl-summary h4").first).to_contain_text(f"Plan {new_id}")
+        # ... and the plan it made carries the time the preview showed
+        expect(page.locator("#pl-summary")).to_contain_text(predicted)
+        expect(page.locator("#pl-preview")).to_have_text("")  # it belonged to plan 1
         expect(page.locator("#pl-audit")).to_contain_text("hold, then my own partition")
         expect(page.locator("#pl-ack")).to_be_disabled()
         page.screenshot(path=str(SHOTS / "plans_after_override.png"), full_page=True)
@@ -167,4 +186,5 @@ def test_operator_session_throttle_countdown_hold_override_logout(stack, r):
         browser.close()
     assert not errors, errors
     refresh_docs_img("plans_countdown.png", "dashboard-plans-countdown.png")
+    refresh_docs_img("plans_preview.png", "dashboard-plans-preview.png")
     refresh_docs_img("plans_after_override.png", "dashboard-plans-after-override.png")
