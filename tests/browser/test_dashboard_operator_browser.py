@@ -34,7 +34,8 @@ from resihp import bus  # noqa: E402
 from resihp.redis_client import free_port  # noqa: E402
 from resihp.schemas import AdaptationPlan, OperatorAction  # noqa: E402
 
-pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow]
+# it waits out a login backoff (up to 60 s) by design: more than the default 120 s on a busy box
+pytestmark = [pytest.mark.browser, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(300)]
 
 GRACE_S = 12.0
 
