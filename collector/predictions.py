@@ -9,7 +9,7 @@ its first complete, unflagged record (``resihp.pipeline.healthy``, under the dev
 verdicts of ``keys.device_health`` at that time) and writes
 ``keys.layout_predictions[layout_id] = {"predicted_healthy_s", "iteration", "at_s"}``,
 keeping the newest :data:`KEEP` layouts.  It runs on a worker thread, never in the
-collector's loop (a 16k-GPU iteration's DAG takes about a second); one at a time, a
+collector's loop (3 s for a 16k-GPU iteration at load 31, bench/dashboard_scale.py); one at a time, a
 layout whose prediction is still running waits for a later record.
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 import redis
 
 from resihp.keys import JobKeys
-from resihp.pipeline.healthy import predict_healthy
 from resihp.schemas import IterationRecord
 from resihp.topology import Layout, LayoutError
 
@@ -89,6 +88,9 @@ class LayoutPredictions:
             return None
 
     def _run(self, key: tuple[int, int], layout: Layout, rec: IterationRecord) -> None:
+        # the DAG engine only here: a health probe importing the service does not load it
+        from resihp.pipeline.healthy import predict_healthy
+
         try:
             health = read_device_health(self.client, self.keys)
             res = predict_healthy(layout, rec.chunks, health)

@@ -78,13 +78,15 @@ def test_a_preview_predicts_what_the_override_then_does_and_changes_nothing(r):
     assert latest_plans(r, keys) == plans_before and r.xlen(keys.audit) == audit_before
     # the override itself: the plan it makes carries the time the preview predicted,
     # and the refusal the reason the preview gave
-    publish(r, keys.actions, OperatorAction("override", p1, "alice", time.time(), ov))
     publish(r, keys.actions, OperatorAction("override", p1, "bob", time.time(), {"layers": [37, 1, 1, 1]}))  # fmt: skip
+    publish(r, keys.actions, OperatorAction("override", p1, "alice", time.time(), ov))
     svc.run_once()
     plans = latest_plans(r, keys)
     new = next(p for p in plans.values() if p.parent_plan_id == p1 and p.state == "acknowledged")
     assert new.predicted_after_s == pytest.approx(good.predicted_after_s)
     assert new.after == good.after
+    refused = next(p for p in plans.values() if p.state == "refused")
+    assert refused.note == mem.note
     # plan 1 is overridden now: a preview of it says it cannot be
     _ask(r, keys, "late", p1, ov)
     svc.run_once()
