@@ -7,39 +7,28 @@ from __future__ import annotations
 import time
 
 import pytest
+from test_scheduler_service import _report, _setup, _svc
 
 from resihp.bus import publish
 from resihp.keys import JobKeys
-from resihp.plans import latest_plans, write_layout
-from resihp.schemas import FailureReport, OperatorAction, OverridePreviewRequest
+from resihp.plans import latest_plans
+from resihp.schemas import OperatorAction, OverridePreviewRequest
 from resihp.topology import Layout
 from resihp.wire import decode_json
 from scheduler import previews
-from scheduler.config import SchedulerConfig
 from scheduler.service import SchedulerService
 
 pytestmark = pytest.mark.redis
 
-JOB = "prev"
-
 
 def _job(r, plan: bool = True) -> tuple[JobKeys, SchedulerService, int]:
-    keys = JobKeys(JOB)
-    write_layout(r, keys, Layout.uniform(tp=4, pp=4, dp=2, num_layers=40, num_microbatches=8))
-    svc = SchedulerService(
-        SchedulerConfig(job_id=JOB, model="llama2-13b", block_ms=10, mode="manual"), r
-    )
-    report = FailureReport(
-        report_id="r1",
-        kind="fail_stop",
-        ranks=[5],
-        nodes=[],
-        detected_at_s=time.time(),
-        iteration=10,
-    )
+    """test_scheduler_service's job (TP4 x PP4 x DP2, LLaMA2-13B) in manual mode, with plan 1
+    for a fail-stop of rank 5 unless ``plan`` is false."""
+    keys, _ = _setup(r)
+    svc = _svc(r, mode="manual")
     if not plan:
         return keys, svc, 0
-    publish(r, keys.failures, report)
+    publish(r, keys.failures, _report())
     svc.run_once()
     (p1,) = latest_plans(r, keys).values()
     return keys, svc, p1.plan_id
