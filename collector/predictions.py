@@ -9,8 +9,8 @@ its first complete, unflagged record (``resihp.pipeline.healthy``, under the dev
 verdicts of ``keys.device_health`` at that time) and writes
 ``keys.layout_predictions[layout_id] = {"predicted_healthy_s", "iteration", "at_s"}``,
 keeping the newest :data:`KEEP` layouts.  It runs on a worker thread, never in the
-collector's loop (3 s for a 16k-GPU iteration at load 31, bench/dashboard_scale.py); one at a time, a
-layout whose prediction is still running waits for a later record.
+collector's loop (3 s for a 16k-GPU iteration at load 31, ``bench/dashboard_scale.py``);
+one at a time: a layout met while another's prediction runs waits for a later record.
 """
 
 from __future__ import annotations
