@@ -59,14 +59,13 @@ from typing import Any
 import numpy as np
 import redis
 
+from collector.agents import NodeAgentWatch
 from collector.config import CollectorConfig, parse_heartbeat_k
 from collector.retention import TelemetryRetention
 from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
-from resihp.liveness_agent import agent_nodes
-from resihp.redis_client import is_cluster
 from resihp.schemas import (
     RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
@@ -83,9 +82,6 @@ from resihp.wire import ENTRY_MESSAGES, ChunkBatch, HeartbeatBatch, chunks_to_ro
 log = logging.getLogger(__name__)
 
 SERVICE = "collector"
-#: Seconds between CLIENT LIST reads of a job none of whose node agents was connected at
-#: the last read (agent_poll_s once one is).
-AGENT_IDLE_POLL_S = 2.0
 #: Batches of beats per rank whose smallest clock offset is the rank's estimate: enough to
 #: ride out a few delayed beats, few enough to follow a clock running at another rate.
 SKEW_WINDOW = 8
@@ -146,7 +142,7 @@ PUBLISHED_KEPT = 64
 PUBLISHED_RECORDS_KEPT = 2
 
 
-class CollectorService(TelemetryRetention):
+class CollectorService(TelemetryRetention, NodeAgentWatch):
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
     ``run(stop)`` loops it and keeps the health key fresh."""
@@ -183,6 +179,7 @@ class CollectorService(TelemetryRetention):
             config.jitter_beats,
             hold_deadlines=config.job_silence_hold_deadlines,
             mass_loss_fraction=config.mass_loss_fraction,
+            first_beat_deadlines=config.first_beat_deadlines,
         )
         self.assembler = IterationAssembler(
             grace_s=config.grace_s,
@@ -231,7 +228,8 @@ class CollectorService(TelemetryRetention):
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
         self._lost_said = 0
-        self._agents: set[int] = set()  # nodes whose agent connection was seen last look
+        #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
+        self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
         #: iteration times of the recent unflagged complete records (the bound's reference)
         self._recent_iter_s: deque[float] = deque(maxlen=32)
@@ -829,58 +827,6 @@ class CollectorService(TelemetryRetention):
             self.client.hset(self.keys.node_heartbeat, mapping=changed)
             for n, t in changed.items():
                 self._node_hb_written[int(n)] = float(t)
-
-    def _check_agents(self, now: float) -> None:
-        """Nodes whose agent connection closed since the last look are dead now (module
-        doc of :mod:`resihp.liveness_agent`).  Many closing at once (at least the mass-loss
-        share) is a Redis-side event (a restart, a CLIENT KILL), and all of a job's agents at
-        once is the job's process ending: heartbeats judge those."""
-        if not self.config.agent_poll_s or now < self._agents_next:
-            return
-        if is_cluster(self.client):
-            # a connection lives on one master and CLIENT LIST reads one node: on a
-            # cluster liveness is heartbeats only
-            self._agents_next = float("inf")
-            return
-        try:
-            names = [c.get("name", "") for c in self.client.client_list(_type="normal")]
-        except redis.ResponseError as e:  # CLIENT refused (ACL, a managed Redis): heartbeats only
-            log.warning("collector: CLIENT LIST refused (%s): node agents not watched", e)
-            self._agents_next = float("inf")
-            return
-        present = agent_nodes(names, self.keys.job_id)
-        gone = self._agents - present
-        self._agents = present
-        # CLIENT LIST costs Redis O(its clients) on its main thread: a job without agents
-        # (a torch job, a simulator above node_agents_max_nodes) is looked at every
-        # AGENT_IDLE_POLL_S only, so an agent is first seen within that
-        self._agents_next = now + (self.config.agent_poll_s if present else AGENT_IDLE_POLL_S)
-        if not gone or self._outage or self._finished or not self._heard:
-            return
-        lv = self.liveness
-        # every agent of the job gone at once is the job's own end (a single-process
-        # simulator stopped or crashed): heartbeats and the job-silence hold judge it
-        if not present or len(gone) >= max(
-            lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)
-        ):
-            log.warning(
-                "collector: job %s: %d node agents disconnected at once: left to heartbeats",
-                self.keys.job_id,
-                len(gone),
-            )
-            return
-        for node in sorted(gone):
-            ev = lv.declare_node_dead(node, now)
-            if ev is None:
-                continue
-            log.warning(
-                "collector: node %d's agent connection closed: node dead, ranks=%s",
-                node,
-                ev.ranks[:16],
-            )
-            self._outbox.append((self.keys.liveness, ev, self.config.liveness_maxlen))
-            self._count("liveness_events_total")
-            self._count("liveness_agent_closed_total")
 
     def _mass_loss(self, new_holds: int) -> None:
         """Say when a suspect mass loss starts holding node verdicts, and when it ends."""
