@@ -23,6 +23,7 @@ from resihp.assembly import ASSEMBLY
 from resihp.entry import parse_bool
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
 from resihp.liveness import (
+    DEADLINE_STRETCH_MAX,
     FIRST_BEAT_DEADLINES,
     JOB_SILENCE_HOLD_DEADLINES,
     MASS_LOSS_FRACTION,
@@ -107,6 +108,10 @@ class CollectorConfig:
     #: fail-stop deadlines for its first beat (ranks start seconds apart under load;
     #: :data:`resihp.liveness.FIRST_BEAT_DEADLINES`); heard once, the deadline alone.
     first_beat_deadlines: float = FIRST_BEAT_DEADLINES
+    #: The fail-stop deadline stretches with the jitter the job's beats show (1.5 x the
+    #: longest gap of a live node over the last minute) up to this many times the static
+    #: deadline; 1 keeps it static (:mod:`resihp.liveness`, "Late or silent").
+    deadline_stretch_max: float = DEADLINE_STRETCH_MAX
     #: How often the node agents' named connections are looked up (CLIENT LIST): a node
     #: whose agent connection closed is dead at once (:mod:`resihp.liveness_agent`);
     #: 0 turns it off (seconds).
@@ -218,9 +223,10 @@ class CollectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
-        v = self.first_beat_deadlines
-        if not isinstance(v, int | float) or isinstance(v, bool) or not 1 <= v < math.inf:
-            raise ValueError(f"first_beat_deadlines: must be a finite number >= 1, got {v!r}")
+        for name in ("first_beat_deadlines", "deadline_stretch_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 1 <= v < math.inf:
+                raise ValueError(f"{name}: must be a finite number >= 1, got {v!r}")
         v = self.agent_poll_s
         if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
             raise ValueError(f"agent_poll_s: must be a finite number >= 0, got {v!r}")

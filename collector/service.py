@@ -180,6 +180,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             hold_deadlines=config.job_silence_hold_deadlines,
             mass_loss_fraction=config.mass_loss_fraction,
             first_beat_deadlines=config.first_beat_deadlines,
+            stretch_max=config.deadline_stretch_max,
         )
         self.assembler = IterationAssembler(
             grace_s=config.grace_s,
@@ -898,6 +899,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             # how far this collector is behind the stream (0: caught up; a backlog older
             # than the fail-stop deadline is this collector's lag, not the nodes' silence)
             bus.COLLECTOR_LAG_S: round(self.lag_s, 3),
+            # the fail-stop deadline in force (stretched by the beats' jitter under load)
+            "liveness_deadline_s": round(self.liveness.deadline_s(), 3),
             # nodes whose death verdict is held as part of a suspect mass loss
             bus.SUSPECT_NODES: len(self.liveness.suspect_nodes),
             # false while the job has been silent since before this collector started,

@@ -55,6 +55,17 @@ at its read frontier while behind) and the rest of the job keeps being heard.  A
 node heard again within the hold produces no verdict; one still silent after it is
 dead, ``(1 + hold_deadlines)`` deadlines after its last beat (the cross-check costs a
 real mass failure 5 s more with the defaults; a single node, or a few, keep 2.5 I).
+
+Late or silent: a host so loaded that its beats come late and a host that stopped
+look the same until the late beat arrives; only time tells them apart.  The deadline
+therefore follows the jitter the job shows: the longest gap between two beats of a node
+that was heard again before its verdict, over the last ~``GAP_WINDOW_S`` (the larger of
+two 30 s buckets), times ``DEADLINE_STRETCH_FACTOR``, is the deadline when that is more
+than ``(K + jitter_beats) * I``, up to ``DEADLINE_STRETCH_MAX`` times it.  A stopped host
+never completes its gap, so it cannot stretch its own deadline; beats that arrive
+on time keep the static one.  Co-located processes share one CPU, so the stretch is
+job-wide (any node's late beat warns of the others').  The cost: a host that stops
+while the job shows jitter is reported that much later (figures: docs/operations.md).
 """
 
 from __future__ import annotations
@@ -80,6 +91,13 @@ QUIET_TOGETHER_BEATS = 1.25
 #: the job's first telemetry those starts were the fail-stop bench's false reports (8 in
 #: 40 trials at load 13-20).  A rank heard once is judged on the deadline alone.
 FIRST_BEAT_DEADLINES = 4.0
+#: Adaptive deadline: the fail-stop deadline stretches to ``DEADLINE_STRETCH_FACTOR`` x the
+#: longest gap between two beats of a live node seen over the last ~``GAP_WINDOW_S``
+#: (only gaps shorter than the deadline then in force: a node heard again before its
+#: verdict), up to ``DEADLINE_STRETCH_MAX`` x the static deadline.  See the module doc.
+DEADLINE_STRETCH_FACTOR = 1.5
+DEADLINE_STRETCH_MAX = 2.0
+GAP_WINDOW_S = 60.0
 #: Fraction of the nodes alive whose deaths within one deadline are a suspect mass loss.
 MASS_LOSS_FRACTION = 0.1
 #: ... and at least this many nodes (a 4-node job losing 1 node is not a mass loss).
@@ -116,6 +134,9 @@ class NodeMonitor:
     k: int
     jitter_beats: float = 0.5
     first_beat_deadlines: float = FIRST_BEAT_DEADLINES
+    #: the deadline in force when the job's jitter stretched it (set by the coordinator)
+    stretched_s: float = 0.0
+    heard: bool = False  # any beat of any of its devices arrived
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_heard_s: float = -math.inf
     #: Deadlines run from here at the earliest: when the job was heard again after a
@@ -142,7 +163,7 @@ class NodeMonitor:
         # only a beat newer than any heard from it brings a dead device back: an old entry
         # read again (reclaimed after a consumer restart) says nothing about now
         newer = arrival_s > st.last_arrival_s
-        st.heard = True
+        st.heard = self.heard = True
         # Invariant: last_heard_s >= every device's last_arrival_s.
         if newer:
             st.last_arrival_s = arrival_s
@@ -164,7 +185,8 @@ class NodeMonitor:
         return max(0, int((now_s - last_s) / self.interval_s))
 
     def deadline_s(self) -> float:
-        return (self.k + self.jitter_beats) * self.interval_s
+        d = (self.k + self.jitter_beats) * self.interval_s
+        return d if self.stretched_s <= d else self.stretched_s
 
     def rank_deadline_s(self, st: RankState) -> float:
         """The deadline of one device: longer until its first beat (FIRST_BEAT_DEADLINES)."""
@@ -174,7 +196,7 @@ class NodeMonitor:
     def node_deadline_s(self) -> float:
         """The node's deadline: longer while none of its devices has beaten yet."""
         d = self.deadline_s()
-        if any(st.heard for st in self.ranks.values()):
+        if self.heard:
             return d
         return d * max(1.0, self.first_beat_deadlines)
 
@@ -239,6 +261,7 @@ class LivenessCoordinator:
         mass_loss_fraction: float = MASS_LOSS_FRACTION,
         mass_loss_min_nodes: int = MASS_LOSS_MIN_NODES,
         first_beat_deadlines: float = FIRST_BEAT_DEADLINES,
+        stretch_max: float = DEADLINE_STRETCH_MAX,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -252,6 +275,15 @@ class LivenessCoordinator:
         if not 1 <= first_beat_deadlines < math.inf:
             raise ValueError(f"first_beat_deadlines must be >= 1, got {first_beat_deadlines}")
         self.first_beat_deadlines = float(first_beat_deadlines)
+        if not 1 <= stretch_max < math.inf:
+            raise ValueError(f"stretch_max must be >= 1, got {stretch_max}")
+        self.stretch_max = float(stretch_max)
+        #: longest beat gap of a live node in the current / previous GAP_WINDOW_S/2 bucket
+        self._gap_bucket = -1
+        self._gap_peak_s = 0.0
+        self._gap_prev_peak_s = 0.0
+        #: the deadline in force (the static one, or stretched by the job's jitter)
+        self.deadline_in_force_s = self.static_deadline_s()
         self.hold_deadlines = float(hold_deadlines)
         if not 0 < mass_loss_fraction <= 1:
             raise ValueError(f"mass_loss_fraction must be in (0, 1], got {mass_loss_fraction}")
@@ -290,6 +322,7 @@ class LivenessCoordinator:
             m = self.monitors[node] = NodeMonitor(
                 node, self.interval_s, self.k, self.jitter_beats, self.first_beat_deadlines
             )
+            m.stretched_s = self.deadline_in_force_s
         return m
 
     def set_expected(self, rank_node: dict[int, int], dead: set[int], now_s: float) -> None:
@@ -353,12 +386,49 @@ class LivenessCoordinator:
             if self.node_of is not None:  # the layout knows better than the beat
                 node = self.node_of(rank)
             self._rank_node[rank] = node
-        self._monitor(node).observe(rank, arrival_s, seq, iteration, generation)
+        mon = self._monitor(node)
+        before = mon.last_heard_s if mon.heard else math.inf  # a first beat is no gap
+        mon.observe(rank, arrival_s, seq, iteration, generation)
+        if mon.last_heard_s - before > self._gap_peak_s:
+            self._note_gap(mon, mon.last_heard_s - before, arrival_s)
+
+    def _note_gap(self, mon: NodeMonitor, gap_s: float, arrival_s: float) -> None:
+        """A live node heard again after ``gap_s``: the job's jitter (module doc)."""
+        if (
+            mon.node in self.node_down
+            or gap_s >= mon.deadline_s()
+            or mon.judge_from_s > mon.last_heard_s - gap_s
+        ):
+            return  # a dead node's return, or a silence the job was held on
+        self._roll_gaps(arrival_s)
+        self._gap_peak_s = max(self._gap_peak_s, gap_s)
+
+    def _roll_gaps(self, now_s: float) -> None:
+        bucket = int(now_s // (GAP_WINDOW_S / 2))
+        if bucket > self._gap_bucket:
+            self._gap_prev_peak_s = self._gap_peak_s if bucket == self._gap_bucket + 1 else 0.0
+            self._gap_peak_s = 0.0
+            self._gap_bucket = bucket
+
+    def _stretch(self, now_s: float) -> None:
+        """Set the deadline in force from the job's recent beat gaps (module doc)."""
+        self._roll_gaps(now_s)
+        base = self.static_deadline_s()
+        peak = max(self._gap_peak_s, self._gap_prev_peak_s)
+        d = min(self.stretch_max * base, max(base, DEADLINE_STRETCH_FACTOR * peak))
+        if d != self.deadline_in_force_s:
+            self.deadline_in_force_s = d
+            for m in self.monitors.values():
+                m.stretched_s = d
 
     # ------------------------------------------------------------ level 2 decisions
-    def deadline_s(self) -> float:
-        """The fail-stop deadline: K intervals plus the jitter slack."""
+    def static_deadline_s(self) -> float:
+        """K intervals plus the jitter slack."""
         return (self.k + self.jitter_beats) * self.interval_s
+
+    def deadline_s(self) -> float:
+        """The fail-stop deadline in force: the static one, or stretched (module doc)."""
+        return max(self.static_deadline_s(), self.deadline_in_force_s)
 
     def alive_nodes(self) -> list[NodeMonitor]:
         """Monitors of the nodes not declared down that still have a device alive."""
@@ -370,6 +440,7 @@ class LivenessCoordinator:
 
     def check(self, now_s: float) -> list[LivenessEvent]:
         events: list[LivenessEvent] = []
+        self._stretch(now_s)
         alive = self.alive_nodes()
         # when the job (its nodes still alive) was last heard, and whether to hold at all
         job_heard_s = max((m.last_heard_s for m in alive), default=-math.inf)

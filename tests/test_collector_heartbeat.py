@@ -326,3 +326,28 @@ def test_a_device_dying_during_normal_beats_is_unaffected_by_the_hold():
     events, silent = _checks(coord, beats, 20)
     assert [(t, e.scope, e.ranks) for t, e in events] == [(7.75, "rank", [2])]
     assert set(silent.values()) == {None}
+
+
+def test_the_deadline_stretches_with_the_jitter_a_loaded_job_shows_and_relaxes_after():
+    """Late or silent (issue 24): gaps of a live node near the 2.5 I deadline (a loaded
+    host) stretch it to 1.5 x the longest gap, at most 2x; a stopped node never completes
+    its gap; a minute of beats on time brings the static deadline back."""
+    coord = LivenessCoordinator(IV, k=2)
+    _two_nodes(coord)
+    late = [0.0, 1.0, 3.2, 4.2, 5.2]  # node 1 heard again 2.2 I after a beat: late, alive
+    beats = {r: (r // 4, _beats(0, 40)) for r in range(4)}
+    beats |= {r: (1, late + _beats(6.2, 30.2)) for r in range(4, 8)}
+    events = _run(coord, beats, 34)
+    assert coord.deadline_s() == pytest.approx(1.5 * 2.2 * IV)
+    # node 1 stops after 30.2: dead at the stretched deadline, not the static 2.5 I
+    # (static: 32.7; checks every 0.25 I)
+    assert [(e.node, t) for t, e in events] == [(1, pytest.approx(30.2 + 3.3 * IV))]
+    # a minute and more of beats on time: back to the static deadline
+    more = {r: (0, _beats(40, 130)) for r in range(4)}
+    _run(coord, more, 130, t_start=34.25)
+    assert coord.deadline_s() == 2.5 * IV
+    # and never beyond DEADLINE_STRETCH_MAX x the static deadline
+    coord = LivenessCoordinator(IV, k=2, stretch_max=1.2)
+    _two_nodes(coord)
+    _run(coord, beats, 10)
+    assert coord.deadline_s() == pytest.approx(1.2 * 2.5 * IV)
