@@ -3,8 +3,9 @@ to the detector's FailureReport, over ``--trials`` trials of each, median and ma
 no-fault control run of as many trials, whose every fail-stop report is a false one.
 
 Each trial is a fresh job of 4 nodes x 4 ranks (tp=2 pp=2 dp=4) on one embedded
-redis-server: a real collector and detector (threads of this process; beats every
-``--interval-s``, K=2) and one process per node that holds its node agent connection
+redis-server: a real collector and detector (threads of this process, their defaults
+but beats every ``--interval-s``, K=2) and one process per node (started ahead of its
+trial, so the 4 begin within a moment of each other) that holds its node agent connection
 (``resihp/liveness_agent.py``) and beats for its 4 ranks through a TelemetryProducer.
 ``--hogs`` busy processes beside them keep this 2-core box loaded.  Once every node has
 been heard for 3 s, node 3's process is killed or stopped (the control run signals
@@ -47,8 +48,10 @@ from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
 from resihp.liveness_agent import NodeAgent
-url, job, node, iv = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-if sys.argv[5] == "1":
+url, iv, agents = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
+job, node = sys.stdin.readline().split()  # imported and waiting: started ahead of its trial
+node = int(node)
+if agents:
     agent = NodeAgent(url, job, node)  # held while this process lives
 p = TelemetryProducer(url, JobKeys(job), flush_interval_s=0.01).start()
 seq = 0
@@ -58,6 +61,39 @@ while True:
     seq += 1
     time.sleep(iv)
 """
+
+
+class NodePool:
+    """Node processes started ahead of their trial (imports done, waiting for their job on
+    stdin): under load a Python start takes seconds, which would dominate every trial."""
+
+    def __init__(self, url: str, a):
+        self.argv = [
+            sys.executable,
+            "-c",
+            NODE,
+            url,
+            str(a.interval_s),
+            "0" if a.no_agents else "1",
+        ]
+        self.env = dict(os.environ, PYTHONPATH=os.getcwd())
+        self.spare = [self._start() for _ in range(4)]
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE, text=True)
+
+    def take(self, job: str) -> list[subprocess.Popen]:
+        nodes, self.spare = self.spare, [self._start() for _ in range(4)]
+        for n, proc in enumerate(nodes):
+            proc.stdin.write(f"{job} {n}\n")
+            proc.stdin.flush()
+        return nodes
+
+    def close(self) -> None:
+        for proc in self.spare:
+            proc.kill()
+            proc.wait()
+
 
 STOPPED_RANKS = {12, 13, 14, 15}  # node 3's
 
@@ -69,6 +105,7 @@ class Phase:
         self.false: list[tuple[str, list[int], float]] = []  # (job, ranks, s after signal)
         self.max_gap_s = 0.0
         self.loads: list[float] = []
+        self.deadlines_s: list[float] = []  # the collector's deadline in force at the signal
 
 
 def _max_gap_s(client, keys: JobKeys, t_until: float) -> float:
@@ -88,7 +125,7 @@ def _max_gap_s(client, keys: JobKeys, t_until: float) -> float:
     return gap
 
 
-def trial(srv: EmbeddedRedis, job: str, sig, phase: Phase, a) -> None:
+def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) -> None:
     keys = JobKeys(job)
     client = srv.client()
     lay = Layout.uniform(tp=2, pp=2, dp=4, num_layers=4, num_microbatches=4, devices_per_node=4)
@@ -102,14 +139,7 @@ def trial(srv: EmbeddedRedis, job: str, sig, phase: Phase, a) -> None:
     threads = [threading.Thread(target=s.run, args=(stop,), daemon=True) for s in (col, det)]
     for t in threads:
         t.start()
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    agents = "0" if a.no_agents else "1"
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-c", NODE, srv.url, job, str(n), str(a.interval_s), agents], env=env
-        )
-        for n in range(4)
-    ]
+    nodes = pool.take(job)
     seen: set[str] = set()
 
     def reports(t_sig: float) -> float | None:
@@ -138,6 +168,7 @@ def trial(srv: EmbeddedRedis, job: str, sig, phase: Phase, a) -> None:
         time.sleep(3.0)
         t_sig = time.time()
         phase.loads.append(os.getloadavg()[0])
+        phase.deadlines_s.append(col.liveness.deadline_s())
         if sig is None:  # the control: nothing stopped, every report is false
             time.sleep(a.control_s)
             reports(t_sig)
@@ -182,20 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         with EmbeddedRedis() as srv:
-            for i in range(trials):  # interleaved, so the phases see the same load
-                for k, (ph, sig) in enumerate(phases):
-                    trial(srv, f"failstop-{k}-{i}", sig, ph, a)
+            pool = NodePool(srv.url, a)
+            try:
+                for i in range(trials):  # interleaved, so the phases see the same load
+                    for k, (ph, sig) in enumerate(phases):
+                        trial(srv, pool, f"failstop-{k}-{i}", sig, ph, a)
+            finally:
+                pool.close()
     finally:
         for h in hogs:
             h.kill()
     print(
-        f"\nfail-stop latency: 4 nodes x 4 ranks, beats every {a.interval_s:g} s (deadline "
+        f"\nfail-stop latency: 4 nodes x 4 ranks, beats every {a.interval_s:g} s (static deadline "
         f"{2.5 * a.interval_s:g} s), node agents {'off' if a.no_agents else 'on'}, {a.hogs} hog "
         f"processes, {trials} trials per phase, {time.monotonic() - t0:.0f} s"
     )
     print(
         f"{'phase':>26} | {'median s':>8} | {'max s':>6} | {'min s':>6} | false reports | "
-        "largest beat gap of a live node | load (1 min)"
+        "largest beat gap of a live node | deadline in force s | load (1 min)"
     )
     for ph, _ in phases:
         lat = ph.latency_s
@@ -206,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{ph.name:>26} | {med:>8} | {mx:>6} | {mn:>6} | {len(ph.false):>13} | "
-            f"{ph.max_gap_s:>30.2f}s | {min(ph.loads):.1f}-{max(ph.loads):.1f}"
+            f"{ph.max_gap_s:>30.2f}s | {min(ph.deadlines_s):>8.2f}-{max(ph.deadlines_s):.2f} | "
+            f"{min(ph.loads):.1f}-{max(ph.loads):.1f}"
         )
     for ph, _ in phases:
         for f in ph.false:
-            print(f"  false report in {ph.name}: job {f[0]}, ranks {f[1]}, {f[2]:+.2f} s from signal")
+            print(
+                f"  false report in {ph.name}: job {f[0]}, ranks {f[1]}, {f[2]:+.2f} s from signal"
+            )
     return 0
 
 

@@ -404,6 +404,8 @@ class LivenessCoordinator:
         self._gap_peak_s = max(self._gap_peak_s, gap_s)
 
     def _roll_gaps(self, now_s: float) -> None:
+        if not math.isfinite(now_s):  # an offline replay's start or end
+            return
         bucket = int(now_s // (GAP_WINDOW_S / 2))
         if bucket > self._gap_bucket:
             self._gap_prev_peak_s = self._gap_peak_s if bucket == self._gap_bucket + 1 else 0.0
