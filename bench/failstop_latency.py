@@ -186,11 +186,11 @@ def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) ->
         phase.max_gap_s = max(phase.max_gap_s, _max_gap_s(client, keys, time.time()))
     finally:
         stop.set()
+        for t in threads:  # before the nodes go: their agents' closing is no news
+            t.join(10)
         for p in nodes:
             p.kill()
             p.wait()
-        for t in threads:
-            t.join(10)
         client.delete(*client.keys(f"resihp:{{{job}}}:*"))
 
 
