@@ -86,10 +86,10 @@ JOB_SILENCE_HOLD_DEADLINES = 2.0
 QUIET_TOGETHER_BEATS = 1.25
 #: Fail-stop deadlines a rank (or node) not heard once since it was expected gets for its
 #: first beat.  Ranks of one job start at different moments (each imports its framework;
-#: under load the last of four 16-rank processes on this 2-core box beat 1.5-2.4 s after
-#: the first, load 20-33), and the layout's promise is not a beat: with one deadline from
-#: the job's first telemetry those starts were the fail-stop bench's false reports (8 in
-#: 40 trials at load 13-20).  A rank heard once is judged on the deadline alone.
+#: under load a node process of bench/failstop_latency.py first beat 1.5-2.4 s after its
+#: deadline started, at the job's first telemetry, load 19-33), and the layout's promise
+#: is not a beat: those starts were all 8 false reports of 22 diagnostic trials of that
+#: bench.  A rank heard once is judged on the deadline alone.
 FIRST_BEAT_DEADLINES = 4.0
 #: Adaptive deadline: the fail-stop deadline stretches to ``DEADLINE_STRETCH_FACTOR`` x the
 #: longest gap between two beats of a live node seen over the last ~``GAP_WINDOW_S``
