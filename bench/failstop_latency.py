@@ -1,15 +1,23 @@
 """Fail-stop latency: a node's process killed (SIGKILL) or its host gone silent (SIGSTOP),
-to the detector's FailureReport, over ``--trials`` trials of each; median and max.
+to the detector's FailureReport, over ``--trials`` trials of each, median and max; and a
+no-fault control run of as many trials, whose every fail-stop report is a false one.
 
 Each trial is a fresh job of 4 nodes x 4 ranks (tp=2 pp=2 dp=4) on one embedded
-redis-server: a real collector and detector (threads of this process, their defaults:
-1 s beats, K=2) and one process per node that beats for its ranks through a
-TelemetryProducer.  Once every node has been heard for 3 s, node 3's process is killed
-or stopped; the latency is the FailureReport's arrival (its stream id, Redis's clock) minus
-the moment of the signal (this host's clock, the same machine).
+redis-server: a real collector and detector (threads of this process, their defaults
+but beats every ``--interval-s``, K=2) and one process per node (started ahead of its
+trial, so the 4 begin within a moment of each other) that holds its node agent connection
+(``resihp/liveness_agent.py``) and beats for its 4 ranks through a TelemetryProducer.
+``--hogs`` busy processes beside them keep this 2-core box loaded.  Once every node has
+been heard for 3 s, node 3's process is killed or stopped (the control run signals
+nothing and watches ``--control-s``); the latency is the FailureReport's arrival (its
+stream id, Redis's clock) minus the moment of the signal (this host's clock, the same
+machine).  A false report is any fail-stop report of a node nobody stopped, or one made
+before the signal.  Also printed per phase: the largest gap between two beats of a node
+nobody stopped (what a heartbeat deadline must tolerate) and the 1-minute load average.
 
-    python bench/failstop_latency.py              # 20 trials of each
-    python bench/failstop_latency.py --trials 5
+    python bench/failstop_latency.py              # 20 trials of each, 4 hogs
+    python bench/failstop_latency.py --quick      # 5 trials of each
+    python bench/failstop_latency.py --no-agents --interval-s 1   # heartbeats only
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis
 from resihp.schemas import FailureReport
 from resihp.topology import Layout
-from resihp.wire import decode_entry
+from resihp.wire import HeartbeatBatch, decode_entry
 
 NODE = """
 import sys, time
@@ -40,8 +48,10 @@ from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
 from resihp.liveness_agent import NodeAgent
-url, job, node, iv = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-if sys.argv[5] == "1":
+url, iv, agents = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
+job, node = sys.stdin.readline().split()  # imported and waiting: started ahead of its trial
+node = int(node)
+if agents:
     agent = NodeAgent(url, job, node)  # held while this process lives
 p = TelemetryProducer(url, JobKeys(job), flush_interval_s=0.01).start()
 seq = 0
@@ -53,35 +63,102 @@ while True:
 """
 
 
-#: (job, ranks) of every fail-stop report naming a node that was not stopped (or any
-#: node before the signal)
-FALSE: list[tuple[str, list[int]]] = []
+class NodePool:
+    """Node processes started ahead of their trial (imports done, waiting for their job on
+    stdin): under load a Python start takes seconds, which would dominate every trial."""
+
+    def __init__(self, url: str, a):
+        self.argv = [
+            sys.executable,
+            "-c",
+            NODE,
+            url,
+            str(a.interval_s),
+            "0" if a.no_agents else "1",
+        ]
+        self.env = dict(os.environ, PYTHONPATH=os.getcwd())
+        self.spare = [self._start() for _ in range(4)]
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE, text=True)
+
+    def take(self, job: str) -> list[subprocess.Popen]:
+        nodes, self.spare = self.spare, [self._start() for _ in range(4)]
+        for n, proc in enumerate(nodes):
+            proc.stdin.write(f"{job} {n}\n")
+            proc.stdin.flush()
+        return nodes
+
+    def close(self) -> None:
+        for proc in self.spare:
+            proc.kill()
+            proc.wait()
 
 
-def trial(srv: EmbeddedRedis, k: int, sig: int, iv: float, agents: bool) -> float:
-    job = f"failstop-{k}"
+STOPPED_RANKS = {12, 13, 14, 15}  # node 3's
+
+
+class Phase:
+    def __init__(self, name: str):
+        self.name = name
+        self.latency_s: list[float] = []
+        self.false: list[tuple[str, list[int], float]] = []  # (job, ranks, s after signal)
+        self.max_gap_s = 0.0
+        self.loads: list[float] = []
+        self.deadlines_s: list[float] = []  # the collector's deadline in force at the signal
+
+
+def _max_gap_s(client, keys: JobKeys, t_until: float) -> float:
+    """The largest gap between two beats (Redis arrival) of a node not stopped."""
+    last: dict[int, float] = {}
+    gap = 0.0
+    for eid, fields in client.xrange(keys.telemetry):
+        at = int(eid.split(b"-")[0]) / 1000
+        if at > t_until:
+            break
+        for m in decode_entry(fields)[0]:
+            if isinstance(m, HeartbeatBatch):
+                for node in set(m.rows["node"].tolist()) - {3}:
+                    if node in last:
+                        gap = max(gap, at - last[node])
+                    last[node] = at
+    return gap
+
+
+def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) -> None:
     keys = JobKeys(job)
     client = srv.client()
     lay = Layout.uniform(tp=2, pp=2, dp=4, num_layers=4, num_microbatches=4, devices_per_node=4)
     client.set(keys.layout, json.dumps(lay.to_dict()))
     stop = threading.Event()
-    cfg = CollectorConfig(job_id=job, block_ms=20, heartbeat_interval_s=iv)
+    cfg = CollectorConfig(job_id=job, block_ms=20, heartbeat_interval_s=a.interval_s)
+    if a.no_agents:
+        cfg = cfg.replace(agent_poll_s=0.0)
     col = CollectorService(cfg, srv.client())
     det = DetectorService(DetectorConfig(job_id=job, block_ms=20), srv.client())
     threads = [threading.Thread(target=s.run, args=(stop,), daemon=True) for s in (col, det)]
     for t in threads:
         t.start()
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-c", NODE, srv.url, job, str(n), str(iv), "1" if agents else "0"],
-            env=env,
-        )
-        for n in range(4)
-    ]
+    nodes = pool.take(job)
+    seen: set[str] = set()
+
+    def reports(t_sig: float) -> float | None:
+        """The stopped node's report latency, if any; files false reports on the way."""
+        for eid, fields in client.xrange(keys.failures):
+            for m in decode_entry(fields)[0]:
+                if not (isinstance(m, FailureReport) and m.kind == "fail_stop"):
+                    continue
+                at_s = int(eid.split(b"-")[0]) / 1000
+                if sig is not None and at_s >= t_sig and set(m.ranks) & STOPPED_RANKS:
+                    return at_s - t_sig
+                if m.report_id not in seen:
+                    seen.add(m.report_id)
+                    phase.false.append((job, list(m.ranks), round(at_s - t_sig, 2)))
+        return None
+
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # every node heard for 3 s
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # every node heard
             heard = client.hgetall(keys.node_heartbeat)
             if len(heard) == 4 and col.stats["heartbeats_total"] >= 16 * 4:
                 break
@@ -90,53 +167,88 @@ def trial(srv: EmbeddedRedis, k: int, sig: int, iv: float, agents: bool) -> floa
             raise RuntimeError("the nodes were never all heard")
         time.sleep(3.0)
         t_sig = time.time()
-        os.kill(nodes[3].pid, sig)
-        false: set[str] = set()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for eid, fields in client.xrange(keys.failures):
-                for m in decode_entry(fields)[0]:
-                    if isinstance(m, FailureReport) and m.kind == "fail_stop":
-                        at_s = int(eid.split(b"-")[0]) / 1000
-                        if at_s >= t_sig and set(m.ranks) & {12, 13, 14, 15}:
-                            return at_s - t_sig
-                        if m.report_id not in false:
-                            false.add(m.report_id)
-                            FALSE.append((job, m.ranks))
-            time.sleep(0.02)
-        raise RuntimeError("no fail-stop report within 30 s")
+        phase.loads.append(os.getloadavg()[0])
+        phase.deadlines_s.append(col.liveness.deadline_s())
+        if sig is None:  # the control: nothing stopped, every report is false
+            time.sleep(a.control_s)
+            reports(t_sig)
+        else:
+            os.kill(nodes[3].pid, sig)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                lat = reports(t_sig)
+                if lat is not None:
+                    phase.latency_s.append(lat)
+                    break
+                time.sleep(0.02)
+            else:
+                raise RuntimeError(f"{job}: no fail-stop report within 30 s")
+        phase.max_gap_s = max(phase.max_gap_s, _max_gap_s(client, keys, time.time()))
     finally:
         stop.set()
+        for t in threads:  # before the nodes go: their agents' closing is no news
+            t.join(10)
         for p in nodes:
             p.kill()
             p.wait()
-        for t in threads:
-            t.join(10)
+        client.delete(*client.keys(f"resihp:{{{job}}}:*"))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--trials", type=int, default=20, help="trials of each phase")
+    p.add_argument("--quick", action="store_true", help="5 trials of each phase")
     p.add_argument("--interval-s", type=float, default=0.5, help="heartbeat period")
     p.add_argument("--no-agents", action="store_true", help="heartbeats only (the baseline)")
+    p.add_argument("--hogs", type=int, default=4, help="busy processes beside the job")
+    p.add_argument("--control-s", type=float, default=5.0, help="each control trial watches")
     a = p.parse_args(argv)
-    agents = not a.no_agents
-    with EmbeddedRedis() as srv:
-        for name, sig in (
-            ("process killed (SIGKILL)", signal.SIGKILL),
-            ("host silent (SIGSTOP)", signal.SIGSTOP),
-        ):
-            lat = [
-                trial(srv, i + (0 if sig == signal.SIGKILL else 1000), sig, a.interval_s, agents)
-                for i in range(a.trials)
-            ]
+    trials = 5 if a.quick else a.trials
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.hogs)]
+    phases = [
+        (Phase("process killed (SIGKILL)"), signal.SIGKILL),
+        (Phase("host silent (SIGSTOP)"), signal.SIGSTOP),
+        (Phase("no fault (control)"), None),
+    ]
+    t0 = time.monotonic()
+    try:
+        with EmbeddedRedis() as srv:
+            pool = NodePool(srv.url, a)
+            try:
+                for i in range(trials):  # interleaved, so the phases see the same load
+                    for k, (ph, sig) in enumerate(phases):
+                        trial(srv, pool, f"failstop-{k}-{i}", sig, ph, a)
+            finally:
+                pool.close()
+    finally:
+        for h in hogs:
+            h.kill()
+    print(
+        f"\nfail-stop latency: 4 nodes x 4 ranks, beats every {a.interval_s:g} s (static deadline "
+        f"{2.5 * a.interval_s:g} s), node agents {'off' if a.no_agents else 'on'}, {a.hogs} hog "
+        f"processes, {trials} trials per phase, {time.monotonic() - t0:.0f} s"
+    )
+    print(
+        f"{'phase':>26} | {'median s':>8} | {'max s':>6} | {'min s':>6} | false reports | "
+        "largest beat gap of a live node | deadline in force s | load (1 min)"
+    )
+    for ph, _ in phases:
+        lat = ph.latency_s
+        med, mx, mn = (
+            (f"{statistics.median(lat):.2f}", f"{max(lat):.2f}", f"{min(lat):.2f}")
+            if lat
+            else ("-", "-", "-")
+        )
+        print(
+            f"{ph.name:>26} | {med:>8} | {mx:>6} | {mn:>6} | {len(ph.false):>13} | "
+            f"{ph.max_gap_s:>30.2f}s | {min(ph.deadlines_s):>8.2f}-{max(ph.deadlines_s):.2f} | "
+            f"{min(ph.loads):.1f}-{max(ph.loads):.1f}"
+        )
+    for ph, _ in phases:
+        for f in ph.false:
             print(
-                f"{name:>26} (beats every {a.interval_s:g} s, agents "
-                f"{'off' if a.no_agents else 'on'}): {a.trials} trials, median {statistics.median(lat):.2f} s, "
-                f"max {max(lat):.2f} s, min {min(lat):.2f} s   (load {os.getloadavg()[0]:.1f})",
-                flush=True,
+                f"  false report in {ph.name}: job {f[0]}, ranks {f[1]}, {f[2]:+.2f} s from signal"
             )
-    print(f"false fail-stop reports (a node not stopped): {len(FALSE)} {FALSE[:5]}")
     return 0
 
 

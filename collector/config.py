@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from resihp.assembly import ASSEMBLY
 from resihp.entry import parse_bool
 from resihp.keys import DEFAULT_STREAM_MAXLEN, validate_job_id
-from resihp.liveness import JOB_SILENCE_HOLD_DEADLINES, MASS_LOSS_FRACTION
+from resihp.liveness import (
+    DEADLINE_STRETCH_MAX,
+    FIRST_BEAT_DEADLINES,
+    JOB_SILENCE_HOLD_DEADLINES,
+    MASS_LOSS_FRACTION,
+)
 
 #: The largest K the collector follows.  The detector validates field ``heartbeat_k``
 #: of the detector_config hash and refuses more (detector/config.py keeps the same
@@ -99,6 +104,14 @@ class CollectorConfig:
     #: their verdicts wait the same hold, and are confirmed only if still silent after
     #: it with this collector caught up on the stream (:mod:`resihp.liveness`).
     mass_loss_fraction: float = MASS_LOSS_FRACTION
+    #: A rank (or node) not heard once since the layout expected it gets this many
+    #: fail-stop deadlines for its first beat (ranks start seconds apart under load;
+    #: :data:`resihp.liveness.FIRST_BEAT_DEADLINES`); heard once, the deadline alone.
+    first_beat_deadlines: float = FIRST_BEAT_DEADLINES
+    #: The fail-stop deadline stretches with the jitter the job's beats show (1.5 x the
+    #: longest gap of a live node over the last minute) up to this many times the static
+    #: deadline; 1 keeps it static (:mod:`resihp.liveness`, "Late or silent").
+    deadline_stretch_max: float = DEADLINE_STRETCH_MAX
     #: How often the node agents' named connections are looked up (CLIENT LIST): a node
     #: whose agent connection closed is dead at once (:mod:`resihp.liveness_agent`);
     #: 0 turns it off (seconds).
@@ -210,6 +223,10 @@ class CollectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+        for name in ("first_beat_deadlines", "deadline_stretch_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 1 <= v < math.inf:
+                raise ValueError(f"{name}: must be a finite number >= 1, got {v!r}")
         v = self.agent_poll_s
         if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
             raise ValueError(f"agent_poll_s: must be a finite number >= 0, got {v!r}")

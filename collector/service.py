@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from collector.agents import NodeAgentWatch
 from collector.config import CollectorConfig, parse_heartbeat_k
 from collector.predictions import LayoutPredictions
 from collector.retention import TelemetryRetention
@@ -66,8 +67,6 @@ from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
-from resihp.liveness_agent import agent_nodes
-from resihp.redis_client import is_cluster
 from resihp.schemas import (
     RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
@@ -84,9 +83,6 @@ from resihp.wire import ENTRY_MESSAGES, ChunkBatch, HeartbeatBatch, chunks_to_ro
 log = logging.getLogger(__name__)
 
 SERVICE = "collector"
-#: Seconds between CLIENT LIST reads of a job none of whose node agents was connected at
-#: the last read (agent_poll_s once one is).
-AGENT_IDLE_POLL_S = 2.0
 #: Batches of beats per rank whose smallest clock offset is the rank's estimate: enough to
 #: ride out a few delayed beats, few enough to follow a clock running at another rate.
 SKEW_WINDOW = 8
@@ -147,7 +143,7 @@ PUBLISHED_KEPT = 64
 PUBLISHED_RECORDS_KEPT = 2
 
 
-class CollectorService(TelemetryRetention):
+class CollectorService(TelemetryRetention, NodeAgentWatch):
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
     ``run(stop)`` loops it and keeps the health key fresh."""
@@ -184,6 +180,8 @@ class CollectorService(TelemetryRetention):
             config.jitter_beats,
             hold_deadlines=config.job_silence_hold_deadlines,
             mass_loss_fraction=config.mass_loss_fraction,
+            first_beat_deadlines=config.first_beat_deadlines,
+            stretch_max=config.deadline_stretch_max,
         )
         self.assembler = IterationAssembler(
             grace_s=config.grace_s,
@@ -232,7 +230,8 @@ class CollectorService(TelemetryRetention):
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
         self._lost_said = 0
-        self._agents: set[int] = set()  # nodes whose agent connection was seen last look
+        #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
+        self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
         #: iteration times of the recent unflagged complete records (the bound's reference)
         self._recent_iter_s: deque[float] = deque(maxlen=32)
@@ -385,7 +384,11 @@ class CollectorService(TelemetryRetention):
             # judged there, never at a time whose beats are unread.  The gap is this
             # collector's lag, reported in its health and status.
             if self.consumer.caught_up:
-                judge_s, self.lag_s = now, 0.0
+                # ...up to when the read was sent, not when its reply was taken in: a
+                # thread descheduled in between (0.5-1 s at load 60 on 2 cores) would
+                # judge beats that arrived meanwhile, unread, as silence (issue 24: two
+                # live nodes reported dead with no beat gap over 0.91 s)
+                judge_s, self.lag_s = read_s, 0.0
             else:
                 judge_s = min(now, self._frontier_s) if self._frontier_s else now
                 self.lag_s = max(0.0, now - judge_s)
@@ -834,58 +837,6 @@ class CollectorService(TelemetryRetention):
             for n, t in changed.items():
                 self._node_hb_written[int(n)] = float(t)
 
-    def _check_agents(self, now: float) -> None:
-        """Nodes whose agent connection closed since the last look are dead now (module
-        doc of :mod:`resihp.liveness_agent`).  Many closing at once (at least the mass-loss
-        share) is a Redis-side event (a restart, a CLIENT KILL), and all of a job's agents at
-        once is the job's process ending: heartbeats judge those."""
-        if not self.config.agent_poll_s or now < self._agents_next:
-            return
-        if is_cluster(self.client):
-            # a connection lives on one master and CLIENT LIST reads one node: on a
-            # cluster liveness is heartbeats only
-            self._agents_next = float("inf")
-            return
-        try:
-            names = [c.get("name", "") for c in self.client.client_list(_type="normal")]
-        except redis.ResponseError as e:  # CLIENT refused (ACL, a managed Redis): heartbeats only
-            log.warning("collector: CLIENT LIST refused (%s): node agents not watched", e)
-            self._agents_next = float("inf")
-            return
-        present = agent_nodes(names, self.keys.job_id)
-        gone = self._agents - present
-        self._agents = present
-        # CLIENT LIST costs Redis O(its clients) on its main thread: a job without agents
-        # (a torch job, a simulator above node_agents_max_nodes) is looked at every
-        # AGENT_IDLE_POLL_S only, so an agent is first seen within that
-        self._agents_next = now + (self.config.agent_poll_s if present else AGENT_IDLE_POLL_S)
-        if not gone or self._outage or self._finished or not self._heard:
-            return
-        lv = self.liveness
-        # every agent of the job gone at once is the job's own end (a single-process
-        # simulator stopped or crashed): heartbeats and the job-silence hold judge it
-        if not present or len(gone) >= max(
-            lv.mass_loss_min_nodes, lv.mass_loss_fraction * len(gone | present)
-        ):
-            log.warning(
-                "collector: job %s: %d node agents disconnected at once: left to heartbeats",
-                self.keys.job_id,
-                len(gone),
-            )
-            return
-        for node in sorted(gone):
-            ev = lv.declare_node_dead(node, now)
-            if ev is None:
-                continue
-            log.warning(
-                "collector: node %d's agent connection closed: node dead, ranks=%s",
-                node,
-                ev.ranks[:16],
-            )
-            self._outbox.append((self.keys.liveness, ev, self.config.liveness_maxlen))
-            self._count("liveness_events_total")
-            self._count("liveness_agent_closed_total")
-
     def _mass_loss(self, new_holds: int) -> None:
         """Say when a suspect mass loss starts holding node verdicts, and when it ends."""
         n = len(self.liveness.suspect_nodes)
@@ -956,6 +907,8 @@ class CollectorService(TelemetryRetention):
             # how far this collector is behind the stream (0: caught up; a backlog older
             # than the fail-stop deadline is this collector's lag, not the nodes' silence)
             bus.COLLECTOR_LAG_S: round(self.lag_s, 3),
+            # the fail-stop deadline in force (stretched by the beats' jitter under load)
+            "liveness_deadline_s": round(self.liveness.deadline_s(), 3),
             # nodes whose death verdict is held as part of a suspect mass loss
             bus.SUSPECT_NODES: len(self.liveness.suspect_nodes),
             # false while the job has been silent since before this collector started,

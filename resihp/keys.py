@@ -196,6 +196,12 @@ class JobKeys:
         return f"{self.base}:node_heartbeat"
 
     @property
+    def agents_left(self) -> str:
+        """Set of node-agent connection names whose process ended on purpose
+        (:mod:`resihp.liveness_agent`), read by the collector; expires after a minute."""
+        return f"{self.base}:agents_left"
+
+    @property
     def job_state(self) -> str:
         """JSON {"state": "running"|"finished", "at_s": ...} written by the trainer, so that
         a job that ends on purpose is not mistaken for every rank failing at once."""

@@ -55,6 +55,17 @@ at its read frontier while behind) and the rest of the job keeps being heard.  A
 node heard again within the hold produces no verdict; one still silent after it is
 dead, ``(1 + hold_deadlines)`` deadlines after its last beat (the cross-check costs a
 real mass failure 5 s more with the defaults; a single node, or a few, keep 2.5 I).
+
+Late or silent: a host so loaded that its beats come late and a host that stopped
+look the same until the late beat arrives; only time tells them apart.  The deadline
+therefore follows the jitter the job shows: the longest gap between two beats of a node
+that was heard again before its verdict, over the last ~``GAP_WINDOW_S`` (the larger of
+two 30 s buckets), times ``DEADLINE_STRETCH_FACTOR``, is the deadline when that is more
+than ``(K + jitter_beats) * I``, up to ``DEADLINE_STRETCH_MAX`` times it.  A stopped host
+never completes its gap, so it cannot stretch its own deadline; beats that arrive
+on time keep the static one.  Co-located processes share one CPU, so the stretch is
+job-wide (any node's late beat warns of the others').  The cost: a host that stops
+while the job shows jitter is reported that much later (figures: docs/operations.md).
 """
 
 from __future__ import annotations
@@ -73,6 +84,20 @@ JOB_SILENCE_HOLD_DEADLINES = 2.0
 #: How much later than a node another one must have been heard for the first node's
 #: silence to be its own (in intervals): the level-1 rule's margin, one level up.
 QUIET_TOGETHER_BEATS = 1.25
+#: Fail-stop deadlines a rank (or node) not heard once since it was expected gets for its
+#: first beat.  Ranks of one job start at different moments (each imports its framework;
+#: under load a node process of bench/failstop_latency.py first beat 1.5-2.4 s after its
+#: deadline started, at the job's first telemetry, load 19-33), and the layout's promise
+#: is not a beat: those starts were all 8 false reports of 22 diagnostic trials of that
+#: bench.  A rank heard once is judged on the deadline alone.
+FIRST_BEAT_DEADLINES = 4.0
+#: Adaptive deadline: the fail-stop deadline stretches to ``DEADLINE_STRETCH_FACTOR`` x the
+#: longest gap between two beats of a live node seen over the last ~``GAP_WINDOW_S``
+#: (only gaps shorter than the deadline then in force: a node heard again before its
+#: verdict), up to ``DEADLINE_STRETCH_MAX`` x the static deadline.  See the module doc.
+DEADLINE_STRETCH_FACTOR = 1.5
+DEADLINE_STRETCH_MAX = 2.0
+GAP_WINDOW_S = 60.0
 #: Fraction of the nodes alive whose deaths within one deadline are a suspect mass loss.
 MASS_LOSS_FRACTION = 0.1
 #: ... and at least this many nodes (a 4-node job losing 1 node is not a mass loss).
@@ -89,6 +114,7 @@ class RankState:
     iteration: int = -1
     generation: int = 0
     rejoined: bool = False  # heard again after being dead; reported at the next check
+    heard: bool = False  # any beat of it arrived (else it is still starting: first-beat grace)
 
 
 @dataclass
@@ -107,6 +133,10 @@ class NodeMonitor:
     interval_s: float
     k: int
     jitter_beats: float = 0.5
+    first_beat_deadlines: float = FIRST_BEAT_DEADLINES
+    #: the deadline in force when the job's jitter stretched it (set by the coordinator)
+    stretched_s: float = 0.0
+    heard: bool = False  # any beat of any of its devices arrived
     ranks: dict[int, RankState] = field(default_factory=dict)
     last_heard_s: float = -math.inf
     #: Deadlines run from here at the earliest: when the job was heard again after a
@@ -133,6 +163,7 @@ class NodeMonitor:
         # only a beat newer than any heard from it brings a dead device back: an old entry
         # read again (reclaimed after a consumer restart) says nothing about now
         newer = arrival_s > st.last_arrival_s
+        st.heard = self.heard = True
         # Invariant: last_heard_s >= every device's last_arrival_s.
         if newer:
             st.last_arrival_s = arrival_s
@@ -154,7 +185,20 @@ class NodeMonitor:
         return max(0, int((now_s - last_s) / self.interval_s))
 
     def deadline_s(self) -> float:
-        return (self.k + self.jitter_beats) * self.interval_s
+        d = (self.k + self.jitter_beats) * self.interval_s
+        return d if self.stretched_s <= d else self.stretched_s
+
+    def rank_deadline_s(self, st: RankState) -> float:
+        """The deadline of one device: longer until its first beat (FIRST_BEAT_DEADLINES)."""
+        d = self.deadline_s()
+        return d if st.heard else d * max(1.0, self.first_beat_deadlines)
+
+    def node_deadline_s(self) -> float:
+        """The node's deadline: longer while none of its devices has beaten yet."""
+        d = self.deadline_s()
+        if self.heard:
+            return d
+        return d * max(1.0, self.first_beat_deadlines)
 
     def quiet_since_s(self) -> float:
         """Since when the node counts as quiet: its last beat, or a later fresh start."""
@@ -162,17 +206,18 @@ class NodeMonitor:
 
     def silent(self, now_s: float) -> bool:
         """No device of this node heard for K intervals: the node is down."""
-        return now_s - self.quiet_since_s() >= self.deadline_s()
+        return now_s - self.quiet_since_s() >= self.node_deadline_s()
 
     def check(self, now_s: float) -> list[RankDecision]:
         """Devices dead while their node is alive, and devices heard again."""
         out: list[RankDecision] = []
-        limit = self.deadline_s()
         for st in self.ranks.values():
             if st.rejoined:
                 st.rejoined = False
                 out.append(RankDecision(st.rank, "rejoined", st.last_arrival_s, 0))
-            elif st.alive and now_s - max(st.last_arrival_s, self.judge_from_s) >= limit:
+            elif st.alive and now_s - max(
+                st.last_arrival_s, self.judge_from_s
+            ) >= self.rank_deadline_s(st):
                 # Only a device silent while its node kept talking for more than
                 # a beat after it is this device's failure; otherwise the whole
                 # node is going quiet and the coordinator reports it once.
@@ -215,6 +260,8 @@ class LivenessCoordinator:
         hold_deadlines: float = JOB_SILENCE_HOLD_DEADLINES,
         mass_loss_fraction: float = MASS_LOSS_FRACTION,
         mass_loss_min_nodes: int = MASS_LOSS_MIN_NODES,
+        first_beat_deadlines: float = FIRST_BEAT_DEADLINES,
+        stretch_max: float = DEADLINE_STRETCH_MAX,
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -225,6 +272,18 @@ class LivenessCoordinator:
         self.interval_s = float(interval_s)
         self.k = int(k)
         self.jitter_beats = float(jitter_beats)
+        if not 1 <= first_beat_deadlines < math.inf:
+            raise ValueError(f"first_beat_deadlines must be >= 1, got {first_beat_deadlines}")
+        self.first_beat_deadlines = float(first_beat_deadlines)
+        if not 1 <= stretch_max < math.inf:
+            raise ValueError(f"stretch_max must be >= 1, got {stretch_max}")
+        self.stretch_max = float(stretch_max)
+        #: longest beat gap of a live node in the current / previous GAP_WINDOW_S/2 bucket
+        self._gap_bucket = -1
+        self._gap_peak_s = 0.0
+        self._gap_prev_peak_s = 0.0
+        #: the deadline in force (the static one, or stretched by the job's jitter)
+        self.deadline_in_force_s = self.static_deadline_s()
         self.hold_deadlines = float(hold_deadlines)
         if not 0 < mass_loss_fraction <= 1:
             raise ValueError(f"mass_loss_fraction must be in (0, 1], got {mass_loss_fraction}")
@@ -260,7 +319,10 @@ class LivenessCoordinator:
     def _monitor(self, node: int) -> NodeMonitor:
         m = self.monitors.get(node)
         if m is None:
-            m = self.monitors[node] = NodeMonitor(node, self.interval_s, self.k, self.jitter_beats)
+            m = self.monitors[node] = NodeMonitor(
+                node, self.interval_s, self.k, self.jitter_beats, self.first_beat_deadlines
+            )
+            m.stretched_s = self.deadline_in_force_s
         return m
 
     def set_expected(self, rank_node: dict[int, int], dead: set[int], now_s: float) -> None:
@@ -324,12 +386,51 @@ class LivenessCoordinator:
             if self.node_of is not None:  # the layout knows better than the beat
                 node = self.node_of(rank)
             self._rank_node[rank] = node
-        self._monitor(node).observe(rank, arrival_s, seq, iteration, generation)
+        mon = self._monitor(node)
+        before = mon.last_heard_s if mon.heard else math.inf  # a first beat is no gap
+        mon.observe(rank, arrival_s, seq, iteration, generation)
+        if mon.last_heard_s - before > self._gap_peak_s:
+            self._note_gap(mon, mon.last_heard_s - before, arrival_s)
+
+    def _note_gap(self, mon: NodeMonitor, gap_s: float, arrival_s: float) -> None:
+        """A live node heard again after ``gap_s``: the job's jitter (module doc)."""
+        if (
+            mon.node in self.node_down
+            or gap_s >= mon.deadline_s()
+            or mon.judge_from_s > mon.last_heard_s - gap_s
+        ):
+            return  # a dead node's return, or a silence the job was held on
+        self._roll_gaps(arrival_s)
+        self._gap_peak_s = max(self._gap_peak_s, gap_s)
+
+    def _roll_gaps(self, now_s: float) -> None:
+        if not math.isfinite(now_s):  # an offline replay's start or end
+            return
+        bucket = int(now_s // (GAP_WINDOW_S / 2))
+        if bucket > self._gap_bucket:
+            self._gap_prev_peak_s = self._gap_peak_s if bucket == self._gap_bucket + 1 else 0.0
+            self._gap_peak_s = 0.0
+            self._gap_bucket = bucket
+
+    def _stretch(self, now_s: float) -> None:
+        """Set the deadline in force from the job's recent beat gaps (module doc)."""
+        self._roll_gaps(now_s)
+        base = self.static_deadline_s()
+        peak = max(self._gap_peak_s, self._gap_prev_peak_s)
+        d = min(self.stretch_max * base, max(base, DEADLINE_STRETCH_FACTOR * peak))
+        if d != self.deadline_in_force_s:
+            self.deadline_in_force_s = d
+            for m in self.monitors.values():
+                m.stretched_s = d
 
     # ------------------------------------------------------------ level 2 decisions
-    def deadline_s(self) -> float:
-        """The fail-stop deadline: K intervals plus the jitter slack."""
+    def static_deadline_s(self) -> float:
+        """K intervals plus the jitter slack."""
         return (self.k + self.jitter_beats) * self.interval_s
+
+    def deadline_s(self) -> float:
+        """The fail-stop deadline in force: the static one, or stretched (module doc)."""
+        return max(self.static_deadline_s(), self.deadline_in_force_s)
 
     def alive_nodes(self) -> list[NodeMonitor]:
         """Monitors of the nodes not declared down that still have a device alive."""
@@ -341,6 +442,7 @@ class LivenessCoordinator:
 
     def check(self, now_s: float) -> list[LivenessEvent]:
         events: list[LivenessEvent] = []
+        self._stretch(now_s)
         alive = self.alive_nodes()
         # when the job (its nodes still alive) was last heard, and whether to hold at all
         job_heard_s = max((m.last_heard_s for m in alive), default=-math.inf)
@@ -374,7 +476,7 @@ class LivenessCoordinator:
                 if (
                     hold_s > 0
                     and job_heard_s - mon.last_heard_s <= QUIET_TOGETHER_BEATS * self.interval_s
-                    and now_s - mon.quiet_since_s() < mon.deadline_s() + hold_s
+                    and now_s - mon.quiet_since_s() < mon.node_deadline_s() + hold_s
                 ):
                     # every node still alive went quiet with this one: a job-wide
                     # silence, not this node's failure (yet)
@@ -430,7 +532,9 @@ class LivenessCoordinator:
         if not mass:
             self.suspect_nodes = set()
             return dying
-        out = [(n, m) for n, m in dying if now_s - m.quiet_since_s() >= m.deadline_s() + hold_s]
+        out = [
+            (n, m) for n, m in dying if now_s - m.quiet_since_s() >= m.node_deadline_s() + hold_s
+        ]
         suspect = {n for n, _ in dying} - {n for n, _ in out}
         if suspect - self.suspect_nodes and not self.suspect_nodes:
             self.mass_loss_holds_total += 1
@@ -459,6 +563,30 @@ class LivenessCoordinator:
             scope="node",
             node=node,
             ranks=sorted(mon.ranks),
+            state="dead",
+            detected_at_s=now_s,
+            last_seen_s=last,
+            missed_beats=0,
+        )
+
+    def declare_rank_dead(self, rank: int, now_s: float) -> LivenessEvent | None:
+        """A rank whose own agent connection closed (a rank process of its own killed, its
+        node's other ranks still there): dead now, as :meth:`declare_node_dead` for one
+        device.  None when the rank is unknown, dead already, or its node is down."""
+        node = self._rank_node.get(rank)
+        mon = self.monitors.get(node) if node is not None else None
+        st = mon.ranks.get(rank) if mon is not None else None
+        if st is None or not st.alive or node in self.node_down:
+            return None
+        last = st.last_arrival_s
+        st.alive = False
+        st.rejoined = False
+        st.last_arrival_s = max(st.last_arrival_s, now_s)
+        mon.last_heard_s = max(mon.last_heard_s, now_s)
+        return LivenessEvent(
+            scope="rank",
+            node=node,
+            ranks=[rank],
             state="dead",
             detected_at_s=now_s,
             last_seen_s=last,

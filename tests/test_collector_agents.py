@@ -11,7 +11,7 @@ import pytest
 from collector.config import CollectorConfig
 from collector.service import CollectorService
 from resihp.keys import JobKeys
-from resihp.liveness_agent import NodeAgent, agent_name, agent_nodes
+from resihp.liveness_agent import NodeAgent, agent_ids, agent_name, agent_nodes, announce_left
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat, LivenessEvent
 from resihp.topology import Layout
@@ -31,6 +31,8 @@ def test_agent_names_are_parsed_for_their_job_only():
     names = [agent_name("agents", 3), agent_name("other", 1), b"resihp-agent:agents:7", "x", ""]
     assert agent_nodes(names, "agents") == {3, 7}
     assert agent_nodes(["resihp-agent:agents:-1", "resihp-agent:agents:1a"], "agents") == set()
+    names = [agent_name("agents", 2, 17), "resihp-agent:agents:2:x", "resihp-agent:agents:1:2:3"]
+    assert agent_ids(names + [agent_name("agents", 3)], "agents") == {(2, 17), (3, -1)}
 
 
 @pytest.mark.redis
@@ -54,7 +56,7 @@ def test_a_closed_agent_connection_is_a_dead_node_without_waiting_for_missed_bea
             svc.run_once()
 
     run(1.0)
-    assert svc._agents == {0, 1} and _events(r) == []
+    assert svc._agents == {(0, -1), (1, -1)} and _events(r) == []
     agents[1].close()  # node 1's process dies: its socket closes, its beats stop
     beating -= {4, 5, 6, 7}
     run(1.0)
@@ -66,4 +68,52 @@ def test_a_closed_agent_connection_is_a_dead_node_without_waiting_for_missed_bea
     svc.liveness.observe(4, 1, ev.detected_at_s - 0.1)
     assert svc.liveness.check(svc._clock()) == []
     agents[0].close()
+    p.close()
+
+
+@pytest.mark.redis
+def test_a_rank_process_agent_closing_is_that_rank_and_one_that_leaves_says_so(r, redis_server):
+    """Where each rank is a process (the torch trainer), each holds an agent of its own:
+    a killed one is a rank-scope death, its node-mates alive; a rank that ends on purpose
+    (close(left=True), or its launcher's announce_left) is no death at all."""
+    keys = JobKeys("rankagents")
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4, devices_per_node=4)
+    r.set(keys.layout, json.dumps(lay.to_dict()))
+    cfg = CollectorConfig(job_id=keys.job_id, block_ms=5, heartbeat_interval_s=4.0)
+    svc = CollectorService(cfg, r)
+    p = TelemetryProducer(None, keys, client=r, flush_interval_s=0.005).start()
+    agents = {rk: NodeAgent(redis_server.url, keys.job_id, rk // 4, rank=rk) for rk in range(8)}
+
+    def run(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for rank in sorted(agents):  # a rank beats while its process lives
+                p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
+            svc.run_once()
+
+    def events():
+        return [
+            (m.scope, m.state, m.node, m.ranks, m.missed_beats)
+            for _, f in r.xrange(keys.liveness)
+            for m in decode_entry(f)[0]
+            if isinstance(m, LivenessEvent)
+        ]
+
+    run(0.5)
+    assert svc._agents == {(rk // 4, rk) for rk in range(8)}
+    agents.pop(2).close()  # rank 2's process killed
+    agents.pop(1).close(left=True)  # rank 1's process done
+    run(0.5)
+    assert events() == [("rank", "dead", 0, [2], 0)]
+    announce_left(r, keys.job_id, [(1, 4), (1, 5)])  # a launcher stopping two of node 1's
+    agents.pop(4).close()
+    agents.pop(5).close()
+    run(0.5)
+    assert events() == [("rank", "dead", 0, [2], 0)]
+    for rk in (6, 7):  # node 1's last agents gone: the node
+        agents.pop(rk).close()
+    run(0.5)
+    assert events()[1:] == [("node", "dead", 1, [4, 5, 6, 7], 0)]
+    for a in agents.values():
+        a.close()
     p.close()

@@ -513,24 +513,49 @@ def _wait_state(r, keys, state: str, timeout_s: float) -> None:
 def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_server, r):
     """The survivors gave up after store_timeout_s (120 s) while the launcher waited
     plan_wait_s (600 s in manual mode): an operator slower than 2 minutes lost the job.
-    The trainer's health says "finished" at the end, not "running" until the key expires."""
+    The trainer's health says "finished" at the end, not "running" until the key expires.
+    A collector beside it sees the killed rank through its agent connection (issue 24): a
+    rank-scope death with no missed beat (its 12.5 s heartbeat deadline is far off), its
+    node-mate alive, and nothing more when the ranks end on purpose."""
     import json
+    import threading
 
+    from collector.config import CollectorConfig
+    from collector.service import CollectorService
     from resihp.keys import JobKeys
+    from resihp.schemas import LivenessEvent
+    from resihp.wire import decode_entry
     from trainer.torch_trainer.config import TrainConfig
 
     keys = JobKeys("outwait")
     cfg = TrainConfig(
-        **{**RECOVERY, "iterations": 5}, dp=2, microbatches=2, kill_rank=1, kill_at_iteration=1,
-        store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url, job_id=keys.job_id,
-        out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
+        **{**RECOVERY, "iterations": 5, "telemetry": True}, dp=2, microbatches=2, kill_rank=1,
+        kill_at_iteration=1, store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url,
+        job_id=keys.job_id, out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
     )  # fmt: skip
+    col = CollectorService(
+        CollectorConfig(job_id=keys.job_id, block_ms=20, heartbeat_interval_s=5.0), r
+    )
+    stop = threading.Event()
+    col_th = threading.Thread(target=col.run, args=(stop,), daemon=True)
+    col_th.start()
     la, th, result = _launcher_thread(cfg)
     th.join(timeout=200)
+    health = r.get(keys.health("trainer", "0"))
+    stop.set()
+    col_th.join(10)
     assert result == [0]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     check_loss_curve(cfg, rows)
-    assert json.loads(r.get(keys.health("trainer", "0")))["state"] == "finished"
+    assert json.loads(health)["state"] == "finished"
+    events = [
+        (m.scope, m.state, m.node, m.ranks, m.missed_beats)
+        for _, f in r.xrange(keys.liveness)
+        for m in decode_entry(f)[0]
+        if isinstance(m, LivenessEvent)
+    ]
+    assert events == [("rank", "dead", 0, [1], 0)]
+    assert col.stats["liveness_agent_closed_total"] == 1
 
 
 @pytest.mark.redis

@@ -54,6 +54,9 @@ class TrainConfig:
     out_dir: str = "runs/torch"
     telemetry: bool = True
     heartbeat_interval_s: float = 0.5
+    # each rank process holds a named Redis connection (resihp/liveness_agent.py): killed,
+    # its socket closes and the collector reports it within ~0.1 s, not after K beats
+    node_agents: bool = True
     follow_plans: bool = True
     # after a death: wait this long for a scheduler plan before applying the local one.
     # Longer than the scheduler's default auto grace period (10 s) plus detection and
@@ -232,6 +235,8 @@ HELP = {
     "ckpt_dir": "per-iteration checkpoints (default <out-dir>/ckpt); a restarted job resumes "
     "from the newest complete one, in the layout it was saved under",
     "fresh": "delete the checkpoints and start over instead of resuming them",
+    "node_agents": "each rank holds a named Redis connection, so a killed rank is seen "
+    "when it closes (needs --redis-url)",
     "follow_plans": "apply acknowledged scheduler plans (needs --redis-url)",
     "plan_wait_s": "after a rank dies, wait this long for the scheduler's plan before "
     "applying the local one (default 30 s: past the scheduler's 10 s grace period)",

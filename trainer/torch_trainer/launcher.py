@@ -226,9 +226,7 @@ class JobLauncher(WorkerProcesses, Generations, Recovery, PlanFollowing):
                     # stopped from outside (resihp up, or the stack that started us died):
                     # an interruption, not the end of the job, so it is not marked finished
                     print("[launcher] stopping on a signal", flush=True)
-                    for p in self.procs.values():
-                        if p.is_alive():
-                            p.terminate()
+                    self._stop_workers(kill=False)
                     return_code = 143
                     break
                 newly_dead = self._exited()

@@ -56,6 +56,27 @@ class WorkerProcesses:
             ranks |= more
         return ranks
 
+    def _stop_workers(self, kill: bool) -> None:
+        """End every worker still alive (SIGKILL or SIGTERM) on purpose: their agents'
+        names go to the job's ``agents_left`` first, so the collector does not read the
+        closing connections as rank deaths."""
+        alive = [r for r, p in self.procs.items() if p.is_alive()]
+        if alive and self.client is not None and self.cfg.node_agents:
+            import redis
+
+            from resihp.liveness_agent import announce_left
+
+            dpn = self.cfg.devices_per_node
+            try:
+                announce_left(self.client, self.cfg.job_id, [(r // dpn, r) for r in alive])
+            except redis.RedisError:
+                pass  # Redis gone: nobody watches the agents either
+        for r in alive:
+            if kill:
+                self.procs[r].kill()
+            else:
+                self.procs[r].terminate()
+
     def _spawn(self, rank: int, start_gen: int) -> None:
         p = self.ctx.Process(
             target=worker_entry,

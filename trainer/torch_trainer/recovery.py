@@ -375,9 +375,7 @@ class Recovery:
         (the collector must not take the silence that follows for new failures)."""
         print(f"[launcher] {message}", flush=True)
         self._event("unrecoverable", reason=message)
-        for p in self.procs.values():
-            if p.is_alive():
-                p.kill()
+        self._stop_workers(kill=True)
         if self.client is not None:
             try:
                 set_job_state(

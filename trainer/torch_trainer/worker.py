@@ -182,6 +182,7 @@ class Worker:
             from resihp.producer import TelemetryProducer
 
             self.producer = TelemetryProducer(cfg.redis_url, JobKeys(cfg.job_id)).start()
+        self.agent = self._start_agent()
         self.tel = RankTelemetry(
             self.producer,
             rank,
@@ -209,6 +210,25 @@ class Worker:
         self.probe_ref_s: float | None = None  # this device's probe time while healthy
         # a restarted job's generation 0: the checkpointed step it continues from
         self.resume_step: int | None = None
+
+    def _start_agent(self):
+        """This rank's agent connection (resihp/liveness_agent.py), or None: its close when
+        the process dies is the collector's sub-second fail-stop signal.  Never fatal:
+        without it the rank is judged on its heartbeats."""
+        cfg = self.cfg
+        if not (cfg.redis_url and cfg.node_agents):
+            return None
+        import redis
+
+        from resihp.liveness_agent import NodeAgent
+
+        try:
+            return NodeAgent(
+                cfg.redis_url, cfg.job_id, self.rank // cfg.devices_per_node, rank=self.rank
+            )
+        except (redis.RedisError, OSError) as e:
+            print(f"[rank {self.rank}] node agent: cannot connect ({e}); heartbeats only")
+            return None
 
     # ---------------------------------------------------------------- main
     def run(self) -> int:
@@ -626,10 +646,13 @@ class Worker:
             os.path.join(self.cfg.dump_grads_dir, f"rank_{self.rank}.pt"),
         )
 
-    def close(self) -> None:
+    def close(self, left: bool = False) -> None:
+        """Stop telemetry; ``left``: the rank ends on purpose (its agent says so)."""
         self.tel.stop()
         if self.producer is not None:
             self.producer.close()
+        if self.agent is not None:
+            self.agent.close(left=left)
 
 
 def worker_entry(rank: int, cfg_dict: dict, host: str, port: int, start_gen: int = 0) -> None:
@@ -643,8 +666,10 @@ def worker_entry(rank: int, cfg_dict: dict, host: str, port: int, start_gen: int
     # The watchdog thread gets its own connection.
     watch_store = dist.TCPStore(host, port, is_master=False, timeout=to)
     w = Worker(rank, cfg, store, watch_store, start_gen)
+    code = None
     try:
         code = w.run()
     finally:
-        w.close()
+        # an exception is no leaving on purpose: the collector reports the rank dead
+        w.close(left=code is not None)
     os._exit(code)
