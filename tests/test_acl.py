@@ -329,3 +329,24 @@ def test_services_take_their_user_from_the_environment(monkeypatch, acl_server):
     monkeypatch.setenv("REDIS_USERNAME", "bad name")
     with pytest.raises(ValueError, match="REDIS_USERNAME"):
         connect(url)
+
+
+def test_the_compose_override_gives_each_part_its_user_and_the_scheduler_seals():
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docker-compose.acl.yml")) as f:
+        svcs = yaml.safe_load(f)["services"]
+    init = svcs["redis-acl"]
+    assert init["command"][:4] == ["python", "-m", "resihp.acl", "render"]
+    assert set(init["environment"]) == {*acl.PASSWORD_ENV.values(), acl.OPERATORS_ENV}
+    cmd = svcs["redis"]["command"]
+    assert "--aclfile" in cmd and "--requirepass" not in cmd
+    assert "resihp-admin" in svcs["redis"]["healthcheck"]["test"]
+    for s in acl.SERVICES:
+        env = svcs[s]["environment"]
+        user = acl.SERVICE_USERS[s]
+        assert env["REDIS_USERNAME"] == user, s
+        assert env["REDIS_PASSWORD"].startswith("${" + acl.PASSWORD_ENV[user] + ":?"), s
+        assert "@" not in env["REDIS_URL"], s  # credentials in the URL would win
+    assert svcs["scheduler"]["environment"]["RESIHP_SEALED_ACTIONS"] == "1"
