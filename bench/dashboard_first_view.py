@@ -1,114 +1,126 @@
-"""How long the overview and device-skew pages take, on first view in a real browser, to show
-their heatmap's data or a clear placeholder rather than an empty panel.
+"""First view of the overview and device-skew pages in a real browser: how long until the page
+shows something clear, how long a heatmap panel stays an empty box, and until its data.
 
-One stack (``resihp up``, the 256-GPU LLaMA2-70B simulator) and headless chromium. Each round
-opens every page in a fresh browser context (nothing cached: a first view) and in a page of
-a context that has loaded the dashboard before (its scripts cached), and notes, in the
-page's own clock from the start of navigation (``performance.now()``):
+One Redis holding a 16-GPU job and a 16,384-GPU job (as the collector and detector publish
+them: tests/dashboard_scenario.py), and two dashboards on it side by side: this tree's and
+the one of ``--base`` (a git revision, default a9071fe, extracted with ``git archive``).
+Headless chromium opens each page of each job in a fresh browser context (nothing cached)
+and notes, every animation frame, in the page's own clock from the start of navigation:
 
-* ``shown``: the heatmap panel first shows something, its data or placeholder text
-  ("loading: ..." / "waiting for the first iteration");
+* ``clear``: the page first shows a loading text or every panel shows something;
+* ``panels``: every panel (the heatmap; on the overview also the iteration-time chart)
+  shows something: loading text, a placeholder figure or data;
+* ``empty``: how long a panel on the page was an empty box;
 * ``data``: the heatmap first shows the job's devices.
 
-    python bench/dashboard_first_view.py [--rounds 5] [--speed 3]
+    python bench/dashboard_first_view.py [--rounds 3] [--base a9071fe]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
-from resihp.keys import JobKeys
-from resihp.redis_client import EmbeddedRedis, free_port
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "browser"))
+
+from browser_harness import WATCH_JS  # noqa: E402
+from dashboard_scenario import publish_big_job, publish_job  # noqa: E402
+
+from resihp.redis_client import EmbeddedRedis, free_port  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
-PAGES = {"/": "#ov-layout", "/skew": "#sk-heatmap"}
-
-#: In the page: when (ms since navigation) the graph ``sel`` first showed text or data,
-#: and when it first showed a heatmap; polled every animation frame.
-WATCH_JS = """
-(sel) => new Promise((resolve) => {
-  const out = {shown: null, data: null};
-  const t0 = performance.now();
-  function tick() {
-    const g = document.querySelector(sel);
-    const now = performance.now();
-    if (g) {
-      const drawn = g.querySelector('.main-svg');
-      const text = drawn && (g.querySelector('.annotation-text, .gtitle') || {}).textContent;
-      const data = g.querySelector('.heatmaplayer .hm, .heatmaplayer image');
-      if (out.shown === null && drawn && (text || data)) out.shown = now;
-      if (out.data === null && data) out.data = now;
-    }
-    if (out.data !== null || now - t0 > 60000) resolve(out); else requestAnimationFrame(tick);
-  }
-  tick();
-})
-"""
+PANELS = {"/": ["#ov-layout", "#ov-itertime"], "/skew": ["#sk-heatmap"]}
 
 
-def measure(page, url: str, sel: str) -> dict:
-    page.goto(url, wait_until="commit")
-    return page.evaluate(WATCH_JS, sel)
+def start_dashboard(source: Path, redis_url: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dashboard", "--redis-url", redis_url, "--job-id", "job-a",
+         "--port", str(port)],
+        cwd=source, env={**os.environ, "PYTHONPATH": f"{source}:{ROOT}"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/_dash-layout", timeout=30).read()
+            return proc, url
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="first views per page and kind")
-    ap.add_argument("--speed", type=float, default=3.0, help="simulator time scale")
+    ap.add_argument("--rounds", type=int, default=3, help="first views per page, job, tree")
+    ap.add_argument("--base", default="a9071fe", help="git revision to compare with")
     a = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
-    tmp = tempfile.mkdtemp(prefix="resihp-firstview-")
-    srv = EmbeddedRedis(data_dir=tmp + "/redis").start()
-    url, client, keys = srv.url, srv.client(), JobKeys("default")
-    port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "resihp.stack.cli", "up", "--model", "llama2-70b", "--state-dir", tmp,
-         "--redis-url", url, "--dashboard-port", str(port), "--no-summary",
-         f"--trainer-arg=--speed={a.speed:g}", "--duration", "600"],
-        env=dict(os.environ, REDIS_URL=url), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    res: dict[tuple[str, str], list[dict]] = {}
+    base = Path(tempfile.mkdtemp(prefix="resihp-firstview-base-"))
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", a.base, "dashboard"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=tar, check=True)
+    srv = EmbeddedRedis().start()
+    r = srv.client()
+    publish_job(r, "job-a", iterations=60, slow_from=40, with_plan=False)
+    publish_big_job(r, "big")
+    trees = {a.base: base, "this tree": ROOT}
+    procs = {}
+    res: dict[tuple, list[dict]] = {}
     try:
-        while client.xlen(keys.iterations) < 3:  # the stack is up and training
-            time.sleep(0.5)
-        base = f"http://127.0.0.1:{port}"
+        urls = {}
+        for name, src in trees.items():
+            procs[name], urls[name] = start_dashboard(src, srv.url)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            warm = browser.new_context(viewport={"width": 1400, "height": 900})
-            wpage = warm.new_page()
-            measure(wpage, base + "/", PAGES["/"])  # caches the dashboard's scripts
             for _ in range(a.rounds):
-                for path, sel in PAGES.items():
-                    cold = browser.new_context(viewport={"width": 1400, "height": 900})
-                    res.setdefault((path, "cold"), []).append(
-                        measure(cold.new_page(), base + path, sel)
-                    )
-                    cold.close()
-                    res.setdefault((path, "warm"), []).append(measure(wpage, base + path, sel))
+                for job in ("job-a", "big"):
+                    for path, sels in PANELS.items():
+                        for name, url in urls.items():
+                            ctx = browser.new_context(viewport={"width": 1400, "height": 900})
+                            page = ctx.new_page()
+                            page.goto(f"{url}{path}?job={job}", wait_until="commit")
+                            got = page.evaluate(WATCH_JS, [sels, "", True])
+                            res.setdefault((job, path, name), []).append(got)
+                            ctx.close()
             browser.close()
     finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=60)
-        srv.stop()
-    print("256-GPU simulator; ms from navigation until the heatmap panel shows placeholder or")
-    print(f"data ('shown') and the job's devices ('data'), {a.rounds} first views each:")
-    for (path, kind), runs in res.items():
-        shown = [r["shown"] for r in runs if r["shown"] is not None]
-        data = [r["data"] for r in runs if r["data"] is not None]
+        for p in procs.values():
+            p.terminate()
+            p.wait(30)
+        srv.cleanup()
+
+    def med(runs, field) -> str:
+        xs = [r[field] for r in runs if r[field] is not None]
+        if not xs:
+            return "   never"
+        return f"{statistics.median(xs) / 1000:5.2f} s{'' if len(xs) == len(runs) else '*'}"
+
+    print(f"medians of {a.rounds} first views (fresh browser context each), load {os.getloadavg()}")
+    print(
+        f"{'job':6s} {'page':6s} {'tree':10s} {'clear':>8s} {'panels':>8s} {'empty':>8s} {'data':>8s}"
+    )
+    for (job, path, name), runs in res.items():
+        empty = statistics.median(r["empty_ms"] for r in runs) / 1000
         print(
-            f"  {path:6s} {kind:4s}  shown median {statistics.median(shown) / 1000:.2f} s "
-            f"max {max(shown) / 1000:.2f} s   data median {statistics.median(data) / 1000:.2f} s "
-            f"max {max(data) / 1000:.2f} s   ({len(shown)}/{len(runs)} shown)"
+            f"{job:6s} {path:6s} {name:10s} {med(runs, 'clear'):>8s} {med(runs, 'panels'):>8s} "
+            f"{empty:6.2f} s {med(runs, 'data'):>8s}"
         )
+    print("(* not reached in every view within 60 s)")
     return 0
 
 

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from browser_harness import ARGS, CHROMIUM, ROOT, require_chromium, wait_for
+from browser_harness import ARGS, CHROMIUM, ROOT, WATCH_JS, require_chromium, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dashboard_scenario import publish_job  # noqa: E402
@@ -33,41 +33,6 @@ FIRST_VIEW_S = 2.0
 #: The heatmap (and, on the overview, the iteration-time chart) of each page.
 PANELS = {"/": ["#ov-layout", "#ov-itertime"], "/skew": ["#sk-heatmap"]}
 WAITS = ("job-new", "/")
-
-#: Polled every animation frame from navigation (ms of ``performance.now()``): ``clear``,
-#: the first frame showing the page's loading text (before the app mounts) or every panel
-#: not empty (its loading text over it, or plotly's drawing: placeholder text or data);
-#: ``panels``, the first with every panel not empty; ``empty_ms``, how long a mounted panel
-#: showed nothing; ``data``, the first frame with a heatmap drawn in the first panel;
-#: ``texts``, what each panel says at the end (polling stops when one says ``until``, or
-#: with ``until`` empty when every panel shows something).
-WATCH_JS = """
-([sels, until]) => new Promise((resolve) => {
-  const out = {clear: null, panels: null, data: null, empty_ms: 0, texts: []};
-  let prev = null;
-  const shows = (g) => {
-    const ph = (g.closest('.graph-wrap') || g).querySelector('.graph-loading');
-    return (ph && getComputedStyle(ph).display !== 'none' && ph.textContent.trim() !== '')
-      || !!g.querySelector('.main-svg');
-  };
-  function tick() {
-    const now = performance.now();
-    const gs = sels.map((s) => document.querySelector(s));
-    const mounted = gs.filter((g) => g);
-    const full = mounted.length === gs.length && mounted.every(shows);
-    if (prev !== null && mounted.some((g) => !shows(g))) out.empty_ms += now - prev;
-    prev = now;
-    const loading = document.querySelector('._dash-loading');
-    if (out.clear === null && (loading || full)) out.clear = now;
-    if (out.panels === null && full) out.panels = now;
-    if (out.data === null && gs[0] && gs[0].querySelector('.heatmaplayer')) out.data = now;
-    out.texts = gs.map((g) => g ? g.textContent : '');
-    const done = until ? out.texts.some((t) => t.includes(until)) : out.panels !== null;
-    if (done || now > 30000) resolve(out); else requestAnimationFrame(tick);
-  }
-  tick();
-})
-"""
 
 
 @pytest.fixture
@@ -120,7 +85,7 @@ def test_heatmaps_show_data_or_a_placeholder_within_2_s_of_first_view(dashboard)
                 ctx = browser.new_context(viewport={"width": 1400, "height": 900})
                 page = ctx.new_page()
                 page.goto(f"{dashboard}{path}?job={job}", wait_until="commit")
-                seen[(job, path)] = page.evaluate(WATCH_JS, [sels, until])
+                seen[(job, path)] = page.evaluate(WATCH_JS, [sels, until, False])
                 ctx.close()
         browser.close()
     print({k: {f: v for f, v in got.items() if f != "texts"} for k, got in seen.items()})
