@@ -147,8 +147,9 @@ def test_each_part_does_its_job_as_its_own_user_and_actions_carry_who_sent_them(
                 severity={"13": 0.0},
             ),
         )
-        cfg = SchedulerConfig(job_id=JOB, model="llama2-7b", block_ms=10, mode="manual")
-        cfg.sealed_actions = True
+        cfg = SchedulerConfig(
+            job_id=JOB, model="llama2-7b", block_ms=10, mode="manual", sealed_actions=True
+        )
         sched = SchedulerService(cfg, users["scheduler"])
         assert sched.run_once() == 1
         ((pid, plan),) = latest_plans(users["dashboard"], KEYS).items()
@@ -220,8 +221,9 @@ def _send(client, action: OperatorAction, *, seal_as: str | None = None) -> None
 
 
 def test_no_user_writes_beyond_its_part_nor_acts_under_another_identity(acl_server, users):
-    cfg = SchedulerConfig(job_id=JOB, model="llama2-7b", block_ms=10, mode="manual")
-    cfg.sealed_actions = True
+    cfg = SchedulerConfig(
+        job_id=JOB, model="llama2-7b", block_ms=10, mode="manual", sealed_actions=True
+    )
     sched = SchedulerService(cfg, users["scheduler"])
     plan_json = '{"plan_id": 1}'
     for who in ("trainer", "dashboard", "collector", "detector", "alice"):
@@ -350,3 +352,19 @@ def test_the_compose_override_gives_each_part_its_user_and_the_scheduler_seals()
         assert env["REDIS_PASSWORD"].startswith("${" + acl.PASSWORD_ENV[user] + ":?"), s
         assert "@" not in env["REDIS_URL"], s  # credentials in the URL would win
     assert svcs["scheduler"]["environment"]["RESIHP_SEALED_ACTIONS"] == "1"
+
+
+def test_the_scheduler_takes_sealed_actions_from_its_flag_or_environment(monkeypatch):
+    from scheduler.__main__ import build_parser
+
+    monkeypatch.delenv("RESIHP_SEALED_ACTIONS", raising=False)
+    assert SchedulerConfig.from_args(build_parser().parse_args([])).sealed_actions is False
+    args = build_parser().parse_args(["run", "--sealed-actions"])
+    assert SchedulerConfig.from_args(args).sealed_actions is True
+    monkeypatch.setenv("RESIHP_SEALED_ACTIONS", "1")
+    assert SchedulerConfig.from_args(build_parser().parse_args([])).sealed_actions is True
+    monkeypatch.setenv("RESIHP_SEALED_ACTIONS", "yes please")
+    with pytest.raises(ValueError, match="RESIHP_SEALED_ACTIONS must be 1 or 0"):
+        SchedulerConfig.from_args(build_parser().parse_args([]))
+    with pytest.raises(ValueError, match="sealed_actions: must be true or false"):
+        SchedulerConfig(sealed_actions="yes")
