@@ -694,23 +694,10 @@ class SchedulerService:
         new = self._propose(draft, ids, why=f"re-planned for the running layout: {why}")
         log.info("proposed plan %d in place of stale plan(s): %s", new.plan_id, why)
 
-    def _audit_of(self, action: OperatorAction, now: float) -> AuditRecord:
-        return AuditRecord(
-            action.actor,
-            action.action,
-            action.plan_id,
-            action.at_s,
-            "ok",
-            override=dict(action.override),
-            comment=action.comment,
-            action_id=action.action_id,
-            recorded_at_s=now,
-        )
-
     def handle_action(self, action: OperatorAction) -> None:
         why = acl.refusal(self.client, self.keys, action) if self.config.sealed_actions else ""
         if why:  # a Redis user of the deployment's ACL must vouch for the actor
-            rec = self._audit_of(action, time.time())
+            rec = AuditRecord.of(action, time.time())
             rec.result, rec.note = "refused", why
             log.warning("refused action %s of %r: %s", action.action_id, action.actor, why)
             bus.incr_counter(self.client, self.keys, "scheduler_actions_refused_total")
@@ -718,7 +705,7 @@ class SchedulerService:
             return
         if action.action == "set_mode":
             now = time.time()
-            rec = self._audit_of(action, now)
+            rec = AuditRecord.of(action, now)
             ch = Changes(audit=[rec])
             try:
                 changed, retimed = self.apply_settings(

@@ -85,6 +85,18 @@ def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.1):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_serving(url: str, timeout_s: float = 30) -> None:
+    """Wait until the dashboard at ``url`` answers its page."""
+
+    def up():
+        try:
+            return urllib.request.urlopen(url + "/", timeout=1).status == 200
+        except OSError:
+            return False
+
+    wait_for(up, timeout_s, "the dashboard server")
+
+
 def open_page(pw, timeout_ms: float):
     """A new chromium page (downloads on) and the list its uncaught page errors go to."""
     browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -132,15 +144,8 @@ def scheduler_and_dashboard(redis_url: str, port: int, tmp_path: Path, r, keys):
         for n, argv in argvs.items()
     ]
     url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return urllib.request.urlopen(url + "/", timeout=1).status == 200
-        except OSError:
-            return False
-
     try:
-        wait_for(up, 30, "the dashboard server")
+        wait_serving(url)
         wait_for(lambda: plan_state(r, keys, 1), 20, "the scheduler's plan")
         yield url
     finally:

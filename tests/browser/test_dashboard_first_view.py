@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from browser_harness import ARGS, CHROMIUM, ROOT, WATCH_JS, require_chromium, wait_for
+from browser_harness import ARGS, CHROMIUM, ROOT, WATCH_JS, require_chromium, wait_serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dashboard_scenario import publish_job  # noqa: E402
@@ -52,15 +52,8 @@ def dashboard(r, redis_server, tmp_path):
         stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return urllib.request.urlopen(url + "/", timeout=1).status == 200
-        except OSError:
-            return False
-
     try:
-        wait_for(up, 30, "the dashboard server")
+        wait_serving(url)
         # the server's first layout (imports, the job list) is not what an operator's
         # first view of a running dashboard waits for
         urllib.request.urlopen(url + "/_dash-layout", timeout=30).read()
