@@ -18,7 +18,7 @@ import secrets
 import signal
 import threading
 import time
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import dash
 import redis
@@ -71,6 +71,10 @@ table.simple{border-collapse:collapse;display:block;max-width:100%;overflow-x:au
 tr.changed td{background:#fff3cd}
 table.facts th{text-align:left;padding:2px 14px 2px 0;font-size:13px;color:#555;white-space:nowrap;vertical-align:top}table.facts td{font-size:13px;padding:2px 0}
 pre{background:#f7f7f7;padding:8px;overflow:auto;max-height:360px;font-size:12px}
+._dash-loading{font-size:0;padding:24px 18px}._dash-loading::after{content:"loading: reading the job from Redis";font-size:14px;color:#777}
+.graph-wrap{position:relative}.graph-wrap:not(:has(.main-svg)){min-height:300px}
+.graph-loading{position:absolute;top:120px;left:0;right:0;text-align:center;color:#777;font-size:14px;pointer-events:none}
+.graph-wrap:has(.main-svg) .graph-loading{display:none}
 """
 
 
@@ -105,7 +109,22 @@ def job_notice(search: str | None, names: list[str], shown: str | None) -> str:
     return f"job '{asked}' is not in this Redis; {where}"
 
 
-def _header(ctx: AppContext) -> html.Div:
+def _loading_url() -> tuple[str | None, str | None]:
+    """The path and ``?job=`` of the page whose scripts ask for the layout (their request's
+    Referer, sent same-origin: ``security`` sets ``Referrer-Policy: same-origin``)."""
+    import flask
+
+    try:
+        ref = flask.request.referrer
+    except RuntimeError:  # no request: the layout built outside the server
+        return None, None
+    parts = urlsplit(ref or "")
+    if not ref or (parts.netloc and parts.netloc != flask.request.host):
+        return None, None
+    return parts.path or "/", parse_qs(parts.query).get("job", [None])[0]
+
+
+def _header(ctx: AppContext, wanted: str | None = None) -> html.Div:
     # Options with the value from the start: a Dropdown whose value is not among its
     # options clears it when it mounts, racing the job callback's first answer, and
     # when that answer named the same job the selector stayed on its placeholder.
@@ -113,7 +132,8 @@ def _header(ctx: AppContext) -> html.Div:
         names = job_names(ctx)
     except redis.RedisError:
         names = [ctx.config.job_id] if ctx.config.job_id else []
-    value = ctx.config.job_id or (names[0] if names else None)
+    # the job the page's ?job= names, so its first refresh reads that job, not the default
+    value = wanted if wanted in names else ctx.config.job_id or (names[0] if names else None)
     return html.Div(
         [
             html.Span("ResiHP", className="brand"),
@@ -243,30 +263,43 @@ def create_app(config: DashboardConfig, client: redis.Redis | None = None) -> da
     security.install(server, lambda: csp[0])
     app.resihp_ctx = ctx  # for tests and the CLI
 
+    by_path = {p.PATH: p for p in PAGES}
+
     def serve_layout() -> html.Div:
-        # a function: each page load gets the jobs Redis has now (see _header)
+        # a function: each page load gets the jobs Redis has now (see _header), and the
+        # page it loads from (the layout request's Referer) in place from the start, so its
+        # panels and their callbacks do not wait for the router's first round trip
+        path, wanted = _loading_url()
+        first = by_path.get(path) if path else None
         return html.Div(
             [
                 dcc.Location(id="url"),
                 dcc.Store(id="url-job-sync"),
+                dcc.Store(id="page-path", data=path if first else None),
                 dcc.Interval(id="tick", interval=int(config.refresh_interval_s * 1000)),
-                _header(ctx),
+                _header(ctx, wanted),
                 html.Div(id="job-notice", className="job-notice"),
-                html.Div(id="page", className="page"),
+                html.Div(first.layout(ctx) if first else None, id="page", className="page"),
             ]
         )
 
     app.layout = serve_layout
-    by_path = {p.PATH: p for p in PAGES}
     for p in PAGES:
         p.register(app, ctx)
 
-    @app.callback(Output("page", "children"), Input("url", "pathname"))
-    def route(pathname):
+    @app.callback(
+        Output("page", "children"),
+        Output("page-path", "data"),
+        Input("url", "pathname"),
+        State("page-path", "data"),
+    )
+    def route(pathname, rendered):
+        if rendered is not None and rendered == (pathname or "/"):
+            return no_update, None  # the layout brought it: only a later visit renders it
         page = by_path.get(pathname or "/")
         if page is None:
-            return html.Div([html.H3("Not found"), dcc.Link("overview", href="/")])
-        return page.layout(ctx)
+            return html.Div([html.H3("Not found"), dcc.Link("overview", href="/")]), None
+        return page.layout(ctx), None
 
     for p in PAGES:
         slug = p.__name__.rsplit(".", 1)[1]

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from resihp import bus, openness, progress
+from resihp.acl import publish_action
 from resihp.keys import JobKeys
 from resihp.plans import PlanStateReader
 from resihp.schemas import (
@@ -451,7 +452,7 @@ class DashboardData:
     def publish_action(self, job_id: str, action: OperatorAction) -> str:
         action.check()
         keys = JobKeys(job_id)
-        eid = bus.publish(self.client, keys.actions, action)
+        eid = publish_action(self.client, keys, action)  # sealed with ACL users
         bus.incr_counter(self.client, keys, "dashboard_actions_total")
         return _s(eid)
 

@@ -229,6 +229,12 @@ class JobKeys:
     def health_pattern(self) -> str:
         return f"{self.base}:health:*"
 
+    def action_seal(self, user: str, action_id: str) -> str:
+        """Digest of an action, written with it by the Redis ACL user that sent it
+        (``resihp.acl``): only that user's ACL key pattern reaches it, so a scheduler
+        that requires seals knows which user sent the action."""
+        return f"{self.base}:seal:{user}:{action_id}"
+
     def telemetry_shard(self, shard: int, shards: int) -> str:
         """Telemetry stream of node group ``shard`` of ``shards`` of a job spread over
         several streams (collector/shard.py), under its own hash tag ``{JOB/sK.N}``: N is

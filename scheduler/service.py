@@ -35,7 +35,7 @@ import time
 
 import redis
 
-from resihp import bus, entry
+from resihp import acl, bus, entry
 from resihp.keys import JobKeys
 from resihp.pipeline.models import MODEL_PRESETS
 from resihp.plans import first_layout
@@ -696,19 +696,17 @@ class SchedulerService:
         log.info("proposed plan %d in place of stale plan(s): %s", new.plan_id, why)
 
     def handle_action(self, action: OperatorAction) -> None:
+        why = acl.refusal(self.client, self.keys, action) if self.config.sealed_actions else ""
+        if why:  # a Redis user of the deployment's ACL must vouch for the actor
+            rec = AuditRecord.of(action, time.time())
+            rec.result, rec.note = "refused", why
+            log.warning("refused action %s of %r: %s", action.action_id, action.actor, why)
+            bus.incr_counter(self.client, self.keys, "scheduler_actions_refused_total")
+            self.persist(Changes(audit=[rec]))
+            return
         if action.action == "set_mode":
             now = time.time()
-            rec = AuditRecord(
-                action.actor,
-                "set_mode",
-                action.plan_id,
-                action.at_s,
-                "ok",
-                override=dict(action.override),
-                comment=action.comment,
-                action_id=action.action_id,
-                recorded_at_s=now,
-            )
+            rec = AuditRecord.of(action, now)
             ch = Changes(audit=[rec])
             try:
                 changed, retimed = self.apply_settings(

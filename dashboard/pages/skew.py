@@ -12,7 +12,14 @@ from dash import Input, Output, State, dash_table, dcc, html, no_update
 from dash import ctx as dash_ctx
 
 from dashboard import figures, figures_skew
-from dashboard.pages import SLOW_TICK_MS, AppContext, banner, redis_safe, tick_after_render_ms
+from dashboard.pages import (
+    SLOW_TICK_MS,
+    AppContext,
+    banner,
+    graph,
+    redis_safe,
+    tick_after_render_ms,
+)
 
 PATH = "/skew"
 NAME = "Device skew"
@@ -42,20 +49,12 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(
-                            id="sk-heatmap",
-                            figure=figures.loading_figure(),
-                            config={"displaylogo": False},
-                        ),
+                        graph("sk-heatmap"),
                         className="panel col",
                     ),
                     html.Div(
                         [
-                            dcc.Graph(
-                                id="sk-coords",
-                                figure=figures.loading_figure(),
-                                config={"displaylogo": False},
-                            ),
+                            graph("sk-coords"),
                             html.Div(id="sk-node-detail"),
                         ],
                         className="panel col",
@@ -66,20 +65,12 @@ def layout(ctx: AppContext) -> html.Div:
             html.Div(
                 [
                     html.Div(
-                        dcc.Graph(
-                            id="sk-heartbeat",
-                            figure=figures.loading_figure(),
-                            config={"displaylogo": False},
-                        ),
+                        graph("sk-heartbeat"),
                         className="panel col",
                     ),
                     html.Div(
                         [
-                            dcc.Graph(
-                                id="sk-recurrence",
-                                figure=figures.loading_figure(),
-                                config={"displaylogo": False},
-                            ),
+                            graph("sk-recurrence"),
                             html.Div(id="sk-culprits"),
                         ],
                         className="panel col",

@@ -28,6 +28,44 @@ ARGS = [
     "--disable-sync",
 ]
 ROOT = Path(__file__).resolve().parents[2]
+
+#: Polled every animation frame from navigation (ms of ``performance.now()``): ``clear``,
+#: the first frame showing the page's loading text (before the app mounts) or every panel
+#: not empty (its loading text over it, or plotly's drawing: placeholder text or data);
+#: ``panels``, the first with every panel not empty; ``empty_ms``, how long the page showed
+#: neither (an empty or missing panel once the app mounted); ``data``, the first frame with a heatmap drawn in the first panel;
+#: ``texts``, what each panel says at the end (polling stops when one says ``until``, or
+#: with ``until`` empty when every panel shows something; with ``waitData`` not before the
+#: heatmap is drawn; after 60 s in any case). Used by bench/dashboard_first_view.py too.
+WATCH_JS = """
+([sels, until, waitData]) => new Promise((resolve) => {
+  const out = {clear: null, panels: null, data: null, empty_ms: 0, texts: []};
+  let prev = null;
+  const shows = (g) => {
+    const ph = (g.closest('.graph-wrap') || g).querySelector('.graph-loading');
+    return (ph && getComputedStyle(ph).display !== 'none' && ph.textContent.trim() !== '')
+      || !!g.querySelector('.main-svg');
+  };
+  function tick() {
+    const now = performance.now();
+    const gs = sels.map((s) => document.querySelector(s));
+    const mounted = gs.filter((g) => g);
+    const full = mounted.length === gs.length && mounted.every(shows);
+    const loading = document.querySelector('._dash-loading');
+    if (prev !== null && !loading && !full) out.empty_ms += now - prev;
+    prev = now;
+    if (out.clear === null && (loading || full)) out.clear = now;
+    if (out.panels === null && full) out.panels = now;
+    if (out.data === null && gs[0] && gs[0].querySelector('.heatmaplayer')) out.data = now;
+    out.texts = gs.map((g) => g ? g.textContent : '');
+    const done = (until ? out.texts.some((t) => t.includes(until)) : out.panels !== null)
+      && (!waitData || out.data !== null);
+    if (done || now > 60000) resolve(out); else requestAnimationFrame(tick);
+  }
+  tick();
+})
+"""
+
 SHOTS = ROOT / "artifacts" / "screenshots"
 
 
@@ -45,6 +83,18 @@ def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.1):
             return v
         time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_serving(url: str, timeout_s: float = 30) -> None:
+    """Wait until the dashboard at ``url`` answers its page."""
+
+    def up():
+        try:
+            return urllib.request.urlopen(url + "/", timeout=1).status == 200
+        except OSError:
+            return False
+
+    wait_for(up, timeout_s, "the dashboard server")
 
 
 def open_page(pw, timeout_ms: float):
@@ -94,15 +144,8 @@ def scheduler_and_dashboard(redis_url: str, port: int, tmp_path: Path, r, keys):
         for n, argv in argvs.items()
     ]
     url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return urllib.request.urlopen(url + "/", timeout=1).status == 200
-        except OSError:
-            return False
-
     try:
-        wait_for(up, 30, "the dashboard server")
+        wait_serving(url)
         wait_for(lambda: plan_state(r, keys, 1), 20, "the scheduler's plan")
         yield url
     finally:
