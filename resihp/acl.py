@@ -148,6 +148,7 @@ def users() -> list[AclUser]:
             ("xadd", "set", "del", "sadd", "hset", "hincrby", "expire", "incr"),
             (
                 *_job("telemetry", "layout", "layouts", "job_state", "actions", "counters"),
+                *_job("agents_left"),  # a rank's agent says it leaves on purpose
                 _pattern(_J.health("trainer", "*")),
                 K.JOBS_SET,
                 _seals(u["trainer"]),
@@ -158,10 +159,11 @@ def users() -> list[AclUser]:
             u["collector"],
             "collector: reads telemetry (its group, trims it), writes records, liveness, "
             "heartbeat times; CLIENT LIST for node agents",
-            ("xadd", "xtrim", "hset", "hincrby", "sadd", "client|list", *watcher),
+            ("xadd", "xtrim", "hset", "hdel", "hincrby", "sadd", "client|list", *watcher),
             (
                 K.JOBS_SET,  # lists a job again after Redis lost its data
                 *_job("telemetry", "iterations", "liveness", "node_heartbeat", "counters"),
+                *_job("layout_predictions"),  # each layout's healthy time, predicted once
                 *_job("deadletter"),
                 _pattern(_J.partials(0))[: -len("0")] + "*",
                 *_own("collector"),
@@ -185,11 +187,13 @@ def users() -> list[AclUser]:
             "scheduler: reads failure reports and actions (its groups, seals), writes plans "
             "and the audit log",
             ("xadd", "hset", "hdel", "hincrby", "incr", "incrby", "zadd", "zremrangebyrank")
+            + ("lpop", "set", "expire")  # answers override previews
             + watcher,
             (
                 *_job("failures", "actions", "plans", "plan_state", "plan_seq", "audit"),
                 *_job("scheduler_handled", "scheduler_speeds", "scheduler_config"),
-                *_job("counters", "deadletter"),
+                *_job("counters", "deadletter", "override_previews"),
+                _pattern(_J.override_preview("*")),
                 *_own("scheduler"),
             ),
             (f"{K.PREFIX}:*",),
@@ -198,9 +202,9 @@ def users() -> list[AclUser]:
             u["dashboard"],
             "dashboard: reads everything; sends its operators' actions (sealed), keeps its "
             "login sessions",
-            ("xadd", "set", "del", "hset", "hincrby", "expire"),
+            ("xadd", "set", "del", "hset", "hincrby", "expire", "rpush", "ltrim"),
             (
-                *_job("actions", "counters"),
+                *_job("actions", "counters", "override_previews"),
                 _pattern(_J.health("dashboard", "*")),
                 _seals(u["dashboard"]),
                 K.dashboard_session("*"),
