@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys, entry_seq
 from resihp.schemas import Message
 from resihp.wire import ENTRY_SEQ, ChunkBatch, decode_entry, encode_one
 
@@ -164,6 +164,43 @@ class ThrottledWarning:
         self._said_s, self._held = now, 0
 
 
+#: Raise a group's per-producer marks (KEYS[1] hash, producer -> "n id") by one read
+#: (ARGV: cap on producers, then producer, first n, last n, last n's entry id per producer)
+#: and return the entries lost between a mark and the read: a jump from the mark counts
+#: only if the stream (KEYS[2]) was trimmed past the mark's entry.
+_SEQ_NOTE = """
+local lost = 0
+local first = nil
+local cap = tonumber(ARGV[1])
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+for i = 2, #ARGV, 4 do
+  local who, lo, hi, eid = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local mark = redis.call('HGET', KEYS[1], who)
+  if mark then
+    local n, mid = string.match(mark, '^(%d+) (%S+)$')
+    n = tonumber(n)
+    if lo > n + 1 then
+      if first == nil then
+        local head = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
+        first = head[1] and head[1][1] or eid
+      end
+      if older(mid, first) then lost = lost + (lo - n - 1) end
+    end
+    if hi > n then redis.call('HSET', KEYS[1], who, hi .. ' ' .. eid) end
+  elseif redis.call('HLEN', KEYS[1]) < cap then
+    redis.call('HSET', KEYS[1], who, hi .. ' ' .. eid)
+  end
+end
+redis.call('EXPIRE', KEYS[1], 86400)
+return lost
+"""
+
+
 @dataclass
 class ConsumerStats:
     read_total: int = 0
@@ -205,8 +242,6 @@ class StreamConsumer:
     #: the stream by then is left unread.  A full read, a re-read of pending entries and
     #: a reclaim prove nothing (newer entries may be waiting).
     caught_up: bool = False
-    #: producer id -> the highest entry number of it delivered (new entries only)
-    _seq_seen: dict[str, int] = field(default_factory=dict)
 
     def ensure_group(self) -> None:
         try:
@@ -215,14 +250,18 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def _decode(self, entries) -> list[tuple[bytes, list[Message | ChunkBatch]]]:
+    def _decode(self, entries, new: bool = False) -> list[tuple[bytes, list[Message | ChunkBatch]]]:
+        """Valid messages per entry; the rest dead-lettered.  ``new``: entries delivered
+        for the first time (``>``), whose bytes count in ``read_bytes_total`` (the
+        stream's byte rate: a re-read of pending or reclaimed entries is not new data)."""
         out = []
         bad_ids = []
         for entry_id, fields in entries:
             if fields is None:  # entry trimmed away while pending
                 bad_ids.append(entry_id)
                 continue
-            self.stats.read_bytes_total += sum(len(k) + len(v) for k, v in fields.items())
+            if new:
+                self.stats.read_bytes_total += sum(len(k) + len(v) for k, v in fields.items())
             try:
                 good, bad = decode_entry(fields, self.max_rank)
             except Exception as e:  # noqa: BLE001 - a poison entry must not stop the service
@@ -301,17 +340,25 @@ class StreamConsumer:
         self.caught_up = len(entries) < count
         if entries:
             self._count_gaps(entries)
-        return self._decode(entries) if entries else []
+        return self._decode(entries, new=True) if entries else []
 
-    #: Producers whose numbers are followed (the oldest forgotten beyond it).
+    #: Producers whose numbers a group follows (new ones beyond it are not followed).
     MAX_PRODUCERS = 4096
 
     def _count_gaps(self, entries) -> None:
-        """Count entries of a numbered producer that never reached this group: new entries
-        come in stream order, so a producer's number jumping by more than one is entries
-        trimmed (or lost) before they were read.  Old numbers (a resend) count nothing."""
-        seen = self._seq_seen
-        for _id, fields in entries:
+        """Count entries of a numbered producer that never reached this group.
+
+        The highest number the *group* has been delivered of each producer lives in Redis
+        (``keys.entry_seq``), raised by one script call per read (:data:`_SEQ_NOTE`), so
+        two consumers of one group sharing a producer's entries do not count each other's
+        share as lost.  A read's entries are consecutive in the stream, so a jump inside
+        one read is entries that never reached it; a jump from the group's mark is counted
+        only if the stream was trimmed past that mark (its first entry is newer): entries
+        delivered to another consumer whose note is still on its way are not lost.  Old
+        numbers (a resend, a late note) count nothing."""
+        runs: dict[str, list] = {}  # producer -> [first n, last n, last n's entry id]
+        inside = 0
+        for eid, fields in entries:
             raw = fields.get(ENTRY_SEQ) if fields else None
             if raw is None:
                 continue
@@ -320,13 +367,24 @@ class StreamConsumer:
                 n = int(n_s)
             except (UnicodeDecodeError, ValueError):
                 continue
-            last = seen.get(who)
-            if last is not None and n > last + 1:
-                self.stats.lost_total += n - last - 1
-            if last is None or n > last:
-                if last is None and len(seen) >= self.MAX_PRODUCERS:
-                    del seen[next(iter(seen))]
-                seen[who] = n
+            if not who or len(who) > 200 or not 0 <= n < 2**62:
+                continue
+            run = runs.get(who)
+            if run is None:
+                runs[who] = [n, n, eid]
+                continue
+            if n > run[1]:
+                inside += n - run[1] - 1
+                run[1], run[2] = n, eid
+        if not runs:
+            self.stats.lost_total += inside
+            return
+        args: list = [self.MAX_PRODUCERS]
+        for who, (lo, hi, eid) in runs.items():
+            args += [who, lo, hi, eid]
+        key = entry_seq(self.stream, self.group)
+        lost = int(self.client.eval(_SEQ_NOTE, 2, key, self.stream, *args))
+        self.stats.lost_total += inside + lost
 
     def ack(self, ids) -> None:
         if not ids:

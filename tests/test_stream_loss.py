@@ -7,10 +7,12 @@ import pytest
 
 from collector.config import CollectorConfig
 from collector.service import CollectorService
+from resihp.bus import StreamConsumer
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
 from resihp.stack.status import job_status
+from resihp.wire import encode_one
 
 KEYS = JobKeys("flood")
 
@@ -46,3 +48,59 @@ def test_entries_trimmed_unread_by_a_flood_are_counted(r):
     # only the beats the flood left were heard: 3 before it, 2 after
     assert svc.stats["heartbeats_total"] == 5
     p.close()
+
+
+def _numbered(r, n: int, who: str = "p1") -> None:
+    r.xadd(KEYS.telemetry, {b"m": b"{}", b"s": f"{who}:{n}".encode()})
+
+
+@pytest.mark.redis
+def test_two_consumers_of_one_group_do_not_count_each_others_entries_lost(r):
+    """A group's producer marks are shared: consumer a's share is not b's loss, and a
+    real trim past both is counted once."""
+    a, b = (
+        StreamConsumer(r, KEYS, KEYS.telemetry, "g", consumer=c, claim_idle_ms=600_000)
+        for c in "ab"
+    )
+    for c in (a, b):
+        c.ensure_group()
+        c.read(count=1, block_ms=None)  # past the own-pending check
+    for n in range(1, 31):
+        _numbered(r, n)
+
+    def drain(count: int) -> None:
+        while True:  # the entries are junk (dead-lettered): follow what was read
+            was = a.stats.read_total + b.stats.read_total
+            a.read(count=count, block_ms=None)
+            b.read(count=count, block_ms=None)
+            if a.stats.read_total + b.stats.read_total == was:
+                return
+
+    drain(3)  # alternate reads of 3: each sees the producer jump by 3 every read
+    assert a.stats.read_total == b.stats.read_total == 15
+    assert a.stats.lost_total + b.stats.lost_total == 0
+    for n in range(31, 41):  # ten entries nobody reads...
+        _numbered(r, n)
+    r.xtrim(KEYS.telemetry, maxlen=0, approximate=False)  # ...trimmed away
+    for n in range(41, 45):
+        _numbered(r, n)
+    drain(1)
+    assert a.stats.lost_total + b.stats.lost_total == 10
+
+
+@pytest.mark.redis
+def test_the_byte_rate_counts_new_entries_only(r):
+    """A reclaimed (or own pending) entry is read again: its bytes are not new data."""
+    a = StreamConsumer(r, KEYS, KEYS.telemetry, "g", consumer="a", claim_idle_ms=0)
+    a.ensure_group()
+    r.xadd(KEYS.telemetry, encode_one(Heartbeat(rank=0, node=0, iteration=1, wall_time_s=1e9)))
+    assert a.read(count=10, block_ms=None)  # delivered, never acked
+    first = a.stats.read_bytes_total
+    assert first > 0
+    b = StreamConsumer(r, KEYS, KEYS.telemetry, "g", consumer="b", claim_idle_ms=0)
+    b.read(count=10, block_ms=None)  # reclaims a's entry
+    assert b.stats.reclaimed_total == 1
+    assert b.stats.read_bytes_total == 0
+    a2 = StreamConsumer(r, KEYS, KEYS.telemetry, "g", consumer="b", claim_idle_ms=600_000)
+    a2.read(count=10, block_ms=None)  # b restarted: its own pending entry again
+    assert a2.stats.read_bytes_total == 0
