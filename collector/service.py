@@ -126,6 +126,12 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
     return max(16, min(maxlen, int(budget_mb * 1e6 // size)))
 
 
+#: Complete records flagged in a row (spans within RECORD_NEW_PACE_SPREAD of each other)
+#: that make the job's new pace (``CollectorService._bound_record``).
+RECORD_NEW_PACE_RUN = 8
+RECORD_NEW_PACE_SPREAD = 2.0
+
+
 #: A read that takes longer than its block timeout plus this fraction of the fail-stop
 #: deadline means this collector was stalled (see ``CollectorService._after_stall``).
 STALL_FRACTION = 0.5
@@ -235,6 +241,8 @@ class CollectorService(TelemetryRetention):
         self._agents_next = 0.0
         #: iteration times of the recent unflagged complete records (the bound's reference)
         self._recent_iter_s: deque[float] = deque(maxlen=32)
+        #: spans of the complete records flagged in a row since the last unflagged one
+        self._beyond_run: list[float] = []
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -305,6 +313,11 @@ class CollectorService(TelemetryRetention):
 
     def set_layout(self, layout: Layout, now: float | None = None) -> None:
         now = self._clock() if now is None else now
+        if self.layout is not None and layout.layout_id != self.layout.layout_id:
+            # another layout, another pace (fewer replicas, a stage moved): the bound's
+            # reference restarts from this layout's records
+            self._recent_iter_s.clear()
+            self._beyond_run.clear()
         self.layout = layout
         self.assembler.set_layout(layout, now)
         self.consumer.max_rank = layout.world_size
@@ -696,7 +709,15 @@ class CollectorService(TelemetryRetention):
 
     def _bound_record(self, rec: IterationRecord) -> None:
         """Flag a record whose span is beyond the job's recent median x RECORD_TIME_FACTOR
-        (see :data:`resihp.schemas.RECORD_FLAGS`): no implausible time leaves unflagged."""
+        (see :data:`resihp.schemas.RECORD_FLAGS`): no implausible time leaves unflagged.
+
+        A flagged record does not move the reference, so a genuine lasting slowdown (the
+        whole job 10x slower: a degraded fabric, a throttled cluster) would be flagged for
+        ever: ``RECORD_NEW_PACE_RUN`` complete records flagged in a row whose spans agree
+        within ``RECORD_NEW_PACE_SPREAD`` are taken as the job's new pace (the reference
+        restarts from them, counter ``iterations_time_new_pace_total``); a stepping clock
+        gives spans that do not agree and keeps being flagged.  A new layout restarts the
+        reference too (:meth:`set_layout`)."""
         recent = self._recent_iter_s
         if len(recent) >= 3:
             ref = float(np.median(recent))
@@ -711,9 +732,32 @@ class CollectorService(TelemetryRetention):
                     RECORD_TIME_FACTOR,
                     ref,
                 )
+                if rec.complete:
+                    self._new_pace(rec.iteration_time_s)
                 return
+        self._beyond_run.clear()
         if rec.complete:
             recent.append(rec.iteration_time_s)
+
+    def _new_pace(self, span_s: float) -> None:
+        run = self._beyond_run
+        run.append(span_s)
+        del run[:-RECORD_NEW_PACE_RUN]
+        if len(run) < RECORD_NEW_PACE_RUN or max(run) > RECORD_NEW_PACE_SPREAD * min(run):
+            return
+        log.warning(
+            "collector: job %s: %d records in a row span %.1f-%.1f s, beyond the bound and "
+            "alike: taken as the job's new pace (the reference was %.2f s)",
+            self.keys.job_id,
+            len(run),
+            min(run),
+            max(run),
+            float(np.median(self._recent_iter_s)),
+        )
+        self._count("iterations_time_new_pace_total")
+        self._recent_iter_s.clear()
+        self._recent_iter_s.extend(run)
+        run.clear()
 
     def _assemble(self, now: float) -> None:
         for rec in self.assembler.poll(now):
