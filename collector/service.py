@@ -179,6 +179,13 @@ class CollectorService(TelemetryRetention):
             self.keys.group(SERVICE),
             consumer=f"{SERVICE}-{config.instance}",
             claim_idle_ms=config.claim_idle_ms,
+            quota=bus.ProducerQuota(
+                entries_per_s=config.producer_quota_entries_per_s,
+                mb_per_s=config.producer_quota_mb_per_s,
+                burst_s=config.producer_quota_burst_s,
+            )
+            if config.producer_quota_entries_per_s > 0
+            else None,
         )
         self.health = bus.Health(
             client, self.keys, SERVICE, config.instance, ttl_s=config.health_ttl_s
@@ -237,6 +244,8 @@ class CollectorService(TelemetryRetention):
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
         self._lost_said = 0
+        self._refused_log = bus.ThrottledWarning(log, every_s=30.0)
+        self._refused_said = 0
         self._agents: set[int] = set()  # nodes whose agent connection was seen last look
         self._agents_next = 0.0
         #: iteration times of the recent unflagged complete records (the bound's reference)
@@ -425,8 +434,22 @@ class CollectorService(TelemetryRetention):
             return 0
 
     def _count_lost(self) -> None:
-        """Entries of the job's producers trimmed before this collector read them: counted
-        (``telemetry_lost_total``: metric, health, ``resihp status``) and said, never silent."""
+        """Entries of the job's producers trimmed before this collector read them, and
+        entries refused unread over their producer's quota: counted (``telemetry_lost_total``,
+        ``telemetry_refused_total``: metrics, health, ``resihp status``, the dashboard's
+        banner) and said, never silent."""
+        refused = self.consumer.stats.refused_total - self._refused_said
+        if refused > 0:
+            self._refused_said += refused
+            self._count("telemetry_refused_total", refused)
+            self._health_now = True
+            self._refused_log.warning(
+                "collector: job %s: %d telemetry entries refused unread, their producer over "
+                "its quota (a junk flood?); %d so far, summed in the dead-letter stream",
+                self.keys.job_id,
+                refused,
+                self._refused_said,
+            )
         lost = self.consumer.stats.lost_total - self._lost_said
         if lost <= 0:
             return
@@ -1008,6 +1031,8 @@ class CollectorService(TelemetryRetention):
             "deadletter_total": self.consumer.stats.deadletter_total,
             # entries trimmed from the telemetry stream before this collector read them
             "telemetry_lost_total": self.consumer.stats.lost_total,
+            # entries refused unread: their producer was over its quota
+            "telemetry_refused_total": self.consumer.stats.refused_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
             # the telemetry stream's byte rate, which bounds the window kept in Redis
             "telemetry_bytes_per_s": round(self.telemetry_bytes_per_s),

@@ -201,6 +201,54 @@ return lost
 """
 
 
+#: The producer name an entry without a (readable) ``ENTRY_SEQ`` field is budgeted under,
+#: and the one producers beyond ``ProducerQuota.max_producers`` share.
+UNNUMBERED = "(unnumbered)"
+OTHERS = "(others)"
+
+
+@dataclass
+class ProducerQuota:
+    """Per-producer budget of a stream at its consumer's boundary: a token bucket of
+    entries and one of bytes per producer (the ``ENTRY_SEQ`` id; unnumbered entries share
+    one bucket, and so do producers beyond ``max_producers``), refilled at the entries'
+    Redis arrival times (their stream ids), so a consumer that is behind judges the
+    producers' real rate, not the rate it reads at.  An entry over its producer's budget
+    is not decoded: it is counted (``ConsumerStats.refused_total``), acknowledged, and
+    summed into one dead-letter entry per producer and second with the reason, the
+    counts and the first refused entry (cut short), so a flood costs a read and an
+    acknowledgement per entry, not a decode and a dead-letter write, and never goes
+    unsaid.  A producer id is what an entry says it is: a flood that forges a genuine
+    producer's id spends that producer's budget too (Redis ACL users per producer are the
+    defence against that; see docs/operations.md)."""
+
+    entries_per_s: float = 2000.0
+    mb_per_s: float = 128.0
+    #: the buckets hold this many seconds of the rates (a burst after a pause)
+    burst_s: float = 10.0
+    max_producers: int = 65536
+    #: producer -> [entry tokens, byte tokens, arrival of the last entry (s)]
+    _buckets: dict[str, list[float]] = field(default_factory=dict)
+
+    def admit(self, who: str, nbytes: int, at_s: float) -> bool:
+        b = self._buckets.get(who)
+        if b is None:
+            if len(self._buckets) >= self.max_producers:
+                return self.admit(OTHERS, nbytes, at_s) if who != OTHERS else False
+            cap_e, cap_b = self.entries_per_s * self.burst_s, self.mb_per_s * 1e6 * self.burst_s
+            b = self._buckets[who] = [cap_e, cap_b, at_s]
+        dt = at_s - b[2]
+        if dt > 0:
+            b[0] = min(self.entries_per_s * self.burst_s, b[0] + dt * self.entries_per_s)
+            b[1] = min(self.mb_per_s * 1e6 * self.burst_s, b[1] + dt * self.mb_per_s * 1e6)
+            b[2] = at_s
+        if b[0] < 1 or (self.mb_per_s > 0 and b[1] < nbytes):
+            return False
+        b[0] -= 1
+        b[1] -= nbytes
+        return True
+
+
 @dataclass
 class ConsumerStats:
     read_total: int = 0
@@ -213,6 +261,8 @@ class ConsumerStats:
     lost_total: int = 0
     #: bytes of the entries read (field names and values): the stream's byte rate
     read_bytes_total: int = 0
+    #: new entries refused unread because their producer was over its ``ProducerQuota``
+    refused_total: int = 0
 
 
 @dataclass
@@ -242,6 +292,11 @@ class StreamConsumer:
     #: the stream by then is left unread.  A full read, a re-read of pending entries and
     #: a reclaim prove nothing (newer entries may be waiting).
     caught_up: bool = False
+    #: per-producer budget of new entries (None: every entry is read)
+    quota: ProducerQuota | None = None
+    #: producer -> [entries, bytes, first refused entry] refused since its last dead letter
+    _refused: dict[str, list] = field(default_factory=dict)
+    _refused_said_s: float = 0.0
 
     def ensure_group(self) -> None:
         try:
@@ -340,7 +395,58 @@ class StreamConsumer:
         self.caught_up = len(entries) < count
         if entries:
             self._count_gaps(entries)
+            if self.quota is not None:
+                entries = self._within_quota(entries)
+        if self._refused and (not entries or time.monotonic() - self._refused_said_s >= 1.0):
+            self._say_refused()
         return self._decode(entries, new=True) if entries else []
+
+    def _within_quota(self, entries):
+        """The entries within their producers' :class:`ProducerQuota`; the rest are
+        acknowledged unread, counted and summed up for :meth:`_say_refused`."""
+        keep, refused_ids = [], []
+        for eid, fields in entries:
+            if fields is None:
+                keep.append((eid, fields))
+                continue
+            nbytes = sum(len(k) + len(v) for k, v in fields.items())
+            raw = fields.get(ENTRY_SEQ)
+            who = UNNUMBERED
+            if raw is not None:
+                who = raw.decode("ascii", "replace").rpartition(":")[0][:200] or UNNUMBERED
+            at_s = int(eid.split(b"-", 1)[0] if isinstance(eid, bytes) else eid.split("-")[0])
+            if self.quota.admit(who, nbytes, at_s / 1000.0):
+                keep.append((eid, fields))
+                continue
+            refused_ids.append(eid)
+            self.stats.read_bytes_total += nbytes
+            got = self._refused.setdefault(who, [0, 0, None])
+            got[0] += 1
+            got[1] += nbytes
+            if got[2] is None:
+                got[2] = {str(k): str(v)[:200] for k, v in list(fields.items())[:8]}
+        if refused_ids:
+            self.client.xack(self.stream, self.group, *refused_ids)
+            self.stats.acked_total += len(refused_ids)
+            self.stats.refused_total += len(refused_ids)
+            self.stats.read_total += len(refused_ids)
+        return keep
+
+    def _say_refused(self) -> None:
+        q = self.quota
+        for who, (n, nbytes, first) in self._refused.items():
+            dead_letter(
+                self.client,
+                self.keys,
+                self.stream,
+                self.consumer,
+                f"producer {who} over its quota ({q.entries_per_s:g} entries/s, "
+                f"{q.mb_per_s:g} MB/s, {q.burst_s:g} s burst): {n} entries ({nbytes} bytes) "
+                "refused unread; the first of them is here",
+                first,
+            )
+        self._refused = {}
+        self._refused_said_s = time.monotonic()
 
     #: Producers whose numbers a group follows (new ones beyond it are not followed).
     MAX_PRODUCERS = 4096

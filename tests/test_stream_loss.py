@@ -104,3 +104,44 @@ def test_the_byte_rate_counts_new_entries_only(r):
     a2 = StreamConsumer(r, KEYS, KEYS.telemetry, "g", consumer="b", claim_idle_ms=600_000)
     a2.read(count=10, block_ms=None)  # b restarted: its own pending entry again
     assert a2.stats.read_bytes_total == 0
+
+
+@pytest.mark.redis
+def test_a_junk_flood_is_refused_over_quota_counted_and_summed_up(r):
+    """Producer quotas at the collector's boundary: a flood beyond its producer's budget
+    is refused unread (not decoded, not one dead letter per entry), counted everywhere,
+    and the valid producer's telemetry is all heard."""
+    cfg = CollectorConfig(
+        job_id=KEYS.job_id,
+        block_ms=1,
+        producer_quota_entries_per_s=50.0,
+        producer_quota_burst_s=1.0,
+    )
+    svc = CollectorService(cfg, r)
+    p = TelemetryProducer(None, KEYS, client=r).start()
+    _beat(p, 0)
+    pipe = r.pipeline(transaction=False)
+    for i in range(3000):  # one junk writer, no producer numbers, within a second or so
+        pipe.xadd(KEYS.telemetry, {b"m": b"junk %d" % i})
+    pipe.execute()
+    for k in range(1, 6):
+        _beat(p, k)
+    for _ in range(100):
+        svc.run_once()
+        if svc.stats["heartbeats_total"] == 6 and svc.consumer.caught_up:
+            break
+    svc.run_once()
+    svc._flush_counters()
+    assert svc.stats["heartbeats_total"] == 6  # every valid beat heard
+    refused = svc.consumer.stats.refused_total
+    assert 3000 - 2 * 50 <= refused < 3000  # the burst and the refill got through, no more
+    assert int(r.hget(KEYS.counters, "telemetry_refused_total")) == refused
+    assert svc.health_extra()["telemetry_refused_total"] == refused
+    assert job_status(r, KEYS.job_id)["counts"]["telemetry_refused_total"] == refused
+    reasons = [f[b"reason"].decode() for _id, f in r.xrange(KEYS.deadletter)]
+    summed = [x for x in reasons if "over its quota" in x]
+    assert summed and len(reasons) < 3000 - refused + 30  # the refused are summed, not each
+    assert sum(int(x.split(": ")[1].split()[0]) for x in summed) == refused
+    assert "producer (unnumbered)" in summed[0]
+    assert r.xpending(KEYS.telemetry, svc.consumer.group)["pending"] == 0
+    p.close()
