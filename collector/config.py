@@ -121,10 +121,11 @@ class CollectorConfig:
     #: is one lane of a trainer process, its ``s`` field): entries per second of Redis
     #: arrival time beyond it are refused unread, counted (``telemetry_refused_total``)
     #: and summed in one dead letter per producer and second.  The 16,384-GPU simulator's
-    #: bulk lane sends ~15 MB/s in ~100 entries/s; 0 turns the quota off.
-    producer_quota_entries_per_s: float = 2000.0
+    #: bulk lane sends 16 entries/s (3.1 MB/s) on average, at most 64 entries in a second
+    #: and 240 (46 MB) in 10 s (``bench/soak.py``'s stream); 0 turns the quota off.
+    producer_quota_entries_per_s: float = 500.0
     #: ...and bytes per second of one producer (MB/s; 0: no byte budget).
-    producer_quota_mb_per_s: float = 128.0
+    producer_quota_mb_per_s: float = 64.0
     #: The quota's buckets hold this many seconds of it: a burst after a pause (seconds).
     producer_quota_burst_s: float = 10.0
 

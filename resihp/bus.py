@@ -121,25 +121,42 @@ def incr_counter(client: redis.Redis, keys: JobKeys, name: str, by: int = 1) -> 
 def dead_letter(
     client: redis.Redis, keys: JobKeys, source: str, consumer: str, reason: str, raw: Any
 ) -> None:
-    if isinstance(raw, bytes):
-        raw = raw.decode(errors="replace")
-    try:
-        raw_s = raw if isinstance(raw, str) else json.dumps(raw, default=str)
-    except (TypeError, ValueError):
-        raw_s = repr(raw)
-    client.xadd(
-        keys.deadletter,
-        {
-            "reason": reason[:1000],
-            "source": source,
-            "consumer": consumer,
-            "raw": raw_s[:20000],
-            "at_s": repr(time.time()),
-        },
-        maxlen=DEFAULT_STREAM_MAXLEN,
-        approximate=True,
-    )
-    client.hincrby(keys.counters, "deadletter_total", 1)
+    dead_letters(client, keys, source, consumer, [(reason, raw)])
+
+
+def dead_letters(
+    client: redis.Redis,
+    keys: JobKeys,
+    source: str,
+    consumer: str,
+    items: list[tuple[str, Any]],
+) -> None:
+    """Write ``(reason, raw)`` items to the job's dead-letter stream in one round trip
+    (a batch of junk costs one pipeline, not two calls per entry)."""
+    if not items:
+        return
+    pipe = client.pipeline(transaction=False)
+    for reason, raw in items:
+        if isinstance(raw, bytes):
+            raw = raw.decode(errors="replace")
+        try:
+            raw_s = raw if isinstance(raw, str) else json.dumps(raw, default=str)
+        except (TypeError, ValueError):
+            raw_s = repr(raw)
+        pipe.xadd(
+            keys.deadletter,
+            {
+                "reason": reason[:1000],
+                "source": source,
+                "consumer": consumer,
+                "raw": raw_s[:20000],
+                "at_s": repr(time.time()),
+            },
+            maxlen=DEFAULT_STREAM_MAXLEN,
+            approximate=True,
+        )
+    pipe.hincrby(keys.counters, "deadletter_total", len(items))
+    pipe.execute()
 
 
 class ThrottledWarning:
@@ -222,8 +239,8 @@ class ProducerQuota:
     producer's id spends that producer's budget too (Redis ACL users per producer are the
     defence against that; see docs/operations.md)."""
 
-    entries_per_s: float = 2000.0
-    mb_per_s: float = 128.0
+    entries_per_s: float = 500.0
+    mb_per_s: float = 64.0
     #: the buckets hold this many seconds of the rates (a burst after a pause)
     burst_s: float = 10.0
     max_producers: int = 65536
@@ -311,6 +328,7 @@ class StreamConsumer:
         stream's byte rate: a re-read of pending or reclaimed entries is not new data)."""
         out = []
         bad_ids = []
+        refused: list[tuple[str, Any]] = []
         for entry_id, fields in entries:
             if fields is None:  # entry trimmed away while pending
                 bad_ids.append(entry_id)
@@ -330,13 +348,14 @@ class StreamConsumer:
                         {str(k): str(v)[:200] for k, v in fields.items()},
                     )
                 ]
-            for reason, raw in bad:
-                self.stats.deadletter_total += 1
-                dead_letter(self.client, self.keys, self.stream, self.consumer, reason, raw)
+            self.stats.deadletter_total += len(bad)
+            refused += bad
             if good:
                 out.append((entry_id, good))
             else:
                 bad_ids.append(entry_id)
+        # before the acks: an entry acked is never re-read, so its dead letter must be in
+        dead_letters(self.client, self.keys, self.stream, self.consumer, refused)
         if bad_ids:
             self.client.xack(self.stream, self.group, *bad_ids)
             self.stats.acked_total += len(bad_ids)
@@ -434,17 +453,21 @@ class StreamConsumer:
 
     def _say_refused(self) -> None:
         q = self.quota
-        for who, (n, nbytes, first) in self._refused.items():
-            dead_letter(
-                self.client,
-                self.keys,
-                self.stream,
-                self.consumer,
-                f"producer {who} over its quota ({q.entries_per_s:g} entries/s, "
-                f"{q.mb_per_s:g} MB/s, {q.burst_s:g} s burst): {n} entries ({nbytes} bytes) "
-                "refused unread; the first of them is here",
-                first,
-            )
+        dead_letters(
+            self.client,
+            self.keys,
+            self.stream,
+            self.consumer,
+            [
+                (
+                    f"producer {who} over its quota ({q.entries_per_s:g} entries/s, "
+                    f"{q.mb_per_s:g} MB/s, {q.burst_s:g} s burst): {n} entries ({nbytes} "
+                    "bytes) refused unread; the first of them is here",
+                    first,
+                )
+                for who, (n, nbytes, first) in self._refused.items()
+            ],
+        )
         self._refused = {}
         self._refused_said_s = time.monotonic()
 
