@@ -53,6 +53,19 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
     return float("nan")
 
 
+def theil_sen_pct_per_10min(t_s: np.ndarray, y: np.ndarray) -> float:
+    """The median of the pairwise slopes, in % of the mean per 10 minutes: a few samples
+    taken while a process was behind (its backlog in memory) do not make it a trend."""
+    ok = np.isfinite(y)
+    t_s, y = t_s[ok], y[ok]
+    if len(y) < 2 or not np.mean(y):
+        return float("nan")
+    i, j = np.triu_indices(len(y), 1)
+    keep = t_s[j] > t_s[i]
+    b = np.median((y[j] - y[i])[keep] / (t_s[j] - t_s[i])[keep])
+    return 100.0 * b * 600.0 / float(np.mean(y))
+
+
 def warmup_end(t_s: np.ndarray, its_len: np.ndarray) -> float:
     """The end of the warm-up (seconds): a third of the run, or later, the first sample
     at which the iterations stream stopped growing (its budget filled)."""
@@ -188,13 +201,19 @@ def main(argv: list[str] | None = None) -> int:
         for h in [f"{n}_mb" for n in names] + ["redis_mb"]:
             y = np.array([r[h] for r in rows], dtype=float)
             slope = slope_pct_per_10min(t[warm], y[warm]) if warm.sum() >= 2 else float("nan")
+            robust = theil_sen_pct_per_10min(t[warm], y[warm])
             hwm = rss_mb(stack["children"][h[:-3]], "VmHWM") if h != "redis_mb" else float("nan")
             if h == "redis_mb":
                 hwm = client.info("memory")["used_memory_peak"] / 1e6
-            summary[h] = {"slope_pct_per_10min": slope, "max_mb": np.nanmax(y), "peak_mb": hwm}
+            summary[h] = {
+                "slope_pct_per_10min": slope,
+                "theil_sen_pct_per_10min": robust,
+                "max_mb": np.nanmax(y),
+                "peak_mb": hwm,
+            }
             print(
-                f"  {h:>16}: {slope:+8.2f} %  (last {y[-1]:.0f} MB, max {np.nanmax(y):.0f} MB, "
-                f"peak {hwm:.0f} MB)"
+                f"  {h:>16}: {slope:+8.2f} % least squares, {robust:+8.2f} % Theil-Sen  "
+                f"(last {y[-1]:.0f} MB, max {np.nanmax(y):.0f} MB, peak {hwm:.0f} MB)"
             )
         last = rows[-1] if rows else {"dead_events": 0, "fail_stops": 0, "reports": 0}
         print(

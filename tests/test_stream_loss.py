@@ -11,7 +11,7 @@ from resihp.bus import StreamConsumer
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
-from resihp.stack.status import job_status
+from resihp.stack.status import _job_line, job_status
 from resihp.wire import encode_one
 
 KEYS = JobKeys("flood")
@@ -137,7 +137,9 @@ def test_a_junk_flood_is_refused_over_quota_counted_and_summed_up(r):
     assert 3000 - 2 * 50 <= refused < 3000  # the burst and the refill got through, no more
     assert int(r.hget(KEYS.counters, "telemetry_refused_total")) == refused
     assert svc.health_extra()["telemetry_refused_total"] == refused
-    assert job_status(r, KEYS.job_id)["counts"]["telemetry_refused_total"] == refused
+    st = job_status(r, KEYS.job_id)
+    assert st["counts"]["telemetry_refused_total"] == refused
+    assert f"{refused} telemetry entries refused unread" in _job_line(st)
     reasons = [f[b"reason"].decode() for _id, f in r.xrange(KEYS.deadletter)]
     summed = [x for x in reasons if "over its quota" in x]
     assert summed and len(reasons) < 3000 - refused + 30  # the refused are summed, not each
