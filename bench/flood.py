@@ -49,12 +49,10 @@ print(n / (time.monotonic() - t0))
 """
 
 
-def records(client, keys: JobKeys) -> list[IterationRecord]:
-    out = []
-    for _id, fields in client.xrange(keys.iterations):
-        good, _ = decode_entry(fields)
-        out += [m for m in good if isinstance(m, IterationRecord)]
-    return out
+def complete_records(client, keys: JobKeys) -> int:
+    """Iteration records published complete."""
+    msgs = [m for _id, f in client.xrange(keys.iterations) for m in decode_entry(f)[0]]
+    return sum(1 for m in msgs if isinstance(m, IterationRecord) and m.complete)
 
 
 def one_run(srv: EmbeddedRedis, quota: float, a: argparse.Namespace) -> dict:
@@ -100,13 +98,12 @@ def one_run(srv: EmbeddedRedis, quota: float, a: argparse.Namespace) -> dict:
             time.sleep(0.5)
         time.sleep(a.iter_s * 4)  # the last iterations' grace
         ctr = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
-        recs = records(client, keys)
         return {
             "junk_rate": rate,
             "dead_lettered": ctr.get("deadletter_total", 0),
             "refused": ctr.get("telemetry_refused_total", 0),
             "lost": ctr.get("telemetry_lost_total", 0),
-            "complete": sum(1 for x in recs if x.complete),
+            "complete": complete_records(client, keys),
             "deadletter_len": client.xlen(keys.deadletter),
             "drain_s": time.time() - t0,
         }

@@ -242,10 +242,11 @@ class CollectorService(TelemetryRetention):
         self._rate_mark: tuple[float, int] | None = None  # (frontier_s, bytes read) then
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
-        self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
-        self._lost_said = 0
-        self._refused_log = bus.ThrottledWarning(log, every_s=30.0)
-        self._refused_said = 0
+        #: counter -> entries said so far, and its throttled warning (``_count_lost``)
+        self._unread_said = {c: 0 for _s, c, _w in self._UNREAD}
+        self._unread_log = {
+            c: bus.ThrottledWarning(log, every_s=30.0) for _s, c, _w in self._UNREAD
+        }
         self._agents: set[int] = set()  # nodes whose agent connection was seen last look
         self._agents_next = 0.0
         #: iteration times of the recent unflagged complete records (the bound's reference)
@@ -433,37 +434,41 @@ class CollectorService(TelemetryRetention):
             time.sleep(0.2)
             return 0
 
+    #: (consumer stat, counter, what the log line says of such entries)
+    _UNREAD = (
+        (
+            "refused_total",
+            "telemetry_refused_total",
+            "refused unread, their producer over its quota (a junk flood?), summed in the "
+            "dead-letter stream",
+        ),
+        (
+            "lost_total",
+            "telemetry_lost_total",
+            "trimmed from the telemetry stream before this collector read them (a flood "
+            "past the stream's MAXLEN?)",
+        ),
+    )
+
     def _count_lost(self) -> None:
         """Entries of the job's producers trimmed before this collector read them, and
         entries refused unread over their producer's quota: counted (``telemetry_lost_total``,
         ``telemetry_refused_total``: metrics, health, ``resihp status``, the dashboard's
         banner) and said, never silent."""
-        refused = self.consumer.stats.refused_total - self._refused_said
-        if refused > 0:
-            self._refused_said += refused
-            self._count("telemetry_refused_total", refused)
+        for stat, counter, what in self._UNREAD:
+            new = getattr(self.consumer.stats, stat) - self._unread_said[counter]
+            if new <= 0:
+                continue
+            self._unread_said[counter] += new
+            self._count(counter, new)
             self._health_now = True
-            self._refused_log.warning(
-                "collector: job %s: %d telemetry entries refused unread, their producer over "
-                "its quota (a junk flood?); %d so far, summed in the dead-letter stream",
+            self._unread_log[counter].warning(
+                "collector: job %s: %d telemetry entries %s; %d so far",
                 self.keys.job_id,
-                refused,
-                self._refused_said,
+                new,
+                what,
+                self._unread_said[counter],
             )
-        lost = self.consumer.stats.lost_total - self._lost_said
-        if lost <= 0:
-            return
-        self._lost_said += lost
-        self._count("telemetry_lost_total", lost)
-        self._health_now = True
-        self._lost_log.warning(
-            "collector: job %s: %d telemetry entries were trimmed from %s before this "
-            "collector read them (a flood past the stream's MAXLEN?); %d lost so far",
-            self.keys.job_id,
-            lost,
-            self.keys.telemetry,
-            self._lost_said,
-        )
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled
