@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from collector.bound import RecordBound
 from collector.config import CollectorConfig, parse_heartbeat_k
 from collector.retention import TelemetryRetention
 from resihp import bus
@@ -68,7 +69,6 @@ from resihp.liveness import LivenessCoordinator
 from resihp.liveness_agent import agent_nodes
 from resihp.redis_client import is_cluster
 from resihp.schemas import (
-    RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
     ChunkTiming,
     DeviceProbe,
@@ -124,12 +124,6 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
     16k-GPU records, ~15 GB, under a 1 GB budget)."""
     size = max(1, sum(len(v) for v in fields.values()))
     return max(16, min(maxlen, int(budget_mb * 1e6 // size)))
-
-
-#: Complete records flagged in a row (spans within RECORD_NEW_PACE_SPREAD of each other)
-#: that make the job's new pace (``CollectorService._bound_record``).
-RECORD_NEW_PACE_RUN = 8
-RECORD_NEW_PACE_SPREAD = 2.0
 
 
 #: A read that takes longer than its block timeout plus this fraction of the fail-stop
@@ -241,7 +235,6 @@ class CollectorService(TelemetryRetention):
         self.telemetry_bytes_per_s = 0.0
         self._rate_mark: tuple[float, int] | None = None  # (frontier_s, bytes read) then
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
-        self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         #: counter -> entries said so far, and its throttled warning (``_count_lost``)
         self._unread_said = {c: 0 for _s, c, _w in self._UNREAD}
         self._unread_log = {
@@ -249,10 +242,8 @@ class CollectorService(TelemetryRetention):
         }
         self._agents: set[int] = set()  # nodes whose agent connection was seen last look
         self._agents_next = 0.0
-        #: iteration times of the recent unflagged complete records (the bound's reference)
-        self._recent_iter_s: deque[float] = deque(maxlen=32)
-        #: spans of the complete records flagged in a row since the last unflagged one
-        self._beyond_run: list[float] = []
+        #: the bound on a record's span (its reference: the recent complete records)
+        self.bound = RecordBound()
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -326,8 +317,7 @@ class CollectorService(TelemetryRetention):
         if self.layout is not None and layout.layout_id != self.layout.layout_id:
             # another layout, another pace (fewer replicas, a stage moved): the bound's
             # reference restarts from this layout's records
-            self._recent_iter_s.clear()
-            self._beyond_run.clear()
+            self.bound.reset()
         self.layout = layout
         self.assembler.set_layout(layout, now)
         self.consumer.max_rank = layout.world_size
@@ -433,42 +423,6 @@ class CollectorService(TelemetryRetention):
             self._mark_outage()
             time.sleep(0.2)
             return 0
-
-    #: (consumer stat, counter, what the log line says of such entries)
-    _UNREAD = (
-        (
-            "refused_total",
-            "telemetry_refused_total",
-            "refused unread, their producer over its quota (a junk flood?), summed in the "
-            "dead-letter stream",
-        ),
-        (
-            "lost_total",
-            "telemetry_lost_total",
-            "trimmed from the telemetry stream before this collector read them (a flood "
-            "past the stream's MAXLEN?)",
-        ),
-    )
-
-    def _count_lost(self) -> None:
-        """Entries of the job's producers trimmed before this collector read them, and
-        entries refused unread over their producer's quota: counted (``telemetry_lost_total``,
-        ``telemetry_refused_total``: metrics, health, ``resihp status``, the dashboard's
-        banner) and said, never silent."""
-        for stat, counter, what in self._UNREAD:
-            new = getattr(self.consumer.stats, stat) - self._unread_said[counter]
-            if new <= 0:
-                continue
-            self._unread_said[counter] += new
-            self._count(counter, new)
-            self._health_now = True
-            self._unread_log[counter].warning(
-                "collector: job %s: %d telemetry entries %s; %d so far",
-                self.keys.job_id,
-                new,
-                what,
-                self._unread_said[counter],
-            )
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled
@@ -735,61 +689,9 @@ class CollectorService(TelemetryRetention):
                 del self._pending[eid]
                 self._ack_ready.append(eid)
 
-    def _bound_record(self, rec: IterationRecord) -> None:
-        """Flag a record whose span is beyond the job's recent median x RECORD_TIME_FACTOR
-        (see :data:`resihp.schemas.RECORD_FLAGS`): no implausible time leaves unflagged.
-
-        A flagged record does not move the reference, so a genuine lasting slowdown (the
-        whole job 10x slower: a degraded fabric, a throttled cluster) would be flagged for
-        ever: ``RECORD_NEW_PACE_RUN`` complete records flagged in a row whose spans agree
-        within ``RECORD_NEW_PACE_SPREAD`` are taken as the job's new pace (the reference
-        restarts from them, counter ``iterations_time_new_pace_total``); a stepping clock
-        gives spans that do not agree and keeps being flagged.  A new layout restarts the
-        reference too (:meth:`set_layout`)."""
-        recent = self._recent_iter_s
-        if len(recent) >= 3:
-            ref = float(np.median(recent))
-            if ref > 0 and rec.iteration_time_s > RECORD_TIME_FACTOR * ref:
-                rec.flags.append("iteration_time_beyond_bound")
-                self._count("iterations_time_flagged_total")
-                self._flag_log.warning(
-                    "collector: iteration %d spans %.1f s, more than %g x the recent median "
-                    "%.2f s: published flagged (a rank's clock stepped, or the job hung)",
-                    rec.iteration,
-                    rec.iteration_time_s,
-                    RECORD_TIME_FACTOR,
-                    ref,
-                )
-                if rec.complete:
-                    self._new_pace(rec.iteration_time_s)
-                return
-        self._beyond_run.clear()
-        if rec.complete:
-            recent.append(rec.iteration_time_s)
-
-    def _new_pace(self, span_s: float) -> None:
-        run = self._beyond_run
-        run.append(span_s)
-        del run[:-RECORD_NEW_PACE_RUN]
-        if len(run) < RECORD_NEW_PACE_RUN or max(run) > RECORD_NEW_PACE_SPREAD * min(run):
-            return
-        log.warning(
-            "collector: job %s: %d records in a row span %.1f-%.1f s, beyond the bound and "
-            "alike: taken as the job's new pace (the reference was %.2f s)",
-            self.keys.job_id,
-            len(run),
-            min(run),
-            max(run),
-            float(np.median(self._recent_iter_s)),
-        )
-        self._count("iterations_time_new_pace_total")
-        self._recent_iter_s.clear()
-        self._recent_iter_s.extend(run)
-        run.clear()
-
     def _assemble(self, now: float) -> None:
         for rec in self.assembler.poll(now):
-            self._bound_record(rec)
+            self.bound.apply(rec, self)
             self._outbox.append((self.records_stream, rec, self.config.iterations_maxlen))
             self._count("iterations_published_total")
             if not rec.complete:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from test_collector_service import _pump
 
+from collector.bound import RECORD_NEW_PACE_RUN
 from collector.config import CollectorConfig
-from collector.service import RECORD_NEW_PACE_RUN, CollectorService, _robust_low
+from collector.service import CollectorService, _robust_low
 from collector.synth import iteration_rows
 from resihp.keys import JobKeys
 from resihp.schemas import HEARTBEAT_DTYPE, RECORD_TIME_FACTOR, Heartbeat, IterationRecord
@@ -93,7 +94,7 @@ def test_a_record_far_beyond_the_recent_median_is_flagged(r):
     assert [rec.flags for rec in recs] == [[], [], [], ["iteration_time_beyond_bound"]]
     assert recs[3].iteration_time_s > RECORD_TIME_FACTOR * recs[0].iteration_time_s
     assert svc.stats["iterations_time_flagged_total"] == 1
-    assert len(svc._recent_iter_s) == 3
+    assert len(svc.bound.recent_s) == 3
 
 
 @pytest.mark.redis
