@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_interval_s=30.0,
         stale_s=300.0,
         grace_s=60.0,
+        # a throughput bench: its producers send as fast as they can, past any quota
+        producer_quota_entries_per_s=0.0,
     )
     svc = CollectorService(cfg, client)
     svc.run_once()  # joins the group and reads the layout before any telemetry

@@ -62,6 +62,8 @@ def _collector(url: str, job: str, shard: int, shards: int, n_iters: int, ready,
         heartbeat_interval_s=30.0,  # no heartbeats in this bench: judge loosely
         stale_s=300.0,
         grace_s=120.0,
+        # a throughput bench: its producers send as fast as they can, past any quota
+        producer_quota_entries_per_s=0.0,
     )
     svc = ShardCollector(cfg, client, shard, shards)
     svc.run_once()  # joins its group and reads the layout before any telemetry

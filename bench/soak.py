@@ -6,11 +6,15 @@ in a fresh state dir, and ``--hog`` busy processes that keep the load average >=
 2-core box.  Every ``--every-s`` (60 s) it prints each service's RSS, Redis used_memory,
 the stream lengths, the liveness and failure events so far (all false: nothing fails),
 the collector's lag and the load average.  At the end: each memory series' slope after
-the warm-up (the first third), in % of its mean per 10 minutes, and the false-event
-count.  Goal: 0 false fail-stops, slopes <= 1 % per 10 min.
+the warm-up, in % of its mean per 10 minutes, each process's ceiling (its largest RSS
+sample and its kernel high-water mark VmHWM), and the false-event count.  The warm-up
+is the first third of the run, or longer until the iterations stream stops growing
+(it fills to the collector's ``iterations_budget_mb``, ~80 records of ~13 MB at 16k
+GPUs): a bounded buffer filling up is not a leak.  Goal: 0 false fail-stops, slopes
+<= 1 % per 10 min.
 
     python bench/soak.py            # 30 minutes
-    python bench/soak.py --quick    # 5 minutes
+    python bench/soak.py --quick    # 5 minutes (too short for the warm-up at 16k GPUs)
 """
 
 from __future__ import annotations
@@ -38,14 +42,40 @@ TRAINER = ("--tp=8", "--pp=16", "--microbatches=64")
 STREAMS = ("telemetry", "iterations", "liveness", "failures", "deadletter")
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (``VmHWM``: its peak so far), MB; NaN once gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return float("nan")
+
+
+def theil_sen_pct_per_10min(t_s: np.ndarray, y: np.ndarray) -> float:
+    """The median of the pairwise slopes, in % of the mean per 10 minutes: a few samples
+    taken while a process was behind (its backlog in memory) do not make it a trend."""
+    ok = np.isfinite(y)
+    t_s, y = t_s[ok], y[ok]
+    if len(y) < 2 or not np.mean(y):
+        return float("nan")
+    i, j = np.triu_indices(len(y), 1)
+    keep = t_s[j] > t_s[i]
+    b = np.median((y[j] - y[i])[keep] / (t_s[j] - t_s[i])[keep])
+    return 100.0 * b * 600.0 / float(np.mean(y))
+
+
+def warmup_end(t_s: np.ndarray, its_len: np.ndarray) -> float:
+    """The end of the warm-up (seconds): a third of the run, or later, the first sample
+    at which the iterations stream stopped growing (its budget filled)."""
+    third = t_s[-1] / 3
+    for i in range(1, len(t_s)):
+        if its_len[i] <= its_len[i - 1] and t_s[i] >= third:
+            return float(t_s[i - 1])
+        if its_len[i] <= its_len[i - 1]:
+            return third
+    return float(t_s[-1])  # still filling: no series after it
 
 
 def count(client, stream: str, cls, pred) -> int:
@@ -72,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hog", type=int, default=4, help="busy processes beside the stack")
     p.add_argument("--model", default="llama2-70b")
     p.add_argument("--dp", type=int, default=128, help="replicas (128: 16,384 GPUs)")
+    p.add_argument("--json", type=Path, help="also write the samples and the summary here")
     a = p.parse_args(argv)
     minutes = 5.0 if a.quick else a.minutes
     state = Path(tempfile.mkdtemp(prefix="resihp-soak-"))
@@ -117,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         names = sorted(stack["children"])
         print(f"soak: {minutes:g} min, {a.hog} hog processes, state {state}")
         head = ["t_min", "load1", *(f"{n}_mb" for n in names), "redis_mb"]
-        head += [f"{s}_len" for s in STREAMS] + ["dead_events", "fail_stops", "lag_s", "it"]
+        head += [f"{s}_len" for s in STREAMS]
+        head += ["dead_events", "fail_stops", "reports", "lost", "refused", "lag_s", "it"]
         print(" ".join(f"{h:>12}" for h in head))
         t0 = time.monotonic()
         end = t0 + minutes * 60
@@ -135,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             row["fail_stops"] = count(
                 client, keys.failures, FailureReport, lambda m: m.kind == "fail_stop"
             )
+            # nothing is injected: every report (fail-slow too) is a false one
+            row["reports"] = count(client, keys.failures, FailureReport, lambda m: True)
+            # telemetry trimmed unread, and refused over a producer's quota: must stay 0
+            ctr = client.hgetall(keys.counters)
+            row["lost"] = int(ctr.get(b"telemetry_lost_total", 0))
+            row["refused"] = int(ctr.get(b"telemetry_refused_total", 0))
             col = Health.all(client, keys).get("collector:0")
             row["lag_s"] = collector_lag_s(col) if col else float("nan")
             tr = Health.all(client, keys).get("trainer:0") or {}
@@ -148,16 +186,46 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         t = np.array([r["t_min"] * 60 for r in rows])
-        warm = t >= t[-1] / 3 if len(t) else t
-        print("\nslopes after warm-up (% of mean per 10 min):")
+        end_warm = warmup_end(t, np.array([r["iterations_len"] for r in rows], dtype=float))
+        warm = t >= end_warm
+        loads = np.array([r["load1"] for r in rows])
+        print(
+            f"\nload average (1 min) over the run: min {loads.min():.1f}, "
+            f"mean {loads.mean():.1f}, max {loads.max():.1f}"
+        )
+        print(
+            f"slopes after the warm-up ({end_warm / 60:.1f} min; % of the mean per 10 min), "
+            "ceilings (largest sample; peak RSS VmHWM):"
+        )
+        summary: dict = {"warmup_min": end_warm / 60, "load1": [loads.min(), loads.max()]}
         for h in [f"{n}_mb" for n in names] + ["redis_mb"]:
             y = np.array([r[h] for r in rows], dtype=float)
+            slope = slope_pct_per_10min(t[warm], y[warm]) if warm.sum() >= 2 else float("nan")
+            robust = theil_sen_pct_per_10min(t[warm], y[warm])
+            hwm = rss_mb(stack["children"][h[:-3]], "VmHWM") if h != "redis_mb" else float("nan")
+            if h == "redis_mb":
+                hwm = client.info("memory")["used_memory_peak"] / 1e6
+            summary[h] = {
+                "slope_pct_per_10min": slope,
+                "theil_sen_pct_per_10min": robust,
+                "max_mb": np.nanmax(y),
+                "peak_mb": hwm,
+            }
             print(
-                f"  {h:>16}: {slope_pct_per_10min(t[warm], y[warm]):+8.2f} %  "
-                f"(last {y[-1]:.0f} MB, max {np.nanmax(y):.0f} MB)"
+                f"  {h:>16}: {slope:+8.2f} % least squares, {robust:+8.2f} % Theil-Sen  "
+                f"(last {y[-1]:.0f} MB, max {np.nanmax(y):.0f} MB, peak {hwm:.0f} MB)"
             )
-        false = (rows[-1]["dead_events"], rows[-1]["fail_stops"]) if rows else (0, 0)
-        print(f"false liveness dead events: {false[0]}; false fail-stop reports: {false[1]}")
+        last = rows[-1] if rows else {"dead_events": 0, "fail_stops": 0, "reports": 0}
+        print(
+            f"false liveness dead events: {last['dead_events']}; false fail-stop reports: "
+            f"{last['fail_stops']}; false reports of any kind: {last['reports']}; telemetry "
+            f"lost {last.get('lost', 0)}, refused over quota {last.get('refused', 0)}"
+        )
+        summary.update(
+            dead_events=last["dead_events"], fail_stops=last["fail_stops"], reports=last["reports"]
+        )
+        if a.json:
+            a.json.write_text(json.dumps({"rows": rows, "summary": summary}, default=float))
         return 0
     finally:
         if up.poll() is None:

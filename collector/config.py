@@ -130,6 +130,17 @@ class CollectorConfig:
     telemetry_keep_mb: float = 256.0
     #: How often the collector trims the telemetry stream (seconds).
     telemetry_trim_every_s: float = 5.0
+    #: Per-producer quota at the collector's boundary (``bus.ProducerQuota``; a producer
+    #: is one lane of a trainer process, its ``s`` field): entries per second of Redis
+    #: arrival time beyond it are refused unread, counted (``telemetry_refused_total``)
+    #: and summed in one dead letter per producer and second.  The 16,384-GPU simulator's
+    #: bulk lane sends 16 entries/s (3.1 MB/s) on average, at most 64 entries in a second
+    #: and 240 (46 MB) in 10 s (``bench/soak.py``'s stream); 0 turns the quota off.
+    producer_quota_entries_per_s: float = 500.0
+    #: ...and bytes per second of one producer (MB/s; 0: no byte budget).
+    producer_quota_mb_per_s: float = 64.0
+    #: The quota's buckets hold this many seconds of it: a burst after a pause (seconds).
+    producer_quota_burst_s: float = 10.0
 
     # --- iteration assembly -------------------------------------------------------
     #: After every expected rank has started a later iteration, wait this long for
@@ -196,6 +207,7 @@ class CollectorConfig:
             "iterations_budget_mb",
             "telemetry_trim_every_s",
             "telemetry_keep_mb",
+            "producer_quota_burst_s",
         )
         for name in positive:
             v = getattr(self, name)
@@ -219,7 +231,13 @@ class CollectorConfig:
             raise ValueError(
                 f"heartbeat_k: must be an integer <= {MAX_HEARTBEAT_K}, got {self.heartbeat_k!r}"
             )
-        for name in ("comm_wait_s", "job_silence_hold_deadlines", "telemetry_keep_s"):
+        for name in (
+            "comm_wait_s",
+            "job_silence_hold_deadlines",
+            "telemetry_keep_s",
+            "producer_quota_entries_per_s",
+            "producer_quota_mb_per_s",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
@@ -305,6 +323,25 @@ class CollectorConfig:
             help="...and at most about this many MB of it (the window shrinks to this over "
             f"the stream's byte rate; {cls.telemetry_keep_mb:g})",
         )
+        p.add_argument(
+            "--producer-quota-entries-per-s",
+            type=float,
+            default=cls.producer_quota_entries_per_s,
+            help="entries per second one producer may send; the excess is refused unread, "
+            f"counted and dead-lettered in summary ({cls.producer_quota_entries_per_s:g}; 0: off)",
+        )
+        p.add_argument(
+            "--producer-quota-mb-per-s",
+            type=float,
+            default=cls.producer_quota_mb_per_s,
+            help=f"...and MB per second ({cls.producer_quota_mb_per_s:g}; 0: no byte budget)",
+        )
+        p.add_argument(
+            "--producer-quota-burst-s",
+            type=float,
+            default=cls.producer_quota_burst_s,
+            help=f"seconds of the quota a producer may spend at once ({cls.producer_quota_burst_s:g})",
+        )
         p.add_argument("--read-count", type=int, default=cls.read_count)
         p.add_argument("--iterations-maxlen", type=int, default=cls.iterations_maxlen)
         p.add_argument("--iterations-budget-mb", type=float, default=cls.iterations_budget_mb)
@@ -330,6 +367,9 @@ class CollectorConfig:
             agent_poll_s=a.agent_poll_s,
             telemetry_keep_s=a.telemetry_keep_s,
             telemetry_keep_mb=a.telemetry_keep_mb,
+            producer_quota_entries_per_s=a.producer_quota_entries_per_s,
+            producer_quota_mb_per_s=a.producer_quota_mb_per_s,
+            producer_quota_burst_s=a.producer_quota_burst_s,
             read_count=a.read_count,
             iterations_maxlen=a.iterations_maxlen,
             iterations_budget_mb=a.iterations_budget_mb,

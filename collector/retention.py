@@ -4,7 +4,8 @@ A mixin of :class:`collector.service.CollectorService` (it reads the service's c
 config, stream names, read frontier and counters).  The telemetry stream is trimmed to the
 oldest entry any consumer group still needs, and never keeps more than ``telemetry_keep_s``
 before the newest entry read, shortened to hold about ``telemetry_keep_mb`` at the byte
-rate the collector reads at.  MAXLEN on the producers' XADD stays the memory backstop.
+rate the collector reads at.  MAXLEN on the producers' XADD stays the memory backstop;
+what it trims unread, and what the producer quotas refuse, is counted and said here.
 """
 
 from __future__ import annotations
@@ -89,3 +90,39 @@ class TelemetryRetention:
         removed = int(self.client.xtrim(self.telemetry_stream, minid=minid, approximate=False))
         self._count("telemetry_trimmed_total", removed)
         return removed
+
+    #: (consumer stat, counter, what the log line says of such entries)
+    _UNREAD = (
+        (
+            "refused_total",
+            "telemetry_refused_total",
+            "refused unread, their producer over its quota (a junk flood?), summed in the "
+            "dead-letter stream",
+        ),
+        (
+            "lost_total",
+            "telemetry_lost_total",
+            "trimmed from the telemetry stream before this collector read them (a flood "
+            "past the stream's MAXLEN?)",
+        ),
+    )
+
+    def _count_lost(self) -> None:
+        """Entries of the job's producers trimmed before this collector read them, and
+        entries refused unread over their producer's quota: counted (``telemetry_lost_total``,
+        ``telemetry_refused_total``: metrics, health, ``resihp status``, the dashboard's
+        banner) and said, never silent."""
+        for stat, counter, what in self._UNREAD:
+            new = getattr(self.consumer.stats, stat) - self._unread_said[counter]
+            if new <= 0:
+                continue
+            self._unread_said[counter] += new
+            self._count(counter, new)
+            self._health_now = True
+            self._unread_log[counter].warning(
+                "collector: job %s: %d telemetry entries %s; %d so far",
+                self.keys.job_id,
+                new,
+                what,
+                self._unread_said[counter],
+            )

@@ -60,6 +60,7 @@ import numpy as np
 import redis
 
 from collector.agents import NodeAgentWatch
+from collector.bound import RecordBound
 from collector.config import CollectorConfig, parse_heartbeat_k
 from collector.predictions import LayoutPredictions
 from collector.retention import TelemetryRetention
@@ -68,7 +69,6 @@ from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
 from resihp.schemas import (
-    RECORD_TIME_FACTOR,
     SCHEMA_VERSION,
     ChunkTiming,
     DeviceProbe,
@@ -170,6 +170,13 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             self.keys.group(SERVICE),
             consumer=f"{SERVICE}-{config.instance}",
             claim_idle_ms=config.claim_idle_ms,
+            quota=bus.ProducerQuota(
+                entries_per_s=config.producer_quota_entries_per_s,
+                mb_per_s=config.producer_quota_mb_per_s,
+                burst_s=config.producer_quota_burst_s,
+            )
+            if config.producer_quota_entries_per_s > 0
+            else None,
         )
         self.health = bus.Health(
             client, self.keys, SERVICE, config.instance, ttl_s=config.health_ttl_s
@@ -227,14 +234,16 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         self.telemetry_bytes_per_s = 0.0
         self._rate_mark: tuple[float, int] | None = None  # (frontier_s, bytes read) then
         self._trim_log = bus.ThrottledWarning(log, every_s=300.0)
-        self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
-        self._lost_log = bus.ThrottledWarning(log, every_s=30.0)
-        self._lost_said = 0
+        #: counter -> entries said so far, and its throttled warning (``_count_lost``)
+        self._unread_said = {c: 0 for _s, c, _w in self._UNREAD}
+        self._unread_log = {
+            c: bus.ThrottledWarning(log, every_s=30.0) for _s, c, _w in self._UNREAD
+        }
         #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
         self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
-        #: iteration times of the recent unflagged complete records (the bound's reference)
-        self._recent_iter_s: deque[float] = deque(maxlen=32)
+        #: the bound on a record's span (its reference: the recent complete records)
+        self.bound = RecordBound()
         self._outbox: deque[tuple[str, Message, int]] = deque()
         # entry id -> iterations it carries rows for that are not yet published
         self._pending: dict[bytes, set[int]] = {}
@@ -306,6 +315,10 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
 
     def set_layout(self, layout: Layout, now: float | None = None) -> None:
         now = self._clock() if now is None else now
+        if self.layout is not None and layout.layout_id != self.layout.layout_id:
+            # another layout, another pace (fewer replicas, a stage moved): the bound's
+            # reference restarts from this layout's records
+            self.bound.reset()
         self.layout = layout
         self.assembler.set_layout(layout, now)
         self.consumer.max_rank = layout.world_size
@@ -415,24 +428,6 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             self._mark_outage()
             time.sleep(0.2)
             return 0
-
-    def _count_lost(self) -> None:
-        """Entries of the job's producers trimmed before this collector read them: counted
-        (``telemetry_lost_total``: metric, health, ``resihp status``) and said, never silent."""
-        lost = self.consumer.stats.lost_total - self._lost_said
-        if lost <= 0:
-            return
-        self._lost_said += lost
-        self._count("telemetry_lost_total", lost)
-        self._health_now = True
-        self._lost_log.warning(
-            "collector: job %s: %d telemetry entries were trimmed from %s before this "
-            "collector read them (a flood past the stream's MAXLEN?); %d lost so far",
-            self.keys.job_id,
-            lost,
-            self.keys.telemetry,
-            self._lost_said,
-        )
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled
@@ -699,30 +694,9 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
                 del self._pending[eid]
                 self._ack_ready.append(eid)
 
-    def _bound_record(self, rec: IterationRecord) -> None:
-        """Flag a record whose span is beyond the job's recent median x RECORD_TIME_FACTOR
-        (see :data:`resihp.schemas.RECORD_FLAGS`): no implausible time leaves unflagged."""
-        recent = self._recent_iter_s
-        if len(recent) >= 3:
-            ref = float(np.median(recent))
-            if ref > 0 and rec.iteration_time_s > RECORD_TIME_FACTOR * ref:
-                rec.flags.append("iteration_time_beyond_bound")
-                self._count("iterations_time_flagged_total")
-                self._flag_log.warning(
-                    "collector: iteration %d spans %.1f s, more than %g x the recent median "
-                    "%.2f s: published flagged (a rank's clock stepped, or the job hung)",
-                    rec.iteration,
-                    rec.iteration_time_s,
-                    RECORD_TIME_FACTOR,
-                    ref,
-                )
-                return
-        if rec.complete:
-            recent.append(rec.iteration_time_s)
-
     def _assemble(self, now: float) -> None:
         for rec in self.assembler.poll(now):
-            self._bound_record(rec)
+            self.bound.apply(rec, self)
             self._outbox.append((self.records_stream, rec, self.config.iterations_maxlen))
             self._count("iterations_published_total")
             if not rec.complete:
@@ -921,6 +895,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             "deadletter_total": self.consumer.stats.deadletter_total,
             # entries trimmed from the telemetry stream before this collector read them
             "telemetry_lost_total": self.consumer.stats.lost_total,
+            # entries refused unread: their producer was over its quota
+            "telemetry_refused_total": self.consumer.stats.refused_total,
             "reconnects_total": self.consumer.stats.reconnects_total,
             # the telemetry stream's byte rate, which bounds the window kept in Redis
             "telemetry_bytes_per_s": round(self.telemetry_bytes_per_s),

@@ -30,10 +30,10 @@ import redis
 from collector.config import CollectorConfig
 from collector.predictions import LayoutPredictions
 from collector.service import CollectorService, encode_fast
+from resihp.bus import StreamConsumer, dead_letter
 from resihp.keys import JobKeys
-from resihp.schemas import IterationRecord
+from resihp.schemas import RECORD_FLAGS, IterationRecord
 from resihp.topology import Layout
-from resihp.wire import decode_entry
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +128,23 @@ def merge_partials(parts: list[IterationRecord], shards: int) -> IterationRecord
     )
     if probes:
         rec.probes = probes
+    # a shard's flag (its span beyond the bound) is the job's: the merged span holds it
+    rec.flags = [f for f in RECORD_FLAGS if any(f in p.flags for p in parts)]
     return rec
 
 
 @dataclass
 class RecordMerger:
-    """The one assembly point of a sharded job (see the module doc)."""
+    """The one assembly point of a sharded job (see the module doc).
+
+    Each partials stream is read through a :class:`resihp.bus.StreamConsumer` (group
+    ``keys.group("merger")``): a restarted merger first re-reads the partials it took but
+    never acknowledged, a dead merger's are reclaimed after ``claim_idle_ms``, and an
+    undecodable entry is dead-lettered with its reason and acknowledged.  A message that is
+    not an ``IterationRecord``, and a partial of an iteration already published (late),
+    is dead-lettered with the reason and acknowledged too (counters
+    ``merger_rejected_total``, ``merger_late_partials_total``): nothing stays pending
+    forever and nothing is dropped without a trace."""
 
     client: redis.Redis
     job_id: str
@@ -141,38 +152,94 @@ class RecordMerger:
     #: after the first partial of an iteration, publish without the missing ones this late
     wait_s: float = 30.0
     maxlen: int = 1000
+    #: a partial another merger took and left unacknowledged this long is reclaimed (ms)
+    claim_idle_ms: int = 30_000
     #: iteration -> shard -> (partial's entry id, partial record)
     open: dict[int, dict[int, tuple]] = field(default_factory=dict)
     first_s: dict[int, float] = field(default_factory=dict)
     done_floor: int = -1
     published_total: int = 0
+    late_total: int = 0
+    rejected_total: int = 0
 
     def __post_init__(self) -> None:
         self.keys = JobKeys(self.job_id)
         self.group = self.keys.group("merger")
         self.streams = [self.keys.partials(k) for k in range(self.shards)]
         self.predictions = LayoutPredictions(self.client, self.keys)
-        for stream in self.streams:
-            try:
-                self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+        self.inputs = [
+            StreamConsumer(
+                self.client,
+                self.keys,
+                stream,
+                self.group,
+                consumer="merger-0",
+                claim_idle_ms=self.claim_idle_ms,
+            )
+            for stream in self.streams
+        ]
+        for c in self.inputs:
+            c.ensure_group()
+        #: (shard, entry id) -> iterations it holds partials of that are not yet out
+        self._holds: dict[tuple[int, bytes], set[int]] = {}
+
+    def _refuse(self, shard: int, eid: bytes, counter: str, reason: str, raw) -> None:
+        dead_letter(self.client, self.keys, self.streams[shard], "merger", reason, raw)
+        self.client.hincrby(self.keys.counters, counter, 1)
+
+    def _take(self, shard: int, eid: bytes, messages: list) -> None:
+        held: set[int] = set()
+        for m in messages:
+            if not isinstance(m, IterationRecord):
+                self.rejected_total += 1
+                what = getattr(m, "TYPE", type(m).__name__)
+                raw = m.to_dict() if hasattr(m, "to_dict") else repr(m)[:2000]
+                self._refuse(
+                    shard,
+                    eid,
+                    "merger_rejected_total",
+                    f"{what} on the partial-records stream of shard {shard}: ignored",
+                    raw,
+                )
+            elif m.iteration <= self.done_floor:
+                self.late_total += 1
+                self._refuse(
+                    shard,
+                    eid,
+                    "merger_late_partials_total",
+                    f"late partial record of iteration {m.iteration} from shard {shard}: "
+                    f"the job's record of it is out (merged up to {self.done_floor})",
+                    {"iteration": m.iteration, "shard": shard, "flags": m.flags},
+                )
+            else:
+                old = self.open.setdefault(m.iteration, {}).get(shard)
+                self.open[m.iteration][shard] = (eid, m)
+                self.first_s.setdefault(m.iteration, time.monotonic())
+                held.add(m.iteration)
+                if old is not None and old[0] != eid:
+                    self._release(shard, old[0], m.iteration)
+        if held:
+            self._holds.setdefault((shard, eid), set()).update(held)
+        else:
+            self.inputs[shard].ack([eid])
+
+    def _release(self, shard: int, eid: bytes, iteration: int) -> None:
+        its = self._holds.get((shard, eid))
+        if its is None:
+            return
+        its.discard(iteration)
+        if not its:
+            del self._holds[(shard, eid)]
+            self.inputs[shard].ack([eid])
 
     def run_once(self, block_ms: int = 100) -> int:
         """Read partials, publish the iterations whose shards are all in (or timed out);
         -> records published.  Partials are acknowledged once their record is out."""
-        resp = self.client.xreadgroup(
-            self.group, "merger-0", dict.fromkeys(self.streams, ">"), count=64, block=block_ms
-        )
-        for stream, entries in resp or []:
-            shard = self.streams.index(stream.decode() if isinstance(stream, bytes) else stream)
-            for eid, fields in entries:
-                good, _bad = decode_entry(fields)
-                for m in good:
-                    if isinstance(m, IterationRecord) and m.iteration > self.done_floor:
-                        self.open.setdefault(m.iteration, {})[shard] = (eid, m)
-                        self.first_s.setdefault(m.iteration, time.monotonic())
+        got = 0
+        for shard, c in enumerate(self.inputs):
+            for eid, messages in c.read(count=64, block_ms=None):
+                got += 1
+                self._take(shard, eid, messages)
         n = 0
         now = time.monotonic()
         for it in sorted(self.open):
@@ -185,9 +252,11 @@ class RecordMerger:
             )
             self.predictions.observe(rec)
             for k, (eid, _) in parts.items():
-                self.client.xack(self.streams[k], self.group, eid)
+                self._release(k, eid, it)
             del self.open[it], self.first_s[it]
             self.done_floor = max(self.done_floor, it)
             n += 1
         self.published_total += n
+        if not got and not n and block_ms:
+            time.sleep(block_ms / 1000)
         return n

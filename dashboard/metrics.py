@@ -30,7 +30,12 @@ PROGRESS_STATES = ("running", "hung", "stalled", "finished")
 #: Counters of the job's counters hash that are written at 0 before their first increment:
 #: the alert rules watch them with ``increase(...) > 0``, which needs a sample before the
 #: first burst (a series that appears at 3 shows no increase, and the alert never fires).
-ZERO_COUNTERS = ("deadletter_total", "producer_dropped_total")
+ZERO_COUNTERS = (
+    "deadletter_total",
+    "producer_dropped_total",
+    "telemetry_lost_total",
+    "telemetry_refused_total",
+)
 #: Socket timeouts of /metrics' own Redis client (no retries): a hung Redis answers the
 #: scrape with ``resihp_dashboard_redis_up 0`` well within Prometheus's scrape timeout.
 REDIS_TIMEOUT_S = 0.25

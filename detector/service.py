@@ -77,6 +77,8 @@ class DetectorService:
         self._config_errors_seen: set[str] = set()
         self._seeded = False
         self.reports_total = 0
+        self.records_flagged_total = 0
+        self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self.config_changes_total = 0
 
     def _restore(self) -> None:
@@ -271,6 +273,7 @@ class DetectorService:
         msgs = [m for _id, ms in live for m in ms] + [m for _id, ms in its for m in ms]
         if not msgs:
             return 0
+        msgs = self._pass_over_flagged(msgs)
         self._dead_letter_misrouted(live, LivenessEvent, self.keys.liveness)
         self._dead_letter_misrouted(its, IterationRecord, self.keys.iterations)
         reports = self.engine.handle_batch(msgs, now_s=time.time())
@@ -278,6 +281,26 @@ class DetectorService:
         self.live_in.ack([i for i, _ in live])
         self.iter_in.ack([i for i, _ in its])
         return len(msgs)
+
+    def _pass_over_flagged(self, msgs: list) -> list:
+        """Records the collector flagged (``IterationRecord.flags``: a span beyond its
+        bound, a stepped clock or a hung job) are no measurement to act on: counted
+        (``detector_records_flagged_total``) and kept from the engine, so one absurd span
+        neither trains the detector's baselines nor reports a slow device.  A lasting
+        genuine slowdown stops being flagged after a few records (the collector takes it
+        as the job's new pace) and reaches the engine then."""
+        flagged = [m for m in msgs if isinstance(m, IterationRecord) and m.flags]
+        if not flagged:
+            return msgs
+        self.records_flagged_total += len(flagged)
+        self.client.hincrby(self.keys.counters, "detector_records_flagged_total", len(flagged))
+        self._flag_log.warning(
+            "detector: %d record(s) flagged by the collector (%s, iteration %d) passed over",
+            len(flagged),
+            ",".join(flagged[-1].flags),
+            flagged[-1].iteration,
+        )
+        return [m for m in msgs if not (isinstance(m, IterationRecord) and m.flags)]
 
     def _dead_letter_misrouted(self, entries, expected: type, stream: str) -> None:
         """A valid message of another kind on this stream is kept in the dead-letter
@@ -333,6 +356,7 @@ class DetectorService:
             "mode": self.config.mode,
             "iterations_total": self.engine.stats.iterations_total,
             "reports_total": self.reports_total,
+            "records_flagged_total": self.records_flagged_total,
             "validations_total": fs.validations_total,
             "benign_filtered_total": fs.benign_filtered_total,
             "warm": self.engine.failslow.ready,

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JOBS_SET, JobKeys, entry_seq
 from resihp.schemas import Message
 from resihp.wire import ENTRY_SEQ, ChunkBatch, decode_entry, encode_one
 
@@ -121,25 +121,42 @@ def incr_counter(client: redis.Redis, keys: JobKeys, name: str, by: int = 1) -> 
 def dead_letter(
     client: redis.Redis, keys: JobKeys, source: str, consumer: str, reason: str, raw: Any
 ) -> None:
-    if isinstance(raw, bytes):
-        raw = raw.decode(errors="replace")
-    try:
-        raw_s = raw if isinstance(raw, str) else json.dumps(raw, default=str)
-    except (TypeError, ValueError):
-        raw_s = repr(raw)
-    client.xadd(
-        keys.deadletter,
-        {
-            "reason": reason[:1000],
-            "source": source,
-            "consumer": consumer,
-            "raw": raw_s[:20000],
-            "at_s": repr(time.time()),
-        },
-        maxlen=DEFAULT_STREAM_MAXLEN,
-        approximate=True,
-    )
-    client.hincrby(keys.counters, "deadletter_total", 1)
+    dead_letters(client, keys, source, consumer, [(reason, raw)])
+
+
+def dead_letters(
+    client: redis.Redis,
+    keys: JobKeys,
+    source: str,
+    consumer: str,
+    items: list[tuple[str, Any]],
+) -> None:
+    """Write ``(reason, raw)`` items to the job's dead-letter stream in one round trip
+    (a batch of junk costs one pipeline, not two calls per entry)."""
+    if not items:
+        return
+    pipe = client.pipeline(transaction=False)
+    for reason, raw in items:
+        if isinstance(raw, bytes):
+            raw = raw.decode(errors="replace")
+        try:
+            raw_s = raw if isinstance(raw, str) else json.dumps(raw, default=str)
+        except (TypeError, ValueError):
+            raw_s = repr(raw)
+        pipe.xadd(
+            keys.deadletter,
+            {
+                "reason": reason[:1000],
+                "source": source,
+                "consumer": consumer,
+                "raw": raw_s[:20000],
+                "at_s": repr(time.time()),
+            },
+            maxlen=DEFAULT_STREAM_MAXLEN,
+            approximate=True,
+        )
+    pipe.hincrby(keys.counters, "deadletter_total", len(items))
+    pipe.execute()
 
 
 class ThrottledWarning:
@@ -164,6 +181,91 @@ class ThrottledWarning:
         self._said_s, self._held = now, 0
 
 
+#: Raise a group's per-producer marks (KEYS[1] hash, producer -> "n id") by one read
+#: (ARGV: cap on producers, then producer, first n, last n, last n's entry id per producer)
+#: and return the entries lost between a mark and the read: a jump from the mark counts
+#: only if the stream (KEYS[2]) was trimmed past the mark's entry.
+_SEQ_NOTE = """
+local lost = 0
+local first = nil
+local cap = tonumber(ARGV[1])
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+for i = 2, #ARGV, 4 do
+  local who, lo, hi, eid = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local mark = redis.call('HGET', KEYS[1], who)
+  if mark then
+    local n, mid = string.match(mark, '^(%d+) (%S+)$')
+    n = tonumber(n)
+    if lo > n + 1 then
+      if first == nil then
+        local head = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
+        first = head[1] and head[1][1] or eid
+      end
+      if older(mid, first) then lost = lost + (lo - n - 1) end
+    end
+    if hi > n then redis.call('HSET', KEYS[1], who, hi .. ' ' .. eid) end
+  elseif redis.call('HLEN', KEYS[1]) < cap then
+    redis.call('HSET', KEYS[1], who, hi .. ' ' .. eid)
+  end
+end
+redis.call('EXPIRE', KEYS[1], 86400)
+return lost
+"""
+
+
+#: The producer name an entry without a (readable) ``ENTRY_SEQ`` field is budgeted under,
+#: and the one producers beyond ``ProducerQuota.max_producers`` share.
+UNNUMBERED = "(unnumbered)"
+OTHERS = "(others)"
+
+
+@dataclass
+class ProducerQuota:
+    """Per-producer budget of a stream at its consumer's boundary: a token bucket of
+    entries and one of bytes per producer (the ``ENTRY_SEQ`` id; unnumbered entries share
+    one bucket, and so do producers beyond ``max_producers``), refilled at the entries'
+    Redis arrival times (their stream ids), so a consumer that is behind judges the
+    producers' real rate, not the rate it reads at.  An entry over its producer's budget
+    is not decoded: it is counted (``ConsumerStats.refused_total``), acknowledged, and
+    summed into one dead-letter entry per producer and second with the reason, the
+    counts and the first refused entry (cut short), so a flood costs a read and an
+    acknowledgement per entry, not a decode and a dead-letter write, and never goes
+    unsaid.  A producer id is what an entry says it is: a flood that forges a genuine
+    producer's id spends that producer's budget too (Redis ACL users per producer are the
+    defence against that; see docs/operations.md)."""
+
+    entries_per_s: float = 500.0
+    mb_per_s: float = 64.0
+    #: the buckets hold this many seconds of the rates (a burst after a pause)
+    burst_s: float = 10.0
+    max_producers: int = 65536
+    #: producer -> [entry tokens, byte tokens, arrival of the last entry (s)]
+    _buckets: dict[str, list[float]] = field(default_factory=dict)
+
+    def admit(self, who: str, nbytes: int, at_s: float) -> bool:
+        b = self._buckets.get(who)
+        if b is None:
+            if len(self._buckets) >= self.max_producers:
+                return self.admit(OTHERS, nbytes, at_s) if who != OTHERS else False
+            cap_e, cap_b = self.entries_per_s * self.burst_s, self.mb_per_s * 1e6 * self.burst_s
+            b = self._buckets[who] = [cap_e, cap_b, at_s]
+        dt = at_s - b[2]
+        if dt > 0:
+            b[0] = min(self.entries_per_s * self.burst_s, b[0] + dt * self.entries_per_s)
+            b[1] = min(self.mb_per_s * 1e6 * self.burst_s, b[1] + dt * self.mb_per_s * 1e6)
+            b[2] = at_s
+        if b[0] < 1 or (self.mb_per_s > 0 and b[1] < nbytes):
+            return False
+        b[0] -= 1
+        b[1] -= nbytes
+        return True
+
+
 @dataclass
 class ConsumerStats:
     read_total: int = 0
@@ -176,6 +278,8 @@ class ConsumerStats:
     lost_total: int = 0
     #: bytes of the entries read (field names and values): the stream's byte rate
     read_bytes_total: int = 0
+    #: new entries refused unread because their producer was over its ``ProducerQuota``
+    refused_total: int = 0
 
 
 @dataclass
@@ -205,8 +309,11 @@ class StreamConsumer:
     #: the stream by then is left unread.  A full read, a re-read of pending entries and
     #: a reclaim prove nothing (newer entries may be waiting).
     caught_up: bool = False
-    #: producer id -> the highest entry number of it delivered (new entries only)
-    _seq_seen: dict[str, int] = field(default_factory=dict)
+    #: per-producer budget of new entries (None: every entry is read)
+    quota: ProducerQuota | None = None
+    #: producer -> [entries, bytes, first refused entry] refused since its last dead letter
+    _refused: dict[str, list] = field(default_factory=dict)
+    _refused_said_s: float = 0.0
 
     def ensure_group(self) -> None:
         try:
@@ -215,14 +322,19 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def _decode(self, entries) -> list[tuple[bytes, list[Message | ChunkBatch]]]:
+    def _decode(self, entries, new: bool = False) -> list[tuple[bytes, list[Message | ChunkBatch]]]:
+        """Valid messages per entry; the rest dead-lettered.  ``new``: entries delivered
+        for the first time (``>``), whose bytes count in ``read_bytes_total`` (the
+        stream's byte rate: a re-read of pending or reclaimed entries is not new data)."""
         out = []
         bad_ids = []
+        refused: list[tuple[str, Any]] = []
         for entry_id, fields in entries:
             if fields is None:  # entry trimmed away while pending
                 bad_ids.append(entry_id)
                 continue
-            self.stats.read_bytes_total += sum(len(k) + len(v) for k, v in fields.items())
+            if new:
+                self.stats.read_bytes_total += sum(len(k) + len(v) for k, v in fields.items())
             try:
                 good, bad = decode_entry(fields, self.max_rank)
             except Exception as e:  # noqa: BLE001 - a poison entry must not stop the service
@@ -236,13 +348,14 @@ class StreamConsumer:
                         {str(k): str(v)[:200] for k, v in fields.items()},
                     )
                 ]
-            for reason, raw in bad:
-                self.stats.deadletter_total += 1
-                dead_letter(self.client, self.keys, self.stream, self.consumer, reason, raw)
+            self.stats.deadletter_total += len(bad)
+            refused += bad
             if good:
                 out.append((entry_id, good))
             else:
                 bad_ids.append(entry_id)
+        # before the acks: an entry acked is never re-read, so its dead letter must be in
+        dead_letters(self.client, self.keys, self.stream, self.consumer, refused)
         if bad_ids:
             self.client.xack(self.stream, self.group, *bad_ids)
             self.stats.acked_total += len(bad_ids)
@@ -301,17 +414,80 @@ class StreamConsumer:
         self.caught_up = len(entries) < count
         if entries:
             self._count_gaps(entries)
-        return self._decode(entries) if entries else []
+            if self.quota is not None:
+                entries = self._within_quota(entries)
+        if self._refused and (not entries or time.monotonic() - self._refused_said_s >= 1.0):
+            self._say_refused()
+        return self._decode(entries, new=True) if entries else []
 
-    #: Producers whose numbers are followed (the oldest forgotten beyond it).
+    def _within_quota(self, entries):
+        """The entries within their producers' :class:`ProducerQuota`; the rest are
+        acknowledged unread, counted and summed up for :meth:`_say_refused`."""
+        keep, refused_ids = [], []
+        for eid, fields in entries:
+            if fields is None:
+                keep.append((eid, fields))
+                continue
+            nbytes = sum(len(k) + len(v) for k, v in fields.items())
+            raw = fields.get(ENTRY_SEQ)
+            who = UNNUMBERED
+            if raw is not None:
+                who = raw.decode("ascii", "replace").rpartition(":")[0][:200] or UNNUMBERED
+            at_s = int(eid.split(b"-", 1)[0] if isinstance(eid, bytes) else eid.split("-")[0])
+            if self.quota.admit(who, nbytes, at_s / 1000.0):
+                keep.append((eid, fields))
+                continue
+            refused_ids.append(eid)
+            self.stats.read_bytes_total += nbytes
+            got = self._refused.setdefault(who, [0, 0, None])
+            got[0] += 1
+            got[1] += nbytes
+            if got[2] is None:
+                got[2] = {str(k): str(v)[:200] for k, v in list(fields.items())[:8]}
+        if refused_ids:
+            self.client.xack(self.stream, self.group, *refused_ids)
+            self.stats.acked_total += len(refused_ids)
+            self.stats.refused_total += len(refused_ids)
+            self.stats.read_total += len(refused_ids)
+        return keep
+
+    def _say_refused(self) -> None:
+        q = self.quota
+        dead_letters(
+            self.client,
+            self.keys,
+            self.stream,
+            self.consumer,
+            [
+                (
+                    f"producer {who} over its quota ({q.entries_per_s:g} entries/s, "
+                    f"{q.mb_per_s:g} MB/s, {q.burst_s:g} s burst): {n} entries ({nbytes} "
+                    "bytes) refused unread; the first of them is here",
+                    first,
+                )
+                for who, (n, nbytes, first) in self._refused.items()
+            ],
+        )
+        self._refused = {}
+        self._refused_said_s = time.monotonic()
+
+    #: Producers whose numbers a group follows (new ones beyond it are not followed).
     MAX_PRODUCERS = 4096
 
     def _count_gaps(self, entries) -> None:
-        """Count entries of a numbered producer that never reached this group: new entries
-        come in stream order, so a producer's number jumping by more than one is entries
-        trimmed (or lost) before they were read.  Old numbers (a resend) count nothing."""
-        seen = self._seq_seen
-        for _id, fields in entries:
+        """Count entries of a numbered producer that never reached this group.
+
+        The highest number the *group* has been delivered of each producer lives in Redis
+        (``keys.entry_seq``), raised by one script call per read (:data:`_SEQ_NOTE`), so
+        two consumers of one group sharing a producer's entries do not count each other's
+        share as lost.  A read's entries are consecutive in the stream, so a jump inside
+        one read is entries that never reached it; a jump from the group's mark is counted
+        only if the stream was trimmed past that mark (its first entry is newer): entries
+        delivered to another consumer whose note is still on its way are not lost.  Old
+        numbers (a resend, a late note) count nothing."""
+        runs: dict[str, list] = {}  # producer -> [first n, last n, last n's entry id]
+        inside = 0
+        for eid, fields in entries:
             raw = fields.get(ENTRY_SEQ) if fields else None
             if raw is None:
                 continue
@@ -320,13 +496,24 @@ class StreamConsumer:
                 n = int(n_s)
             except (UnicodeDecodeError, ValueError):
                 continue
-            last = seen.get(who)
-            if last is not None and n > last + 1:
-                self.stats.lost_total += n - last - 1
-            if last is None or n > last:
-                if last is None and len(seen) >= self.MAX_PRODUCERS:
-                    del seen[next(iter(seen))]
-                seen[who] = n
+            if not who or len(who) > 200 or not 0 <= n < 2**62:
+                continue
+            run = runs.get(who)
+            if run is None:
+                runs[who] = [n, n, eid]
+                continue
+            if n > run[1]:
+                inside += n - run[1] - 1
+                run[1], run[2] = n, eid
+        if not runs:
+            self.stats.lost_total += inside
+            return
+        args: list = [self.MAX_PRODUCERS]
+        for who, (lo, hi, eid) in runs.items():
+            args += [who, lo, hi, eid]
+        key = entry_seq(self.stream, self.group)
+        lost = int(self.client.eval(_SEQ_NOTE, 2, key, self.stream, *args))
+        self.stats.lost_total += inside + lost
 
     def ack(self, ids) -> None:
         if not ids:

@@ -280,6 +280,12 @@ def _shard_tag(job_id: str, shard: int, shards: int) -> str:
     raise RuntimeError(f"no hash tag for shard {shard} of {shards}")  # pragma: no cover
 
 
+def entry_seq(stream: str, group: str) -> str:
+    """Hash of the highest entry number consumer group ``group`` was delivered of each
+    producer of ``stream`` (``bus.StreamConsumer``): in the stream's slot."""
+    return f"{stream}:seq:{group}"
+
+
 def all_streams(keys: JobKeys) -> list[str]:
     return [
         keys.telemetry,

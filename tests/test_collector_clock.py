@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_collector_service import _pump
 
+from collector.bound import RECORD_NEW_PACE_RUN
 from collector.config import CollectorConfig
 from collector.service import CollectorService, _robust_low
 from collector.synth import iteration_rows
@@ -93,4 +94,31 @@ def test_a_record_far_beyond_the_recent_median_is_flagged(r):
     assert [rec.flags for rec in recs] == [[], [], [], ["iteration_time_beyond_bound"]]
     assert recs[3].iteration_time_s > RECORD_TIME_FACTOR * recs[0].iteration_time_s
     assert svc.stats["iterations_time_flagged_total"] == 1
-    assert len(svc._recent_iter_s) == 3
+    assert len(svc.bound.recent_s) == 3
+
+
+@pytest.mark.redis
+def test_a_lasting_slowdown_becomes_the_new_pace_and_a_new_layout_restarts_the_bound(r):
+    """The bound's reference must not stick: a whole job 20x slower (alike spans) is
+    flagged for RECORD_NEW_PACE_RUN records, then taken as the pace; a new layout starts
+    its own reference at once."""
+    svc, lay = _service(r)
+    t0, spans = time.time(), [0.01] * 3 + [0.2] * (RECORD_NEW_PACE_RUN + 3)
+    for it, chunk_s in enumerate(spans):
+        rows = iteration_rows(lay, it, t0_s=t0 + 60 * it, chunk_s=chunk_s)
+        r.xadd(KEYS.telemetry, encode_entry(None, rows))
+    assert _pump(svc, lambda: len(_records(r)) == len(spans), timeout_s=30)
+    flagged = [bool(rec.flags) for rec in sorted(_records(r), key=lambda x: x.iteration)]
+    assert flagged == [False] * 3 + [True] * RECORD_NEW_PACE_RUN + [False] * 3
+    assert svc.stats["iterations_time_new_pace_total"] == 1
+    # a new layout: its first records make the reference, the old pace does not flag them
+    slower = Layout.from_dict({**lay.to_dict(), "layout_id": lay.layout_id + 1})
+    r.set(KEYS.layout, json.dumps(slower.to_dict()))
+    assert _pump(svc, lambda: svc.layout.layout_id == slower.layout_id)
+    t1, n = t0 + 60 * len(spans), len(spans)
+    for it in range(n, n + 4):
+        rows = iteration_rows(slower, it, t0_s=t1 + 1000 * (it - n), chunk_s=0.2 * 15)
+        r.xadd(KEYS.telemetry, encode_entry(None, rows))
+    assert _pump(svc, lambda: len(_records(r)) == n + 4, timeout_s=30)
+    recs = sorted(_records(r), key=lambda x: x.iteration)[n:]
+    assert [rec.flags for rec in recs] == [[]] * 4

@@ -647,3 +647,7 @@ def test_the_overview_warns_of_collector_lag_and_lost_telemetry(r, redis_server)
     bus.Health(r, keys, "collector").beat("ok", **{bus.COLLECTOR_LAG_S: 0.0})
     text = json.dumps(_overview(app)["ov-status"])
     assert "behind" not in text and "42 telemetry entries" in text, text
+    r.hincrby(keys.counters, "telemetry_refused_total", 9)  # a flood over its quota
+    time.sleep(0.6)
+    text = json.dumps(_overview(app)["ov-status"])
+    assert "9 telemetry entries were refused unread" in text, text

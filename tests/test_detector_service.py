@@ -327,3 +327,32 @@ def test_a_new_detector_process_takes_over_the_published_device_health(r):
     assert [(s.kind, s.ranks) for s in slow] == [("fail_slow_comm", [4, 5])]
     assert slow[0].factor == pytest.approx(1 / 0.37)
     assert svc.engine.health[6]["state"] == "dead" and 8 not in svc.engine.health
+
+
+def test_records_flagged_by_the_collector_do_not_feed_the_detector(r):
+    """A record with an implausible span (``flags``) is no measurement to act on: the
+    detector counts it and passes over it, so a slow rank seen only in such records
+    is not reported (it is once its records are plausible again)."""
+    keys = JobKeys("flagged")
+    r.set(keys.layout, json.dumps(LAY.to_dict()))
+    svc = _svc(r, job="flagged")
+    job = SyntheticJob(LAY, seed=31)
+    victim = LAY.groups[1][1][0]
+    for i in range(60):
+        if i == 40:
+            job.rank_slow[victim] = 1.8
+        rec = job.next_record()
+        if i >= 40:
+            rec.flags = ["iteration_time_beyond_bound"]
+        bus.publish(r, keys.iterations, rec)
+    while svc.run_once():
+        pass
+    assert _failures(r, keys) == []
+    assert int(r.hget(keys.counters, "detector_records_flagged_total")) == 20
+    assert svc.health_extra()["records_flagged_total"] == 20
+    assert r.xpending(keys.iterations, keys.group("detector"))["pending"] == 0
+    for _ in range(20):
+        bus.publish(r, keys.iterations, job.next_record())
+    while svc.run_once():
+        pass
+    assert [(x.kind, x.ranks) for x in _failures(r, keys)] == [("fail_slow_compute", [victim])]

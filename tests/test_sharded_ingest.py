@@ -12,15 +12,15 @@ import pytest
 from redis.crc import key_slot
 
 from collector.config import CollectorConfig
-from collector.service import CollectorService
+from collector.service import CollectorService, encode_fast
 from collector.shard import RecordMerger, ShardCollector, shard_of_node, shard_ranks
 from collector.synth import iteration_rows
 from resihp.bus import clear_job
 from resihp.keys import JobKeys
 from resihp.producer import TelemetryProducer
-from resihp.schemas import IterationRecord
+from resihp.schemas import IterationRecord, LivenessEvent
 from resihp.topology import Layout
-from resihp.wire import decode_entry
+from resihp.wire import decode_entry, encode_one
 
 pytestmark = pytest.mark.redis
 
@@ -105,3 +105,58 @@ def test_k_shard_collectors_and_one_merger_give_the_records_of_one_collector(r):
     assert r.exists(sharded.telemetry_shard(1, 2))
     clear_job(r, sharded)
     assert not r.exists(sharded.telemetry_shard(1, 2)) and not r.exists(sharded.partials(0))
+
+
+def _partial(it: int, *flags: str) -> dict:
+    rec = IterationRecord(
+        iteration=it,
+        iteration_time_s=1.0,
+        start_s=1e9 + it,
+        end_s=1e9 + it + 1,
+        samples=0,
+        tokens=0,
+        num_ranks_reporting=1,
+        flags=list(flags),
+    )
+    return encode_fast(rec)
+
+
+def _pending(r, stream: str, group: str) -> int:
+    return r.xpending(stream, group)["pending"]
+
+
+def test_the_merger_refuses_bad_and_late_partials_and_resumes_its_pending_ones(r):
+    keys = JobKeys("merge")
+    merger = RecordMerger(r, "merge", 2, wait_s=600.0)
+    p0, p1 = keys.partials(0), keys.partials(1)
+    r.xadd(p0, {b"m": b"not json"})  # undecodable
+    ev = LivenessEvent("node", 0, [1], "dead", 1e9, 1e9 - 3)
+    r.xadd(p0, encode_one(ev))  # a valid message of the wrong kind
+    r.xadd(p0, _partial(0, "iteration_time_beyond_bound"))
+    r.xadd(p1, _partial(0))
+    for _ in range(3):
+        merger.run_once(block_ms=1)
+    recs = _records(r, keys)
+    assert [x.iteration for x in recs] == [0] and recs[0].complete
+    assert recs[0].flags == ["iteration_time_beyond_bound"]  # a shard's flag is the job's
+    r.xadd(p1, _partial(0))  # late: iteration 0 is out
+    r.xadd(p0, _partial(1))
+    merger.run_once(block_ms=1)
+    reasons = [f[b"reason"].decode() for _, f in r.xrange(keys.deadletter)]
+    assert len(reasons) == 3, reasons
+    assert any("late partial record of iteration 0" in x for x in reasons)
+    assert any("liveness on the partial-records stream" in x for x in reasons)
+    counters = r.hgetall(keys.counters)
+    assert int(counters[b"merger_late_partials_total"]) == 1
+    assert int(counters[b"merger_rejected_total"]) == 1
+    # nothing refused stays pending; shard 0's partial of iteration 1 waits for shard 1
+    assert _pending(r, p1, merger.group) == 0
+    assert _pending(r, p0, merger.group) == 1
+    # the merger restarts: it takes up the partial it held, so iteration 1 is complete
+    again = RecordMerger(r, "merge", 2, wait_s=600.0)
+    r.xadd(p1, _partial(1))
+    for _ in range(3):
+        again.run_once(block_ms=1)
+    recs = _records(r, keys)
+    assert [x.iteration for x in recs] == [0, 1] and recs[1].complete
+    assert _pending(r, p0, merger.group) == _pending(r, p1, merger.group) == 0

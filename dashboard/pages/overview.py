@@ -183,7 +183,8 @@ LAG_BANNER_S = 1.0
 def telemetry_banner(s: dict[str, Any]) -> Any:
     """Say when the telemetry the page shows is late or incomplete: the collector is behind
     its stream (health ``collector_lag_s``), or entries were trimmed before it read them
-    (counter ``telemetry_lost_total``: records of those iterations are missing or partial)."""
+    (counter ``telemetry_lost_total``: records of those iterations are missing or partial),
+    or a producer's entries were refused over its quota (``telemetry_refused_total``)."""
     col = next((v for k, v in s["health"].items() if k.startswith("collector:")), None)
     said = []
     lag = collector_lag_s(col)
@@ -197,6 +198,12 @@ def telemetry_banner(s: dict[str, Any]) -> Any:
         said.append(
             f"{lost} telemetry entries were trimmed before the collector read them (some "
             "iterations are missing or incomplete)"
+        )
+    refused = (s.get("counters") or {}).get("telemetry_refused_total", 0)
+    if refused > 0:
+        said.append(
+            f"{refused} telemetry entries were refused unread, their producer over its quota "
+            "(a flood; see the dead-letter stream)"
         )
     return banner("Telemetry: " + "; ".join(said) + ".", "warn") if said else ""
 

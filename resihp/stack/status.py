@@ -257,6 +257,8 @@ def job_status(client, job_id: str) -> dict[str, Any]:
             "deadletter_total": client.xlen(keys.deadletter),
             # telemetry trimmed from its stream before the collector read it
             "telemetry_lost_total": counters.get("telemetry_lost_total", 0),
+            # telemetry refused unread: its producer was over its quota (a flood)
+            "telemetry_refused_total": counters.get("telemetry_refused_total", 0),
         },
         "plans_by_state": by_state,
         # what an operator may have to act on, oldest first
@@ -511,6 +513,12 @@ def _job_line(js: dict[str, Any]) -> str:
     lost = (js.get("counters") or {}).get("telemetry_lost_total", 0)
     if lost:
         line += f"; {lost} telemetry entries trimmed before the collector read them"
+    refused = (js.get("counters") or {}).get("telemetry_refused_total", 0)
+    if refused:
+        line += (
+            f"; {refused} telemetry entries refused unread over their producer's quota "
+            "(see the dead-letter stream)"
+        )
     lag = collector_lag_s(col)
     if lag is not None and lag >= 1.0:
         line += f"; the collector is {lag:.1f} s behind the telemetry stream"
