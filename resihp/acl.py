@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from resihp import keys as K
-from resihp.keys import DEFAULT_STREAM_MAXLEN, JobKeys
+from resihp.keys import DEFAULT_STREAM_MAXLEN, JobKeys, entry_seq
 from resihp.redis_client import check_username
 from resihp.schemas import OperatorAction
 from resihp.wire import encode_one
@@ -68,6 +68,12 @@ def _job(*names: str) -> list[str]:
     return [_pattern(getattr(_J, n)) for n in names]
 
 
+def _seq(*names: str) -> list[str]:
+    """The consumer-group sequence hashes (``keys.entry_seq``) of streams a service reads
+    through its groups: it raises them on every read."""
+    return [_pattern(entry_seq(getattr(_J, n), "*")) for n in names]
+
+
 def _own(service: str) -> list[str]:
     """A service's health and lease keys in every job, and its ``--all-jobs`` watchers'."""
     return [
@@ -88,9 +94,10 @@ READ_COMMANDS = (
     "hget hgetall hmget hkeys hlen hexists smembers sismember scard zscore zrange zcard "
     "xrange xrevrange xlen xread xinfo|stream xinfo|groups xpending"
 ).split()
-#: Commands that write a stream through a consumer group (read, ack, reclaim, trim).
+#: Commands that write a stream through a consumer group (read, ack, reclaim, trim), and
+#: raise the group's sequence hash (``bus.StreamConsumer``'s script: HSET, EXPIRE).
 GROUP_COMMANDS = (
-    "xreadgroup xack xautoclaim xclaim xgroup|create xgroup|createconsumer xgroup|setid"
+    "xreadgroup xack xautoclaim xclaim xgroup|create xgroup|createconsumer xgroup|setid hset expire"
 ).split()
 #: The ``--all-jobs`` watchers' leases (Lua scripts run with the caller's ACL).
 WATCHER_COMMANDS = ("evalsha eval script|load script|exists set del pexpire").split()
@@ -164,6 +171,7 @@ def users() -> list[AclUser]:
                 K.JOBS_SET,  # lists a job again after Redis lost its data
                 *_job("telemetry", "iterations", "liveness", "node_heartbeat", "counters"),
                 *_job("layout_predictions"),  # each layout's healthy time, predicted once
+                *_seq("telemetry"),
                 *_job("deadletter"),
                 _pattern(_J.partials(0))[: -len("0")] + "*",
                 *_own("collector"),
@@ -178,6 +186,7 @@ def users() -> list[AclUser]:
             (
                 *_job("iterations", "liveness", "failures", "device_health", "counters"),
                 *_job("detector_config", "deadletter"),
+                *_seq("iterations", "liveness"),
                 *_own("detector"),
             ),
             (f"{K.PREFIX}:*",),
@@ -194,6 +203,7 @@ def users() -> list[AclUser]:
                 *_job("scheduler_handled", "scheduler_speeds", "scheduler_config"),
                 *_job("counters", "deadletter", "override_previews"),
                 _pattern(_J.override_preview("*")),
+                *_seq("failures", "actions"),
                 *_own("scheduler"),
             ),
             (f"{K.PREFIX}:*",),
