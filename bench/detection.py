@@ -371,9 +371,16 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--skip-16k", action="store_true", help="skip the 16,384-GPU detector CPU measurement"
     )
+    ap.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="only the detector CPU per iteration, at 256 and 16,384 GPUs",
+    )
     a = ap.parse_args(argv)
     n = a.jobs or (20 if a.quick else 100)
     chosen = SETTINGS if a.settings == "all" else [SETTINGS[int(i)] for i in a.settings.split(",")]
+    if a.cpu_only:
+        chosen = []
     t_all = time.time()
     print(f"{n} jobs per setting, {JOB_ITERS} iterations each, workload: {a.workload}")
     for si, (label, model, seq, mbs, sched) in enumerate(chosen):
