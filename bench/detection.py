@@ -25,10 +25,12 @@ Printed per setting:
 * detection delay: slow iterations seen up to and including the report.
 
 Then the detector's CPU time per iteration on a 256-GPU job (LLaMA2-70B,
-(4, 4, 16)) as a fraction of its iteration time.
+(4, 4, 16)) and a 16,384-GPU one ((8, 128, 16), 64 micro-batches) as a fraction
+of their iteration time (% of one core the detector keeps busy).
 
     python bench/detection.py            # 100 jobs per setting (a few minutes)
     python bench/detection.py --quick    # 20 jobs per setting
+    python bench/detection.py --cpu-only # only the CPU cost, 256 and 16,384 GPUs (~3 min)
 """
 
 from __future__ import annotations
@@ -347,8 +349,8 @@ def detector_cpu(
     )
     print(
         f"   iteration time {it_s:.2f} s; detector CPU {1e3 * per:.1f} ms/iteration "
-        f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of an iteration"
-        + (f" ({paper})" if paper else "")
+        f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of a core "
+        f"over the iteration" + (f" ({paper})" if paper else "")
     )
 
 
