@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -141,10 +142,7 @@ class ChunkPredictor:
         if exclude:
             gk = v.dp.astype(np.int64) * 4096 + v.stage
             bad = np.fromiter((d * 4096 + s for d, s in exclude), np.int64, len(exclude))
-            keep = ~np.isin(gk, bad)
-            cm &= keep
-        else:
-            keep = np.ones(len(v.dp), bool)
+            cm &= ~np.isin(gk, bad)
         for f in self.fits.values():
             f.decay(self.forget)
         if cm.any():
@@ -161,12 +159,11 @@ class ChunkPredictor:
             # one sort into (stage, kind) runs, rows in their order within a run
             # (keys < 4096 stages x 16 kinds fit 16 bits: numpy's radix sort, linear)
             order = np.argsort(keys.astype(np.uint16), kind="stable")
-            sk = keys[order]
+            sk, y, x = keys[order], y[order], x[order]
             starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
             for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(sk)], strict=True):
-                rows = order[a:b]
                 k = (int(sk[a] // 16), int(sk[a] % 16))
-                ys, xs = y[rows], x[rows]
+                ys, xs = y[a:b], x[a:b]
                 ok = _not_gross(ys, xs, coef.get(k))
                 if not ok.any():
                     continue
@@ -176,7 +173,11 @@ class ChunkPredictor:
                 fit.add(xs[ok], ys[ok])
             self._dirty = True
         # P2P / collectives: median over iterations of each key's per-iteration statistic
-        stats = comm_stats(v, keep if exclude else None)
+        # a key's rows are all of one (replica, stage) group: leaving a group out leaves
+        # its keys out and changes no other key's statistic
+        stats = comm_stats(v)
+        if exclude:
+            stats = {k: val for k, val in stats.items() if (k[0], k[1]) not in exclude}
         for key, val in stats.items():
             q = self.comm.get(key)
             if q is None:
@@ -188,11 +189,17 @@ class ChunkPredictor:
             # few iterations: a healthy baseline does not move faster than that
             self._comm_since = 0
             keys = list(self.comm)
-            arr = np.full((len(keys), 64), np.nan)
-            for i, key in enumerate(keys):
-                q = self.comm[key]
-                arr[i, : len(q)] = q
-            meds = np.nanmedian(arr, axis=1)
+            hist = list(self.comm.values())
+            n = np.fromiter(map(len, hist), np.int64, len(hist))
+            arr = np.full((len(keys), 64), np.inf)
+            arr[np.arange(64) < n[:, None]] = np.fromiter(chain.from_iterable(hist), np.float64)
+            if np.isnan(arr).any():
+                arr[np.isinf(arr) & (np.arange(64) >= n[:, None])] = np.nan
+                meds = np.nanmedian(arr, axis=1)
+            else:
+                arr.sort(axis=1)  # each key's history first, ascending; the padding after it
+                rows = np.arange(len(keys))
+                meds = (arr[rows, (n - 1) // 2] + arr[rows, n // 2]) / 2
             self.comm_median.update(zip(keys, meds.tolist(), strict=True))
         self.iterations_fitted += 1
 
