@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from detector.groupstats import grouped_median
 from resihp.schemas import ChunkKind
 
 if TYPE_CHECKING:
-    from detector.predictor import IterationView
+    from detector.view import IterationView
 
 F = int(ChunkKind.F)
 B = int(ChunkKind.B)
@@ -55,6 +56,82 @@ def _code(dp, stage, src, mb) -> np.ndarray:
     return ((dp.astype(np.int64) * 4096 + stage) * 4096 + src) * 65536 + mb
 
 
+class CommRows:
+    """Which rows :func:`own_comm_time` pairs, from the row ids alone.
+
+    The receives' sender rows, the links they belong to and the all-reduce rows'
+    stages do not depend on the times: a detector that sees the same rows every
+    iteration (the layout fixes them) builds this once and applies it to each
+    iteration's times (``detector.view.ViewBuilder``)."""
+
+    __slots__ = ("n", "recv", "sender", "link_inv", "link_rows", "ar", "ar_stage", "comp")
+
+    def __init__(self, dp, stage, src, mb, kind, direction) -> None:
+        self.n = len(kind)
+        self.recv = np.flatnonzero((kind == RECV) & (direction != 0))
+        self.sender = np.full(len(self.recv), -1, dtype=np.int64)  # row of each sender chunk
+        recv = self.recv
+        if len(recv):
+            for k, sign in ((F, 1), (B, -1)):
+                sel = np.flatnonzero(kind == k)
+                if not len(sel):
+                    continue
+                codes = _code(dp[sel], stage[sel], src[sel], mb[sel])
+                order = np.argsort(codes, kind="stable")
+                codes, rows = codes[order], sel[order]
+                mine = direction[recv] == sign
+                want = _code(dp[recv], stage[recv] - sign, src[recv], mb[recv])
+                pos = np.clip(np.searchsorted(codes, want), 0, len(codes) - 1)
+                hit = mine & (codes[pos] == want)
+                self.sender[hit] = rows[pos[hit]]
+            link = (dp[recv].astype(np.int64) * 4096 + stage[recv]) * 4 + direction[recv] + 1
+            _, self.link_inv = np.unique(link, return_inverse=True)
+            self.link_rows = np.bincount(self.link_inv)
+        self.ar = np.flatnonzero(kind == ALLREDUCE)
+        comp = np.flatnonzero(kind <= int(ChunkKind.W))
+        self.comp = None
+        self.ar_stage = None
+        if len(self.ar) and len(comp):
+            # compute rows grouped by stage, for the last end of each stage's compute
+            order = np.argsort(stage[comp], kind="stable")
+            self.comp = comp[order]
+            cst = stage[self.comp]
+            firsts = np.flatnonzero(np.r_[True, cst[1:] != cst[:-1]])
+            self.ar_stage = (
+                firsts,
+                cst[firsts].astype(np.int64),
+                int(stage.max()) + 1,
+                stage[self.ar],
+            )
+
+    def own_time(self, start: np.ndarray, duration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(durations with RECV/ALLREDUCE rows replaced by their own time, mask of rows to keep)."""
+        dur = duration.astype(np.float64, copy=True)
+        keep = np.ones(self.n, dtype=bool)
+        end = start + duration
+        recv = self.recv
+        if len(recv):
+            has = self.sender >= 0
+            sender_end = np.where(has, end[np.where(has, self.sender, 0)], np.nan)
+            known = np.isfinite(sender_end) & np.isfinite(start[recv])
+            late = known & (start[recv] > sender_end + POST_SLACK_S)
+            # a link whose receives were mostly late this iteration gives no sample: the median
+            # of the few that waited swings with which ones they were (noise, not the link)
+            late_share = np.bincount(self.link_inv, weights=late) / self.link_rows
+            keep[recv[late | (late_share[self.link_inv] > MAX_LATE_SHARE)]] = False
+            w = known & ~late
+            dur[recv[w]] = np.maximum(0.0, end[recv[w]] - np.maximum(start[recv[w]], sender_end[w]))
+        if self.ar_stage is not None:
+            firsts, stages, num_stages, ar_stage = self.ar_stage
+            last = np.full(num_stages, -np.inf)
+            last[stages] = np.maximum.reduceat(end[self.comp], firsts)
+            ar = self.ar
+            ready = last[ar_stage]
+            ok = np.isfinite(ready) & np.isfinite(start[ar])
+            dur[ar[ok]] = np.maximum(0.0, end[ar[ok]] - np.maximum(start[ar[ok]], ready[ok]))
+        return dur, keep
+
+
 def own_comm_time(
     dp: np.ndarray,
     stage: np.ndarray,
@@ -66,43 +143,7 @@ def own_comm_time(
     duration: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(durations with RECV/ALLREDUCE rows replaced by their own time, mask of rows to keep)."""
-    dur = duration.astype(np.float64, copy=True)
-    keep = np.ones(len(kind), dtype=bool)
-    end = start + duration
-    recv = np.flatnonzero((kind == RECV) & (direction != 0))
-    if len(recv):
-        sender_end = np.full(len(recv), np.nan)
-        for k, sign in ((F, 1), (B, -1)):
-            sel = kind == k
-            if not sel.any():
-                continue
-            codes = _code(dp[sel], stage[sel], src[sel], mb[sel])
-            order = np.argsort(codes, kind="stable")
-            codes, ends = codes[order], end[sel][order]
-            mine = direction[recv] == sign
-            want = _code(dp[recv], stage[recv] - sign, src[recv], mb[recv])
-            pos = np.clip(np.searchsorted(codes, want), 0, len(codes) - 1)
-            hit = mine & (codes[pos] == want)
-            sender_end[hit] = ends[pos[hit]]
-        known = np.isfinite(sender_end) & np.isfinite(start[recv])
-        late = known & (start[recv] > sender_end + POST_SLACK_S)
-        # a link whose receives were mostly late this iteration gives no sample: the median
-        # of the few that waited swings with which ones they were (noise, not the link)
-        link = (dp[recv].astype(np.int64) * 4096 + stage[recv]) * 4 + direction[recv] + 1
-        _, inv = np.unique(link, return_inverse=True)
-        late_share = np.bincount(inv, weights=late) / np.bincount(inv)
-        keep[recv[late | (late_share[inv] > MAX_LATE_SHARE)]] = False
-        w = known & ~late
-        dur[recv[w]] = np.maximum(0.0, end[recv[w]] - np.maximum(start[recv[w]], sender_end[w]))
-    ar = np.flatnonzero(kind == ALLREDUCE)
-    comp = kind <= int(ChunkKind.W)
-    if len(ar) and comp.any():
-        last = np.full(int(stage.max()) + 1, -np.inf)
-        np.maximum.at(last, stage[comp], end[comp])
-        ready = last[stage[ar]]
-        ok = np.isfinite(ready) & np.isfinite(start[ar])
-        dur[ar[ok]] = np.maximum(0.0, end[ar[ok]] - np.maximum(start[ar[ok]], ready[ok]))
-    return dur, keep
+    return CommRows(dp, stage, src, mb, kind, direction).own_time(start, duration)
 
 
 def _cross_replica(v: IterationView) -> np.ndarray:
@@ -136,6 +177,17 @@ def comm_stats(
     is another replica's group, so they measure another link than the key names, and one
     slow far end would read as this replica's link slowing down.
     """
+    if keep is None or keep.all():
+        # once per view: the residuals and the healthy fit both read it
+        if v._comm_stats is None:
+            v._comm_stats = _comm_stats(v, None)
+        return dict(v._comm_stats)
+    return _comm_stats(v, keep)
+
+
+def _comm_stats(
+    v: IterationView, keep: np.ndarray | None
+) -> dict[tuple[int, int, int, int], float]:
     comm = v.kind > int(ChunkKind.W)
     if keep is not None:
         comm &= keep
@@ -149,18 +201,9 @@ def comm_stats(
     k = v.kind[comm].astype(np.int64)
     dr = v.direction[comm].astype(np.int64) + 1
     code = ((d * 4096 + st) * 16 + k) * 4 + dr
-    dur = v.duration_s[comm]
-    order = np.lexsort((dur, code))
-    code, dur = code[order], dur[order]
-    starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
-    ends = np.r_[starts[1:], len(code)]
-    n = ends - starts
-    pos = starts + 0.5 * (n - 1)
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, ends - 1)
-    frac = pos - lo
-    val = dur[lo] * (1 - frac) + dur[hi] * frac
+    # the median of each key's rows (an even count: the mean of the middle two)
+    keys, val = grouped_median(code, v.duration_s[comm])
     out = {}
-    for c, x in zip(code[starts].tolist(), val.tolist(), strict=True):
+    for c, x in zip(keys.tolist(), val.tolist(), strict=True):
         out[(c // (4096 * 64), (c // 64) % 4096, (c // 4) % 16, c % 4 - 1)] = x
     return out

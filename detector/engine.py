@@ -19,7 +19,7 @@ from detector.failslow import FailSlowDetector, Finding
 from detector.failstop import FailStopTracker
 from detector.greyhound import GreyhoundDetector
 from detector.persistence import PersistenceGate
-from detector.predictor import IterationView
+from detector.view import ViewBuilder
 from resihp.schemas import FailureReport, IterationRecord, LivenessEvent, Message
 from resihp.topology import Layout
 from resihp.wire import ChunkBatch
@@ -56,6 +56,9 @@ class Detector:
         if layout is not None:
             self.failslow.set_layout(layout)
         self.stats = EngineStats()
+        # a record's rows are the same every iteration until the layout changes: what they
+        # fix is derived once (detector/view.py)
+        self.views = ViewBuilder()
         self.health: dict[int, dict] = {}  # rank -> {"p", "state", "since"[, "kind"]}
         self.health_dirty: set[int] = set()
         self._seq = 0  # the last report's sequence number (the id's suffix)
@@ -137,7 +140,7 @@ class Detector:
             self.stats.stale_total += 1
             return []
         self._last_layout_id = rec.layout_id
-        v = IterationView.from_record(rec)
+        v = self.views.build(rec)
         self.stats.duplicate_chunks_total += v.duplicates_total
         self.stats.unusable_chunks_total += v.unusable_total
         self.last_iteration = rec.iteration

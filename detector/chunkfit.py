@@ -1,0 +1,276 @@
+"""Eq. 1 per stage, fitted: ``T = alpha*N + beta*sum(l^2)`` per (stage, compute kind).
+
+:class:`ChunkPredictor` fits it by least squares, pooled over DP replicas, with a
+per-(replica, stage) scale that absorbs static differences between replicas (e.g. a
+replica whose stage runs at another TP degree).  It is fitted on a warm-up window,
+then kept current on healthy iterations with exponential forgetting (recursive least
+squares on the normal equations).  Communication chunks (P2P, all-reduce, TP
+collectives) do not depend on sequence lengths; their baseline is a per-(replica,
+stage, kind, direction) running median.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+
+from detector.commtime import comm_stats
+from detector.groupstats import grouped_median
+from detector.view import IterationView
+from resihp.schemas import ChunkKind
+
+#: Feature scaling so the 2x2 normal equations are well conditioned.
+N_UNIT = 1e4
+SQ_UNIT = 1e8
+
+#: A chunk this many times off its prediction (or, before the first fit, off the median of
+#: its kind on its stage in the same iteration) is not folded into the fit when it is one of
+#: a minority: one row with an hour's clock step poisoned the least squares for hundreds of
+#: iterations.  A shift most rows share is the model's to learn (a whole stage changed).
+GROSS_FACTOR = 4.0
+
+
+def _not_gross(ys: np.ndarray, xs: np.ndarray, coef: tuple[float, float] | None) -> np.ndarray:
+    """Which of one key's rows are not grossly off (all of them when most are off)."""
+    if coef is not None:
+        ref = coef[0] * xs[:, 0] + coef[1] * xs[:, 1]
+    else:
+        ref = np.full(len(ys), float(np.median(ys)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = ys / ref
+    ok = (ratio <= GROSS_FACTOR) & (ratio >= 1.0 / GROSS_FACTOR)
+    if not (np.isfinite(ref) & (ref > 0)).all() or 2 * ok.sum() <= len(ys):
+        return np.ones(len(ys), dtype=bool)
+    return ok
+
+
+class _RLS2:
+    """Least squares on two features with exponential forgetting (normal equations)."""
+
+    __slots__ = ("xtx", "xty", "n")
+
+    def __init__(self) -> None:
+        self.xtx = np.zeros((2, 2))
+        self.xty = np.zeros(2)
+        self.n = 0.0
+
+    def decay(self, lam: float) -> None:
+        self.xtx *= lam
+        self.xty *= lam
+        self.n *= lam
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.xtx += x.T @ x
+        self.xty += x.T @ y
+        self.n += len(y)
+
+    def solve(self) -> tuple[float, float] | None:
+        if self.n < 2:
+            return None
+        a = self.xtx + np.eye(2) * 1e-9 * max(1.0, np.trace(self.xtx))
+        try:
+            alpha, beta = np.linalg.solve(a, self.xty)
+        except np.linalg.LinAlgError:
+            return None
+        if beta < 0 or not np.isfinite(beta):
+            # attention cannot take negative time: fall back to the linear term only
+            beta = 0.0
+            alpha = self.xty[0] / self.xtx[0, 0] if self.xtx[0, 0] > 0 else 0.0
+        return float(alpha), float(beta)
+
+
+@dataclass
+class ChunkPredictor:
+    """alpha/beta per (stage, compute kind), fitted by least squares on eq. 1."""
+
+    forget: float = 0.98
+    fits: dict[tuple[int, int], _RLS2] = field(default_factory=dict)
+    _coef: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    _dirty: bool = False
+    _comm_since: int = 0
+    scale: dict[tuple[int, int], float] = field(default_factory=dict)  # (dp, stage) -> factor
+    comm: dict[tuple[int, int, int, int], deque] = field(default_factory=dict)
+    comm_median: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    iterations_fitted: int = 0
+
+    @property
+    def coef(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """alpha, beta per (stage, kind), solved lazily after new observations."""
+        if self._dirty:
+            self._dirty = False
+            for k, fit in self.fits.items():
+                c = fit.solve()
+                if c is not None:
+                    self._coef[k] = c
+        return self._coef
+
+    def reset(self) -> None:
+        self.fits.clear()
+        self._coef.clear()
+        self.scale.clear()
+        self.comm.clear()
+        self.comm_median.clear()
+        self.iterations_fitted = 0
+
+    def reset_stages(self, stages: set[int]) -> None:
+        for key in [k for k in self.fits if k[0] in stages]:
+            del self.fits[key]
+            self._coef.pop(key, None)
+        for key in [k for k in self.scale if k[1] in stages]:
+            del self.scale[key]
+        for key in [k for k in self.comm if k[1] in stages]:
+            del self.comm[key]
+            self.comm_median.pop(key, None)
+
+    # ------------------------------------------------------------- fitting
+    def observe(
+        self,
+        v: IterationView,
+        exclude: set[tuple[int, int]] | None = None,
+        slowed: dict[tuple[int, int], float] | None = None,
+    ) -> None:
+        """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip).
+
+        ``slowed``: groups known to run ``factor`` times slower than healthy, folded in at
+        healthy speed (their durations divided by the factor) -- for a stage with no
+        healthy group to learn from.
+        """
+        cm = v.compute_mask()
+        if exclude:
+            gk = v.dp.astype(np.int64) * 4096 + v.stage
+            bad = np.fromiter((d * 4096 + s for d, s in exclude), np.int64, len(exclude))
+            cm &= ~np.isin(gk, bad)
+        for f in self.fits.values():
+            f.decay(self.forget)
+        if cm.any():
+            sc = self._scales(v.dp[cm], v.stage[cm])
+            if slowed:
+                gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+                for (d, s), f in slowed.items():
+                    sc = np.where(gk == d * 4096 + s, sc * f, sc)
+            y = v.duration_s[cm] / sc
+            x = np.stack([v.tokens_n[cm] / N_UNIT, v.sum_sq[cm] / SQ_UNIT], axis=1)
+            st, kd = v.stage[cm], v.kind[cm]
+            keys = st.astype(np.int64) * 16 + kd
+            coef = self.coef
+            # one sort into (stage, kind) runs, rows in their order within a run
+            # (keys < 4096 stages x 16 kinds fit 16 bits: numpy's radix sort, linear)
+            order = np.argsort(keys.astype(np.uint16), kind="stable")
+            sk, y, x = keys[order], y[order], x[order]
+            starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+            for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(sk)], strict=True):
+                k = (int(sk[a] // 16), int(sk[a] % 16))
+                ys, xs = y[a:b], x[a:b]
+                ok = _not_gross(ys, xs, coef.get(k))
+                if not ok.any():
+                    continue
+                fit = self.fits.get(k)
+                if fit is None:
+                    fit = self.fits[k] = _RLS2()
+                fit.add(xs[ok], ys[ok])
+            self._dirty = True
+        # P2P / collectives: median over iterations of each key's per-iteration statistic
+        # a key's rows are all of one (replica, stage) group: leaving a group out leaves
+        # its keys out and changes no other key's statistic
+        stats = comm_stats(v)
+        if exclude:
+            stats = {k: val for k, val in stats.items() if (k[0], k[1]) not in exclude}
+        for key, val in stats.items():
+            q = self.comm.get(key)
+            if q is None:
+                q = self.comm[key] = deque(maxlen=64)
+            q.append(val)
+        self._comm_since += 1
+        if stats and (self._comm_since >= 4 or len(self.comm_median) < len(self.comm)):
+            # one vectorized median over every key's history (NaN-padded), every
+            # few iterations: a healthy baseline does not move faster than that
+            self._comm_since = 0
+            keys = list(self.comm)
+            hist = list(self.comm.values())
+            n = np.fromiter(map(len, hist), np.int64, len(hist))
+            arr = np.full((len(keys), 64), np.inf)
+            arr[np.arange(64) < n[:, None]] = np.fromiter(chain.from_iterable(hist), np.float64)
+            if np.isnan(arr).any():
+                arr[np.isinf(arr) & (np.arange(64) >= n[:, None])] = np.nan
+                meds = np.nanmedian(arr, axis=1)
+            else:
+                arr.sort(axis=1)  # each key's history first, ascending; the padding after it
+                rows = np.arange(len(keys))
+                meds = (arr[rows, (n - 1) // 2] + arr[rows, n // 2]) / 2
+            self.comm_median.update(zip(keys, meds.tolist(), strict=True))
+        self.iterations_fitted += 1
+
+    def update_scales(self, v: IterationView, rate: float, exclude: set | None = None) -> None:
+        """Move each (dp, stage) scale toward its observed/predicted median."""
+        pred = self.predict_compute(v, with_scale=False)
+        cm = v.compute_mask() & np.isfinite(pred) & (pred > 0)
+        if not cm.any():
+            return
+        ratio = v.duration_s[cm] / pred[cm]
+        gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+        keys, meds = grouped_median(gk, ratio)
+        for g, r in zip(keys.tolist(), meds.tolist(), strict=True):
+            key = (g // 4096, g % 4096)
+            if (exclude and key in exclude) or not np.isfinite(r) or r <= 0:
+                continue
+            old = self.scale.get(key)
+            self.scale[key] = r if old is None or rate >= 1.0 else old * (1 - rate) + r * rate
+
+    def _scales(self, dp: np.ndarray, stage: np.ndarray) -> np.ndarray:
+        if not self.scale or not len(dp):
+            return np.ones(len(dp))
+        keys = np.array(list(self.scale), dtype=np.int64).reshape(-1, 2)
+        vals = np.fromiter(self.scale.values(), np.float64, len(self.scale))
+        nd = int(max(dp.max(), keys[:, 0].max())) + 1
+        ns = int(max(stage.max(), keys[:, 1].max())) + 1
+        table = np.ones((nd, ns))
+        good = (keys >= 0).all(axis=1)
+        table[keys[good, 0], keys[good, 1]] = vals[good]
+        return table[dp, stage]
+
+    # ----------------------------------------------------------- predicting
+    def cost(self, stage: int, kind: int, tokens_n: float, sum_sq: float) -> float:
+        c = self.coef.get((stage, kind))
+        if c is None:
+            return float("nan")
+        return c[0] * tokens_n / N_UNIT + c[1] * sum_sq / SQ_UNIT
+
+    def coef_arrays(self, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+        a = np.full((num_stages, 16), np.nan)
+        b = np.full((num_stages, 16), np.nan)
+        for (s, k), (al, be) in self.coef.items():
+            if s < num_stages:
+                a[s, k], b[s, k] = al, be
+        return a, b
+
+    def predict_compute(self, v: IterationView, with_scale: bool = True) -> np.ndarray:
+        """Predicted duration of every compute chunk of ``v`` (nan elsewhere)."""
+        out = np.full(v.num_chunks, np.nan)
+        if not self.coef or not v.num_chunks:
+            return out
+        ns = int(v.stage.max()) + 1
+        a, b = self.coef_arrays(ns)
+        rows = np.flatnonzero(v.compute_mask())
+        st = v.stage[rows]
+        at = st.astype(np.intp) * 16 + v.kind[rows]
+        val = a.ravel()[at] * v.tokens_n[rows] / N_UNIT + b.ravel()[at] * v.sum_sq[rows] / SQ_UNIT
+        if with_scale and self.scale:
+            val *= self._scales(v.dp[rows], st)
+        out[rows] = val
+        return out
+
+    def predict_comm(self, v: IterationView) -> np.ndarray:
+        out = np.full(v.num_chunks, np.nan)
+        comm = np.flatnonzero(v.kind > int(ChunkKind.W))
+        for i in comm:
+            out[i] = self.comm_median.get(
+                (int(v.dp[i]), int(v.stage[i]), int(v.kind[i]), int(v.direction[i])), np.nan
+            )
+        return out
+
+    def predict_microbatch(self, stage: int, tokens_n: float, sum_sq: float, kinds) -> float:
+        """Eq. 1 for one micro-batch on one stage: the sum of its compute chunks."""
+        return float(sum(self.cost(stage, k, tokens_n, sum_sq) for k in kinds))
