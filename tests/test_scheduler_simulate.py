@@ -52,6 +52,22 @@ def test_baselines_drop_whole_groups_and_abort_when_a_stage_is_gone(setup):
         get_policy("greyhound").adapt([lay], {5: 0.0}, pred)
 
 
+def test_recycle_reroutes_within_its_fault_free_1f1b_memory(setup):
+    lay, pred = setup
+    ff = pred.iteration_s(lay, {})
+    rates = {}
+    for name in ("recycle", "recycle-ideal"):
+        pol = get_policy(name)
+        st = pol.adapt(pol.initial_state(lay), {5: 0.0}, pred)
+        rates[name] = ff / pol.iteration_s(st, {5: 0.0}, pred)
+    # the peer runs its own 8 and the 8 rerouted micro-batches as one 1F1B sequence of 16
+    twice = table3_layout(MODEL, 16)
+    assert rates["recycle"] == pytest.approx(ff / pred.iteration_s(twice, {}), rel=1e-9)
+    assert 0.5 < rates["recycle"] < 0.65  # (m + p - 1) / (2m + p - 1) = 11/19 for PP 4
+    # unbounded memory lets the list-scheduled reroute use idle slots: faster, never slower
+    assert rates["recycle-ideal"] > rates["recycle"] + 0.05
+
+
 def test_oobleck_rebuilds_heterogeneous_pipelines(setup):
     lay, pred = setup
     pol = get_policy("oobleck")

@@ -14,7 +14,8 @@ resihp                 TP selective exclusion -> PP repartition -> DP migration
 resihp-tp              ablation: selective exclusion only (+ ReCycle-style eviction)
 resihp-tp-pp           ablation: + layer repartition
 recycle                whole TP groups dropped; failed stage's micro-batches
-                       rerouted round-robin to DP peers; no fail-slow handling
+                       rerouted round-robin to DP peers, run within the peer's
+                       fault-free 1F1B memory; no fail-slow handling
 greyhound              fail-slow: micro-batch counts per replica by speed;
                        cannot tolerate fail-stop
 adaptra                fail-slow: pipeline schedule adaptation (ZB-H1 slack);
@@ -23,6 +24,8 @@ oobleck                whole TP groups dropped; pipelines re-instantiated from
                        templates on the surviving TP groups (fewer stages)
 recycle+greyhound      strengthened ReCycle (§8.1)
 oobleck+greyhound      strengthened Oobleck (§8.1)
+recycle-ideal          extra: rerouted chunks list-scheduled into any idle slot
+                       (no memory bound); never in a headline table
 =====================  ========================================================
 """
 

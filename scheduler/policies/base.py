@@ -170,7 +170,25 @@ class ResiHP(Policy):
 
 
 class ReCycle(Policy):
-    def __init__(self, name="recycle", greyhound=False):
+    """ReCycle (SOSP'24): a lost TP group's micro-batches rerouted to the same stage of its DP peers.
+
+    As run in the ResiHP paper's setting (docs/scheduler.md lists each rule's source): a TP
+    group with a failed GPU is dropped whole; its micro-batches go round-robin to the live
+    replicas of the same stage; a stage with no live replica ends training (Abort).
+
+    ``memory_bound`` (the headline ``recycle``): a peer runs the rerouted micro-batches
+    inside the activation memory its fault-free 1F1B schedule was sized for, i.e. as
+    further micro-batches of its own 1F1B sequence (at most ``pp - s`` in flight at stage
+    ``s``, its own and rerouted together), so a stage that absorbs ``k`` extra
+    micro-batches runs a 1F1B sequence of ``m + k`` (``_recycle_sequences``).  The
+    iteration is timed on the fault-free layout with every replica's micro-batch count
+    raised to the largest sequence any of its live stages runs, a dropped group taking
+    the speeds of the peer that absorbs its work.  ``memory_bound=False``
+    (``recycle-ideal``, an extra): rerouted chunks list-scheduled into any idle slot of
+    the peer under exact costs (``PipelineDAG.retimed``), unbounded in-flight memory.
+    """
+
+    def __init__(self, name="recycle", greyhound=False, memory_bound=True):
         super().__init__(
             name,
             stop_detect_s=1.0,
@@ -182,9 +200,27 @@ class ReCycle(Policy):
             **(GREYHOUND_FALSE_ALARMS if greyhound else {}),
         )
         self.greyhound = greyhound
+        self.memory_bound = memory_bound
+        self.start: Layout | None = None
+
+    def initial_state(self, layout: Layout) -> list[Layout]:
+        if self.start is None:
+            self.start = copy.deepcopy(layout)
+        return [layout]
+
+    def iteration_s(self, state, p, pred):
+        (lay,) = state
+        if not self.memory_bound or not lay.migrations or self.start is None:
+            return super().iteration_s(state, p, pred)
+        if not layout_runnable(lay, p):
+            return float("inf")
+        virt, pv = _recycle_sequences(self.start, lay, p)
+        return pred.iteration_s(virt, pv) + self.false_alarm_s_per_iter
 
     def adapt(self, state, p, pred):
         (lay,) = state
+        if self.start is None:
+            self.start = copy.deepcopy(lay)
         p = speeds_with_dead(lay, p)
         res = adapt_tp(lay, p, selective=False)
         new = res.layout
@@ -196,6 +232,39 @@ class ReCycle(Policy):
         except LayoutError as e:
             raise Abort(str(e)) from e
         return [new]
+
+
+def _recycle_sequences(start: Layout, lay: Layout, p: Mapping[int, float]):
+    """(virtual layout, speeds) timing ReCycle's memory-bound reroute on the engine.
+
+    ReCycle plans its schedules within device memory, and the Table 3 layouts are sized
+    for 1F1B: a stage keeps at most ``pp - s`` micro-batches in flight, its own and
+    rerouted together.  With DP = 2 one peer absorbs all ``m`` micro-batches of a lost
+    stage, far more than the ``pp - 1`` idle slots of its schedule, so the extra ones
+    queue in its 1F1B sequence.
+
+    Every replica runs, on the fault-free groups, the longest 1F1B sequence any of its
+    live stages runs (own micro-batches plus those rerouted to it); a dropped group is
+    timed at the speeds of the peer group that absorbs its micro-batches.
+    """
+    load = [
+        [lay.microbatches[d] if lay.groups[d][s] else 0 for s in range(lay.pp)]
+        for d in range(lay.dp)
+    ]
+    dest: dict[tuple[int, int], int] = {}
+    for mg in lay.migrations:
+        load[mg.dst_dp][mg.stage] += 1
+        dest.setdefault((mg.src_dp, mg.stage), mg.dst_dp)
+    virt = copy.deepcopy(start)
+    virt.migrations, virt.dead, virt.standby = [], [], []
+    virt.microbatches = [max(1, max(row)) for row in load]
+    pv: dict[int, float] = {}
+    for d in range(lay.dp):
+        for s in range(lay.pp):
+            g = lay.groups[d][s] or lay.groups[dest.get((d, s), d)][s]
+            for r0, r in zip(start.groups[d][s], g, strict=False):
+                pv[r0] = p.get(r, 1.0)
+    return virt, pv
 
 
 def _refuse_fail_stop(lay: Layout, p: Mapping[int, float], who: str) -> None:
@@ -538,6 +607,7 @@ POLICIES: dict[str, callable] = {
     "oobleck+greyhound": lambda: Oobleck("oobleck+greyhound", greyhound=True),
     # idealised variants: extras beside the published mechanisms, never in a headline table
     "oobleck-ideal": lambda: Oobleck("oobleck-ideal", ideal=True),
+    "recycle-ideal": lambda: ReCycle("recycle-ideal", memory_bound=False),
     "greyhound-ideal": lambda: _IdealGreyhound(),
     "adaptra-ideal": lambda: Adaptra("adaptra-ideal", faithful=False),
 }
