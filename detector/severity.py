@@ -214,6 +214,7 @@ class SeverityRecoveryStage:
                 healthy = probed >= bar
             else:
                 healthy = val - base < lim
+            st.level = val - base
             if healthy:
                 st.healthy_streak += 1
                 st.streak_shifts.append(val - base)

@@ -42,6 +42,9 @@ class SlowState:
     link: LinkKey | None = None
     pair: tuple[int, int] | None = None  # (dp, lower stage) of a slow link
     healthy_streak: int = 0
+    #: its latest level above the healthy baseline (log ratio; None before one is seen):
+    #: the persistence stage asks whether the device still runs at its slow level
+    level: float | None = None
     #: the streak's residuals above the baseline (the recovered group's level)
     streak_shifts: list[float] = field(default_factory=list)
 
