@@ -87,7 +87,10 @@ def _still_slow(st: SlowState | None) -> bool:
 
 
 class PersistenceGate:
-    """Sits between the fail-slow detector's findings and the reports (see module doc)."""
+    """Stage 6, persistence: sits between the fail-slow findings and the reports.
+
+    Rejects slowdowns that end before the hold (stragglers: ``transient_total``) and the
+    re-reports of a flapping device (``flaps_total``); see the module doc."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
