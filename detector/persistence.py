@@ -79,11 +79,11 @@ def _still_slow(st: SlowState | None) -> bool:
     saying a device is healthy again; used here it let a 3-iteration straggler at 1.58x
     be released as "still slow" on a reading of 1.03x two iterations after it ended (one
     held-out transient job in ``bench/detection_realistic.py``)."""
-    if st is None or st.level is None:
+    if st is None:
         return True
     if st.healthy_streak:
         return False
-    return st.level >= 0.5 * float(np.log(max(st.factor, 1.0)))
+    return st.level is None or st.level >= 0.5 * float(np.log(max(st.factor, 1.0)))
 
 
 class PersistenceGate:
