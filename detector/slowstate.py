@@ -133,11 +133,6 @@ def _robust(xs: list[float], floor: float) -> tuple[float, float]:
         return 0.0, floor
     med = float(np.median(a))
     mad = float(np.median(np.abs(a - med))) * 1.4826
-    # MAD ignores a stray spike in the warm-up; never go below half the sd of the points
-    # within 5 MADs (a heavy-tailed but real spread).  The plain sd let one spike of one
-    # chunk (4x, one draw in 500) in a warm-up make a group's sigma 0.08 instead of 0.015,
-    # and a GPU at 0.76x (+0.27, 12 % throughput) then sat under 4 sigma for good
-    # (held-out slow_gpu seed 10002 of bench/detection_realistic.py).
-    inl = a[np.abs(a - med) <= 5 * mad] if mad > 0 else a
-    sd = float(np.std(inl)) if len(inl) else 0.0
+    sd = float(np.std(a))
+    # MAD ignores a stray spike in the warm-up; never go below half the plain sd
     return med, max(floor, mad, 0.5 * sd)
