@@ -52,7 +52,10 @@ class ChangePoint:
 
 
 class CusumScreen:
-    """Two-sided CUSUM on standardized values (units of noise sigma)."""
+    """Stage 1, screen: a two-sided CUSUM on standardized values (units of noise sigma).
+
+    Rejects points within the noise: the sum drifts back by ``k_sigma`` per point and
+    alarms only past ``h_sigma``, so ruptures (stage 2) never runs on a healthy series."""
 
     def __init__(self, k_sigma: float = 0.5, h_sigma: float = 4.0):
         self.k = k_sigma
@@ -74,7 +77,13 @@ class CusumScreen:
 
 
 class OnlineChangeDetector:
-    """Change points of one series, kept online with a bounded window.
+    """Stage 2, change point: change points of one series, kept online with a bounded window.
+
+    Rejects a spike that returns to baseline (``min_after`` points back cancel the alarm),
+    a burst whose newest points are not all on the alarmed side, and a shift smaller than
+    ``min_shift`` from both the old regime and the healthy level: none is a persistent
+    change, and ruptures' segmentation on the window confirms only a last segment whose
+    every point sits beyond the midpoint.
 
     ``push(iteration, value)`` returns a :class:`ChangePoint` once a shift is
     confirmed.  ``center`` and ``scale`` standardize the value (the healthy

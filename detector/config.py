@@ -134,6 +134,50 @@ class DetectorConfig:
     #: iteration's worth of chunks; the midpoint keeps a mildly slow device from
     #: flapping between excluded and re-admitted).
     probe_recovery_shift: float = 0.10
+    # --- stage constants (each stage's unit says what it rejects; docs/detector.md) -
+    #: [0 baseline] A warm-up group this much slower than the faster half of its
+    #: same-degree peers is slow already (``warmup_peer_comparison``): healthy peers
+    #: differ by the +-1 % static spread and 3 % noise, a slow GPU by >= 20 %.
+    warm_peer_ratio: float = 1.05
+    #: [0 baseline] A group this much slower than its healthy scale in a warm-up
+    #: iteration runs slow in that iteration's DAG when the iteration-time offset is
+    #: learned (below it: noise).
+    warm_slow_ratio: float = 1.10
+    #: [0 baseline] After a replan, a group of the same ranks this much slower than its
+    #: own speed before it is slow (healthy groups read 0.998-1.07: the last stage's LM
+    #: head does not scale with its layers; a slow link 2.3, a GPU at 0.6x 1.6).
+    prior_outlier_ratio: float = 1.10
+    #: [0 baseline] The same for a group the plan shrank (time scaled by the TP degree
+    #: too): healthy TP-4 groups shrunk to 2 read 0.93-1.01, a GPU at 0.6x 1.6.
+    prior_regroup_ratio: float = 1.25
+    #: [2 change point] A P2P statistic must move by this many times ``min_chunk_shift``:
+    #: a link's own time is noisier than a median of compute chunks (one transfer per
+    #: micro-batch, its sender's end taken from another clock), and a link that costs
+    #: 5 % throughput moves by far more (the bench's slow ports: 100x and more).
+    comm_shift_factor: float = 2.0
+    #: [3 workload filter] The iteration path blames a group whose residual stands this
+    #: many noise sigmas above its baseline since the change point (a 3-sigma level, the
+    #: change-point stage's persistence rule applied to every post-change point).
+    iteration_blame_sigmas: float = 3.0
+    #: [4 localization] Inside a TP group the slow ranks are those whose own compute time
+    #: grew by at least this share of the group's slowdown (one slow rank of TP 4 carries
+    #: all of it; half leaves room for the noise of one rank's compute time).
+    localize_rank_share: float = 0.5
+    #: [4 localization] A group whose chunks slowed while no member's own compute grew by
+    #: this share of it spent the time in its TP collectives: ``fail_slow_comm``.
+    tp_comm_share: float = 0.25
+    #: [5 validation] A slowdown's throughput cost is averaged over the DAG of this many
+    #: recent iterations' workloads (one mix can hide or expose a slow stage).
+    cost_views: int = 8
+    #: [5 validation] A real shift costing under the bar is re-costed every this many
+    #: iterations on fresh workloads ...
+    recost_every_iters: int = 4
+    #: ... for this many iterations (the heaviest replica sets the pace, so the same
+    #: slowdown costs more under some data mixes).
+    recost_for_iters: int = 40
+    #: [7 severity] A known-slow device whose level moves by this factor (either way) and
+    #: costs or gains ``min_throughput_loss`` is reported again with its new severity.
+    severity_step: float = 0.25
     # --- persistence and flapping (detector/persistence.py; docs/detector.md) -----
     #: A confirmed slowdown is reported once it has lasted this many iterations since
     #: its change point: longer than the 1-3-iteration stragglers (a GC pause, a
@@ -208,6 +252,26 @@ class DetectorConfig:
         ):
             if not integer(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
+        for name in ("cost_views", "recost_every_iters", "recost_for_iters"):
+            if not integer(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        for name in (
+            "warm_peer_ratio",
+            "warm_slow_ratio",
+            "prior_outlier_ratio",
+            "prior_regroup_ratio",
+            "comm_shift_factor",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 1.0 <= v < math.inf:
+                bad(name, "must be a finite number >= 1")
+        for name in ("localize_rank_share", "tp_comm_share", "severity_step"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 < v < 1.0:
+                bad(name, "must be a number in (0, 1)")
+        v = self.iteration_blame_sigmas
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v < math.inf:
+            bad("iteration_blame_sigmas", "must be a finite number >= 0")
         mb = self.view_history_mb
         if not isinstance(mb, int | float) or isinstance(mb, bool) or not mb > 0:
             bad("view_history_mb", "must be a number > 0")

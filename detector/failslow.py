@@ -46,6 +46,7 @@ import numpy as np
 
 from detector.changepoint import ChangePoint, OnlineChangeDetector
 from detector.config import DetectorConfig
+from detector.localization import Localizer
 from detector.predictor import (
     RECV,
     SEND,
@@ -59,10 +60,6 @@ from detector.predictor import (
 )
 from detector.severity import SeverityRecoveryStage
 from detector.slowstate import (
-    PRIOR_OUTLIER_RATIO,
-    PRIOR_REGROUP_RATIO,
-    SEVERITY_STEP,
-    WARM_SLOW_RATIO,
     FailSlowStats,
     Finding,
     Group,
@@ -76,10 +73,6 @@ from detector.warmup import WarmupStage
 from resihp.topology import Layout, LayoutError
 
 __all__ = [
-    "PRIOR_OUTLIER_RATIO",
-    "PRIOR_REGROUP_RATIO",
-    "SEVERITY_STEP",
-    "WARM_SLOW_RATIO",
     "FailSlowDetector",
     "FailSlowStats",
     "Finding",
@@ -95,6 +88,7 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
 
     def __init__(self, cfg: DetectorConfig, layout: Layout | None = None):
         self.cfg = cfg
+        self.localizer = Localizer(cfg)
         self.layout = layout
         self.pred = ChunkPredictor(forget=cfg.forget)
         self.itp = IterationPredictor()
@@ -157,6 +151,7 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
 
     def apply_config(self, cfg: DetectorConfig) -> None:
         self.cfg = cfg
+        self.localizer.cfg = cfg
         for d in [*self.gdet.values(), *self.cdet.values(), self.idet]:
             d.penalty = cfg.cpd_penalty
 
@@ -431,10 +426,29 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
 
     # ------------------------------------------------------------ detect
     def _detect(self, v: IterationView) -> list[Finding]:
-        cfg = self.cfg
+        """One iteration through the stages, in order (the list: ``detector/stages.py``).
+
+        Stage 0 (baseline, :mod:`detector.warmup`) ran at the end of the warm-up; stage 6
+        (persistence, :mod:`detector.persistence`) runs on what this returns, in
+        :class:`detector.engine.Detector`."""
         self.recent.append(v)
-        x, c, rr = self._residuals(v)
-        findings: list[Finding] = []
+        x, c, rr = self._residuals(v)  # the three series of this iteration
+        candidates = self._screen_and_segment(v, x, c)  # 1 screen, 2 change point
+        findings = self._iteration_path(v, x, c, rr)  # 3 workload filter (paper's path)
+        found = self._validate_candidates(candidates, x, c, rr, v)  # 4 localize, 5 validate
+        findings += self.localizer.merge_ports(found, self.group_ranks)  # 4: one per port
+        findings += self._recovery(x, c, v)  # 7 severity / recovery
+        self._fold_healthy(v)  # healthy iterations feed the fit
+        return self._enabled(findings)
+
+    def _screen_and_segment(self, v: IterationView, x, c) -> list[tuple[str, Any, ChangePoint]]:
+        """Stages 1-2: every group's and link's series through its CUSUM screen and ruptures
+        (:class:`detector.changepoint.OnlineChangeDetector`) -> confirmed upward shifts.
+
+        Rejects a shift under ``min_chunk_shift`` (3 %) or ``sigma_shift`` (4) noise
+        sigmas (a link's: ``comm_shift_factor`` x ``min_chunk_shift``), a spike that
+        returns, and a group's downward shift (re-based: faster is not a fault)."""
+        cfg = self.cfg
         min_shift = float(np.log1p(cfg.min_chunk_shift))
         candidates: list[tuple[str, Any, ChangePoint]] = []
         for g, val in x.items():
@@ -450,36 +464,46 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
                 candidates.append(("compute", g, cp))
             elif cp is not None:
                 det.rebase(cp.iteration, center=self.mu[g])
+        comm_need = max(min_shift, float(np.log1p(cfg.comm_shift_factor * cfg.min_chunk_shift)))
         for k, val in c.items():
             det = self.cdet.get(k)
             if det is None:
                 continue
-            cp = det.push(
-                v.iteration, val, max(min_shift, float(np.log1p(2 * cfg.min_chunk_shift)))
-            )
+            cp = det.push(v.iteration, val, comm_need)
             if cp is not None:
                 self.stats.chunk_changepoints_total += 1
                 candidates.append(("comm", k, cp))
-        # paper path: change point on the iteration-time series, then the workload filter
-        if v.iteration_time_s > 0:
-            icp = self.idet.push(
-                v.iteration, float(np.log(v.iteration_time_s)), float(np.log1p(cfg.min_chunk_shift))
-            )
-            if icp is not None:
-                self.stats.iteration_changepoints_total += 1
-                if cfg.failslow_enabled:
-                    findings += self._iteration_changepoint(icp, x, c, rr, v)
-                else:
-                    self.idet.rebase(icp.iteration, center=icp.mean_after)
-        if not cfg.failslow_enabled:
+        return candidates
+
+    def _iteration_path(self, v: IterationView, x, c, rr) -> list[Finding]:
+        """Stage 3 on the paper's series: an iteration-time change point goes through the
+        workload filter (:meth:`_iteration_changepoint`)."""
+        if v.iteration_time_s <= 0:
+            return []
+        icp = self.idet.push(
+            v.iteration,
+            float(np.log(v.iteration_time_s)),
+            float(np.log1p(self.cfg.min_chunk_shift)),
+        )
+        if icp is None:
+            return []
+        self.stats.iteration_changepoints_total += 1
+        if self.cfg.failslow_enabled:
+            return self._iteration_changepoint(icp, x, c, rr, v)
+        self.idet.rebase(icp.iteration, center=icp.mean_after)
+        return []
+
+    def _validate_candidates(self, candidates, x, c, rr, v: IterationView) -> list[Finding]:
+        """Stages 4-5 on the residual shifts: localized, costed together, and re-costed
+        while under the bar (:mod:`detector.validation`)."""
+        if not self.cfg.failslow_enabled:
             # switched off: no validations and no new slow states (they would
             # otherwise never be reported once switched back on)
             for what, key, cp in candidates:
                 det = (self.gdet if what == "compute" else self.cdet).get(key)
                 if det is not None:
                     det.rebase(cp.iteration, center=cp.mean_after)
-            candidates = []
-
+            return []
         # Concurrent shifts (one slow NIC slows its TP collectives and both of
         # its pipeline links) are costed together: each alone may hide in the
         # pipeline's slack while together they cost throughput.
@@ -496,13 +520,9 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
             found += self._validate(
                 what, key, cp, x, c, rr, v, joint=joint if len(joint) > 1 else None
             )
-        if self.watch and cfg.failslow_enabled:
+        if self.watch:
             found += self._recheck_watch(x, c, rr, v)
-        findings += self._merge_comm(found)
-
-        findings += self._recovery(x, c, v)
-        self._fold_healthy(v)
-        return self._enabled(findings)
+        return found
 
     def _enabled(self, findings: list[Finding]) -> list[Finding]:
         if not self.cfg.failslow_enabled:

@@ -1,13 +1,10 @@
-"""Stages 4 and 7, localization and severity/recovery: which ranks, how slow, and when healthy again.
+"""Stage 7, severity and recovery: how slow a reported device is now, and when it is healthy again.
 
-A mixin of :class:`detector.failslow.FailSlowDetector` (it reads and sets its state).
+A mixin of :class:`detector.failslow.FailSlowDetector` (it reads and sets its state);
+localization (stage 4) is :mod:`detector.localization`.
 
-* Localization (``_localize``, ``_merge_comm``): inside a TP group the slow ranks are
-  those whose own ``compute_s`` grew by half the group's factor; a group whose chunks
-  slowed with no member's compute is its TP collectives (``fail_slow_comm``); links
-  ending at such a group, or two slow links sharing a group, are one report for its port.
 * Severity change (``_severity_change``): a known-slow device whose level moves by
-  ``SEVERITY_STEP`` (25 %) and costs or gains ``min_throughput_loss`` is reported again.
+  ``severity_step`` (25 %) and costs or gains ``min_throughput_loss`` is reported again.
 * Recovery (``_recovery``): residual within ``recovery_shift`` (3 %) of healthy for
   ``recovery_iters`` (3) iterations, or a set-aside device's probes within
   ``probe_recovery_shift`` (10 %) and above the midpoint to its slow throughput.
@@ -19,11 +16,16 @@ import numpy as np
 
 from detector.changepoint import ChangePoint
 from detector.predictor import IterationView
-from detector.slowstate import SEVERITY_STEP, Finding, Group, SlowState
+from detector.slowstate import Finding, SlowState
 
 
 class SeverityRecoveryStage:
-    """Mixin: see the module doc."""
+    """Stage 7 (a mixin of FailSlowDetector): severity changes and recoveries.
+
+    Rejects a level move under ``severity_step`` or costing under ``min_throughput_loss``
+    (the scheduler's p_i would churn on noise), a change measured across a re-warm (two
+    fits, not two speeds), and a recovery shorter than ``recovery_iters`` healthy
+    iterations (its report is then held by stage 6 until stable)."""
 
     def _severity_change(
         self, st: SlowState, what, factor: float, cp: ChangePoint, rr, v: IterationView
@@ -42,7 +44,7 @@ class SeverityRecoveryStage:
             # not two speeds of the device
             return []
         step = factor / st.factor
-        if abs(np.log(step)) < np.log1p(SEVERITY_STEP):
+        if abs(np.log(step)) < np.log1p(self.cfg.severity_step):
             return []
         post = self._post(cp, v)
         old_loss, _, _ = self._throughput_loss(post, {what: st.factor})
@@ -58,7 +60,9 @@ class SeverityRecoveryStage:
         ev.update({"previous_factor": round(st.factor, 4), "factor": round(factor, 4)})
         if st.group is not None:
             g = st.group
-            _, own_sev, rank_ratios = self._localize(g, factor, rr)
+            _, own_sev, rank_ratios = self.localizer.ranks_in_group(
+                self.group_ranks.get(g, []), factor, rr, self.rank_mu
+            )
             own = max((rank_ratios.get(r, 0.0) for r in st.ranks), default=0.0)
             if step > 1.0 and own and own / st.factor < 1.0 + 0.25 * (step - 1.0):
                 # slower chunks, the slow rank's own compute unchanged: its TP collectives
@@ -82,92 +86,8 @@ class SeverityRecoveryStage:
             return []
         st.factor = factor
         self.stats.reports_total += 1
-        links = [] if st.pair is None else self._link_pairs(*st.pair)
+        links = [] if st.pair is None else self.localizer.link_pairs(self.group_ranks, *st.pair)
         return [Finding(kind, v.iteration, sorted(ranks), sev, links, ev)]
-
-    def _link_pairs(self, d: int, lo: int) -> list[list[int]]:
-        """Rank pairs of the link between stages ``lo`` and ``lo + 1`` of replica ``d``."""
-        a = self.group_ranks.get((d, lo), [])
-        b = self.group_ranks.get((d, lo + 1), [])
-        return [[x, y] for x, y in zip(a, b, strict=False)]
-
-    def _merge_comm(self, found: list[Finding]) -> list[Finding]:
-        """One report per slow port: links that end at a group whose TP collectives
-        slowed, or two slow links sharing a group, name that group."""
-        groups = [f for f in found if f.kind == "fail_slow_comm" and "group" in f.evidence]
-        links = [f for f in found if f.kind == "fail_slow_comm" and "link" in f.evidence]
-        if not links:
-            return found
-        drop: set[int] = set()
-        for g in groups:
-            gd, gs = g.evidence["group"]["dp"], g.evidence["group"]["stage"]
-            for lf in links:
-                ld, stages = lf.evidence["link"]["dp"], lf.evidence["link"]["stages"]
-                if ld == gd and gs in stages:
-                    g.links += lf.links
-                    g.evidence.setdefault("slow_links", []).append(lf.evidence["link"])
-                    drop.add(id(lf))
-        rest = [lf for lf in links if id(lf) not in drop]
-        by_group: dict[Group, list[Finding]] = {}
-        for lf in rest:
-            d, (a, b) = lf.evidence["link"]["dp"], lf.evidence["link"]["stages"]
-            by_group.setdefault((d, a), []).append(lf)
-            by_group.setdefault((d, b), []).append(lf)
-        merged: list[Finding] = []
-        for gk, lfs in sorted(by_group.items(), key=lambda kv: -len(kv[1])):
-            lfs = [lf for lf in lfs if id(lf) not in drop]
-            if len(lfs) < 2 or not self.group_ranks.get(gk):
-                continue
-            ranks = [r for r in self.group_ranks[gk] if r not in self.cfg.disabled_ranks]
-            if not ranks:
-                continue
-            p = min(min(lf.severity.values()) for lf in lfs)
-            ev = dict(lfs[0].evidence)
-            ev["slow_links"] = [lf.evidence["link"] for lf in lfs]
-            ev["port_of_group"] = {"dp": gk[0], "stage": gk[1]}
-            merged.append(
-                Finding(
-                    "fail_slow_comm",
-                    lfs[0].iteration,
-                    sorted(ranks),
-                    {r: p for r in ranks},
-                    [pair for lf in lfs for pair in lf.links],
-                    ev,
-                )
-            )
-            for lf in lfs:
-                drop.add(id(lf))
-        return [f for f in found if id(f) not in drop] + merged
-
-    def _localize(self, g: Group, factor: float, rr: dict[int, float]):
-        """Slow rank(s) inside the TP group from their own compute time."""
-        members = list(self.group_ranks.get(g, []))
-        ratios = {}
-        for r in members:
-            if r in rr and r in self.rank_mu:
-                ratios[r] = float(np.exp(rr[r] - self.rank_mu[r]))
-        slow = []
-        thr = 1.0 + 0.5 * (factor - 1.0)
-        if ratios:
-            slow = [r for r, q in ratios.items() if q >= thr]
-        if not slow:
-            # TP peers do the same work: a rank slower than its faster peers
-            # (its own baseline may already contain the slowness)
-            own = {r: rr[r] for r in members if r in rr}
-            if len(own) >= 2:
-                vals = sorted(own.values())
-                med = float(np.median(vals[: (len(vals) + 1) // 2]))  # the faster half
-                peer = {r: float(np.exp(val - med)) for r, val in own.items()}
-                slow = [r for r, q in peer.items() if q >= thr]
-                if slow:
-                    ratios = peer
-        if not slow:
-            # no per-rank telemetry (or the whole group slowed): blame the group
-            slow = members
-            sev = {r: round(float(min(1.0, max(0.0, 1.0 / factor))), 4) for r in slow}
-        else:
-            sev = {r: round(float(min(1.0, max(0.0, 1.0 / ratios[r]))), 4) for r in slow}
-        return sorted(slow), sev, ratios
 
     def _evidence(self, v, cp, signal, loss, h_s, s_s, observed_s, predicted_s) -> dict:
         ev = {
@@ -214,6 +134,7 @@ class SeverityRecoveryStage:
                 healthy = probed >= bar
             else:
                 healthy = val - base < lim
+            st.level = val - base
             if healthy:
                 st.healthy_streak += 1
                 st.streak_shifts.append(val - base)

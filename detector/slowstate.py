@@ -42,6 +42,9 @@ class SlowState:
     link: LinkKey | None = None
     pair: tuple[int, int] | None = None  # (dp, lower stage) of a slow link
     healthy_streak: int = 0
+    #: its latest level above the healthy baseline (log ratio; None before one is seen):
+    #: the persistence stage asks whether the device still runs at its slow level
+    level: float | None = None
     #: the streak's residuals above the baseline (the recovered group's level)
     streak_shifts: list[float] = field(default_factory=list)
 
@@ -61,19 +64,7 @@ class FailSlowStats:
     validation_log: list[dict] = field(default_factory=list)
 
 
-#: A group this much slower than its healthy scale in a warm-up iteration runs slow in that
-#: iteration's DAG when the iteration-time offset is learned (below it: noise).
-WARM_SLOW_RATIO = 1.10
-#: A re-warm group at least this much slower than its own speed before the reconfiguration
-#: (same ranks, layer count scaled) is slow.  Healthy groups read 0.998-1.07 (the last
-#: stage's LM head does not scale with its layers), a slow link 2.3, a GPU at 0.6x 1.6.
-PRIOR_OUTLIER_RATIO = 1.10
-#: A known-slow group or link whose level moves by at least this factor (either way) is
-#: reported again with its new severity (if the move costs or gains enough throughput).
-SEVERITY_STEP = 0.25
-#: The same for a group the plan shrank, its time scaled by the TP degree as well: healthy
-#: TP-4 groups shrunk to 2 read 0.93-1.01 (less time in collectives), a GPU at 0.6x 1.6.
-PRIOR_REGROUP_RATIO = 1.25
+# The stages' thresholds live in DetectorConfig (detector/config.py), each with its reason.
 
 
 def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> dict[Group, float]:

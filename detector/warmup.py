@@ -4,7 +4,7 @@ A mixin of :class:`detector.failslow.FailSlowDetector` (it reads and sets its st
 
 Rejects as a baseline: a group > 5 % slower than the faster half of its same-degree
 peers (``warmup_peer_comparison``), and after a replan a group of the same ranks
->= ``PRIOR_OUTLIER_RATIO`` (1.10, or ``PRIOR_REGROUP_RATIO`` 1.25 when the plan shrank it)
+>= ``prior_outlier_ratio`` (1.10, or ``prior_regroup_ratio`` 1.25 when the plan shrank it)
 slower than its own speed before the replan (``warmup_prior_comparison``): learned as the
 baseline, their slowness would never be reported (docs/detector.md, "Prediction").
 """
@@ -16,9 +16,6 @@ import numpy as np
 from detector.changepoint import ChangePoint
 from detector.predictor import IterationView
 from detector.slowstate import (
-    PRIOR_OUTLIER_RATIO,
-    PRIOR_REGROUP_RATIO,
-    WARM_SLOW_RATIO,
     Finding,
     Group,
     LinkKey,
@@ -28,7 +25,11 @@ from detector.slowstate import (
 
 
 class WarmupStage:
-    """Mixin: see the module doc."""
+    """Stage 0, baseline (a mixin of FailSlowDetector): see the module doc.
+
+    Rejects as a healthy baseline a group already slow in the (re-)warm-up: against its
+    same-degree peers (``warm_peer_ratio``) or its own speed before a replan
+    (``prior_outlier_ratio`` / ``prior_regroup_ratio``); such a group is judged at once."""
 
     # ----------------------------------------------------------- warm-up
     def _finish_warmup(self) -> None:
@@ -142,7 +143,8 @@ class WarmupStage:
                 ran_slow = {
                     g: r / self.pred.scale[g]
                     for g, r in ratios.items()
-                    if self.pred.scale.get(g, 0) > 0 and r > WARM_SLOW_RATIO * self.pred.scale[g]
+                    if self.pred.scale.get(g, 0) > 0
+                    and r > self.cfg.warm_slow_ratio * self.pred.scale[g]
                 }
                 try:
                     cp = self.itp.critical_path_s(lay, self.pred, v, ran_slow or None)
@@ -253,7 +255,7 @@ class WarmupStage:
             if g not in slow:
                 by.setdefault((g[1], len(self.group_ranks.get(g, []))), []).append(g)
         out: dict[Group, float] = {}
-        lim = 1.0 + max(self.cfg.min_chunk_shift, 0.05)
+        lim = max(1.0 + self.cfg.min_chunk_shift, self.cfg.warm_peer_ratio)
         for gs in by.values():
             if len(gs) < 2:
                 continue
@@ -276,8 +278,8 @@ class WarmupStage:
         :meth:`_still_slow`), scaled by the stage's layer count and, for a group the plan
         shrank, by the TP degree (a rank of a TP-2 group does the work of two of a TP-4
         group, and a smaller group spends less in its collectives, so healthy groups read
-        at most that).  A median ratio of at least ``PRIOR_OUTLIER_RATIO`` (same ranks) or
-        ``PRIOR_REGROUP_RATIO`` (shrunk) makes it an outlier.  A group with a rank it did
+        at most that).  A median ratio of at least ``prior_outlier_ratio`` (same ranks) or
+        ``prior_regroup_ratio`` (shrunk) makes it an outlier.  A group with a rank it did
         not have has no speed of its own to compare with; the peer comparison judges it.
         """
         self._prior_measured = {}
@@ -306,6 +308,10 @@ class WarmupStage:
                 continue
             q = float(np.median(ratios))
             self._prior_measured[g] = q
-            if q >= (PRIOR_OUTLIER_RATIO if len(ranks) == len(before) else PRIOR_REGROUP_RATIO):
+            if q >= (
+                self.cfg.prior_outlier_ratio
+                if len(ranks) == len(before)
+                else self.cfg.prior_regroup_ratio
+            ):
                 out[g] = q
         return out
