@@ -327,9 +327,11 @@ def engine_bound(model: str, events: list[ScenarioEvent], duration_s: float) -> 
         p = dict(speed)
         best = pred.samples_per_s(layout, p) if layout_runnable(layout, p) else 0.0
         try:
-            res = plan(copy.deepcopy(layout), p, pred)
-            # the same execution rules as the resihp policy (split backward when migrating)
-            t = get_policy("resihp").iteration_s([res.after], p, pred)
+            # the resihp policy's planner options and execution rules (split backward when
+            # migrating: candidates chosen and timed under it)
+            pol = get_policy("resihp")
+            res = plan(copy.deepcopy(layout), p, pred, pol.options)
+            t = pol.iteration_s([res.after], p, pred)
             if math.isfinite(t) and t > 0:
                 best = max(best, res.after.total_microbatches / t)
         except PlanningError:
