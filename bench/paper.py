@@ -309,11 +309,12 @@ def engine_bound(model: str, events: list[ScenarioEvent], duration_s: float) -> 
 
     At every event, with the true device speeds from then on, the best of (a) ResiHP's
     planner run from the fault-free Table 3 layout (free re-layout: regrouping, partition,
-    migration, whatever the current layout was) and (b) ``oobleck-ideal`` from the
+    migration, whatever the current layout was) with the ``resihp`` policy's options
+    (migrated chunks with split backward, no work exchanges) and (b) ``oobleck-ideal`` from the
     fault-free layout (any pipeline count and depth of whole TP groups), and (c) the
     fault-free layout itself while it can run; time-averaged over the session with no
-    pause, no detection delay and no monitoring overhead.  Same schedule rules as every
-    policy (1F1B, the engine's costs).  Not a proof of optimality: the best *found*.
+    pause, no detection delay and no monitoring overhead.  The schedule rules of the
+    policies (1F1B, the engine's costs; split backward for ResiHP's migrated chunks).  Not a proof of optimality: the best *found*.
     """
     layout = table3_layout(model, MBS)
     pred = predictor(model, layout)
