@@ -12,6 +12,7 @@ through ``to_dict``/``from_dict``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,18 @@ class Layout:
                     out[r] = (d, s, t)
         return out
 
+    def runs_dead(self, p: Mapping[int, float]) -> bool:
+        """Whether a rank with speed ``p[rank] <= 0`` is in one of the TP groups.
+
+        Only the ranks ``p`` lists are looked up (no rank -> coordinate map is built: the
+        planner asks this of every candidate, and at 16,384 GPUs building ``coords`` was a
+        visible part of planning).
+        """
+        dead = {r for r, v in p.items() if v <= 0}
+        if not dead:
+            return False
+        return any(not dead.isdisjoint(g) for stages in self.groups for g in stages)
+
     def active_ranks(self) -> list[int]:
         return sorted(self.coords())
 
@@ -149,6 +162,29 @@ class Layout:
         never proposes them.
         """
         return [m for m in self.migrations if self.microbatches[m.dst_dp] <= 0]
+
+    def exchange_migrations(self) -> list[Migration]:
+        """Migrations that move no work: two replicas sending each other chunks of one
+        stage, or a micro-batch whose every stage runs on one other replica (that replica
+        might as well own it).
+
+        Such a layout does the same work as one without them; under split backward
+        (``resihp.pipeline.schedule.ENGINE_KINDS``) they would only relabel local chunks
+        as migrated ones to defer their W, so the planner does not propose them there.
+        """
+        pairs = {(m.stage, m.src_dp, m.dst_dp) for m in self.migrations}
+        dsts: dict[tuple[int, int], set[int]] = {}
+        stages: dict[tuple[int, int], int] = {}
+        for m in self.migrations:
+            k = (m.src_dp, m.microbatch)
+            dsts.setdefault(k, set()).add(m.dst_dp)
+            stages[k] = stages.get(k, 0) + 1
+        whole = {k for k, n in stages.items() if n == self.pp and len(dsts[k]) == 1}
+        return [
+            m
+            for m in self.migrations
+            if (m.stage, m.dst_dp, m.src_dp) in pairs or (m.src_dp, m.microbatch) in whole
+        ]
 
     def pp_group(self, dp: int) -> list[list[int]]:
         return self.groups[dp]
@@ -162,7 +198,13 @@ class Layout:
         return [r for r in range(self.world_size) if r not in used]
 
     # ---------------------------------------------------------------- check
-    def validate(self) -> None:
+    def validate(self, groups: bool = True) -> None:
+        """Raise LayoutError unless the layout is well formed.
+
+        ``groups=False`` skips the per-rank checks of the TP groups and the standby list
+        (the planner's candidates share the groups of one layout it validated already:
+        at 16,384 GPUs those checks were most of each candidate's validation).
+        """
         if self.world_size <= 0 or self.devices_per_node <= 0:
             raise LayoutError("world_size and devices_per_node must be > 0")
         if self.world_size > MAX_WORLD_SIZE:
@@ -189,6 +231,11 @@ class Layout:
             raise LayoutError(
                 f"microbatches {self.microbatches} must list one count >= 0 per replica"
             )
+        if groups:
+            self._validate_groups()
+        self._validate_migrations()
+
+    def _validate_groups(self) -> None:
         seen: dict[int, tuple[int, int]] = {}
         dead = set(self.dead)
         for d, stages in enumerate(self.groups):
@@ -213,6 +260,8 @@ class Layout:
         for r in self.standby:
             if r in seen or r in dead:
                 raise LayoutError(f"standby rank {r} is also active or dead")
+
+    def _validate_migrations(self) -> None:
         for m in self.migrations:
             if not (0 <= m.stage < self.pp and 0 <= m.src_dp < self.dp and 0 <= m.dst_dp < self.dp):
                 raise LayoutError(f"migration {m.to_list()} out of range")

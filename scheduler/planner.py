@@ -75,6 +75,28 @@ class PlanOptions:
     keep: tuple[int, ...] = ()
     drop: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None
+    #: engine kind a 1F1B layout with migrations is timed under while planning (None: the
+    #: layout's own schedule, what the torch trainer runs). The simulated ResiHP of §6.3 sets
+    #: ``1f1bsplit`` (migrated chunks' W deferred), so its plans are chosen under the
+    #: schedule they run with (``scheduler.policies.base.RESIHP_SPLIT_SCHEDULE``).
+    migrated_schedule: str | None = None
+
+
+def timed_s(
+    predictor: Predictor,
+    layout: Layout,
+    p: Mapping[int, float],
+    migrated_schedule: str | None = None,
+) -> float:
+    """The engine's iteration time of ``layout``, under ``migrated_schedule`` when it is a
+    1F1B layout with migrations (see ``PlanOptions.migrated_schedule``)."""
+    return predictor.iteration_s(layout, p, schedule=_kind(layout, migrated_schedule))
+
+
+def _kind(layout: Layout, migrated_schedule: str | None) -> str | None:
+    if migrated_schedule and layout.migrations and layout.schedule == "1f1b":
+        return migrated_schedule
+    return None
 
 
 @dataclass
@@ -106,7 +128,7 @@ def speeds_with_dead(layout: Layout, p: Mapping[int, float]) -> dict[int, float]
 
 
 def layout_runnable(layout: Layout, p: Mapping[int, float]) -> bool:
-    return all(p.get(r, 1.0) > 0 for r in layout.coords())
+    return not layout.runs_dead(p)
 
 
 def memory_violations(layout: Layout, predictor: Predictor) -> list[str]:
@@ -264,7 +286,7 @@ def plan(
         res.predicted_before_s
         if res is not None
         else (
-            predictor.iteration_s(layout, speeds_with_dead(layout, p))
+            timed_s(predictor, layout, speeds_with_dead(layout, p), opt.migrated_schedule)
             if layout_runnable(layout, speeds_with_dead(layout, p))
             else -1.0
         )
@@ -397,7 +419,14 @@ def _plan(
         layout = layout.copy()
         layout.standby = sorted({*layout.standby, *back})
     runnable = layout_runnable(layout, p)
-    before_s = predictor.iteration_s(layout, p) if runnable else math.inf
+    ms = opt.migrated_schedule
+
+    def t_of(c: Layout) -> float:
+        if ms and c.exchange_migrations():
+            return math.inf  # relabelled local work, not a migration (see exchange_migrations)
+        return timed_s(predictor, c, p, ms)
+
+    before_s = t_of(layout) if runnable else math.inf
 
     tp_res = adapt_tp(layout, p, predictor.memory, keep=opt.keep, drop=opt.drop, selective=opt.tp)
     lay = tp_res.layout
@@ -494,6 +523,9 @@ def _plan(
             ]
         )
 
+    # every candidate shares ``lay``'s TP groups: their per-rank checks run once
+    groups_checked = [False]
+
     def with_migrations(base: Layout, variants) -> None:
         f, b, wc = predictor.stage_chunk_s(base, p)
         chunk = f + b + wc
@@ -512,16 +544,19 @@ def _plan(
             cand = clone_layout(base)
             cand.migrations = sorted(mig.migrations, key=lambda x: x.to_list())
             try:
-                cand.validate()
+                cand.validate(groups=not groups_checked[0])
             except LayoutError:
                 continue
+            groups_checked[0] = True
             if cand.idle_host_migrations():  # valid, but the torch trainer cannot run it
+                continue
+            if ms and cand.exchange_migrations():  # relabelled local work under the split
                 continue
             # a replica given more micro-batches holds more in flight: a structure that
             # overflows must not win and then sink the plan at the final memory check
             if memory_violations(cand, predictor):
                 continue
-            structs.append((predictor.iteration_s(cand, p), cand, mig.moves()))
+            structs.append((t_of(cand), cand, mig.moves()))
 
     # On small jobs (few chunks per DAG) the DP step searches wider: more count options,
     # each with and without Algorithm 1's balancing.
@@ -599,7 +634,7 @@ def _plan(
             if key in seen:
                 continue
             seen.add(key)
-            L, t = _climb(predictor, cand, p, caps, t0, wmax_all)
+            L, t = _climb(predictor, cand, p, caps, t0, wmax_all, kind=_kind(cand, ms))
             if t < best[0] - 1e-12:
                 c2 = clone_layout(cand)
                 c2.layers = L
@@ -616,7 +651,7 @@ def _plan(
     t_after, after, mig_moves = best
     # The local search scores layer vectors on one fixed chunk order; the final
     # number re-times migrated chunks at the chosen partition (what the engine runs).
-    t_after = predictor.iteration_s(after, p)
+    t_after = t_of(after)
     if wide and opt.dp:
         # multi-start local search: the chosen layout and the best structures of other
         # (partition, owner counts) pairs, sharing one engine-evaluation budget
@@ -629,8 +664,10 @@ def _plan(
         budget = [REFINE_EVALS]
 
         def score(c: Layout) -> float:
+            if ms and c.exchange_migrations():
+                return math.inf  # refused before the engine runs: costs no evaluation
             budget[0] -= 1
-            return predictor.iteration_s(c, p)
+            return t_of(c)
 
         for t_s, c in starts:
             if budget[0] <= 0:
@@ -664,8 +701,10 @@ def _plan(
                     pbudget[0] -= len(structs) - n0
 
             def pscore(c: Layout) -> float:
+                if ms and c.exchange_migrations():
+                    return math.inf
                 pbudget[0] -= 1
-                return predictor.iteration_s(c, p)
+                return t_of(c)
 
             tried = []
             for t_s, c, _ in sorted(probes, key=lambda x: x[0])[:PROBE_STARTS]:
@@ -780,6 +819,7 @@ def _climb(
     stage_cost: np.ndarray | None = None,
     max_steps: int = 80,
     focus: int = 3,
+    kind: str | None = None,
 ):
     """Steepest descent over one-layer moves between stages, evaluated in batches.
 
@@ -789,7 +829,7 @@ def _climb(
     L = list(lay.layers)
     t = t0
     S = len(L)
-    run = predictor.layer_evaluator(lay, p)
+    run = predictor.layer_evaluator(lay, p, kind)
     for _ in range(max_steps):
         if S > 8 and stage_cost is not None:
             load = np.asarray(L) * stage_cost

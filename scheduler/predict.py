@@ -176,7 +176,7 @@ class Predictor:
         replicas (a single pipeline that is one of several, e.g. Oobleck's).
         ``schedule``: evaluate under this engine kind instead of the layout's.
         """
-        if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
+        if layout.runs_dead(p):
             return float("inf")
         dag, cost, edges = self._timed(layout, p, schedule)
         if allreduce_replicas and allreduce_replicas > layout.dp:
@@ -187,16 +187,18 @@ class Predictor:
             ar = self.cost.allreduce_costs(layout)
         return dag.evaluate(cost, edges, ar).iteration_time_s * self.time_scale
 
-    def layer_evaluator(self, layout: Layout, p: dict[int, float]):
+    def layer_evaluator(self, layout: Layout, p: dict[int, float], schedule: str | None = None):
         """A function mapping layer partitions ``[V, pp]`` to iteration times (one batched DAG run).
+
+        ``schedule``: evaluate under this engine kind instead of the layout's.
 
         Chunk costs, the DP all-reduce and the LM head are affine in a stage's
         layer count, so two cost evaluations give the per-layer and fixed parts
         and every candidate is a linear combination of them.
         """
-        if any(p.get(r, 1.0) <= 0 for r in layout.coords()):
+        if layout.runs_dead(p):
             return lambda Lm: np.full(len(Lm), np.inf)
-        dag, _, edges = self._timed(layout, p)
+        dag, _, edges = self._timed(layout, p, schedule)
         one, two = copy.copy(layout), copy.copy(layout)
         one.layers = [1] * layout.pp
         two.layers = [2] * layout.pp

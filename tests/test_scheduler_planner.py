@@ -396,3 +396,8 @@ def test_partition_candidates_are_scored_by_the_engine():
         assert t_engine <= t_formula * (1 + 1e-12)
         faster += t_engine < t_formula * (1 - 1e-6)
     assert faster >= 1
+
+
+def test_algorithm_1_refuses_a_negative_threshold():
+    with pytest.raises(ValueError, match="delta"):
+        progress_aware_migration(Layout.uniform(2, 2, 2, 8, 2), np.ones((2, 2)), delta=-1)

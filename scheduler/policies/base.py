@@ -10,7 +10,14 @@ import numpy as np
 
 from resihp.topology import Layout, LayoutError, Migration
 from scheduler.dp import balance_microbatches
-from scheduler.planner import PlanningError, PlanOptions, layout_runnable, plan, speeds_with_dead
+from scheduler.planner import (
+    PlanningError,
+    PlanOptions,
+    layout_runnable,
+    plan,
+    speeds_with_dead,
+    timed_s,
+)
 from scheduler.pp import PartitionError, optimal_partition
 from scheduler.predict import Predictor
 from scheduler.tp import adapt_tp
@@ -141,21 +148,28 @@ RESIHP_SPLIT_SCHEDULE = "1f1bsplit"
 
 
 class ResiHP(Policy):
+    """ResiHP (§6): the planner's TP -> PP -> DP plans, migrations with split backward.
+
+    The planner chooses among candidates under the schedule they run with
+    (``PlanOptions.migrated_schedule`` = :data:`RESIHP_SPLIT_SCHEDULE`), and the timeline
+    times the chosen layout the same way (``scheduler.planner.timed_s``).
+    """
+
     def __init__(self, name="resihp", options: PlanOptions | None = None):
         super().__init__(
             name, stop_detect_s=1.0, slow_detect_iters=3.0, reconfig_s=2.0, overhead=0.013
         )
         self.options = options or PlanOptions()
+        if self.options.migrated_schedule is None:
+            self.options.migrated_schedule = RESIHP_SPLIT_SCHEDULE
 
     def iteration_s(self, state, p, pred):
-        ts = []
-        for lay in state:
-            if not layout_runnable(lay, p):
-                ts.append(float("inf"))
-            elif lay.migrations and lay.schedule == "1f1b":
-                ts.append(pred.iteration_s(lay, p, schedule=RESIHP_SPLIT_SCHEDULE))
-            else:
-                ts.append(pred.iteration_s(lay, p))
+        ts = [
+            timed_s(pred, lay, p, self.options.migrated_schedule)
+            if layout_runnable(lay, p)
+            else float("inf")
+            for lay in state
+        ]
         return max(ts) + self.false_alarm_s_per_iter
 
     def adapt(self, state, p, pred):
