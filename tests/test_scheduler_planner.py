@@ -78,7 +78,11 @@ def _capacity_without_migration(lay: Layout, p: dict[int, float], pred) -> int:
     return total
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 80 random scenarios per run (a fresh draw each run) plus the pinned examples: 200 took
+# 46-108 s at load 5-30 and a pytest timeout inside a draw reads as a hypothesis
+# FlakyStrategyDefinition (CI, 2026-12-06); the timeout leaves room for a loaded machine
+@pytest.mark.timeout(300)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 # found by hypothesis: a count shift gave replica 1 a third micro-batch in flight on a stage
 # with no memory for it; that structure won, and the plan was refused at the memory check
