@@ -42,10 +42,13 @@ def agent_name(job_id: str, node: int, rank: int | None = None) -> str:
 def announce_left(client, job_id: str, agents) -> None:
     """Say that the agents ``agents`` ((node, rank), rank None or -1 for a node's) end on
     purpose: a launcher that stops its rank processes calls this first."""
-    keys = JobKeys(job_id)
     names = [agent_name(job_id, n, None if r is None or r < 0 else r) for n, r in agents]
-    if not names:
-        return
+    if names:
+        _mark_left(client, JobKeys(job_id), names)
+
+
+def _mark_left(client, keys: JobKeys, names: list[str]) -> None:
+    """Add ``names`` to the job's ``agents_left`` set (kept AGENTS_LEFT_TTL_S), one trip."""
     pipe = client.pipeline(transaction=False)
     pipe.sadd(keys.agents_left, *names)
     pipe.expire(keys.agents_left, AGENTS_LEFT_TTL_S)
@@ -106,8 +109,7 @@ class NodeAgent:
         """Close the connection; ``left``: on purpose (the collector passes over it)."""
         if left:
             try:
-                self.conn.sadd(self.keys.agents_left, self.name)
-                self.conn.expire(self.keys.agents_left, AGENTS_LEFT_TTL_S)
+                _mark_left(self.conn, self.keys, [self.name])
             except redis.RedisError:
                 pass  # Redis gone: the collector judges the job on heartbeats meanwhile
         pool = self.conn.connection_pool
