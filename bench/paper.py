@@ -38,7 +38,7 @@ from resihp.topology import Layout
 from scheduler.planner import PlanningError, layout_runnable, plan
 from scheduler.policies import Abort, get_policy
 from scheduler.predict import Predictor
-from scheduler.simulate import calibrate, run_timeline, severity_factor
+from scheduler.simulate import calibrate, paper_kill_events, run_timeline, severity_factor
 
 MBS = 8
 FAULT_FREE = {
@@ -100,43 +100,8 @@ def predictor(model: str, layout: Layout) -> Predictor:
 def kill_events(
     layout: Layout, every_s: float, duration_s: float, rng: random.Random
 ) -> list[ScenarioEvent]:
-    """The one kill process of Table 6 (§8.3), the same for every system.
-
-    §8.3: "workers are monotonically terminated over time, leaving only 50 % of the
-    initial cluster intact in the 30m scenario", over 4-16 h sessions scaled by model size,
-    and the baselines survive the 2h and 1h intervals.  Read literally:
-
-    * a worker is one GPU (50 % of 16-64 GPUs after 8-32 kills at 30m; a node-level kill
-      could not be repeated that often on 2-8 nodes), terminated for good (no re-joins);
-    * one kill every ``every_s``, at (k - 1/2) * every_s for k = 1, 2, ... inside a session
-      of 1 h per 4 GPUs (``session_s``): 8-32 kills at 30m, 50 % of the GPUs;
-    * "50 % of the cluster intact" means the kills stay inside one half of the cluster and
-      the other half is never touched: the half is a DP replica (every Table 3 layout has
-      DP = 2), the highest-numbered one that still has a live GPU, and within it each
-      kill is one of its live GPUs drawn uniformly at random (§8.3 names no order inside
-      the half).
-
-    Consequence, printed by the bench beside the paper's pattern: a system that drops a
-    whole TP group after one failed GPU still has a live replica of every stage, so the
-    baselines survive 2h and 1h as §8.3 says, and also 30m, where §8.3 says they abort
-    (its explanation, "all DP replicas of a stage fail", needs a kill outside the intact
-    half, which "50 % intact" rules out).  Uniform random kills over the whole cluster
-    (the earlier process) abort ReCycle at 2h/1h in most runs instead (docs/scheduler.md).
-    """
-    half = {
-        r: d for d, row in enumerate(layout.groups) for g in row for r in g
-    }  # rank -> DP replica
-    alive = sorted(half)
-    out = []
-    t = every_s / 2
-    while t < duration_s and alive:
-        top = max(half[r] for r in alive)
-        pick = [r for r in alive if half[r] == top]
-        r = pick[rng.randrange(len(pick))]
-        alive.remove(r)
-        out.append(ScenarioEvent("kill_device", at_s=t, ranks=(r,)))
-        t += every_s
-    return out
+    """The one kill process of Table 6 (§8.3): ``scheduler.simulate.paper_kill_events``."""
+    return paper_kill_events(layout, every_s, duration_s, rng)
 
 
 def run(model: str, policy: str, events: list[ScenarioEvent], duration_s: float):
@@ -243,8 +208,8 @@ def table6(models, seeds, systems=POLICIES_T6) -> list[str]:
     systems = tuple(p for p in POLICIES_T6 if p in systems)
     full = "resihp" in systems
     print(
-        "\n== Table 6: fail-stop every 2h / 1h / 30m, one live GPU of the last DP replica with "
-        "live GPUs terminated each time (kill_events; samples/s, mean of seeds; ours / paper "
+        "\n== Table 6: fail-stop every 2h / 1h / 30m, one GPU terminated each time, in turn over "
+        "half of the nodes, ascending inside a node (kill_events; samples/s, mean of seeds; ours / paper "
         "(ours ÷ paper); ! = outside ±10 % of the paper) =="
     )
     names = {"oobleck": "Oobleck", "recycle": "ReCycle", "resihp": "ResiHP"}

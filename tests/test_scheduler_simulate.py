@@ -268,3 +268,37 @@ def test_simulate_refuses_bad_options_in_one_line(tmp_path, capsys, opt, value, 
     err = capsys.readouterr().err
     assert err.startswith(f"simulate: bad setting: {msg}") and err.count("\n") == 1, err
     assert not out.exists()  # nothing simulated or written
+
+
+def test_paper_kill_process_follows_section_8_3(setup):
+    """Table 6's kills: half the nodes untouched, the other half gone at 30m; ReCycle aborts at G+1."""
+    import random
+
+    from scheduler.simulate import paper_kill_events
+
+    lay, pred = setup
+    half = lay.world_size // 2
+    evs = paper_kill_events(lay, 1800.0, lay.world_size / 4 * 3600.0, random.Random(7))
+    ranks = [e.ranks[0] for e in evs]
+    assert len(ranks) == len(set(ranks)) == half  # 50 % of the GPUs, each once
+    assert [e.at_s for e in evs] == [900.0 + 1800.0 * k for k in range(half)]
+    nodes = {lay.node_of(r) for r in ranks}
+    assert len(nodes) == lay.num_nodes // 2  # the other half of the nodes is never touched
+    assert all(set(lay.node_ranks(n)) <= set(ranks) for n in nodes)  # and this half is gone
+    for n in nodes:  # inside a node: ascending local index; the nodes take turns
+        mine = [r for r in ranks if lay.node_of(r) == n]
+        assert mine == sorted(mine)
+    assert len({lay.node_of(r) for r in ranks[: len(nodes)]}) == len(nodes)
+    # whole-TP-group dropping: survives the first G kills (1h), aborts at kill G + 1 (30m)
+    g = lay.dp * lay.pp
+    pol = get_policy("recycle")
+    st = pol.initial_state(lay)
+    for k, r in enumerate(ranks, 1):
+        p = {x: 0.0 for x in ranks[:k]}
+        if k <= g:
+            st = pol.adapt(st, p, pred)
+        else:
+            with pytest.raises(Abort, match="every DP replica"):
+                pol.adapt(st, p, pred)
+            break
+    assert k == g + 1
