@@ -293,7 +293,7 @@ def test_paper_kill_process_follows_section_8_3(setup):
     g = lay.dp * lay.pp
     pol = get_policy("recycle")
     st = pol.initial_state(lay)
-    for k, r in enumerate(ranks, 1):
+    for k in range(1, len(ranks) + 1):
         p = {x: 0.0 for x in ranks[:k]}
         if k <= g:
             st = pol.adapt(st, p, pred)
