@@ -3,6 +3,7 @@
     python bench/paper.py            # everything, 3 seeds
     python bench/paper.py --quick    # fewer models/seeds, a couple of minutes on 2 cores
     python bench/paper.py --only table6,plan
+    python bench/paper.py --only kills   # the kill process beside the readings it replaced
     python bench/paper.py --jobs 1     # no worker processes (default: one per CPU)
     python bench/paper.py --fast       # Table 6 baselines (Oobleck, ReCycle) only, 1 seed: seconds
     python bench/paper.py --only table6 --systems oobleck,recycle --seeds 3
@@ -365,6 +366,59 @@ def mean_engine_bound(model: str, scen, seeds) -> float:
     return statistics.mean(_run_all(tasks, engine_bound))
 
 
+# --------------------------------------------------------------------- kill processes
+def _stage_lost_at(layout: Layout, order: list[int]) -> int | None:
+    """Kill index at which some stage has no intact TP group left (ReCycle's abort rule)."""
+    where = {r: (d, s) for d, row in enumerate(layout.groups) for s, g in enumerate(row) for r in g}
+    hit: set[tuple[int, int]] = set()
+    for k, r in enumerate(order, 1):
+        hit.add(where[r])
+        if any(all((d, s) in hit for d in range(layout.dp)) for s in range(layout.pp)):
+            return k
+    return None
+
+
+def _alternative_orders(layout: Layout, rng: random.Random) -> dict[str, list[int]]:
+    """Kill orders that read §8.3 differently, for the comparison ``--only kills`` prints."""
+    n = layout.num_nodes
+    failing = rng.sample(range(n), n // 2)
+    per_node = [layout.node_ranks(x) for x in failing]
+    shuffled = [rng.sample(q, len(q)) for q in per_node]
+    turns = [q[i] for i in range(layout.devices_per_node) for q in shuffled if i < len(q)]
+    last = [r for g in layout.groups[-1] for r in g]
+    return {
+        "nodes one after another": [r for q in per_node for r in q],
+        "in turns, random inside a node": turns,
+        "one DP replica (first session)": rng.sample(last, len(last)),
+        "uniform over the cluster": rng.sample(range(layout.world_size), layout.world_size),
+    }
+
+
+def kill_processes(models, draws: int = 200) -> None:
+    """Abort fraction under ReCycle's rule for ``kill_events`` and the readings it replaced."""
+    print(
+        f"\n== Kill processes: runs (of {draws} draws) in which some stage has lost every DP "
+        "replica's TP group by the end of the 2h / 1h / 30m session (ReCycle's abort rule; "
+        "paper: 0 / 0 / all) =="
+    )
+    for model in models:
+        layout = table3_layout(model, MBS)
+        g = layout.dp * layout.pp  # kills per session: g/2, g, 2g
+        rows: dict[str, list[int | None]] = {}
+        for i in range(draws):
+            rng = random.Random(f"{model}-kills-{i}")
+            dur = session_s(layout)
+            ours = [e.ranks[0] for e in kill_events(layout, 1800.0, dur, rng)]
+            rows.setdefault("kill_events (in turns, ascending)", []).append(
+                _stage_lost_at(layout, ours)
+            )
+            for name, order in _alternative_orders(layout, rng).items():
+                rows.setdefault(name, []).append(_stage_lost_at(layout, order))
+        for name, ks in rows.items():
+            frac = [sum(k is not None and k <= n for k in ks) / draws for n in (g // 2, g, 2 * g)]
+            print(f"{model:12s} {name:34s} " + " / ".join(f"{x:4.2f}" for x in frac))
+
+
 # --------------------------------------------------------------------- Figure 9
 def fig9(models, seeds) -> list[str]:
     print(
@@ -558,7 +612,7 @@ def main(argv=None) -> int:
         help="development mode: Table 6 only, baselines only (oobleck,recycle), 1 seed, "
         "all six models (seconds)",
     )
-    ap.add_argument("--only", default=None, help="comma list of table6,fig9,fig10,large,plan")
+    ap.add_argument("--only", default=None, help="comma list of kills,table6,fig9,fig10,large,plan")
     ap.add_argument(
         "--jobs",
         type=int,
@@ -594,6 +648,8 @@ def main(argv=None) -> int:
         get_preset(m)
     fails: list[str] = []
     t0 = time.time()
+    if "kills" in only:
+        kill_processes(models)
     if "table6" in only:
         fails += table6(models, seeds, systems)
     if "fig9" in only:
