@@ -12,9 +12,10 @@ not a growth of what Python holds shows as free-but-kept allocator memory
 prints the largest differences of tracemalloc snapshots between the first sample after
 the warm-up and the last, by line.
 
-    python bench/memgrowth.py --service collector --iterations 40
-    python bench/memgrowth.py --service detector --iterations 40 --top 15
-    python bench/memgrowth.py --service collector --no-trim     # without malloc_trim
+    python bench/memgrowth.py --dp 64 --iterations 18 --warmup 6 --no-tracemalloc
+    python bench/memgrowth.py --dp 64 --iterations 18 --warmup 6 --no-tracemalloc --no-trim
+    python bench/memgrowth.py --dp 16 --iterations 26 --warmup 8 --top 25   # which lines grow
+    python bench/memgrowth.py --service collector                 # the collector alone
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def rss_mb() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--service", choices=("collector", "detector", "both"), default="both")
+    p.add_argument(
+        "--service", choices=("collector", "both"), default="both", help="both: + the detector"
+    )
     p.add_argument("--dp", type=int, default=128)
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10, help="iterations before the slope")
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             col.run_once()
             if time.monotonic() > deadline:
                 print(f"iteration {it} not published; stats {col.stats}")
+                srv.stop()
                 return 1
         if det is not None:
             for _ in range(5):
