@@ -68,6 +68,7 @@ from resihp import bus
 from resihp.assembly import IterationAssembler
 from resihp.keys import JobKeys
 from resihp.liveness import LivenessCoordinator
+from resihp.memory import HeapTrim
 from resihp.schemas import (
     SCHEMA_VERSION,
     ChunkTiming,
@@ -255,6 +256,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         self.stats: dict[str, int] = defaultdict(int)
         self.published: list[Any] = []  # last few records/events, for tests and status
         self.predictions = LayoutPredictions(client, self.keys)
+        self.heap = HeapTrim()  # freed decode buffers back to the kernel (resihp/memory.py)
         self._group_ready = False
 
     # ------------------------------------------------------------ helpers
@@ -422,6 +424,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             if now >= self._stats_next:
                 self._stats_next = now + 1.0
                 self._flush_counters()
+            self.heap.maybe()
             return handled
         except _REDIS_DOWN as e:
             self._down_log.warning("collector: redis unavailable (%s); retrying", e)

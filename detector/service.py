@@ -30,6 +30,7 @@ from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp import bus, entry
 from resihp.keys import JobKeys
+from resihp.memory import HeapTrim
 from resihp.schemas import FailureReport, IterationRecord, LivenessEvent
 from resihp.topology import Layout, LayoutError
 from resihp.wire import decode_entry
@@ -80,6 +81,7 @@ class DetectorService:
         self.records_flagged_total = 0
         self._flag_log = bus.ThrottledWarning(log, every_s=60.0)
         self.config_changes_total = 0
+        self.heap = HeapTrim()  # freed record buffers back to the kernel (resihp/memory.py)
 
     def _restore(self) -> None:
         """Take over what a previous detector process of this job published: the device
@@ -280,6 +282,7 @@ class DetectorService:
         self._publish(reports)
         self.live_in.ack([i for i, _ in live])
         self.iter_in.ack([i for i, _ in its])
+        self.heap.maybe()
         return len(msgs)
 
     def _pass_over_flagged(self, msgs: list) -> list:
