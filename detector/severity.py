@@ -47,7 +47,8 @@ class SeverityRecovery:
         failing beside a GPU already set slow, or a GPU half-recovering, went unreported).
 
         A group whose chunks slowed further while its slow rank's own compute did not is
-        reported as communication (its TP collectives), as in :meth:`_validate`."""
+        reported as communication (its TP collectives), as in
+        :meth:`detector.validation.Validator.validate`."""
         if not self.s.cfg.failslow_enabled or factor <= 1.0 or st.factor <= 0:
             return []
         if cp.iteration <= max(self.s._warm_until, st.since_iteration):
@@ -75,7 +76,11 @@ class SeverityRecovery:
                 self.s.group_ranks.get(g, []), factor, rr, self.s.rank_mu
             )
             own = max((rank_ratios.get(r, 0.0) for r in st.ranks), default=0.0)
-            if step > 1.0 and own and own / st.factor < 1.0 + 0.25 * (step - 1.0):
+            if (
+                step > 1.0
+                and own
+                and own / st.factor < 1.0 + self.s.cfg.tp_comm_share * (step - 1.0)
+            ):
                 # slower chunks, the slow rank's own compute unchanged: its TP collectives
                 kind = "fail_slow_comm"
                 ranks = [

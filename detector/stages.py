@@ -51,6 +51,7 @@ STAGES: tuple[Stage, ...] = (
             "warm_slow_ratio",
             "prior_outlier_ratio",
             "prior_regroup_ratio",
+            "warm_sigma_floor_share",
         ),
     ),
     Stage(
@@ -94,7 +95,13 @@ STAGES: tuple[Stage, ...] = (
         "validation",
         "validation:Validator",
         "a shift costing under min_throughput_loss of throughput",
-        ("min_throughput_loss", "cost_views", "recost_every_iters", "recost_for_iters"),
+        (
+            "min_throughput_loss",
+            "cost_views",
+            "recost_every_iters",
+            "recost_for_iters",
+            "ramp_level_iters",
+        ),
     ),
     Stage(
         6,
@@ -108,6 +115,12 @@ STAGES: tuple[Stage, ...] = (
         "severity / recovery",
         "severity:SeverityRecovery",
         "level moves under severity_step; recoveries shorter than recovery_iters",
-        ("severity_step", "recovery_shift", "recovery_iters", "probe_recovery_shift"),
+        (
+            "severity_step",
+            "tp_comm_share",
+            "recovery_shift",
+            "recovery_iters",
+            "probe_recovery_shift",
+        ),
     ),
 )

@@ -128,7 +128,7 @@ class DetectorState:
                         # a group reported as a whole (a slow TP collective names every
                         # member) keeps being followed when the plan swapped out a minority
                         # of it: the culprit is likelier still in it, and if it left, the
-                        # group's recovery speaks only for the ranks that ran (_recovery).
+                        # group's recovery speaks only for the ranks that ran (stage 7's recovery).
                         # One detached by an earlier plan attaches only with every rank in
                         # the group: else it would attach to the part the next plan keeps,
                         # whose healthy speed says nothing about the ranks set aside

@@ -97,12 +97,13 @@ class Validator:
 
     def _current_level(self, what: str, key, cp: ChangePoint) -> ChangePoint:
         """``cp`` with its post-change level raised to the series' latest one (the median
-        of its last 3 points) when that is higher: a ramp keeps climbing after the change
+        of its last ``ramp_level_iters`` points) when that is higher: a ramp keeps climbing after the change
         point, and costing its segment mean would report it late."""
         det = (self.s.gdet if what == "compute" else self.s.cdet).get(key)
-        if det is None or len(det.values) < 3:
+        n = self.s.cfg.ramp_level_iters
+        if det is None or len(det.values) < n:
             return cp
-        now = float(np.median(list(det.values)[-3:]))
+        now = float(np.median(list(det.values)[-n:]))
         return dataclasses.replace(cp, mean_after=now) if now > cp.mean_after else cp
 
     def _recheck_watch(self, x, c, rr, v: IterationView) -> list[Finding]:

@@ -131,11 +131,11 @@ class Baseline:
             self.s.mu[g], self.s.sigma[g] = _robust(xs, floor)
         # Every group's residual has the same noise sources (kernel jitter, eq.-1
         # misfit); a 20-point estimate can come out low by chance, so no group
-        # is trusted below 80 % of the typical one.
+        # is trusted below warm_sigma_floor_share (80 %) of the typical one.
         if self.s.sigma:
             typical = float(np.median(list(self.s.sigma.values())))
             for g in self.s.sigma:
-                self.s.sigma[g] = max(self.s.sigma[g], 0.8 * typical)
+                self.s.sigma[g] = max(self.s.sigma[g], self.s.cfg.warm_sigma_floor_share * typical)
         for k, xs in cres.items():
             if any(s.link == k for s in self.s.slow.values()) and k in self.s.comm_mu:
                 continue

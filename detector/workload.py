@@ -61,7 +61,7 @@ class WorkloadFilter:
         time within ``threshold`` (1.25) x their predicted healthy time (longer documents
         make longer iterations): its points are dropped, nothing is validated.  Otherwise
         it blames each group whose residual stood ``iteration_blame_sigmas`` above its
-        baseline at every post-change point (:meth:`_post_change_level`) and validates it."""
+        baseline at every post-change point (:meth:`post_change_level`) and validates it."""
         t0 = time.process_time()
         post = [w for w in self.s.recent if w.iteration >= cp.iteration]
         lay = self.s.dag_layout(v)

@@ -82,6 +82,8 @@ def test_the_detector_is_a_pipeline_of_composed_units_not_mixins():
         ("recost_every_iters", 1.5),
         ("comm_shift_factor", "2"),
         ("iteration_blame_sigmas", -1.0),
+        ("warm_sigma_floor_share", 1.5),
+        ("ramp_level_iters", 0),
     ],
 )
 def test_a_bad_stage_constant_is_refused_naming_its_field(name, bad):
