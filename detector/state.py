@@ -1,8 +1,9 @@
 """The fail-slow detector's shared state: the healthy fit, every series' baseline and window, where ranks work, the slow devices.
 
 One :class:`DetectorState` is built by :class:`detector.failslow.FailSlowDetector` and handed
-to each stage unit (``unit.s``); the stages read it and update it, nothing else holds
-detector state.  Besides the fields it owns what every stage needs about them: the layout
+to each stage unit (``unit.s``); the stages read it and update it, and keep to themselves
+only what one stage alone uses (the validator's re-costing watch list, the baseline's
+warm-up outliers).  Besides the fields it owns what every stage needs about them: the layout
 maps (``set_layout``, ``learn_ranks``), the three residual series of one iteration
 (``residuals``), folding healthy iterations into the fit (``fold_healthy``), re-fitting on a
 layout change (``on_layout_change``).  It rejects nothing: it is no stage.
@@ -39,7 +40,25 @@ from resihp.topology import Layout, LayoutError
 
 class DetectorState:
     """What the fail-slow stages share (see the module doc); the fields keep the names
-    they had on ``FailSlowDetector``."""
+    they had on ``FailSlowDetector``.  Who writes what (stages by number, detector/stages.py):
+
+    * ``layout``, ``rank_group``, ``group_ranks``, ``_layout_id``, ``_layers_of``,
+      ``_groups_of``: where ranks work (``set_layout``, ``learn_ranks``; all read them);
+    * ``pred`` (eq.-1 fit, per-group scales, P2P baselines), ``itp`` (DAG iteration time
+      and its offset): fitted by 0, kept current by ``fold_healthy``, a recovered group
+      re-scaled by 7; ``_prior``, ``_prior_groups``: the fit before the last layout
+      change (``on_layout_change``), read by 0;
+    * ``mu``/``sigma``, ``comm_mu``/``comm_sigma``, ``rank_mu``, ``iter_mu``/``iter_sigma``:
+      every series' healthy level and noise, set by 0, read by 1-5 and 7;
+    * ``gdet``, ``cdet``, ``idet``: each series' change-point window, primed by 0, pushed
+      by 1-3, re-based by 3, 5 and 7;
+    * ``recent``: the last views (the workloads 3 and 5 cost on); ``pending``: views
+      waiting to be folded into the fit;
+    * ``slow``: the devices reported slow, added by 0 and 5, removed by 7 (and by the
+      engine on a fail-stop), read by 6;
+    * ``ready``, ``_warm_until``: the (re-)warm-up is done, and its last iteration (0);
+    * ``stats``: counters of every stage.
+    """
 
     def __init__(self, cfg: DetectorConfig, layout: Layout | None = None):
         self.cfg = cfg
