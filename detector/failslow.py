@@ -1,4 +1,4 @@
-"""Workload-aware fail-slow detection (§5.2), stricter than the paper's 1.25x gate.
+"""Workload-aware fail-slow detection (§5.2) as a pipeline of stage units, stricter than the paper's 1.25x gate.
 
 Two signals feed change-point detection (:mod:`detector.changepoint`):
 
