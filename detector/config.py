@@ -150,6 +150,11 @@ class DetectorConfig:
     #: [0 baseline] The same for a group the plan shrank (time scaled by the TP degree
     #: too): healthy TP-4 groups shrunk to 2 read 0.93-1.01, a GPU at 0.6x 1.6.
     prior_regroup_ratio: float = 1.25
+    #: [0 baseline] No group's residual noise sigma is taken below this share of the
+    #: typical (median) group's: every group has the same noise sources (kernel jitter,
+    #: eq.-1 misfit) and a 20-point estimate can come out low by chance, which would make
+    #: that group alone alarm on noise.
+    warm_sigma_floor_share: float = 0.8
     #: [2 change point] A P2P statistic must move by this many times ``min_chunk_shift``:
     #: a link's own time is noisier than a median of compute chunks (one transfer per
     #: micro-batch, its sender's end taken from another clock), and a link that costs
@@ -164,7 +169,8 @@ class DetectorConfig:
     #: all of it; half leaves room for the noise of one rank's compute time).
     localize_rank_share: float = 0.5
     #: [4 localization] A group whose chunks slowed while no member's own compute grew by
-    #: this share of it spent the time in its TP collectives: ``fail_slow_comm``.
+    #: this share of it spent the time in its TP collectives: ``fail_slow_comm`` (stage 7
+    #: applies the same share to a known-slow group's level move).
     tp_comm_share: float = 0.25
     #: [5 validation] A slowdown's throughput cost is averaged over the DAG of this many
     #: recent iterations' workloads (one mix can hide or expose a slow stage).
@@ -175,6 +181,11 @@ class DetectorConfig:
     #: ... for this many iterations (the heaviest replica sets the pace, so the same
     #: slowdown costs more under some data mixes).
     recost_for_iters: int = 40
+    #: [5 validation] A watched shift is re-costed at the median of its series' last this
+    #: many points when that is above its change point's mean: a throttling ramp keeps
+    #: climbing after the change point (costed at its segment mean it was reported late);
+    #: 3 is the fewest whose median one spike cannot move.
+    ramp_level_iters: int = 3
     #: [7 severity] A known-slow device whose level moves by this factor (either way) and
     #: costs or gains ``min_throughput_loss`` is reported again with its new severity.
     severity_step: float = 0.25
@@ -252,7 +263,7 @@ class DetectorConfig:
         ):
             if not integer(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
-        for name in ("cost_views", "recost_every_iters", "recost_for_iters"):
+        for name in ("cost_views", "recost_every_iters", "recost_for_iters", "ramp_level_iters"):
             if not integer(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
         for name in (
@@ -269,6 +280,9 @@ class DetectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 < v < 1.0:
                 bad(name, "must be a number in (0, 1)")
+        v = self.warm_sigma_floor_share
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
+            bad("warm_sigma_floor_share", "must be a number in [0, 1]")
         v = self.iteration_blame_sigmas
         if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v < math.inf:
             bad("iteration_blame_sigmas", "must be a finite number >= 0")

@@ -42,7 +42,7 @@ class GreyhoundDetector(FailSlowDetector):
         self.pause_s_total = 0.0
         # Greyhound's Bayesian detector flags the newest point as soon as its
         # change probability passes 0.8; one outlying iteration can do that.
-        self.idet = OnlineChangeDetector(
+        self.s.idet = OnlineChangeDetector(
             window=cfg.cpd_window,
             min_size=1,
             penalty=cfg.cpd_penalty,
@@ -55,15 +55,15 @@ class GreyhoundDetector(FailSlowDetector):
 
     def validation_pause_s(self) -> float:
         links = 0
-        for (_d, s), ranks in self.group_ranks.items():
-            if s + 1 < max((g[1] for g in self.group_ranks), default=0) + 1:
+        for (_d, s), ranks in self.s.group_ranks.items():
+            if s + 1 < max((g[1] for g in self.s.group_ranks), default=0) + 1:
                 links += len(ranks)
         return self.cfg.gh_validation_base_s + self.cfg.gh_validation_per_link_s * links
 
     def _detect(self, v: IterationView) -> list[Finding]:
         cfg = self.cfg
         self.recent.append(v)
-        x, c, rr = self._residuals(v)
+        x, c, rr = self.s.residuals(v)
         out: list[Finding] = []
         if v.iteration_time_s > 0:
             cp = self.idet.push(
@@ -75,7 +75,7 @@ class GreyhoundDetector(FailSlowDetector):
                     self.last_cp_iteration = cp.iteration
                     self.stats.iteration_changepoints_total += 1
                     out += self._gh_validate(v, cp)
-        out += self._recovery(x, c, v)
+        out += self.severity.recovery(x, c, v)
         self._fold_healthy_gh(v)
         if not cfg.failslow_enabled:
             return [f for f in out if f.kind == "recovery"]
@@ -84,7 +84,7 @@ class GreyhoundDetector(FailSlowDetector):
     def _fold_healthy_gh(self, v: IterationView) -> None:
         # the baseline's "micro-benchmark" normalization needs a work model too;
         # keep it current exactly like ResiHP's so the comparison is only about the gate
-        self._fold_healthy(v)
+        self.s.fold_healthy(v)
 
     def _gh_validate(self, v: IterationView, cp) -> list[Finding]:
         t0 = time.process_time()
@@ -109,7 +109,7 @@ class GreyhoundDetector(FailSlowDetector):
         # micro-benchmark: compute time per unit of predicted work, vs the median GPU
         speed: dict[int, float] = {}
         for w in post:
-            _x, _c, rr = self._residuals(w)
+            _x, _c, rr = self.s.residuals(w)
             for r, val in rr.items():
                 speed.setdefault(r, []).append(val)  # type: ignore[arg-type]
         rank_speed = {r: float(np.exp(np.mean(vals))) for r, vals in speed.items()}  # type: ignore[arg-type]
@@ -153,7 +153,7 @@ class GreyhoundDetector(FailSlowDetector):
             )
             findings.append(Finding("fail_slow_compute", v.iteration, slow_ranks, sev, [], ev))
             for r in slow_ranks:
-                g = self.rank_group.get(r)
+                g = self.s.rank_group.get(r)
                 self.slow[("r", r)] = SlowState(
                     "fail_slow_compute", [r], v.iteration, rank_speed[r] / med_speed, group=g
                 )
@@ -164,8 +164,8 @@ class GreyhoundDetector(FailSlowDetector):
                 continue
             reported.add(pair)
             d, lo = pair
-            a = self.group_ranks.get((d, lo), [])
-            b = self.group_ranks.get((d, lo + 1), [])
+            a = self.s.group_ranks.get((d, lo), [])
+            b = self.s.group_ranks.get((d, lo + 1), [])
             links = [[x, y] for x, y in zip(a, b, strict=False)]
             ranks = sorted({r for p in links for r in p} - set(cfg.disabled_ranks))
             if not ranks:

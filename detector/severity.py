@@ -1,11 +1,14 @@
 """Stage 7, severity and recovery: how slow a reported device is now, and when it is healthy again.
 
-A mixin of :class:`detector.failslow.FailSlowDetector` (it reads and sets its state);
-localization (stage 4) is :mod:`detector.localization`.
+A composed unit of :class:`detector.failslow.FailSlowDetector`: its inputs are one
+iteration's residuals (``x``, ``c``, ``rr``) and view, and the shared state ``s`` (a
+:class:`detector.state.DetectorState`: slow devices, baselines, windows) it reads and
+updates; its outputs are findings.  Localization (stage 4) is :mod:`detector.localization`,
+the cost of a level (the DAG what-if) :mod:`detector.costing`.
 
-* Severity change (``_severity_change``): a known-slow device whose level moves by
+* Severity change (``severity_change``): a known-slow device whose level moves by
   ``severity_step`` (25 %) and costs or gains ``min_throughput_loss`` is reported again.
-* Recovery (``_recovery``): residual within ``recovery_shift`` (3 %) of healthy for
+* Recovery (``recovery``): residual within ``recovery_shift`` (3 %) of healthy for
   ``recovery_iters`` (3) iterations, or a set-aside device's probes within
   ``probe_recovery_shift`` (10 %) and above the midpoint to its slow throughput.
 """
@@ -15,19 +18,27 @@ from __future__ import annotations
 import numpy as np
 
 from detector.changepoint import ChangePoint
+from detector.costing import Costing
+from detector.localization import Localizer
 from detector.predictor import IterationView
 from detector.slowstate import Finding, SlowState
+from detector.state import DetectorState
 
 
-class SeverityRecoveryStage:
-    """Stage 7 (a mixin of FailSlowDetector): severity changes and recoveries.
+class SeverityRecovery:
+    """Stage 7: severity changes and recoveries.
 
     Rejects a level move under ``severity_step`` or costing under ``min_throughput_loss``
     (the scheduler's p_i would churn on noise), a change measured across a re-warm (two
     fits, not two speeds), and a recovery shorter than ``recovery_iters`` healthy
     iterations (its report is then held by stage 6 until stable)."""
 
-    def _severity_change(
+    def __init__(self, state: DetectorState, localizer: Localizer, costing: Costing):
+        self.s = state
+        self.localizer = localizer
+        self.costing = costing
+
+    def severity_change(
         self, st: SlowState, what, factor: float, cp: ChangePoint, rr, v: IterationView
     ) -> list[Finding]:
         """A known-slow group or link that moved to another level (``factor``, against its
@@ -36,38 +47,45 @@ class SeverityRecoveryStage:
         failing beside a GPU already set slow, or a GPU half-recovering, went unreported).
 
         A group whose chunks slowed further while its slow rank's own compute did not is
-        reported as communication (its TP collectives), as in :meth:`_validate`."""
-        if not self.cfg.failslow_enabled or factor <= 1.0 or st.factor <= 0:
+        reported as communication (its TP collectives), as in
+        :meth:`detector.validation.Validator.validate`."""
+        if not self.s.cfg.failslow_enabled or factor <= 1.0 or st.factor <= 0:
             return []
-        if cp.iteration <= max(self._warm_until, st.since_iteration):
+        if cp.iteration <= max(self.s._warm_until, st.since_iteration):
             # a level measured across a reconfiguration or a re-warm compares two fits,
             # not two speeds of the device
             return []
         step = factor / st.factor
-        if abs(np.log(step)) < np.log1p(self.cfg.severity_step):
+        if abs(np.log(step)) < np.log1p(self.s.cfg.severity_step):
             return []
-        post = self._post(cp, v)
-        old_loss, _, _ = self._throughput_loss(post, {what: st.factor})
-        loss, h_s, s_s = self._throughput_loss(post, {what: factor})
+        post = self.costing.post(cp, v)
+        old_loss, _, _ = self.costing.throughput_loss(post, {what: st.factor})
+        loss, h_s, s_s = self.costing.throughput_loss(post, {what: factor})
         change = abs(1.0 - (1.0 - loss) / (1.0 - old_loss)) if old_loss < 1.0 else 0.0
-        if change < self.cfg.min_throughput_loss:
-            self.stats.below_cost_total += 1
+        if change < self.s.cfg.min_throughput_loss:
+            self.s.stats.below_cost_total += 1
             return []
         kind = st.kind
-        ranks = [r for r in st.ranks if r not in self.cfg.disabled_ranks]
+        ranks = [r for r in st.ranks if r not in self.s.cfg.disabled_ranks]
         sev = {r: round(float(min(1.0, 1.0 / factor)), 4) for r in ranks}
-        ev = self._evidence(v, cp, "severity_change", loss, h_s, s_s, None, None)
+        ev = self.costing.evidence(v, cp, "severity_change", loss, h_s, s_s, None, None)
         ev.update({"previous_factor": round(st.factor, 4), "factor": round(factor, 4)})
         if st.group is not None:
             g = st.group
             _, own_sev, rank_ratios = self.localizer.ranks_in_group(
-                self.group_ranks.get(g, []), factor, rr, self.rank_mu
+                self.s.group_ranks.get(g, []), factor, rr, self.s.rank_mu
             )
             own = max((rank_ratios.get(r, 0.0) for r in st.ranks), default=0.0)
-            if step > 1.0 and own and own / st.factor < 1.0 + 0.25 * (step - 1.0):
+            if (
+                step > 1.0
+                and own
+                and own / st.factor < 1.0 + self.s.cfg.tp_comm_share * (step - 1.0)
+            ):
                 # slower chunks, the slow rank's own compute unchanged: its TP collectives
                 kind = "fail_slow_comm"
-                ranks = [r for r in self.group_ranks.get(g, []) if r not in self.cfg.disabled_ranks]
+                ranks = [
+                    r for r in self.s.group_ranks.get(g, []) if r not in self.s.cfg.disabled_ranks
+                ]
                 sev = {r: round(float(min(1.0, 1.0 / step)), 4) for r in ranks}
                 ev["tp_collectives"] = True
             elif st.kind == "fail_slow_compute":
@@ -85,38 +103,22 @@ class SeverityRecoveryStage:
         if not ranks:
             return []
         st.factor = factor
-        self.stats.reports_total += 1
-        links = [] if st.pair is None else self.localizer.link_pairs(self.group_ranks, *st.pair)
+        self.s.stats.reports_total += 1
+        links = [] if st.pair is None else self.localizer.link_pairs(self.s.group_ranks, *st.pair)
         return [Finding(kind, v.iteration, sorted(ranks), sev, links, ev)]
 
-    def _evidence(self, v, cp, signal, loss, h_s, s_s, observed_s, predicted_s) -> dict:
-        ev = {
-            "signal": signal,
-            "change_point": cp.to_dict(),
-            "observed_iteration_time_s": round(v.iteration_time_s, 6),
-            "predicted_iteration_time_s": round(predicted_s, 6)
-            if predicted_s is not None and np.isfinite(predicted_s)
-            else None,
-            "throughput_loss": round(float(loss), 4),
-            "predicted_healthy_s": round(h_s, 6) if np.isfinite(h_s) else None,
-            "predicted_with_slowdown_s": round(s_s, 6) if np.isfinite(s_s) else None,
-        }
-        if observed_s is not None:
-            ev["observed_at_change_s"] = round(observed_s, 6)
-        return ev
-
     # ----------------------------------------------------------- recovery
-    def _recovery(self, x, c, v: IterationView) -> list[Finding]:
+    def recovery(self, x, c, v: IterationView) -> list[Finding]:
         out = []
-        lim = float(np.log1p(self.cfg.recovery_shift))
-        for key, st in list(self.slow.items()):
+        lim = float(np.log1p(self.s.cfg.recovery_shift))
+        for key, st in list(self.s.slow.items()):
             probed = None
             if st.group is not None:
                 val = x.get(st.group)
-                base = self.mu.get(st.group, 0.0)
+                base = self.s.mu.get(st.group, 0.0)
             elif st.link is not None:
                 val = c.get(st.link)
-                base = self.comm_mu.get(st.link, 0.0)
+                base = self.s.comm_mu.get(st.link, 0.0)
             else:
                 # set aside (standby): only the trainer's idle-device probe measures it
                 ratios = [v.probe_ratio.get(r) for r in st.ranks]
@@ -128,7 +130,7 @@ class SeverityRecoveryStage:
                 continue  # no telemetry this iteration: neither slow nor healthy evidence
             if probed is not None:
                 bar = max(
-                    1.0 / (1.0 + self.cfg.probe_recovery_shift),
+                    1.0 / (1.0 + self.s.cfg.probe_recovery_shift),
                     (1.0 + 1.0 / max(st.factor, 1.0)) / 2,
                 )
                 healthy = probed >= bar
@@ -141,10 +143,10 @@ class SeverityRecoveryStage:
             else:
                 st.healthy_streak = 0
                 st.streak_shifts.clear()
-            if st.healthy_streak >= self.cfg.recovery_iters:
-                del self.slow[key]
+            if st.healthy_streak >= self.s.cfg.recovery_iters:
+                del self.s.slow[key]
                 aside = (
-                    [r for r in st.ranks if self.rank_group.get(r) != st.group]
+                    [r for r in st.ranks if self.s.rank_group.get(r) != st.group]
                     if st.group is not None
                     else []
                 )
@@ -152,16 +154,20 @@ class SeverityRecoveryStage:
                     # a group reported as a whole recovered without the ranks the plan set
                     # aside: nothing measured them, so they stay slow (their probes judge
                     # them) and only the ranks that ran are said recovered
-                    self.slow[("aside", r)] = SlowState(st.kind, [r], st.since_iteration, st.factor)
+                    self.s.slow[("aside", r)] = SlowState(
+                        st.kind, [r], st.since_iteration, st.factor
+                    )
                 ranks = [r for r in st.ranks if r not in aside]
-                if st.group is not None and st.group in self.pred.scale:
+                if st.group is not None and st.group in self.s.pred.scale:
                     # The scale it kept while slow was learned under another layout or
                     # fit: a recovered group reading far below its baseline would pull
                     # its peers' relative residuals up and look like them slowing down.
                     # It is re-based on the level it now runs at.
-                    self.pred.scale[st.group] *= float(np.exp(np.median(st.streak_shifts)))
-                self.stats.recoveries_total += 1
-                det = self.gdet.get(st.group) if st.group is not None else self.cdet.get(st.link)
+                    self.s.pred.scale[st.group] *= float(np.exp(np.median(st.streak_shifts)))
+                self.s.stats.recoveries_total += 1
+                det = (
+                    self.s.gdet.get(st.group) if st.group is not None else self.s.cdet.get(st.link)
+                )
                 if det is not None:
                     det.rebase(v.iteration, center=base)
                 ev = {

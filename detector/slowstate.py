@@ -1,8 +1,9 @@
 """Fail-slow detection's shared vocabulary: findings, slow states, stats, thresholds, peer residuals.
 
-Imported by the stages (:mod:`detector.failslow` and its stage modules
-:mod:`detector.warmup`, :mod:`detector.validation`, :mod:`detector.severity`) and by
-:mod:`detector.persistence`.
+Imported by the shared state (:mod:`detector.state`), the stage units
+(:mod:`detector.warmup`, :mod:`detector.shifts`, :mod:`detector.workload`,
+:mod:`detector.validation`, :mod:`detector.severity`, :mod:`detector.localization`,
+:mod:`detector.persistence`) and the pipeline (:mod:`detector.failslow`).
 """
 
 from __future__ import annotations

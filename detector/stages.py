@@ -3,20 +3,23 @@
 ::
 
     IterationRecord -> IterationView (predictor.py; RECV/ALLREDUCE rows -> own time, commtime.py)
-      [0] baseline        warmup.WarmupStage            at the end of a (re-)warm-up
-      [1] screen          changepoint.CusumScreen       every point of every series
-      [2] change point    changepoint.OnlineChangeDetector   ruptures on the window
-      [3] workload filter validation.ValidationStage._iteration_changepoint
-      [4] localization    localization.Localizer
-      [5] validation      validation.ValidationStage._validate (+ _recheck_watch)
-      [6] persistence     persistence.PersistenceGate   (engine.Detector, ResiHP mode)
-      [7] severity/recovery severity.SeverityRecoveryStage
+      [0] baseline          warmup.Baseline               at the end of a (re-)warm-up
+      [1] screen            changepoint.CusumScreen       every point of every series
+      [2] change point      changepoint.OnlineChangeDetector   ruptures on the window
+                            (1-2 on every group and link series: shifts.ShiftFinder)
+      [3] workload filter   workload.WorkloadFilter       the iteration-time series
+      [4] localization      localization.Localizer
+      [5] validation        validation.Validator          (costed by costing.Costing)
+      [6] persistence       persistence.PersistenceGate   (engine.Detector, ResiHP mode)
+      [7] severity/recovery severity.SeverityRecovery
     -> FailureReport (engine.Detector)
 
-``FailSlowDetector._detect`` (detector/failslow.py) calls stages 1-5 and 7 in this
-order; each unit's docstring says what it rejects and why; each constant is a field of
-:class:`detector.config.DetectorConfig` with its reason.  ``STAGES`` below is the
-same list as data (tests/test_detector_stages.py holds it to the code and to
+Each stage is a composed unit (no inheritance): ``FailSlowDetector.__init__``
+(detector/failslow.py) builds them over one shared :class:`detector.state.DetectorState`
+and ``FailSlowDetector._detect`` calls stages 1-5 and 7 in this order; each unit's
+docstring says what it rejects and why; each constant is a field of
+:class:`detector.config.DetectorConfig` with its reason.  ``STAGES`` below is the same
+list as data (tests/test_detector_stages.py holds it to the code and to
 docs/detector.md).
 """
 
@@ -39,7 +42,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         0,
         "baseline",
-        "warmup:WarmupStage",
+        "warmup:Baseline",
         "a group already slow in the warm-up as its healthy baseline",
         (
             "warmup_iters",
@@ -48,6 +51,7 @@ STAGES: tuple[Stage, ...] = (
             "warm_slow_ratio",
             "prior_outlier_ratio",
             "prior_regroup_ratio",
+            "warm_sigma_floor_share",
         ),
     ),
     Stage(
@@ -75,7 +79,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         3,
         "workload filter",
-        "validation:ValidationStage._iteration_changepoint",
+        "workload:WorkloadFilter",
         "an iteration-time change the workload explains (within threshold x predicted)",
         ("threshold", "iteration_blame_sigmas"),
     ),
@@ -89,9 +93,15 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         5,
         "validation",
-        "validation:ValidationStage._validate",
+        "validation:Validator",
         "a shift costing under min_throughput_loss of throughput",
-        ("min_throughput_loss", "cost_views", "recost_every_iters", "recost_for_iters"),
+        (
+            "min_throughput_loss",
+            "cost_views",
+            "recost_every_iters",
+            "recost_for_iters",
+            "ramp_level_iters",
+        ),
     ),
     Stage(
         6,
@@ -103,8 +113,14 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         7,
         "severity / recovery",
-        "severity:SeverityRecoveryStage",
+        "severity:SeverityRecovery",
         "level moves under severity_step; recoveries shorter than recovery_iters",
-        ("severity_step", "recovery_shift", "recovery_iters", "probe_recovery_shift"),
+        (
+            "severity_step",
+            "tp_comm_share",
+            "recovery_shift",
+            "recovery_iters",
+            "probe_recovery_shift",
+        ),
     ),
 )

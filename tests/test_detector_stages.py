@@ -6,14 +6,18 @@ import dataclasses
 import importlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from detector.changepoint import OnlineChangeDetector
+from detector.changepoint import ChangePoint, OnlineChangeDetector
 from detector.config import ConfigFieldError, DetectorConfig
 from detector.failslow import FailSlowDetector, Finding, SlowState
 from detector.localization import Localizer
 from detector.persistence import PersistenceGate
+from detector.predictor import IterationView
 from detector.stages import STAGES
+from detector.synthetic import SyntheticJob
+from resihp.topology import Layout
 
 CFG = DetectorConfig()
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +46,30 @@ def test_every_stage_is_a_documented_unit_with_its_settings_in_the_config():
         assert len(p.read_text().splitlines()) <= 800, p.name
 
 
+def test_the_detector_is_a_pipeline_of_composed_units_not_mixins():
+    """Every stage is its own object (no base class but object), the detector holds each
+    once, and every unit of the fail-slow path shares the one state object."""
+    assert FailSlowDetector.__bases__ == (object,)
+    fs = FailSlowDetector(CFG)
+    units = {
+        "baseline": "warmup:Baseline",
+        "shifts": "shifts:ShiftFinder",
+        "workload": "workload:WorkloadFilter",
+        "localizer": "localization:Localizer",
+        "validator": "validation:Validator",
+        "severity": "severity:SeverityRecovery",
+        "costing": "costing:Costing",
+    }
+    named = {s.unit for s in STAGES}
+    for attr, spec in units.items():
+        cls = _unit(spec)
+        assert cls.__bases__ == (object,), spec
+        assert type(getattr(fs, attr)) is cls
+        if attr != "localizer":  # stage 4 holds no detector state at all
+            assert getattr(fs, attr).s is fs.s
+        assert spec in named or attr in ("shifts", "costing")
+
+
 @pytest.mark.parametrize(
     "name, bad",
     [
@@ -54,6 +82,8 @@ def test_every_stage_is_a_documented_unit_with_its_settings_in_the_config():
         ("recost_every_iters", 1.5),
         ("comm_shift_factor", "2"),
         ("iteration_blame_sigmas", -1.0),
+        ("warm_sigma_floor_share", 1.5),
+        ("ramp_level_iters", 0),
     ],
 )
 def test_a_bad_stage_constant_is_refused_naming_its_field(name, bad):
@@ -114,16 +144,16 @@ def test_a_one_point_spike_is_not_a_change_point_but_a_shift_is():
 
 # ------------------------------------------------------------ stage 3, workload filter
 def test_the_iteration_path_blames_a_group_only_for_a_level_it_held_since_the_change():
-    fs = FailSlowDetector(CFG)
+    wf = FailSlowDetector(CFG).workload
     g = (1, 7)
-    fs.mu[g] = 0.0
-    fs.gdet[g] = det = fs._new_det()
+    wf.s.mu[g] = 0.0
+    wf.s.gdet[g] = det = wf.s.new_det()
     det.prime([196, 197], [0.047, 0.828])  # a single-iteration spike after the change
-    assert fs._post_change_level(g, 196, 0.828) is None
+    assert wf.post_change_level(g, 196, 0.828) is None
     det.prime([198], [0.80])  # the spike went on: a shift
-    assert fs._post_change_level(g, 197, 0.80) == pytest.approx(0.814)
+    assert wf.post_change_level(g, 197, 0.80) == pytest.approx(0.814)
     # a group with no window (a new layout part): this iteration's residual
-    assert fs._post_change_level((0, 0), 10, 0.3) == pytest.approx(0.3)
+    assert wf.post_change_level((0, 0), 10, 0.3) == pytest.approx(0.3)
 
 
 # ------------------------------------------------------------ stage 6, persistence
@@ -175,3 +205,135 @@ def test_a_ramp_is_released_on_its_current_cost_not_the_one_it_was_found_at():
     for i in range(83, 95):
         out += gate.step(i, 3.0, [f] if i == 83 else [], {("g", (0, 7)): st})
     assert [x.iteration for x in out] == [82 + CFG.persist_max_iters - 1]
+
+
+# ------------------------------------------------------- stage units on a small job
+def _job(n: int = 12, seed: int = 5, **slow) -> tuple[FailSlowDetector, SyntheticJob, list]:
+    """A TP-2, PP-2, DP-2 job's detector, built and laid out as the engine does, and the
+    first ``n`` views (its warm-up)."""
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    job = SyntheticJob(lay, seed=seed, **slow)
+    fs = FailSlowDetector(DetectorConfig(warmup_iters=n), lay)
+    fs.set_layout(lay)
+    return fs, job, [IterationView.from_record(job.next_record()) for _ in range(n)]
+
+
+def _warm(**kw) -> tuple[FailSlowDetector, SyntheticJob]:
+    fs, job, views = _job(**kw)
+    for v in views:
+        assert fs.process(v) == []
+    assert fs.ready
+    return fs, job
+
+
+def test_baseline_refuses_a_group_slow_through_the_warm_up_as_healthy():
+    fs, _job_, views = _job(rank_slow={7: 1.5})  # rank 7: replica 1, stage 1
+    found = fs.baseline.finish(views)
+    assert fs.s.ready and [f.ranks for f in found] == [[7]]
+    assert found[0].evidence["signal"] == "warmup_peer_comparison"
+    # its baseline is its healthy peers' level, so its residual keeps showing the slowdown
+    assert fs.s.mu[(1, 1)] == pytest.approx(fs.s.mu[(0, 1)], abs=0.05)
+    # the same warm-up of a healthy job learns a baseline and reports nothing
+    fs, _job_, views = _job()
+    assert fs.baseline.finish(views) == [] and fs.s.ready
+    assert set(fs.s.mu) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_shift_finder_confirms_an_upward_shift_and_rebases_a_downward_one():
+    fs, job = _warm()
+    g = (1, 1)
+    first = None
+    for k in range(6):
+        v = IterationView.from_record(job.next_record())
+        got = fs.shifts.find(v, {g: 0.4, (0, 1): 0.0}, {})
+        if k == 0:
+            start = v.iteration
+        if got:
+            first = (k, got)
+            break
+    assert first is not None
+    k, ((what, key, cp),) = first
+    # confirmed once confirm_iters points sit beyond it, dated to where it began
+    assert what == "compute" and key == g and k == CFG.confirm_iters - 1
+    assert cp.iteration == start and cp.mean_after == pytest.approx(0.4)
+    # faster is no fault: a downward shift is re-based, never a candidate
+    fs, job = _warm()
+    for _k in range(6):
+        v = IterationView.from_record(job.next_record())
+        assert fs.shifts.find(v, {g: -0.4}, {}) == []
+
+
+def test_workload_filter_lets_longer_documents_pass_as_benign():
+    fs, job = _warm()
+    job.mean_doc = 6000.0  # longer documents: every chunk slower, as eq. 1 predicts
+    out = []
+    for _ in range(10):
+        v = IterationView.from_record(job.next_record())
+        fs.s.recent.append(v)
+        x, c, rr = fs.s.residuals(v)
+        out += fs.workload.check(v, x, c, rr)
+    assert out == [] and fs.s.stats.benign_filtered_total >= 1
+    assert fs.s.stats.validations_total == 0
+
+
+def _shift(fs: FailSlowDetector, g, factor: float, at: int) -> ChangePoint:
+    base = fs.s.mu.get(g, 0.0)
+    return ChangePoint(at, base, base + float(np.log(factor)), 3, 1, at)
+
+
+def test_validator_rejects_a_shift_under_the_bar_and_watches_it():
+    fs, job = _warm()
+    v = IterationView.from_record(job.next_record())
+    fs.s.recent.append(v)
+    x, c, rr = fs.s.residuals(v)
+    g = (1, 1)
+    assert fs.validator.validate("compute", g, _shift(fs, g, 1.01, v.iteration), x, c, rr, v) == []
+    assert fs.s.stats.below_cost_total == 1 and ("compute", g) in fs.validator.watch
+    assert fs.s.slow == {}
+    # the same group 1.6x slower costs far over 5 % of throughput: reported, and slow
+    (f,) = fs.validator.validate("compute", g, _shift(fs, g, 1.6, v.iteration), x, c, rr, v)
+    assert f.kind in ("fail_slow_compute", "fail_slow_comm")
+    assert f.ranks and set(f.ranks) <= set(fs.s.group_ranks[g])
+    assert f.evidence["throughput_loss"] >= CFG.min_throughput_loss
+    assert fs.s.slow[("g", g)].factor == pytest.approx(1.6)
+
+
+def test_costing_grows_with_the_slowdown_and_is_zero_without_one():
+    fs, job = _warm()
+    v = IterationView.from_record(job.next_record())
+    views = [v]
+    none, h0, s0 = fs.costing.throughput_loss(views, {})
+    assert none == pytest.approx(0.0, abs=1e-9) and h0 == pytest.approx(s0)
+    small, _, _ = fs.costing.throughput_loss(views, {(0, 1): 1.1})
+    big, h_s, s_s = fs.costing.throughput_loss(views, {(0, 1): 2.0})
+    assert 0 < small < big < 0.5 + 1e-9 and s_s > h_s
+
+
+def test_severity_recovery_needs_recovery_iters_healthy_iterations_in_a_row():
+    fs, job = _warm()
+    g = (1, 1)
+    fs.s.slow[("g", g)] = SlowState("fail_slow_compute", [7], 20, 1.5, group=g)
+    base = fs.s.mu[g]
+    levels = [0.0, 0.0, 0.4, 0.0, 0.0]  # healthy twice, slow once: the streak restarts
+    for lv in levels:
+        v = IterationView.from_record(job.next_record())
+        assert fs.severity.recovery({g: base + lv}, {}, v) == []
+    v = IterationView.from_record(job.next_record())
+    (f,) = fs.severity.recovery({g: base}, {}, v)  # the third healthy in a row
+    assert f.kind == "recovery" and f.ranks == [7] and fs.s.slow == {}
+    assert f.evidence["slow_factor"] == 1.5
+
+
+def test_severity_change_rejects_a_level_move_under_severity_step():
+    fs, job = _warm()
+    g = (1, 1)
+    st = SlowState("fail_slow_compute", [7], 20, 1.5, group=g)
+    fs.s.slow[("g", g)] = st
+    v = IterationView.from_record(job.next_record())
+    fs.s.recent.append(v)
+    rr = fs.s.residuals(v)[2]
+    small = 1.5 * (1 + CFG.severity_step / 2)
+    assert fs.severity.severity_change(st, g, small, _shift(fs, g, small, 30), rr, v) == []
+    (f,) = fs.severity.severity_change(st, g, 3.0, _shift(fs, g, 3.0, 30), rr, v)
+    assert f.evidence["signal"] == "severity_change" and st.factor == 3.0
+    assert f.evidence["previous_factor"] == 1.5
