@@ -540,10 +540,34 @@ class FailSlowDetector(WarmupStage, ValidationStage, SeverityRecoveryStage):
             for g, det in self.gdet.items():
                 if det.alarm_since is not None and det.alarm_since <= w.iteration + lag:
                     bad.add(g)
-            self.pred.observe(w, exclude=bad)
+            self.pred.observe(w, exclude=bad, exclude_comm=self._shifted_comm(w))
             self._folds += 1
             if self._folds % 4 == 0:  # scales drift slowly; 4x the rate every 4th iteration
                 self.pred.update_scales(w, rate=0.08, exclude=bad)
+
+    def _shifted_comm(self, w: IterationView) -> set:
+        """Communication keys of ``w`` not to fold into the healthy medians: those of every
+        link known slow, in alarm or re-costed under the bar, and the DP all-reduce of the
+        stages at its ends (the slow port carries it too).
+
+        The medians are over the last 64 iterations: folded in, a slow link's own
+        times became its healthy baseline after ~32 iterations, and it was then read
+        as recovered; its stage's slow all-reduce went into the healthy prediction
+        (tuning slow_link 2, bench/detection_realistic.py)."""
+        links = {st.pair for st in self.slow.values() if st.pair is not None}
+        links |= {link_of(k) for k, det in self.cdet.items() if det.alarm_since is not None}
+        links |= {link_of(k) for what, k in self.watch if what == "comm"}
+        if not links:
+            return set()
+        stages = {s for _d, lo in links for s in (lo, lo + 1)}
+        out = set()
+        for k in comm_stats(w):
+            if k[2] in (SEND, RECV) and k[3] != 0:
+                if link_of(k) in links:
+                    out.add(k)
+            elif k[1] in stages:
+                out.add(k)  # the stage's all-reduce
+        return out
 
     # ---------------------------------------------------------- baseline
     def predicted_iteration_time(self, v: IterationView) -> float:
