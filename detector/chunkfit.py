@@ -51,6 +51,7 @@ def _not_gross(ys: np.ndarray, xs: np.ndarray, coef: tuple[float, float] | None)
 #: ratio (10 %; see ``ChunkPredictor.update_scales``).
 SCALE_STEP_MAX = 1.10
 
+
 class _RLS2:
     """Least squares on two features with exponential forgetting (normal equations)."""
 
