@@ -55,6 +55,8 @@ looked at while tuning).  Both are printed.
 
     python bench/detection_realistic.py --quick     # 2 jobs per class and set
     python bench/detection_realistic.py             # 6 jobs per class and set
+    python bench/detection_realistic.py --classes transient --set persist_min_iters=2
+                                                    # a DetectorConfig field changed
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ def score(job: Job, layout, reports, loss: np.ndarray) -> dict:
 
 
 def run_job(args) -> list[dict]:
-    cls, seed = args
+    cls, seed, overrides = args
     job = make_job(cls, seed)
     _lay, healthy_steps = simulate(job, "transfer", faulty=False)
     h_time = np.array([s.true_state.iteration_time_s for s in healthy_steps])
@@ -298,7 +300,7 @@ def run_job(args) -> list[dict]:
         loss = 1.0 - h_time[:n] / f_time[:n]
         recs = records(steps, layout)
         for mode in MODES:
-            det = Detector(DetectorConfig(mode=mode), layout=layout)
+            det = Detector(DetectorConfig(mode=mode, **overrides), layout=layout)
             reports = []
             t0 = time.process_time()
             for r in recs:
@@ -376,13 +378,26 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", default="all", help="comma-separated class names")
     ap.add_argument("--sets", default="tuning,held-out")
     ap.add_argument("--verbose", action="store_true", help="one line per job")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a DetectorConfig field for both modes, e.g. persist_min_iters=2 (repeatable)",
+    )
     a = ap.parse_args(argv)
+    overrides = {}
+    for item in a.set:
+        name, _, val = item.partition("=")
+        kind = type(getattr(DetectorConfig(), name))
+        overrides[name] = val.lower() in ("1", "true", "on") if kind is bool else kind(val)
+    DetectorConfig(**overrides).validate()
     n = a.jobs or (2 if a.quick else 6)
     classes = CLASSES if a.classes == "all" else tuple(a.classes.split(","))
     t_all = time.time()
     for which in a.sets.split(","):
         base = 0 if which == "tuning" else HELD_OUT_BASE
-        tasks = [(c, base + j) for c in classes for j in range(n)]
+        tasks = [(c, base + j, overrides) for c in classes for j in range(n)]
         if a.workers > 1:
             with ProcessPoolExecutor(a.workers) as ex:
                 res = [r for rs in ex.map(run_job, tasks) for r in rs]

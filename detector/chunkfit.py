@@ -47,6 +47,11 @@ def _not_gross(ys: np.ndarray, xs: np.ndarray, coef: tuple[float, float] | None)
     return ok
 
 
+#: The most one iteration's observed/predicted median may pull a group's scale, as a
+#: ratio (10 %; see ``ChunkPredictor.update_scales``).
+SCALE_STEP_MAX = 1.10
+
+
 class _RLS2:
     """Least squares on two features with exponential forgetting (normal equations)."""
 
@@ -131,8 +136,10 @@ class ChunkPredictor:
         v: IterationView,
         exclude: set[tuple[int, int]] | None = None,
         slowed: dict[tuple[int, int], float] | None = None,
+        exclude_comm: set[tuple[int, int, int, int]] | None = None,
     ) -> None:
-        """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip).
+        """Fold one healthy iteration into the fits (``exclude``: (dp, stage) groups to skip;
+        ``exclude_comm``: communication keys to skip, a slow or shifted link's).
 
         ``slowed``: groups known to run ``factor`` times slower than healthy, folded in at
         healthy speed (their durations divided by the factor) -- for a stage with no
@@ -176,8 +183,12 @@ class ChunkPredictor:
         # a key's rows are all of one (replica, stage) group: leaving a group out leaves
         # its keys out and changes no other key's statistic
         stats = comm_stats(v)
-        if exclude:
-            stats = {k: val for k, val in stats.items() if (k[0], k[1]) not in exclude}
+        if exclude or exclude_comm:
+            stats = {
+                k: val
+                for k, val in stats.items()
+                if (k[0], k[1]) not in (exclude or ()) and k not in (exclude_comm or ())
+            }
         for key, val in stats.items():
             q = self.comm.get(key)
             if q is None:
@@ -204,7 +215,14 @@ class ChunkPredictor:
         self.iterations_fitted += 1
 
     def update_scales(self, v: IterationView, rate: float, exclude: set | None = None) -> None:
-        """Move each (dp, stage) scale toward its observed/predicted median."""
+        """Move each (dp, stage) scale toward its observed/predicted median.
+
+        One iteration moves a scale by at most ``rate`` x ``SCALE_STEP_MAX``: a scale
+        follows slow drift, and a one-iteration spike of a whole group (a 2.4x hiccup
+        that returned before any alarm held it out of the fold) must not re-base its
+        group.  Unclipped, one moved a healthy group's scale by 11 %: its stage's peers
+        then read +-8 % apart and a slowdown that had ended was not seen to recover
+        (held-out slowdown_ends 10002, bench/detection_realistic.py)."""
         pred = self.predict_compute(v, with_scale=False)
         cm = v.compute_mask() & np.isfinite(pred) & (pred > 0)
         if not cm.any():
@@ -217,6 +235,8 @@ class ChunkPredictor:
             if (exclude and key in exclude) or not np.isfinite(r) or r <= 0:
                 continue
             old = self.scale.get(key)
+            if old is not None and old > 0:
+                r = min(max(r, old / SCALE_STEP_MAX), old * SCALE_STEP_MAX)
             self.scale[key] = r if old is None or rate >= 1.0 else old * (1 - rate) + r * rate
 
     def _scales(self, dp: np.ndarray, stage: np.ndarray) -> np.ndarray:

@@ -201,6 +201,14 @@ class DetectorConfig:
     #: ... or, whatever it cost, once it has lasted this many iterations (a job with
     #: short iterations must not wait for minutes on a slowdown it will not shake).
     persist_max_iters: int = 10
+    #: ... and once the time it will cost, at today's rate, over the shorter duration
+    #: a fail-slow that outlasted the stragglers is expected to have left reaches the
+    #: re-plan cost: the longer of as long again as it has lasted (Lindy) and this
+    #: floor.  Production studies report fail-slows lasting tens of seconds to hours;
+    #: the floor takes the low end (20 s), so past the 4-iteration hold a slowdown
+    #: costing >= 10 % is reported at once (2 s / 20 s), a smaller one of a short
+    #: iteration still waits for its cost (docs/detector.md, "Persistence").
+    failslow_min_duration_s: float = 20.0
     #: A recovery of a reported device is reported once it has stayed healthy this
     #: many iterations; slow again before that, it is intermittent (flapping) and is
     #: kept set aside without a new report (3 periods of a 10-on / 10-off flap).
@@ -319,6 +327,7 @@ class DetectorConfig:
             "gh_validation_base_s",
             "gh_validation_per_link_s",
             "replan_cost_s",
+            "failslow_min_duration_s",
         ):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < math.inf:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from detector.changepoint import ChangePoint
-from detector.predictor import IterationView
+from detector.predictor import ALLREDUCE, IterationView, comm_stats
 from detector.state import DetectorState
 
 
@@ -29,6 +29,7 @@ class Costing:
         heaviest replica sets the pace), so the cost is averaged.
         """
         f = max(slow.values()) if slow else 1.0
+        slow = {**self.port_allreduce(views, slow), **slow}
         lay = self.s.dag_layout(views[-1])
         if lay is None:
             return 1.0 - 1.0 / f, float("nan"), float("nan")
@@ -43,6 +44,38 @@ class Costing:
             return 1.0 - 1.0 / f, float("nan"), float("nan")
         n = len(views)
         return (1.0 - h_tot / s_tot if s_tot > 0 else 0.0), h_tot / n, s_tot / n
+
+    def port_allreduce(self, views: list[IterationView], slow: dict) -> dict:
+        """The DP all-reduce slowdown of the stages at the ends of the links in ``slow``,
+        as measured: a slow NIC port carries its stage's all-reduce as well as its P2P
+        edges, and a what-if of the edges alone costed a 0.004x port at 2.4 % for a true
+        41 % (tuning slow_link 2, bench/detection_realistic.py).  Per stage: its slowest
+        replica's all-reduce own time against the healthy one (the DAG's all-reduce per
+        stage), the least over the last ``confirm_iters`` views (the post-change points
+        a confirmed shift has; a spike in one of them is not a slow port), kept when
+        over ``min_chunk_shift``."""
+        stages = {s for key in slow if key[0] == "link" for s in (key[2], key[2] + 1)}
+        if not stages:
+            return {}
+        healthy: dict[int, float] = {}
+        for (_d, s, k, _dr), med in self.s.pred.comm_median.items():
+            if k == ALLREDUCE and s in stages and med > 0:
+                healthy[s] = max(healthy.get(s, 0.0), med)
+        seen: dict[int, list[float]] = {}
+        for w in views:
+            now: dict[int, float] = {}
+            for (_d, s, k, _dr), val in comm_stats(w).items():
+                if k == ALLREDUCE and s in healthy:
+                    now[s] = max(now.get(s, 0.0), val)
+            for s, val in now.items():
+                seen.setdefault(s, []).append(val / healthy[s])
+        out = {}
+        last = max(1, self.s.cfg.confirm_iters)
+        for s, ratios in seen.items():
+            r = float(min(ratios[-last:]))
+            if r > 1.0 + self.s.cfg.min_chunk_shift:
+                out[("allreduce", s)] = r
+        return out
 
     def post(self, cp: ChangePoint, v: IterationView) -> list[IterationView]:
         """Workloads to cost a slowdown on: the last 8 iterations (the factor is the

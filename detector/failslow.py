@@ -199,7 +199,7 @@ class FailSlowDetector:
         found = self.validator.validate_shifts(candidates, x, c, rr, v)  # 4 localize, 5 validate
         findings += self.localizer.merge_ports(found, self.s.group_ranks)  # 4: one per port
         findings += self.severity.recovery(x, c, v)  # 7 severity / recovery
-        self.s.fold_healthy(v)  # healthy iterations feed the fit
+        self.s.fold_healthy(v, self.validator.suspect_comm)  # healthy iterations feed the fit
         return self._enabled(findings)
 
     def _enabled(self, findings: list[Finding]) -> list[Finding]:

@@ -84,7 +84,7 @@ class GreyhoundDetector(FailSlowDetector):
     def _fold_healthy_gh(self, v: IterationView) -> None:
         # the baseline's "micro-benchmark" normalization needs a work model too;
         # keep it current exactly like ResiHP's so the comparison is only about the gate
-        self.s.fold_healthy(v)
+        self.s.fold_healthy(v, self.validator.suspect_comm)
 
     def _gh_validate(self, v: IterationView, cp) -> list[Finding]:
         t0 = time.process_time()

@@ -9,7 +9,9 @@ gives the reasoning; in short:
 * **Hold a new slowdown** until it has lasted ``persist_min_iters`` iterations
   since its change point *and* the time it has already cost (the sum over
   those iterations of throughput loss x iteration time), or what it will cost
-  at its current rate over as long again (a ramp's rate climbs), reaches
+  at its current rate over as long again (a ramp's rate climbs), but at least
+  ``failslow_min_duration_s`` (a fail-slow past the straggler horizon lasts tens
+  of seconds to hours), reaches
   ``replan_cost_s``, the cost of one re-plan (ski rental: staying slow is
   "renting", re-planning is "buying"; buying once the rent paid equals the
   price is never worse than twice the best choice in hindsight).  After
@@ -198,8 +200,9 @@ class PersistenceGate:
             h.iters += 1
             still_slow = _still_slow(st)
             # ski rental: re-plan once the rent paid, or the rent still to pay at today's
-            # rate over as long again as it has lasted (Lindy), reaches the re-plan's price
-            expected_s = loss_now * it_s * lasted
+            # rate over as long again as it has lasted (Lindy) but at least the shortest
+            # duration a fail-slow is expected to last, reaches the re-plan's price
+            expected_s = loss_now * max(it_s * lasted, cfg.failslow_min_duration_s)
             due = lasted >= cfg.persist_min_iters and (
                 max(h.cost_s, expected_s) >= cfg.replan_cost_s or lasted >= cfg.persist_max_iters
             )

@@ -227,31 +227,39 @@ class IterationPredictor:
         """Iteration time (without the fitted offset) for several what-ifs at once.
 
         A what-if maps (dp, stage) -> factor on that group's chunk costs, or
-        ("link", dp, lower_stage) -> factor on that pipeline link's P2P edges.
+        ("link", dp, lower_stage) -> factor on that pipeline link's P2P edges, or
+        ("allreduce", stage) -> factor on that stage's DP all-reduce.
         """
         dag = self.dag_for(layout)
         base = self.chunk_costs(dag, pred, v)
         edges = self.edge_costs(dag, pred)
         st = np.asarray(dag.chunk_stage)
         dps = np.asarray(dag.chunk_dp)
-        rows, erows = [], []
+        ar0 = self.allreduce_costs(layout, pred)
+        rows, erows, ars = [], [], []
         for slow in slows:
             c = base.copy()
             e = None if edges is None else edges.copy()
+            ar = ar0
             for key, f in (slow or {}).items():
                 if key[0] == "link":
                     if e is not None:
                         ed, lo = self.edge_links(dag)
                         e[(ed == key[1]) & (lo == key[2])] *= f
+                elif key[0] == "allreduce":
+                    if ar0 is not None and 0 <= key[1] < len(ar0):
+                        ar = ar.copy() if ar is ar0 else ar
+                        ar[key[1]] *= f
                 else:
                     c[(dps == key[0]) & (st == key[1])] *= f
             rows.append(c)
             erows.append(e)
-        ar = self.allreduce_costs(layout, pred)
+            ars.append(ar)
         if len(rows) == 1:
-            return np.array([dag.evaluate(rows[0], erows[0], ar).iteration_time_s])
+            return np.array([dag.evaluate(rows[0], erows[0], ars[0]).iteration_time_s])
         ec = None if edges is None else np.stack(erows)
-        return np.asarray(dag.evaluate_batch(np.stack(rows), ec, ar), dtype=float)
+        ar_all = None if ar0 is None else np.stack(ars)
+        return np.asarray(dag.evaluate_batch(np.stack(rows), ec, ar_all), dtype=float)
 
     def learn_offset(self, observed_s: float, critical_s: float) -> None:
         if np.isfinite(critical_s) and critical_s > 0:

@@ -108,7 +108,13 @@ STAGES: tuple[Stage, ...] = (
         "persistence",
         "persistence:PersistenceGate",
         "slowdowns shorter than the hold (stragglers); repeated reports of a flapping device",
-        ("persist_min_iters", "replan_cost_s", "persist_max_iters", "stable_iters"),
+        (
+            "persist_min_iters",
+            "replan_cost_s",
+            "persist_max_iters",
+            "failslow_min_duration_s",
+            "stable_iters",
+        ),
     ),
     Stage(
         7,

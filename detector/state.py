@@ -345,8 +345,11 @@ class DetectorState:
                 rr = dict(zip(v.rank[ok].tolist(), np.log(cs[ok] / gp[ok]).tolist(), strict=True))
         return x, c, rr
 
-    def fold_healthy(self, v: IterationView) -> None:
-        """Fold iterations into the fit once they are old enough that an alarm would have shown."""
+    def fold_healthy(self, v: IterationView, suspect_comm=None) -> None:
+        """Fold iterations into the fit once they are old enough that an alarm would have shown.
+
+        ``suspect_comm``: a function of an iteration giving the communication keys not to
+        fold into the healthy medians (:meth:`detector.validation.Validator.suspect_comm`)."""
         self.pending.append(v)
         lag = self.cfg.confirm_iters + 1
         while len(self.pending) > lag:
@@ -355,7 +358,8 @@ class DetectorState:
             for g, det in self.gdet.items():
                 if det.alarm_since is not None and det.alarm_since <= w.iteration + lag:
                     bad.add(g)
-            self.pred.observe(w, exclude=bad)
+            skip_comm = suspect_comm(w) if suspect_comm is not None else None
+            self.pred.observe(w, exclude=bad, exclude_comm=skip_comm)
             self._folds += 1
             if self._folds % 4 == 0:  # scales drift slowly; 4x the rate every 4th iteration
                 self.pred.update_scales(w, rate=0.08, exclude=bad)

@@ -26,7 +26,7 @@ import numpy as np
 from detector.changepoint import ChangePoint
 from detector.costing import Costing
 from detector.localization import Localizer
-from detector.predictor import SEND, IterationView, link_of
+from detector.predictor import RECV, SEND, IterationView, comm_stats, link_of
 from detector.severity import SeverityRecovery
 from detector.slowstate import Finding, Group, LinkKey, SlowState
 from detector.state import DetectorState
@@ -83,6 +83,31 @@ class Validator:
         if self.watch:
             found += self._recheck_watch(x, c, rr, v)
         return found
+
+    def suspect_comm(self, w: IterationView) -> set:
+        """Communication keys of ``w`` not to fold into the healthy medians: those of every
+        link known slow, in alarm or re-costed under the bar, and the DP all-reduce of the
+        stages at its ends (the slow port carries it too).
+
+        The medians are over the last 64 iterations: folded in, a slow link's own
+        times became its healthy baseline after ~32 iterations, and it was then read
+        as recovered; its stage's slow all-reduce went into the healthy prediction
+        (tuning slow_link 2, bench/detection_realistic.py)."""
+        s = self.s
+        links = {st.pair for st in s.slow.values() if st.pair is not None}
+        links |= {link_of(k) for k, det in s.cdet.items() if det.alarm_since is not None}
+        links |= {link_of(k) for what, k in self.watch if what == "comm"}
+        if not links:
+            return set()
+        stages = {st for _d, lo in links for st in (lo, lo + 1)}
+        out = set()
+        for k in comm_stats(w):
+            if k[2] in (SEND, RECV) and k[3] != 0:
+                if link_of(k) in links:
+                    out.add(k)
+            elif k[1] in stages:
+                out.add(k)  # the stage's all-reduce
+        return out
 
     def _watch_below_bar(self, what: str, key, cp: ChangePoint, v: IterationView) -> None:
         """A real shift whose cost was under the bar on the workloads seen so far:

@@ -349,3 +349,66 @@ def test_a_view_passes_over_rows_whose_ids_are_beyond_its_bounds():
     v = IterationView.from_record(rec)
     assert v.unusable_total == 2 and v.num_chunks <= n - 2
     assert int(v.stage.max()) < 4 and int(v.mb.max()) < 8
+
+
+# ------------------------------------------------- noise, scales, what-ifs (issue 28)
+def test_warmup_noise_leaves_out_an_isolated_spike_but_not_a_shift():
+    from detector.slowstate import _robust
+
+    rng = np.random.default_rng(0)
+    xs = list(rng.normal(0.0, 0.015, 20))
+    _, clean = _robust(xs, 0.005)
+    spiked = list(xs)
+    spiked[9] = 0.73  # one 2x chunk-group spike, as in a held-out warm-up
+    _, sd = _robust(spiked, 0.005)
+    assert sd == pytest.approx(clean, rel=0.35) and sd < 0.03, (sd, clean)
+    # two adjacent outliers are a level change inside the warm-up: they count
+    shifted = list(xs)
+    shifted[9] = shifted[10] = 0.73
+    assert _robust(shifted, 0.005)[1] > 0.1
+    # a heavy-tailed series (more than 10 % of its points out) keeps its spread
+    heavy = list(xs)
+    for i in (2, 6, 10, 14, 18):
+        heavy[i] = 0.5
+    assert _robust(heavy, 0.005)[1] > 0.1
+
+
+def test_one_iterations_spike_moves_a_groups_scale_at_most_rate_times_ten_percent():
+    from detector.chunkfit import SCALE_STEP_MAX
+
+    lay = Layout.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    job = SyntheticJob(lay, seed=3, noise=0.01)
+    pred = ChunkPredictor(forget=1.0)
+    for _ in range(20):
+        v = IterationView.from_record(job.next_record())
+        pred.observe(v)
+        pred.update_scales(v, rate=1.0)
+    before = dict(pred.scale)
+    victim = lay.groups[1][0][0]
+    job.rank_slow = {victim: 2.4}
+    pred.update_scales(IterationView.from_record(job.next_record()), rate=0.08)
+    moved = pred.scale[(1, 0)] / before[(1, 0)]
+    assert 1.0 < moved <= 1.0 + 0.08 * (SCALE_STEP_MAX - 1.0) + 1e-9, moved
+    assert pred.scale[(0, 0)] == pytest.approx(before[(0, 0)], rel=0.02)
+
+
+def test_a_what_if_can_slow_a_stages_allreduce():
+    from detector.predictor import ALLREDUCE
+
+    lay = Layout.uniform(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    det = Detector(DetectorConfig(warmup_iters=10), layout=lay)
+    job = SyntheticJob(lay, seed=5)
+    recs = [job.next_record() for _ in range(12)]
+    for r in recs:
+        det.handle(r)
+    fs = det.failslow
+    for d in range(2):  # the synthetic job writes no all-reduce rows: 50 ms healthy
+        for s in range(2):
+            fs.pred.comm_median[(d, s, ALLREDUCE, 0)] = 0.05
+    v = IterationView.from_record(recs[-1])
+    base, slowed, other = fs.itp.critical_paths(
+        lay, fs.pred, v, [None, {("allreduce", 0): 50.0}, {("allreduce", 1): 1.0}]
+    )
+    # stage 0's all-reduce at 2.5 s instead of 50 ms: at most 2.45 s later, and later
+    assert base + 1.0 < slowed <= base + 2.45 + 1e-9, (base, slowed)
+    assert other == pytest.approx(base)
