@@ -406,7 +406,7 @@ def test_a_what_if_can_slow_a_stages_allreduce():
         for s in range(2):
             fs.pred.comm_median[(d, s, ALLREDUCE, 0)] = 0.05
     v = IterationView.from_record(recs[-1])
-    base, slowed, other = fs.itp.critical_paths(
+    base, slowed, other = fs.s.itp.critical_paths(
         lay, fs.pred, v, [None, {("allreduce", 0): 50.0}, {("allreduce", 1): 1.0}]
     )
     # stage 0's all-reduce at 2.5 s instead of 50 ms: at most 2.45 s later, and later
