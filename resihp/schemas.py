@@ -580,19 +580,20 @@ def unpack_record_chunks(raw: bytes) -> dict[str, np.ndarray]:
             f"{RECORD_CHUNK_DTYPE.itemsize})"
         )
     rows = np.frombuffer(raw, dtype=RECORD_CHUNK_DTYPE)
-    kind = rows["kind"]
+    # each column copied out once; the checks then read contiguous memory
+    out = {name: np.ascontiguousarray(rows[name]) for name in RECORD_CHUNK_DTYPE.names}
+    kind = out["kind"]
     if len(rows) and ((kind < 0).any() or (kind > max(ChunkKind)).any()):
         raise SchemaError("iteration chunks: unknown chunk kind")
     if len(rows):
-        if not (np.isfinite(rows["start_s"]).all() and np.isfinite(rows["duration_s"]).all()):
+        if not (np.isfinite(out["start_s"]).all() and np.isfinite(out["duration_s"]).all()):
             raise SchemaError("iteration chunks: non-finite start_s/duration_s")
-        if (rows["duration_s"] < 0).any():
+        if (out["duration_s"] < 0).any():
             raise SchemaError("iteration chunks: negative duration_s")
-        if (rows["dp"] < 0).any() or (rows["stage"] < 0).any() or (rows["microbatch"] < 0).any():
+        if (out["dp"] < 0).any() or (out["stage"] < 0).any() or (out["microbatch"] < 0).any():
             raise SchemaError("iteration chunks: negative dp/stage/microbatch")
-        if (rows["src_dp"] < -1).any() or (np.abs(rows["direction"]) > 1).any():
+        if (out["src_dp"] < -1).any() or (np.abs(out["direction"]) > 1).any():
             raise SchemaError("iteration chunks: src_dp < -1 or direction not in -1, 0, 1")
-    out = {name: np.ascontiguousarray(rows[name]) for name in RECORD_CHUNK_DTYPE.names}
     out["kind"] = KIND_NAMES[kind]
     return out
 
