@@ -139,6 +139,7 @@ class CommRows:
             dur[ra] = np.maximum(0.0, (s_ok + duration[ra]) - np.maximum(s_ok, ready[ok]))
         return dur, keep
 
+
 def own_comm_time(
     dp: np.ndarray,
     stage: np.ndarray,
