@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detector.commtime import comm_stats
-from detector.groupstats import grouped_median
+from detector.groupstats import grouped_median, key_runs
 from detector.view import IterationView
 from resihp.schemas import ChunkKind
 
@@ -92,13 +92,11 @@ class _CommHistory:
         keys = list(stats)
         rows = self._last_rows
         if keys != self._last_keys:
-            rows = np.empty(len(keys), dtype=np.int64)
-            for i, k in enumerate(keys):
-                r = self.row.get(k)
-                if r is None:
-                    r = self.row[k] = len(self.keys)
-                    self.keys.append(k)
-                rows[i] = r
+            get = self.row.get
+            rows = np.fromiter((get(k, -1) for k in keys), np.int64, len(keys))
+            for i in np.flatnonzero(rows < 0).tolist():  # keys not seen before
+                rows[i] = self.row[keys[i]] = len(self.keys)
+                self.keys.append(keys[i])
             grow = len(self.keys) - len(self.count)
             if grow > 0:
                 self.vals = np.concatenate([self.vals, np.zeros((grow, COMM_HISTORY))])
@@ -219,21 +217,23 @@ class ChunkPredictor:
         for f in self.fits.values():
             f.decay(self.forget)
         if cm.any():
-            sc = self._scales(v.dp[cm], v.stage[cm])
+            # the rows in (stage, kind) runs, in their order within a run (a stable sort,
+            # kept for the next iteration's same keys), read once in that order
+            rows = np.flatnonzero(cm)
+            st = v.stage[rows]
+            sk = st.astype(np.int64) * 16 + v.kind[rows]
+            order, starts = key_runs(sk)
+            if order is not None:
+                rows, st, sk = rows[order], st[order], sk[order]
+            dp = v.dp[rows]
+            sc = self._scales(dp, st)
             if slowed:
-                gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+                gk = dp.astype(np.int64) * 4096 + st
                 for (d, s), f in slowed.items():
                     sc = np.where(gk == d * 4096 + s, sc * f, sc)
-            y = v.duration_s[cm] / sc
-            x = np.stack([v.tokens_n[cm] / N_UNIT, v.sum_sq[cm] / SQ_UNIT], axis=1)
-            st, kd = v.stage[cm], v.kind[cm]
-            keys = st.astype(np.int64) * 16 + kd
+            y = v.duration_s[rows] / sc
+            x = np.stack([v.tokens_n[rows] / N_UNIT, v.sum_sq[rows] / SQ_UNIT], axis=1)
             coef = self.coef
-            # one sort into (stage, kind) runs, rows in their order within a run
-            # (keys < 4096 stages x 16 kinds fit 16 bits: numpy's radix sort, linear)
-            order = np.argsort(keys.astype(np.uint16), kind="stable")
-            sk, y, x = keys[order], y[order], x[order]
-            starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
             for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(sk)], strict=True):
                 k = (int(sk[a] // 16), int(sk[a] % 16))
                 ys, xs = y[a:b], x[a:b]
@@ -243,7 +243,10 @@ class ChunkPredictor:
                 fit = self.fits.get(k)
                 if fit is None:
                     fit = self.fits[k] = _RLS2()
-                fit.add(xs[ok], ys[ok])
+                if ok.all():
+                    fit.add(xs, ys)
+                else:
+                    fit.add(xs[ok], ys[ok])
             self._dirty = True
         # P2P / collectives: median over iterations of each key's per-iteration statistic
         # a key's rows are all of one (replica, stage) group: leaving a group out leaves
@@ -288,7 +291,7 @@ class ChunkPredictor:
         table = np.ones((nd, ns))
         good = (keys >= 0).all(axis=1)
         table[keys[good, 0], keys[good, 1]] = vals[good]
-        return table[dp, stage]
+        return table.ravel()[dp.astype(np.intp) * ns + stage]
 
     # ----------------------------------------------------------- predicting
     def cost(self, stage: int, kind: int, tokens_n: float, sum_sq: float) -> float:

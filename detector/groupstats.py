@@ -61,6 +61,15 @@ def _grouping(keys: np.ndarray) -> _Grouping:
     return g
 
 
+def key_runs(keys: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """The rows' order by key (a stable sort; None where they already come in key
+    order) and where each key's run starts in that order."""
+    if not len(keys):
+        return None, np.zeros(0, dtype=np.intp)
+    g = _grouping(keys)
+    return g.order, g.starts
+
+
 def grouped_sum(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct keys (ascending) and the sum of the values of each, added in row order
     (as ``np.unique(keys, return_inverse=True)`` and ``np.bincount`` add them)."""
