@@ -30,14 +30,20 @@ of their iteration time (% of one core the detector keeps busy).
 
     python bench/detection.py            # 100 jobs per setting (a few minutes)
     python bench/detection.py --quick    # 20 jobs per setting
-    python bench/detection.py --cpu-only # only the CPU cost, 256 and 16,384 GPUs (~3 min)
+    python bench/detection.py --cpu-only # only the CPU cost, 256 and 16,384 GPUs (~4 min)
+    python bench/detection.py --cpu-only --against /tmp/base  # ... beside another checkout
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import pickle
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -303,12 +309,28 @@ def summarize(label: str, results: list[JobResult]) -> None:
 
 
 def detector_cpu(
-    label: str, tp: int, pp: int, dp: int, mbs: int, iterations: int, paper: str = ""
+    label: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    mbs: int,
+    iterations: int,
+    paper: str = "",
+    rounds: int = 3,
+    against: str = "",
 ) -> None:
     """Detector CPU per iteration on a LLaMA2-70B job vs its iteration time.
 
     Counts what the live service does per record: decoding the record's stream
-    entry (JSON, chunk columns packed), then ``Detector.handle``.
+    entry (JSON, chunk columns packed), then ``Detector.handle``, as the CPU time
+    of the thread doing it (``time.thread_time``: a busy box's other processes
+    are not counted).  The job is simulated once; its entries are replayed
+    ``rounds`` times through a fresh detector, and every iteration after the
+    warm-up (the first left out) is one sample: median and max are printed.
+    ``against``: another checkout of the project (e.g. ``git worktree add
+    /tmp/base <commit>``); each round then replays the same entries through it
+    and through this one, alternately, each in a fresh process, and says whether
+    both gave the same reports and fits.
     """
     cfg = SimConfig(
         model="llama2-70b",
@@ -328,30 +350,89 @@ def detector_cpu(
     steps = simulate(cfg, None, "mixture")
     recs = _records(steps, lay)
     t_sim = time.time() - t_sim
-    det = Detector(DetectorConfig(), layout=lay)
-    cpu_warm, cpu_det = [], []
-    wire_mb = []
-    for rec in recs:
-        fields = encode_one(rec)
-        wire_mb.append(sum(len(v) for v in fields.values()) / 1e6)
-        t0 = time.process_time()
-        (msg,), _bad = decode_entry(fields)
-        det.handle(msg)
-        dt = time.process_time() - t0
-        (cpu_det if det.failslow.ready else cpu_warm).append(dt)
+    entries = [encode_one(rec) for rec in recs]
+    wire_mb = float(np.mean([sum(len(v) for v in f.values()) / 1e6 for f in entries]))
     it_s = float(np.mean([r.iteration_time_s for r in recs]))
-    per = float(np.mean(cpu_det[1:])) if len(cpu_det) > 1 else float("nan")
     chunks = len(recs[-1].chunks.get("kind", []))
+    incomplete = sum(not r.complete for r in recs)
+    del steps, recs
     print(
         f"\n== {label}: LLaMA2-70B (TP{tp}, DP{dp}, PP{pp}), {mbs} micro-batches, "
-        f"{chunks} chunk entries/iteration, record entry {np.mean(wire_mb):.1f} MB "
-        f"[simulated in {t_sim:.0f} s]"
+        f"{chunks} chunk entries/iteration, record entry {wire_mb:.1f} MB, "
+        f"{incomplete} of {len(entries)} records incomplete [simulated in {t_sim:.0f} s]"
     )
-    print(
-        f"   iteration time {it_s:.2f} s; detector CPU {1e3 * per:.1f} ms/iteration "
-        f"(warm-up {1e3 * np.mean(cpu_warm):.1f} ms) = {100 * per / it_s:.2f} % of a core "
-        f"over the iteration" + (f" ({paper})" if paper else "")
-    )
+    trees = [("this checkout", "")]
+    if against:
+        trees.insert(0, (f"against {against}", os.path.abspath(against)))
+    runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    path = ""
+    try:
+        if against:
+            fd, path = tempfile.mkstemp(prefix="resihp-detector-cpu-", suffix=".pkl")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump({"layout": lay, "entries": entries}, f)
+        for _ in range(rounds):
+            for name, tree in trees:
+                runs[name].append(_replay_in(tree, path) if against else replay(lay, entries))
+    finally:
+        if path:
+            os.unlink(path)
+    for name, _tree in trees:
+        cpu = np.array([x for r in runs[name] for x in r["cpu_s"]])
+        warm = [x for r in runs[name] for x in r["warm_s"]]
+        who = f" [{name}]" if against else ""
+        print(
+            f"   iteration time {it_s:.2f} s; detector CPU{who} median {1e3 * np.median(cpu):.1f} "
+            f"/ max {1e3 * cpu.max():.1f} ms per iteration ({len(cpu)} iterations in {rounds} "
+            f"rounds; warm-up {1e3 * np.mean(warm):.1f} ms) = {100 * np.median(cpu) / it_s:.2f} "
+            f"/ {100 * cpu.max() / it_s:.2f} % of a core over the iteration"
+            + (f" ({paper})" if paper else "")
+        )
+    if against:
+        digests = {r["digest"] for name, _ in trees for r in runs[name]}
+        print(
+            "   reports and fits: "
+            + ("identical in every run" if len(digests) == 1 else f"{len(digests)} different")
+        )
+
+
+def replay(layout, entries) -> dict:
+    """One replay of ``entries`` through a fresh detector: per-iteration thread CPU
+    (after the warm-up, the first left out; the warm-up's apart) and a digest of the
+    reports and fits it ended with."""
+    det = Detector(DetectorConfig(), layout=layout)
+    cpu, warm, reports = [], [], []
+    for fields in entries:
+        ready = det.failslow.ready
+        t0 = time.thread_time()
+        (msg,), _bad = decode_entry(fields)
+        out = det.handle(msg)
+        dt = time.thread_time() - t0
+        (cpu if ready else warm).append(dt)
+        reports += [r.to_json() for r in out]
+    pred = det.failslow.pred
+    state = repr((reports, sorted(pred.coef.items()), sorted(pred.scale.items())))
+    state += repr(sorted(pred.comm_median.items()))
+    return {
+        "cpu_s": cpu[1:],
+        "warm_s": warm,
+        "digest": hashlib.sha256(state.encode()).hexdigest(),
+    }
+
+
+def _replay_in(tree: str, path: str) -> dict:
+    """:func:`replay` in a fresh process, on the code of ``tree`` (this checkout if empty)."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = tree or here
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--replay", path],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -378,7 +459,23 @@ def main(argv=None) -> int:
         action="store_true",
         help="only the detector CPU per iteration, at 256 and 16,384 GPUs",
     )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="replays of each CPU job's entries (default 3)"
+    )
+    ap.add_argument(
+        "--against",
+        default="",
+        metavar="DIR",
+        help="another checkout (e.g. `git worktree add DIR <commit>`): the CPU jobs are "
+        "replayed through it and this one alternately, in fresh processes",
+    )
+    ap.add_argument("--replay", default="", help=argparse.SUPPRESS)  # internal: one child run
     a = ap.parse_args(argv)
+    if a.replay:
+        with open(a.replay, "rb") as f:
+            job = pickle.load(f)
+        print(json.dumps(replay(job["layout"], job["entries"])))
+        return 0
     n = a.jobs or (20 if a.quick else 100)
     chosen = SETTINGS if a.settings == "all" else [SETTINGS[int(i)] for i in a.settings.split(",")]
     if a.cpu_only:
@@ -398,9 +495,10 @@ def main(argv=None) -> int:
         summarize(f"{label} ({model}, {mbs} MBs, {sched})", results)
         print(f"   [{time.time() - t0:.0f} s]")
         sys.stdout.flush()
-    detector_cpu("256 GPUs", 4, 16, 4, 16, 60, paper="paper: 1.2-1.5 %")
+    cpu_args = {"rounds": a.rounds, "against": a.against}
+    detector_cpu("256 GPUs", 4, 16, 4, 16, 60, paper="paper: 1.2-1.5 %", **cpu_args)
     if not a.skip_16k:
-        detector_cpu("16,384 GPUs", 8, 16, 128, 64, 28)
+        detector_cpu("16,384 GPUs", 8, 16, 128, 64, 36, **cpu_args)
     print(f"\ntotal {time.time() - t_all:.0f} s")
     return 0
 

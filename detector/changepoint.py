@@ -18,6 +18,7 @@ is in units of the noise variance and one penalty fits every series.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class CusumScreen:
         self.down = 0.0
 
     def update(self, z: float) -> int:
+        # (inlined in OnlineChangeDetector.push: keep the two alike)
         self.up = max(0.0, self.up + z - self.k)
         self.down = max(0.0, self.down - z - self.k)
         if self.up > self.h:
@@ -139,12 +141,20 @@ class OnlineChangeDetector:
                 self.values.append(float(x))
 
     def push(self, iteration: int, value: float, min_shift: float = 0.0) -> ChangePoint | None:
-        if not np.isfinite(value):
+        # called for every group and link of every iteration (~4,000 times at 16,384
+        # GPUs): plain float arithmetic, the screen's update inlined
+        value = float(value)
+        if not math.isfinite(value):
             return None
         self.iters.append(int(iteration))
-        self.values.append(float(value))
+        self.values.append(value)
         z = (value - self.center) / self.scale
-        d = self.screen.update(z)
+        sc = self.screen
+        up = sc.up + z - sc.k
+        down = sc.down - z - sc.k
+        sc.up = up if up > 0.0 else 0.0
+        sc.down = down if down > 0.0 else 0.0
+        d = 1 if sc.up > sc.h else (-1 if sc.down > sc.h else 0)
         if d and (self.direction == 0 or d == self.direction):
             if self.alarm_since is None or d != self.alarm_dir:
                 self.alarm_since = int(iteration)

@@ -11,14 +11,12 @@ stage, kind, direction) running median.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 
 from detector.commtime import comm_stats
-from detector.groupstats import grouped_median
+from detector.groupstats import grouped_median, key_runs
 from detector.view import IterationView
 from resihp.schemas import ChunkKind
 
@@ -50,6 +48,79 @@ def _not_gross(ys: np.ndarray, xs: np.ndarray, coef: tuple[float, float] | None)
 #: The most one iteration's observed/predicted median may pull a group's scale, as a
 #: ratio (10 %; see ``ChunkPredictor.update_scales``).
 SCALE_STEP_MAX = 1.10
+
+#: Per-iteration statistics of each communication key whose median is its baseline.
+COMM_HISTORY = 64
+
+LinkKey = tuple[int, int, int, int]
+
+
+class _CommHistory:
+    """The last :data:`COMM_HISTORY` per-iteration statistics of each communication key,
+    one row of a ring array per key (keys in the order first seen).
+
+    A layout's iterations bring the same keys in the same order: their rows are looked
+    up once and each iteration's values are written with one scatter."""
+
+    __slots__ = ("keys", "row", "vals", "count", "_last_keys", "_last_rows")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.keys: list[LinkKey] = []
+        self.row: dict[LinkKey, int] = {}
+        self.vals = np.zeros((0, COMM_HISTORY))
+        self.count = np.zeros(0, dtype=np.int64)  # values written (the ring's next slot mod 64)
+        self._last_keys: list[LinkKey] | None = None
+        self._last_rows = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self.row
+
+    def drop_stages(self, stages: set[int]) -> list[LinkKey]:
+        """Forget the keys of these stages; -> the keys forgotten."""
+        gone = [k for k in self.keys if k[1] in stages]
+        if gone:
+            keep = [i for i, k in enumerate(self.keys) if k[1] not in stages]
+            keys, vals, count = [self.keys[i] for i in keep], self.vals[keep], self.count[keep]
+            self.clear()
+            self.keys, self.vals, self.count = keys, vals, count
+            self.row = {k: i for i, k in enumerate(keys)}
+        return gone
+
+    def add(self, stats: dict[LinkKey, float]) -> None:
+        keys = list(stats)
+        rows = self._last_rows
+        if keys != self._last_keys:
+            get = self.row.get
+            rows = np.fromiter((get(k, -1) for k in keys), np.int64, len(keys))
+            for i in np.flatnonzero(rows < 0).tolist():  # keys not seen before
+                rows[i] = self.row[keys[i]] = len(self.keys)
+                self.keys.append(keys[i])
+            grow = len(self.keys) - len(self.count)
+            if grow > 0:
+                self.vals = np.concatenate([self.vals, np.zeros((grow, COMM_HISTORY))])
+                self.count = np.concatenate([self.count, np.zeros(grow, dtype=np.int64)])
+            self._last_keys, self._last_rows = keys, rows
+        c = self.count[rows]
+        self.vals[rows, c % COMM_HISTORY] = np.fromiter(stats.values(), np.float64, len(keys))
+        self.count[rows] = c + 1
+
+    def medians(self) -> np.ndarray:
+        """The median of each key's history (in the order of ``keys``)."""
+        n = np.minimum(self.count, COMM_HISTORY)
+        pad = np.arange(COMM_HISTORY) >= n[:, None]
+        arr = np.where(pad, np.inf, self.vals)
+        if np.isnan(arr).any():
+            arr[pad] = np.nan
+            return np.nanmedian(arr, axis=1)
+        arr.sort(axis=1)  # each key's history first, ascending; the padding after it
+        rows = np.arange(len(arr))
+        return (arr[rows, (n - 1) // 2] + arr[rows, n // 2]) / 2
 
 
 class _RLS2:
@@ -97,7 +168,7 @@ class ChunkPredictor:
     _dirty: bool = False
     _comm_since: int = 0
     scale: dict[tuple[int, int], float] = field(default_factory=dict)  # (dp, stage) -> factor
-    comm: dict[tuple[int, int, int, int], deque] = field(default_factory=dict)
+    comm: _CommHistory = field(default_factory=_CommHistory)
     comm_median: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
     iterations_fitted: int = 0
 
@@ -126,8 +197,7 @@ class ChunkPredictor:
             self._coef.pop(key, None)
         for key in [k for k in self.scale if k[1] in stages]:
             del self.scale[key]
-        for key in [k for k in self.comm if k[1] in stages]:
-            del self.comm[key]
+        for key in self.comm.drop_stages(stages):
             self.comm_median.pop(key, None)
 
     # ------------------------------------------------------------- fitting
@@ -153,21 +223,23 @@ class ChunkPredictor:
         for f in self.fits.values():
             f.decay(self.forget)
         if cm.any():
-            sc = self._scales(v.dp[cm], v.stage[cm])
+            # the rows in (stage, kind) runs, in their order within a run (a stable sort,
+            # kept for the next iteration's same keys), read once in that order
+            rows = np.flatnonzero(cm)
+            st = v.stage[rows]
+            sk = st.astype(np.int64) * 16 + v.kind[rows]
+            order, starts = key_runs(sk)
+            if order is not None:
+                rows, st, sk = rows[order], st[order], sk[order]
+            dp = v.dp[rows]
+            sc = self._scales(dp, st)
             if slowed:
-                gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+                gk = dp.astype(np.int64) * 4096 + st
                 for (d, s), f in slowed.items():
                     sc = np.where(gk == d * 4096 + s, sc * f, sc)
-            y = v.duration_s[cm] / sc
-            x = np.stack([v.tokens_n[cm] / N_UNIT, v.sum_sq[cm] / SQ_UNIT], axis=1)
-            st, kd = v.stage[cm], v.kind[cm]
-            keys = st.astype(np.int64) * 16 + kd
+            y = v.duration_s[rows] / sc
+            x = np.stack([v.tokens_n[rows] / N_UNIT, v.sum_sq[rows] / SQ_UNIT], axis=1)
             coef = self.coef
-            # one sort into (stage, kind) runs, rows in their order within a run
-            # (keys < 4096 stages x 16 kinds fit 16 bits: numpy's radix sort, linear)
-            order = np.argsort(keys.astype(np.uint16), kind="stable")
-            sk, y, x = keys[order], y[order], x[order]
-            starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
             for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(sk)], strict=True):
                 k = (int(sk[a] // 16), int(sk[a] % 16))
                 ys, xs = y[a:b], x[a:b]
@@ -177,7 +249,10 @@ class ChunkPredictor:
                 fit = self.fits.get(k)
                 if fit is None:
                     fit = self.fits[k] = _RLS2()
-                fit.add(xs[ok], ys[ok])
+                if ok.all():
+                    fit.add(xs, ys)
+                else:
+                    fit.add(xs[ok], ys[ok])
             self._dirty = True
         # P2P / collectives: median over iterations of each key's per-iteration statistic
         # a key's rows are all of one (replica, stage) group: leaving a group out leaves
@@ -189,29 +264,15 @@ class ChunkPredictor:
                 for k, val in stats.items()
                 if (k[0], k[1]) not in (exclude or ()) and k not in (exclude_comm or ())
             }
-        for key, val in stats.items():
-            q = self.comm.get(key)
-            if q is None:
-                q = self.comm[key] = deque(maxlen=64)
-            q.append(val)
+        if stats:
+            self.comm.add(stats)
         self._comm_since += 1
         if stats and (self._comm_since >= 4 or len(self.comm_median) < len(self.comm)):
-            # one vectorized median over every key's history (NaN-padded), every
-            # few iterations: a healthy baseline does not move faster than that
+            # one vectorized median over every key's history, every few iterations: a
+            # healthy baseline does not move faster than that
             self._comm_since = 0
-            keys = list(self.comm)
-            hist = list(self.comm.values())
-            n = np.fromiter(map(len, hist), np.int64, len(hist))
-            arr = np.full((len(keys), 64), np.inf)
-            arr[np.arange(64) < n[:, None]] = np.fromiter(chain.from_iterable(hist), np.float64)
-            if np.isnan(arr).any():
-                arr[np.isinf(arr) & (np.arange(64) >= n[:, None])] = np.nan
-                meds = np.nanmedian(arr, axis=1)
-            else:
-                arr.sort(axis=1)  # each key's history first, ascending; the padding after it
-                rows = np.arange(len(keys))
-                meds = (arr[rows, (n - 1) // 2] + arr[rows, n // 2]) / 2
-            self.comm_median.update(zip(keys, meds.tolist(), strict=True))
+            meds = self.comm.medians()
+            self.comm_median.update(zip(self.comm.keys, meds.tolist(), strict=True))
         self.iterations_fitted += 1
 
     def update_scales(self, v: IterationView, rate: float, exclude: set | None = None) -> None:
@@ -249,7 +310,7 @@ class ChunkPredictor:
         table = np.ones((nd, ns))
         good = (keys >= 0).all(axis=1)
         table[keys[good, 0], keys[good, 1]] = vals[good]
-        return table[dp, stage]
+        return table.ravel()[dp.astype(np.intp) * ns + stage]
 
     # ----------------------------------------------------------- predicting
     def cost(self, stage: int, kind: int, tokens_n: float, sum_sq: float) -> float:

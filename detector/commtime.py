@@ -105,30 +105,38 @@ class CommRows:
             )
 
     def own_time(self, start: np.ndarray, duration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(durations with RECV/ALLREDUCE rows replaced by their own time, mask of rows to keep)."""
+        """(durations with RECV/ALLREDUCE rows replaced by their own time, mask of rows to keep).
+
+        Each row's end is ``start + duration``, taken only for the rows that need it."""
         dur = duration.astype(np.float64, copy=True)
         keep = np.ones(self.n, dtype=bool)
-        end = start + duration
         recv = self.recv
         if len(recv):
+            s_r = start[recv]
+            sender_end = np.full(len(recv), np.nan)
             has = self.sender >= 0
-            sender_end = np.where(has, end[np.where(has, self.sender, 0)], np.nan)
-            known = np.isfinite(sender_end) & np.isfinite(start[recv])
-            late = known & (start[recv] > sender_end + POST_SLACK_S)
+            sent = self.sender[has]
+            sender_end[has] = start[sent] + duration[sent]
+            known = np.isfinite(sender_end) & np.isfinite(s_r)
+            late = known & (s_r > sender_end + POST_SLACK_S)
             # a link whose receives were mostly late this iteration gives no sample: the median
             # of the few that waited swings with which ones they were (noise, not the link)
             late_share = np.bincount(self.link_inv, weights=late) / self.link_rows
             keep[recv[late | (late_share[self.link_inv] > MAX_LATE_SHARE)]] = False
-            w = known & ~late
-            dur[recv[w]] = np.maximum(0.0, end[recv[w]] - np.maximum(start[recv[w]], sender_end[w]))
+            w = np.flatnonzero(known & ~late)
+            rw, s_w = recv[w], s_r[w]
+            dur[rw] = np.maximum(0.0, (s_w + duration[rw]) - np.maximum(s_w, sender_end[w]))
         if self.ar_stage is not None:
             firsts, stages, num_stages, ar_stage = self.ar_stage
             last = np.full(num_stages, -np.inf)
-            last[stages] = np.maximum.reduceat(end[self.comp], firsts)
+            comp = self.comp
+            last[stages] = np.maximum.reduceat(start[comp] + duration[comp], firsts)
             ar = self.ar
             ready = last[ar_stage]
-            ok = np.isfinite(ready) & np.isfinite(start[ar])
-            dur[ar[ok]] = np.maximum(0.0, end[ar[ok]] - np.maximum(start[ar[ok]], ready[ok]))
+            s_a = start[ar]
+            ok = np.isfinite(ready) & np.isfinite(s_a)
+            ra, s_ok = ar[ok], s_a[ok]
+            dur[ra] = np.maximum(0.0, (s_ok + duration[ra]) - np.maximum(s_ok, ready[ok]))
         return dur, keep
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from detector.changepoint import OnlineChangeDetector
 from detector.config import DetectorConfig
+from detector.groupstats import grouped_sum
 from detector.predictor import (
     RECV,
     SEND,
@@ -334,8 +335,7 @@ class DetectorState:
         rr: dict[int, float] = {}
         if len(v.rank) and cm.any():
             gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
-            keys, inv = np.unique(gk, return_inverse=True)
-            gsum = np.bincount(inv, weights=pred[cm])
+            keys, gsum = grouped_sum(gk, pred[cm])
             rk = v.rank_dp.astype(np.int64) * 4096 + v.rank_stage
             pos = np.clip(np.searchsorted(keys, rk), 0, len(keys) - 1)
             gp = np.where(keys[pos] == rk, gsum[pos], np.nan)

@@ -170,6 +170,8 @@ class RowPlan:
             return
         self.unusable = int(n - ok.sum())
         self.idx, self.dups = _dedup(ok, dp, stage, src, mb, kind, said, None)
+        #: every row kept, in its order (the usual case): times are read without a gather
+        self.every_row = len(self.idx) == n and bool((self.idx == np.arange(n)).all())
         self.cols = tuple(a[self.idx] for a in (dp, stage, src, mb, kind))
         self.direction = said[self.idx].astype(np.int8)
         self.comm = CommRows(*self.cols, self.direction)
@@ -197,11 +199,15 @@ class RowPlan:
 
 def _copy(v):
     if isinstance(v, np.ndarray):
-        return v.copy()
+        # a read-only column (a decoded record's kinds) is kept as it is: the next
+        # record's is then often the very same array (resihp.schemas._kind_names)
+        return v if not v.flags.writeable and v.base is None else v.copy()
     return list(v) if isinstance(v, list) else v
 
 
 def _same(a, b) -> bool:
+    if a is b:
+        return True
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
     if isinstance(a, list) and isinstance(b, list):
@@ -279,11 +285,14 @@ def _chunk_stats(mbs: dict, m: int, mdp, mmb, src, mb, row: np.ndarray | None):
     mn = _col(mbs, "token_budget", m, np.float64, np.nan)
     msq = _col(mbs, "sum_sq_len", m, np.float64, np.nan)
     good = (mdp >= 0) & (mmb >= 0) & np.isfinite(mn) & np.isfinite(msq) & (mn > 0)
-    rows = _first_good(mdp, mmb, good)
-    if row is None:
-        row = _stat_rows(mdp[rows], mmb[rows], rows, src, mb)
+    if row is not None and m and good.all():
+        rows = np.arange(m)  # every row has its own key (RowPlan) and is usable
     else:
-        row = np.where(good[row] & (row >= 0), row, -1) if m else row
+        rows = _first_good(mdp, mmb, good)
+        if row is None:
+            row = _stat_rows(mdp[rows], mmb[rows], rows, src, mb)
+        else:
+            row = np.where(good[row] & (row >= 0), row, -1) if m else row
     keys = zip(mdp[rows].tolist(), mmb[rows].tolist(), strict=True)
     stats = dict(zip(keys, zip(mn[rows].tolist(), msq[rows].tolist(), strict=True), strict=True))
     if not m:
@@ -350,7 +359,8 @@ def _make_view(
 
 def _planned_view(rec, plan: RowPlan, dur: np.ndarray, start: np.ndarray) -> IterationView:
     """The view of a record whose ids match ``plan``: only times and statistics are read."""
-    dur, start = dur[plan.idx], start[plan.idx]
+    if not plan.every_row:
+        dur, start = dur[plan.idx], start[plan.idx]
     tn, sq, stats = _chunk_stats(
         rec.microbatches or {},
         plan.m,

@@ -497,7 +497,8 @@ class IterationRecord(Message):
     builds lack ``direction``; readers treat it as unknown).  The columns are
     lists when built or read from JSON, numpy arrays when read from a Redis
     entry (packed there, see :data:`RECORD_CHUNK_DTYPE`); ``kind`` holds names
-    either way.  ``ranks`` is columnar per reporting rank: rank, dp,
+    either way (read-only when read from an entry: records with the same kinds share
+    the array).  ``ranks`` is columnar per reporting rank: rank, dp,
     stage, busy_s (sum of compute-chunk durations), compute_s (sum of pure
     compute time, excluding TP waits), comm_s (sum of communication chunks).
     ``microbatches`` is columnar: dp, microbatch, token_budget, num_docs,
@@ -580,21 +581,41 @@ def unpack_record_chunks(raw: bytes) -> dict[str, np.ndarray]:
             f"{RECORD_CHUNK_DTYPE.itemsize})"
         )
     rows = np.frombuffer(raw, dtype=RECORD_CHUNK_DTYPE)
-    kind = rows["kind"]
+    # each column copied out once; the checks then read contiguous memory
+    out = {name: np.ascontiguousarray(rows[name]) for name in RECORD_CHUNK_DTYPE.names}
+    kind = out["kind"]
     if len(rows) and ((kind < 0).any() or (kind > max(ChunkKind)).any()):
         raise SchemaError("iteration chunks: unknown chunk kind")
     if len(rows):
-        if not (np.isfinite(rows["start_s"]).all() and np.isfinite(rows["duration_s"]).all()):
+        if not (np.isfinite(out["start_s"]).all() and np.isfinite(out["duration_s"]).all()):
             raise SchemaError("iteration chunks: non-finite start_s/duration_s")
-        if (rows["duration_s"] < 0).any():
+        if (out["duration_s"] < 0).any():
             raise SchemaError("iteration chunks: negative duration_s")
-        if (rows["dp"] < 0).any() or (rows["stage"] < 0).any() or (rows["microbatch"] < 0).any():
+        if (out["dp"] < 0).any() or (out["stage"] < 0).any() or (out["microbatch"] < 0).any():
             raise SchemaError("iteration chunks: negative dp/stage/microbatch")
-        if (rows["src_dp"] < -1).any() or (np.abs(rows["direction"]) > 1).any():
+        if (out["src_dp"] < -1).any() or (np.abs(out["direction"]) > 1).any():
             raise SchemaError("iteration chunks: src_dp < -1 or direction not in -1, 0, 1")
-    out = {name: np.ascontiguousarray(rows[name]) for name in RECORD_CHUNK_DTYPE.names}
-    out["kind"] = KIND_NAMES[kind]
+    out["kind"] = _kind_names(kind)
     return out
+
+
+#: (codes, names) of the last kind column :func:`unpack_record_chunks` decoded: a job's
+#: records repeat their rows until the layout changes, and at 16,384 GPUs the ~500k
+#: names cost more than the rest of the decode.
+_last_kinds: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _kind_names(codes: np.ndarray) -> np.ndarray:
+    """The names of ``codes`` (a private array), read-only: the same array as the last
+    call's when the codes are the same (shared by records, so nobody may write it)."""
+    global _last_kinds
+    last = _last_kinds
+    if last is not None and np.array_equal(last[0], codes):
+        return last[1]
+    names = KIND_NAMES[codes]
+    names.flags.writeable = False
+    _last_kinds = (codes, names)
+    return names
 
 
 @dataclass

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import fields
 
 import numpy as np
+import pytest
 
-from detector.groupstats import grouped_median
+from detector.chunkfit import _CommHistory
+from detector.groupstats import grouped_median, grouped_sum
 from detector.view import IterationView, ViewBuilder
 from resihp.assembly import IterationAssembler
+from resihp.schemas import RECORD_CHUNK_DTYPE, unpack_record_chunks
 from resihp.wire import decode_entry, encode_one
 from trainer.sim.config import SimConfig
 from trainer.sim.core import ClusterSim
@@ -120,3 +124,67 @@ def test_grouped_median_matches_a_sort_by_key_and_value():
         got_k, got = grouped_median(keys, vals)
         assert np.array_equal(got_k, k[starts])
         assert np.array_equal(got, want, equal_nan=True)
+
+
+def _median_by_sort(keys, vals):
+    order = np.lexsort((vals, keys))
+    k, x = keys[order], vals[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    ends = np.r_[starts[1:], len(k)]
+    return k[starts], (x[starts + (ends - starts - 1) // 2] + x[starts + (ends - starts) // 2]) / 2
+
+
+def test_grouped_reductions_reuse_a_key_column_only_while_it_is_equal():
+    rng = np.random.default_rng(1)
+    columns = [
+        np.repeat(np.arange(64), 128),  # a layout's rows: grouped, equal groups
+        rng.permutation(np.repeat(np.arange(50), 100)),
+        np.sort(rng.integers(0, 300, 6000)),  # unequal groups
+    ]
+    for keys in columns:
+        keys = keys.astype(np.int64) * 4099 + 7
+        for t in range(4):  # calls after the first reuse what it derived from the keys
+            if t == 3:  # the same array edited in place: same length and ends, other groups
+                keys[1:-1] = keys[1:-1][::-1].copy()
+            vals = rng.normal(size=len(keys))
+            if t == 2:
+                vals[:: len(keys) // 7] = np.nan
+            got = grouped_median(keys, vals)
+            want = _median_by_sort(keys, vals)
+            assert np.array_equal(got[0], want[0])
+            assert np.array_equal(got[1], want[1], equal_nan=True)
+            uk, inv = np.unique(keys, return_inverse=True)
+            sk, sums = grouped_sum(keys, vals)
+            assert np.array_equal(sk, uk)
+            assert np.array_equal(sums, np.bincount(inv, weights=vals), equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_comm_history_medians_are_each_keys_last_64_statistics(seed):
+    rng = np.random.default_rng(seed)
+    keys = [(d, s, 3, 1) for d in range(3) for s in range(4)]
+    hist, ref = _CommHistory(), {}
+    for it in range(150):
+        stats = {k: float(rng.normal()) for k in keys if rng.random() < 0.8}  # keys come and go
+        hist.add(stats)
+        for k, v in stats.items():
+            ref.setdefault(k, deque(maxlen=64)).append(v)
+        if it == 100:
+            for k in hist.drop_stages({2}):
+                del ref[k]
+        assert hist.keys == list(ref)
+        want = [(sorted(q)[(len(q) - 1) // 2] + sorted(q)[len(q) // 2]) / 2 for q in ref.values()]
+        assert hist.medians().tolist() == want
+
+
+def test_decoded_kind_names_are_read_only_and_shared_while_equal():
+    rows = np.zeros(5000, dtype=RECORD_CHUNK_DTYPE)
+    rows["kind"] = np.arange(5000) % 3
+    a = unpack_record_chunks(rows.tobytes())["kind"]
+    b = unpack_record_chunks(rows.tobytes())["kind"]
+    assert a is b and not a.flags.writeable and a[:3].tolist() == ["F", "B", "W"]
+    with pytest.raises(ValueError):
+        a[0] = "B"
+    rows["kind"][0] = 1
+    c = unpack_record_chunks(rows.tobytes())["kind"]
+    assert c is not a and c[0] == "B" and a[0] == "F"
