@@ -3,6 +3,12 @@ a real local Redis Cluster of such servers.
 
 Tests marked ``gpu`` need a CUDA device: without one they are deselected (not skipped),
 and the run's summary says how many, so a CPU run never reports them as passed.
+
+scripts/test.sh runs the suite on pytest-xdist workers (``--dist loadgroup``): the tests
+marked ``distributed`` share one group, so torch jobs (each several processes) never run
+two at a time, and the group starts first (it is the largest), the rest filling the other
+worker. A test that must not overlap another one joins a group with
+``@pytest.mark.xdist_group("name")``.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ _GPU_DESELECTED: list = []
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        if "distributed" in item.keywords and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("torch"))
     if torch.cuda.is_available():
         return
     keep = [i for i in items if "gpu" not in i.keywords]
@@ -61,9 +70,26 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+_GPU_DESELECTED_ON_WORKERS: list[int] = []
+
+
+def pytest_sessionfinish(session):
+    # an xdist worker hands its count to the controller, which prints the summary
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["gpu_deselected"] = len(_GPU_DESELECTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _GPU_DESELECTED_ON_WORKERS.append(getattr(node, "workeroutput", {}).get("gpu_deselected", 0))
+
+
 def pytest_terminal_summary(terminalreporter):
-    if _GPU_DESELECTED:
+    # every worker collects the whole suite: each deselected the same tests
+    n = max([len(_GPU_DESELECTED), *_GPU_DESELECTED_ON_WORKERS])
+    if n:
         terminalreporter.write_line(
-            f"{len(_GPU_DESELECTED)} gpu test(s) deselected: no CUDA device "
+            f"{n} gpu test(s) deselected: no CUDA device "
             "(run `pytest -m gpu` on a GPU machine; bench/gpu_check.sh does)"
         )
