@@ -93,7 +93,8 @@ _GROUPS_FILE = Path(tempfile.gettempdir()) / f"resihp-xdist-groups-{os.getpid()}
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    node.workerinput["resihp_xdist_groups"] = str(_GROUPS_FILE)
+    if node.config.getoption("dist") == "loadgroup":
+        node.workerinput["resihp_xdist_groups"] = str(_GROUPS_FILE)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -109,8 +110,11 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:
-                self.groups = json.loads(_GROUPS_FILE.read_text())
-                _GROUPS_FILE.unlink()
+                try:
+                    self.groups = json.loads(_GROUPS_FILE.read_text())
+                    _GROUPS_FILE.unlink()
+                except FileNotFoundError:  # a collection that failed: no groups
+                    self.groups = {}
             if nodeid in self.groups:
                 return self.groups[nodeid]
             return super()._split_scope(nodeid)  # a node id xdist did rename
