@@ -441,13 +441,14 @@ def test_a_device_that_rejoined_after_the_layout_is_standby_not_dead(r, redis_se
 def test_the_services_card_shows_the_trainer_and_whether_it_is_hung(r, redis_server):
     sc = publish_job(r, "job-a", iterations=20, slow_from=12)
     keys = sc["keys"]
+    # keys that outlive the test: four app renders took more than their 10 s on a busy box
     for name in ("collector", "detector", "scheduler", "dashboard"):
-        bus.Health(r, keys, name).beat("ok")
-    bus.Health(r, keys, "trainer").beat("ok", state="hung", iteration=19)
+        bus.Health(r, keys, name, ttl_s=300.0).beat("ok")
+    bus.Health(r, keys, "trainer", ttl_s=300.0).beat("ok", state="hung", iteration=19)
     ok4 = "collector ok · detector ok · scheduler ok · dashboard ok"
     services = _cards(_overview(_app(r, redis_server)))["services"]
     assert services == ("5", ok4 + " · trainer hung", "card warn")
-    bus.Health(r, keys, "trainer").beat("ok", state="running")
+    bus.Health(r, keys, "trainer", ttl_s=300.0).beat("ok", state="running")
     assert _cards(_overview(_app(r, redis_server)))["services"] == (
         "5",
         ok4 + " · trainer running",
