@@ -127,6 +127,8 @@ def pytest_sessionfinish(session):
     out = getattr(session.config, "workeroutput", None)
     if out is not None:
         out["gpu_deselected"] = len(_GPU_DESELECTED)
+    else:  # the controller: a run that scheduled nothing never read the groups file
+        _GROUPS_FILE.unlink(missing_ok=True)
 
 
 @pytest.hookimpl(optionalhook=True)
