@@ -2,7 +2,9 @@
 # The README's test command: installs the headless browser the dashboard tests drive
 # (Debian's chromium), promtool (Debian's prometheus package) and Debian's redis-server
 # (Redis 7, for the ACL tests), checks the alert rules
-# with their unit tests, then runs the whole test suite. pytest exit code 5 (no tests) fails.
+# with their unit tests, then runs the whole test suite on two pytest-xdist workers (one per
+# core of the CI box; tests/conftest.py groups the torch jobs on one of them; set
+# RESIHP_TEST_WORKERS=0 for a plain serial run). pytest exit code 5 (no tests) fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
@@ -19,4 +21,4 @@ fi
 ruff check .
 promtool check rules deploy/prometheus/resihp-alerts.yml
 promtool test rules deploy/prometheus/resihp-alerts.test.yml
-python -m pytest -q "$@"
+python -m pytest -q -n "${RESIHP_TEST_WORKERS:-2}" --dist loadgroup "$@"

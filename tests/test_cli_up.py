@@ -168,6 +168,8 @@ def test_up_runs_reports_status_and_stops_cleanly_on_sigterm(tmp_path):
         "--state-dir",
         str(tmp_path),
         "--no-summary",
+        "--dashboard-port",  # not the default 8050: another stack (or test) may hold it
+        str(free_port()),
     ]
     again = subprocess.run([*up, "--duration", "5"], capture_output=True, text=True, env=env)
     assert again.returncode == 2 and "already holds a run" in again.stderr, again.stderr
@@ -213,6 +215,8 @@ def _up(tmp_path, *argv, timeout=120):
             "--no-summary",
             "--duration",
             "30",
+            "--dashboard-port",  # a free one (argv may name its own): 8050 may be held
+            str(free_port()),
             *argv,
         ],
         capture_output=True,
@@ -246,7 +250,7 @@ def test_up_refuses_what_would_fail_before_starting_anything(tmp_path):
 @pytest.mark.redis
 @pytest.mark.slow
 def test_up_stops_and_fails_when_a_child_cannot_start(tmp_path):
-    out = _up(tmp_path, "--dashboard-port", str(free_port()), "--trainer-arg=--no-such-flag")
+    out = _up(tmp_path, "--trainer-arg=--no-such-flag")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "trainer exited with code 2" in out.stdout
     assert "resihp up: trainer failed to start; stopping the stack" in out.stderr
@@ -463,7 +467,10 @@ def test_a_second_stack_on_the_same_state_dir_is_refused(tmp_path, capsys, fake_
     state.mkdir()
     stack = {"redis_url": "redis://127.0.0.1:1/0", "job_id": "prod", "pid": fake_launcher}
     (state / STACK_FILE).write_text(json.dumps(stack))
-    rc = cli.main(["up", "--state-dir", str(state), "--trainer", "none", "--duration", "1"])
+    rc = cli.main(
+        ["up", "--state-dir", str(state), "--trainer", "none", "--duration", "1",
+         "--dashboard-port", str(free_port())]
+    )  # fmt: skip
     assert rc == 2
     err = capsys.readouterr().err
     assert f"pid {fake_launcher}" in err and "'prod'" in err and "--state-dir" in err

@@ -414,7 +414,12 @@ def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    time.sleep(3.0)  # let it start and take the stream's current end
+    # it has taken the stream's current end once it follows the stream (a blocking XREAD):
+    # waited for, not slept on, however long a busy machine takes to start it
+    started = time.time()
+    while not any(c.get("cmd") == "xread" for c in r.client_list()):
+        assert proc.poll() is None and time.time() - started < 60, "the recorder never started"
+        time.sleep(0.05)
     p.heartbeat(Heartbeat(rank=1, node=0, iteration=1, wall_time_s=2.0, seq=77))
     assert p.flush()
     lay2 = lay.copy()

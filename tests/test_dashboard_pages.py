@@ -342,14 +342,33 @@ def test_the_timeline_timer_follows_how_long_a_render_takes(r, redis_server):
 
     publish_job(r, "job-a", iterations=8, slow_from=5)
     app = _app(r, redis_server)
-    out = _timeline(app, None)
-    assert out["tl-tick"]["interval"] == 1000 and out["tl-status"]["children"] == ""
+
+    def timed(call):
+        """The callback's output and the most its render can have taken (the whole call):
+        fast on an idle machine (the refresh interval), and a busy one still bounds it."""
+        t0 = time.perf_counter()
+        out = call()
+        return out, tick_after_render_ms(time.perf_counter() - t0, 1.0)
+
+    out, most_ms = timed(lambda: _timeline(app, None))
+    assert 1000 <= out["tl-tick"]["interval"] <= most_ms and out["tl-status"]["children"] == ""
     # the device-skew page likewise; a timer already at its period is left alone
     vals = {"sk-tick.n_intervals": 1, "job.value": "job-a", "sk-drill.data": []}
-    out = dash_call(app, "sk-where", {**vals, "sk-tick.interval": 2000}, "sk-tick.n_intervals")
-    assert out["sk-tick"]["interval"] == 1000, out.get("sk-tick")
-    out = dash_call(app, "sk-where", {**vals, "sk-tick.interval": 1000}, "sk-tick.n_intervals")
-    assert "sk-tick" not in out and "devices on" in json.dumps(out["sk-where"])
+    out, most_ms = timed(
+        lambda: dash_call(
+            app, "sk-where", {**vals, "sk-tick.interval": 2000}, "sk-tick.n_intervals"
+        )
+    )
+    if most_ms < 2000:  # rendered faster than the slow tick (always, on an idle machine)
+        assert 1000 <= out["sk-tick"]["interval"] <= most_ms, out.get("sk-tick")
+    out, most_ms = timed(
+        lambda: dash_call(
+            app, "sk-where", {**vals, "sk-tick.interval": 1000}, "sk-tick.n_intervals"
+        )
+    )
+    if most_ms == 1000:  # rendered within the refresh interval (always, on an idle machine)
+        assert "sk-tick" not in out, out["sk-tick"]
+    assert "devices on" in json.dumps(out["sk-where"])
     assert tick_after_render_ms(0.05, 1.0) == 1000 and tick_after_render_ms(0.05, 0.5) == 500
     assert tick_after_render_ms(0.8, 1.0) == SLOW_TICK_MS == 2000
     assert tick_after_render_ms(1.6, 1.0) == 4000 and tick_after_render_ms(30.0, 1.0) == 10_000
@@ -422,13 +441,14 @@ def test_a_device_that_rejoined_after_the_layout_is_standby_not_dead(r, redis_se
 def test_the_services_card_shows_the_trainer_and_whether_it_is_hung(r, redis_server):
     sc = publish_job(r, "job-a", iterations=20, slow_from=12)
     keys = sc["keys"]
+    # keys that outlive the test: four app renders took more than their 10 s on a busy box
     for name in ("collector", "detector", "scheduler", "dashboard"):
-        bus.Health(r, keys, name).beat("ok")
-    bus.Health(r, keys, "trainer").beat("ok", state="hung", iteration=19)
+        bus.Health(r, keys, name, ttl_s=300.0).beat("ok")
+    bus.Health(r, keys, "trainer", ttl_s=300.0).beat("ok", state="hung", iteration=19)
     ok4 = "collector ok · detector ok · scheduler ok · dashboard ok"
     services = _cards(_overview(_app(r, redis_server)))["services"]
     assert services == ("5", ok4 + " · trainer hung", "card warn")
-    bus.Health(r, keys, "trainer").beat("ok", state="running")
+    bus.Health(r, keys, "trainer", ttl_s=300.0).beat("ok", state="running")
     assert _cards(_overview(_app(r, redis_server)))["services"] == (
         "5",
         ok4 + " · trainer running",
