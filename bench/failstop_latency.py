@@ -38,7 +38,7 @@ from detector.config import DetectorConfig
 from detector.service import DetectorService
 from resihp.keys import JobKeys
 from resihp.redis_client import EmbeddedRedis
-from resihp.schemas import FailureReport
+from resihp.schemas import FailureReport, LivenessEvent
 from resihp.topology import Layout
 from resihp.wire import HeartbeatBatch, decode_entry
 
@@ -106,6 +106,9 @@ class Phase:
         self.max_gap_s = 0.0
         self.loads: list[float] = []
         self.deadlines_s: list[float] = []  # the collector's deadline in force at the signal
+        #: per trial: (the stopped node's last beat, the collector's verdict, the liveness
+        #: event's XADD, the report's XADD), each in s from the signal; agent verdict or not
+        self.stages: list[tuple[float, float, float, float, bool]] = []
 
 
 def _max_gap_s(client, keys: JobKeys, t_until: float) -> float:
@@ -123,6 +126,42 @@ def _max_gap_s(client, keys: JobKeys, t_until: float) -> float:
                         gap = max(gap, at - last[node])
                     last[node] = at
     return gap
+
+
+def _stages(client, keys: JobKeys, t_sig: float, report_at_s: float):
+    """Where the time went: the stopped node's dead LivenessEvent (its last beat, when the
+    collector decided, when it reached Redis) and the report, in s from the signal."""
+    for eid, fields in client.xrange(keys.liveness):
+        for m in decode_entry(fields)[0]:
+            if isinstance(m, LivenessEvent) and m.state == "dead" and set(m.ranks) & STOPPED_RANKS:
+                at_s = int(eid.split(b"-")[0]) / 1000
+                if at_s >= t_sig:
+                    return (
+                        m.last_seen_s - t_sig,
+                        m.detected_at_s - t_sig,
+                        at_s - t_sig,
+                        report_at_s,
+                        m.missed_beats == 0,
+                    )
+    return None
+
+
+def _why(client, keys: JobKeys, report: FailureReport, t_sig: float) -> str:
+    """The collector's verdict behind a false report: by agent or by deadline, the node's
+    last beat and the verdict's time, in s from the signal."""
+    for _eid, fields in client.xrange(keys.liveness):
+        for m in decode_entry(fields)[0]:
+            if (
+                isinstance(m, LivenessEvent)
+                and m.state == "dead"
+                and set(m.ranks) & set(report.ranks)
+            ):
+                how = "agent closed" if m.missed_beats == 0 else f"{m.missed_beats} missed beats"
+                return (
+                    f"{how}, last beat {m.last_seen_s - t_sig:+.2f} s, verdict "
+                    f"{m.detected_at_s - t_sig:+.2f} s"
+                )
+    return "no liveness event"
 
 
 def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) -> None:
@@ -153,7 +192,9 @@ def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) ->
                     return at_s - t_sig
                 if m.report_id not in seen:
                     seen.add(m.report_id)
-                    phase.false.append((job, list(m.ranks), round(at_s - t_sig, 2)))
+                    phase.false.append(
+                        (job, list(m.ranks), round(at_s - t_sig, 2), _why(client, keys, m, t_sig))
+                    )
         return None
 
     try:
@@ -179,6 +220,9 @@ def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) ->
                 lat = reports(t_sig)
                 if lat is not None:
                     phase.latency_s.append(lat)
+                    st = _stages(client, keys, t_sig, lat)
+                    if st is not None:
+                        phase.stages.append(st)
                     break
                 time.sleep(0.02)
             else:
@@ -244,10 +288,31 @@ def main(argv: list[str] | None = None) -> int:
             f"{ph.max_gap_s:>30.2f}s | {min(ph.deadlines_s):>8.2f}-{max(ph.deadlines_s):.2f} | "
             f"{min(ph.loads):.1f}-{max(ph.loads):.1f}"
         )
+    print(
+        "\nwhere the time went (s from the signal, median / max): the stopped node's last "
+        "beat, the collector's verdict, its LivenessEvent in Redis, the FailureReport in Redis"
+    )
+    for ph, _ in phases:
+        if not ph.stages:
+            continue
+        cols = list(zip(*ph.stages, strict=True))
+        agent = sum(cols[4])
+        parts = [
+            f"{statistics.median(c):+.2f} / {max(c):+.2f}"
+            for c in (cols[0], cols[1], cols[2], cols[3])
+        ]
+        steps = [[b - a for a, b in zip(cols[i], cols[i + 1], strict=True)] for i in (1, 2)]
+        print(
+            f"{ph.name:>26} | last beat {parts[0]} | verdict {parts[1]} | event {parts[2]} | "
+            f"report {parts[3]} | verdict->event {statistics.median(steps[0]):.2f} / "
+            f"{max(steps[0]):.2f} | event->report {statistics.median(steps[1]):.2f} / "
+            f"{max(steps[1]):.2f} | by agent {agent}/{len(ph.stages)}"
+        )
     for ph, _ in phases:
         for f in ph.false:
             print(
-                f"  false report in {ph.name}: job {f[0]}, ranks {f[1]}, {f[2]:+.2f} s from signal"
+                f"  false report in {ph.name}: job {f[0]}, ranks {f[1]}, {f[2]:+.2f} s from "
+                f"signal; {f[3]}"
             )
     return 0
 

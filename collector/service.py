@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from collections import defaultdict, deque
@@ -373,7 +374,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
             read_s = now
-            batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
+            batch = self.consumer.read(count=self.config.read_count, block_ms=self._block_ms(now))
             if self.consumer.stats.reconnects_total != reconnects:
                 self._mark_outage()
                 return 0
@@ -405,12 +406,15 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             else:
                 judge_s = min(now, self._frontier_s) if self._frontier_s else now
                 self.lag_s = max(0.0, now - judge_s)
+            # a closed agent first, and out at once: a killed process is reported within
+            # 0.5 s (issue 24), not after this batch's ingest and assembly
+            if self._check_agents(now):
+                self._flush_outbox()
             handled = self._ingest(batch, now)
             if now >= self._check_next:
                 self._check_next = now + self.config.check_every_s
                 self._runtime_k()
                 self._check_liveness(judge_s, now)
-            self._check_agents(now)
             self._assemble(now)
             self._flush_outbox()
             if self._ack_ready:
@@ -428,6 +432,17 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             self._mark_outage()
             time.sleep(0.2)
             return 0
+
+    def _block_ms(self, now: float) -> int | None:
+        """How long the next read may block: ``block_ms``, but not past the next look at
+        the node agents while any is connected (None: do not block, it is due)."""
+        block = self.config.block_ms
+        if self._agents and self._agents_next < math.inf:
+            due_ms = int((self._agents_next - now) * 1000)
+            if due_ms < 1:
+                return None
+            block = min(block, due_ms) if block else due_ms
+        return block
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled

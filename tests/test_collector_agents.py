@@ -20,9 +20,9 @@ from resihp.wire import decode_entry
 KEYS = JobKeys("agents")
 
 
-def _events(r):
+def _events(r, keys: JobKeys = KEYS):
     out = []
-    for _id, f in r.xrange(KEYS.liveness):
+    for _id, f in r.xrange(keys.liveness):
         out += [m for m in decode_entry(f)[0] if isinstance(m, LivenessEvent)]
     return out
 
@@ -117,3 +117,35 @@ def test_a_rank_process_agent_closing_is_that_rank_and_one_that_leaves_says_so(r
     for a in agents.values():
         a.close()
     p.close()
+
+
+@pytest.mark.redis
+def test_a_read_waits_no_longer_than_the_next_look_at_the_agents(r, redis_server):
+    """A collector blocked on a quiet telemetry stream still looks at the agents every
+    agent_poll_s, and sends a closed one's death out at once (issue 24: a killed process
+    is reported within 0.5 s): with block_ms 5 s, each read would otherwise wait 5 s."""
+    keys = JobKeys("agentwake")
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4, devices_per_node=4)
+    r.set(keys.layout, json.dumps(lay.to_dict()))
+    cfg = CollectorConfig(job_id=keys.job_id, block_ms=5000, heartbeat_interval_s=4.0)
+    svc = CollectorService(cfg, r)
+    agents = {n: NodeAgent(redis_server.url, keys.job_id, n) for n in (0, 1)}
+    p = TelemetryProducer(None, keys, client=r, flush_interval_s=0.005).start()
+    for rank in range(8):  # heard once; no beat after: the reads find a quiet stream
+        p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
+    p.close()
+    end = time.monotonic() + 10
+    while svc._agents != {(0, -1), (1, -1)} and time.monotonic() < end:
+        svc.run_once()
+    assert svc._agents == {(0, -1), (1, -1)}
+    agents[1].close()
+    t0 = time.monotonic()
+    for _ in range(20):
+        svc.run_once()
+        if _events(r, keys):
+            break
+    took_s = time.monotonic() - t0
+    (ev,) = _events(r, keys)
+    assert (ev.state, ev.node, ev.missed_beats) == ("dead", 1, 0)
+    assert took_s < 2.5  # one read of 5 s would be twice that
+    agents[0].close()
