@@ -3,16 +3,20 @@ to the detector's FailureReport, over ``--trials`` trials of each, median and ma
 no-fault control run of as many trials, whose every fail-stop report is a false one.
 
 Each trial is a fresh job of 4 nodes x 4 ranks (tp=2 pp=2 dp=4) on one embedded
-redis-server: a real collector and detector (threads of this process, their defaults
-but beats every ``--interval-s``, K=2) and one process per node (started ahead of its
-trial, so the 4 begin within a moment of each other) that holds its node agent connection
-(``resihp/liveness_agent.py``) and beats for its 4 ranks through a TelemetryProducer.
+redis-server: a real collector and detector (threads of this process, at their shipped
+defaults: the job registers as a trainer does, saying its ranks beat every
+``--interval-s``, 0.5 s as the torch trainer's, and the collector follows; K=2) and one
+process per node (started ahead of its trial, so the 4 begin within a moment of each
+other) that holds its node agent connection (``resihp/liveness_agent.py``) and beats for
+its 4 ranks through a TelemetryProducer.
 ``--hogs`` busy processes beside them keep this 2-core box loaded.  Once every node has
 been heard for 3 s, node 3's process is killed or stopped (the control run signals
 nothing and watches ``--control-s``); the latency is the FailureReport's arrival (its
 stream id, Redis's clock) minus the moment of the signal (this host's clock, the same
 machine).  A false report is any fail-stop report of a node nobody stopped, or one made
-before the signal.  Also printed per phase: the largest gap between two beats of a node
+before the signal; one whose verdict came before every node had been heard once is
+counted apart as a start-up one (a node process that took longer than the first-beat
+grace to beat at all).  Also printed per phase: the largest gap between two beats of a node
 nobody stopped (what a heartbeat deadline must tolerate) and the 1-minute load average.
 
     python bench/failstop_latency.py              # 20 trials of each, 4 hogs
@@ -23,7 +27,6 @@ nobody stopped (what a heartbeat deadline must tolerate) and the 1-minute load a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -37,6 +40,7 @@ from collector.service import CollectorService
 from detector.config import DetectorConfig
 from detector.service import DetectorService
 from resihp.keys import JobKeys
+from resihp.plans import register_running
 from resihp.redis_client import EmbeddedRedis
 from resihp.schemas import FailureReport, LivenessEvent
 from resihp.topology import Layout
@@ -45,6 +49,7 @@ from resihp.wire import HeartbeatBatch, decode_entry
 NODE = """
 import sys, time
 from resihp.keys import JobKeys
+from resihp.plans import register_running
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
 from resihp.liveness_agent import NodeAgent
@@ -146,9 +151,9 @@ def _stages(client, keys: JobKeys, t_sig: float, report_at_s: float):
     return None
 
 
-def _why(client, keys: JobKeys, report: FailureReport, t_sig: float) -> str:
+def _why(client, keys: JobKeys, report: FailureReport, t_sig: float) -> tuple[str, float]:
     """The collector's verdict behind a false report: by agent or by deadline, the node's
-    last beat and the verdict's time, in s from the signal."""
+    last beat and the verdict's time, in s from the signal; and the verdict's time."""
     for _eid, fields in client.xrange(keys.liveness):
         for m in decode_entry(fields)[0]:
             if (
@@ -160,26 +165,29 @@ def _why(client, keys: JobKeys, report: FailureReport, t_sig: float) -> str:
                 return (
                     f"{how}, last beat {m.last_seen_s - t_sig:+.2f} s, verdict "
                     f"{m.detected_at_s - t_sig:+.2f} s"
-                )
-    return "no liveness event"
+                ), m.detected_at_s
+    return "no liveness event", t_sig
 
 
 def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) -> None:
     keys = JobKeys(job)
     client = srv.client()
     lay = Layout.uniform(tp=2, pp=2, dp=4, num_layers=4, num_microbatches=4, devices_per_node=4)
-    client.set(keys.layout, json.dumps(lay.to_dict()))
+    # registered as a trainer does, saying the period its ranks beat at (the torch
+    # trainer's 0.5 s by default): the collector, at its shipped defaults, follows it
+    register_running(client, keys, lay, heartbeat_interval_s=a.interval_s)
     stop = threading.Event()
-    cfg = CollectorConfig(job_id=job, block_ms=20, heartbeat_interval_s=a.interval_s)
+    cfg = CollectorConfig(job_id=job)
     if a.no_agents:
         cfg = cfg.replace(agent_poll_s=0.0)
     col = CollectorService(cfg, srv.client())
-    det = DetectorService(DetectorConfig(job_id=job, block_ms=20), srv.client())
+    det = DetectorService(DetectorConfig(job_id=job), srv.client())
     threads = [threading.Thread(target=s.run, args=(stop,), daemon=True) for s in (col, det)]
     for t in threads:
         t.start()
     nodes = pool.take(job)
     seen: set[str] = set()
+    t_heard = float("inf")
 
     def reports(t_sig: float) -> float | None:
         """The stopped node's report latency, if any; files false reports on the way."""
@@ -192,8 +200,9 @@ def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) ->
                     return at_s - t_sig
                 if m.report_id not in seen:
                     seen.add(m.report_id)
+                    why, verdict_s = _why(client, keys, m, t_sig)
                     phase.false.append(
-                        (job, list(m.ranks), round(at_s - t_sig, 2), _why(client, keys, m, t_sig))
+                        (job, list(m.ranks), round(at_s - t_sig, 2), why, verdict_s < t_heard)
                     )
         return None
 
@@ -206,6 +215,7 @@ def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) ->
             time.sleep(0.1)
         else:
             raise RuntimeError("the nodes were never all heard")
+        t_heard = time.time()
         time.sleep(3.0)
         t_sig = time.time()
         phase.loads.append(os.getloadavg()[0])
@@ -273,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         f"processes, {trials} trials per phase, {time.monotonic() - t0:.0f} s"
     )
     print(
-        f"{'phase':>26} | {'median s':>8} | {'max s':>6} | {'min s':>6} | false reports | "
+        f"{'phase':>26} | {'median s':>8} | {'max s':>6} | {'min s':>6} | false (start-up) | "
         "largest beat gap of a live node | deadline in force s | load (1 min)"
     )
     for ph, _ in phases:
@@ -283,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             if lat
             else ("-", "-", "-")
         )
+        false = f"{len(ph.false)} ({sum(f[4] for f in ph.false)})"
         print(
-            f"{ph.name:>26} | {med:>8} | {mx:>6} | {mn:>6} | {len(ph.false):>13} | "
+            f"{ph.name:>26} | {med:>8} | {mx:>6} | {mn:>6} | {false:>16} | "
             f"{ph.max_gap_s:>30.2f}s | {min(ph.deadlines_s):>8.2f}-{max(ph.deadlines_s):.2f} | "
             f"{min(ph.loads):.1f}-{max(ph.loads):.1f}"
         )
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         for f in ph.false:
             print(
                 f"  false report in {ph.name}: job {f[0]}, ranks {f[1]}, {f[2]:+.2f} s from "
-                f"signal; {f[3]}"
+                f"signal; {f[3]}{' (start-up)' if f[4] else ''}"
             )
     return 0
 

@@ -243,6 +243,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
         self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
+        #: the last heartbeat period announced that was refused (said once)
+        self._interval_refused: Any = None
         #: the bound on a record's span (its reference: the recent complete records)
         self.bound = RecordBound()
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -412,7 +414,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
                 self._flush_outbox()
             handled = self._ingest(batch, now)
             if now >= self._check_next:
-                self._check_next = now + self.config.check_every_s
+                self._check_next = now + self._check_every_s()
                 self._runtime_k()
                 self._check_liveness(judge_s, now)
             self._assemble(now)
@@ -755,17 +757,60 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         Re-read every half heartbeat interval: the trainer says so right after its last
         beat, well before K intervals of silence could count as a failure."""
         if now >= self._job_state_next:
-            self._job_state_next = now + min(1.0, self.config.heartbeat_interval_s / 2)
+            self._job_state_next = now + min(1.0, self.liveness.interval_s / 2)
             # A Redis restarted without its data forgot the job: listing it again here
             # (SADD is idempotent) keeps it in status and metrics whatever trainer runs
             # it (a telemetry producer lists the job only once).
             bus.register_job(self.client, self.keys)
-            finished = bus.job_state(self.client, self.keys) == "finished"
+            doc = bus.job_state_doc(self.client, self.keys)
+            finished = doc.get("state") == "finished"
+            if not finished and bus.JOB_HEARTBEAT_INTERVAL_S in doc:
+                self._follow_interval(doc[bus.JOB_HEARTBEAT_INTERVAL_S], now)
             if self._finished and not finished:
                 # Running again (a new launch): nobody was expected meanwhile.
                 self.liveness.resume(now)
             self._finished = finished
         return self._finished
+
+    def _follow_interval(self, raw: Any, now: float) -> None:
+        """The heartbeat period the trainer announced (``bus.JOB_HEARTBEAT_INTERVAL_S``):
+        the fail-stop deadline follows it, from a fresh deadline for every rank.  An
+        announcement is untrusted input: outside ``bus.HEARTBEAT_INTERVAL_BOUNDS_S`` (or
+        not a number) it is refused, said once and counted, and the period stays."""
+        lo, hi = bus.HEARTBEAT_INTERVAL_BOUNDS_S
+        ok = isinstance(raw, int | float) and not isinstance(raw, bool) and lo <= raw <= hi
+        if not ok:
+            if raw != self._interval_refused:
+                self._interval_refused = raw
+                self._count("heartbeat_interval_refused_total")
+                log.error(
+                    "collector: job %s announces heartbeat_interval_s=%.40r, not a number in "
+                    "[%g, %g] s: liveness stays on %g s",
+                    self.keys.job_id,
+                    raw,
+                    lo,
+                    hi,
+                    self.liveness.interval_s,
+                )
+            return
+        if float(raw) == self.liveness.interval_s:
+            return
+        log.info(
+            "collector: job %s beats every %g s (it says so): fail-stop deadline %g -> %g s",
+            self.keys.job_id,
+            float(raw),
+            self._deadline_s(),
+            (self.liveness.k + self.liveness.jitter_beats) * float(raw),
+        )
+        self.liveness.set_interval(float(raw))
+        self.liveness.resume(now)
+
+    def _check_every_s(self) -> float:
+        """How often liveness is judged: ``check_interval_s``, else a quarter of the
+        heartbeat period in force (the trainer's, when it announced one)."""
+        if self.config.check_interval_s is not None:
+            return min(self.config.check_interval_s, self.liveness.interval_s)
+        return self.liveness.interval_s / 4
 
     def _deadline_s(self) -> float:
         lv = self.liveness
@@ -888,6 +933,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             "layout_id": self.layout.layout_id if self.layout is not None else None,
             # the K liveness runs on (`config show` prints it as heartbeat_k's applied value)
             "heartbeat_k": self.liveness.k,
+            # the heartbeat period liveness runs on: the trainer's, when it announced one
+            "heartbeat_interval_s": self.liveness.interval_s,
             # age of the newest telemetry entry read: grows when the collector falls
             # behind, or when the job stops sending
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)

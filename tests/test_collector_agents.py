@@ -1,5 +1,6 @@
-"""Fail-stop through the node agents' named connections (issue 24, item 6): a node whose
-agent connection closes is declared dead at once, not after K missed heartbeats."""
+"""Fail-stop latency (issue 24, item 6): a node whose agent connection closes is declared
+dead at once, not after K missed heartbeats; a silent one on the heartbeat period its
+trainer announced."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from collector.config import CollectorConfig
 from collector.service import CollectorService
+from resihp import bus
 from resihp.keys import JobKeys
 from resihp.liveness_agent import NodeAgent, agent_ids, agent_name, agent_nodes, announce_left
+from resihp.plans import register_running
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat, LivenessEvent
 from resihp.topology import Layout
@@ -149,3 +152,46 @@ def test_a_read_waits_no_longer_than_the_next_look_at_the_agents(r, redis_server
     assert (ev.state, ev.node, ev.missed_beats) == ("dead", 1, 0)
     assert took_s < 2.5  # one read of 5 s would be twice that
     agents[0].close()
+
+
+@pytest.mark.redis
+def test_the_deadline_follows_the_heartbeat_period_the_trainer_announces(r):
+    """A collector left at its 1 s default judges a trainer that says it beats every 0.5 s
+    (the torch trainer) on 1.25 s, not 2.5 s; an announcement it cannot trust is refused,
+    counted, and the period stays."""
+    keys = JobKeys("period")
+    lay = Layout.uniform(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4, devices_per_node=4)
+    svc = CollectorService(CollectorConfig(job_id=keys.job_id, block_ms=5), r)
+    assert svc.liveness.deadline_s() == 2.5
+    for bad in ("0.5", True, 1e-9, 1e9, None):
+        register_running(r, keys, lay, trainer="torch")
+        state = json.loads(r.get(keys.job_state))
+        r.set(keys.job_state, json.dumps({**state, bus.JOB_HEARTBEAT_INTERVAL_S: bad}))
+        svc._job_state_next = 0.0
+        svc._job_finished(svc._clock())
+        assert svc.liveness.interval_s == 1.0
+    assert svc.stats["heartbeat_interval_refused_total"] == 5
+    register_running(r, keys, lay, trainer="torch", heartbeat_interval_s=0.5)
+    p = TelemetryProducer(None, keys, client=r, flush_interval_s=0.005).start()
+    beating = set(range(8))
+
+    def run(seconds):
+        end, next_beat = time.monotonic() + seconds, 0.0
+        while time.monotonic() < end and not [e for e in _events(r, keys) if e.state == "dead"]:
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + 0.1
+                for rank in sorted(beating):
+                    p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
+            svc.run_once()
+
+    run(1.0)
+    assert svc.liveness.interval_s == 0.5 and svc.liveness.deadline_s() == 1.25
+    assert svc.health_extra()["heartbeat_interval_s"] == 0.5
+    assert _events(r, keys) == []
+    beating -= {4, 5, 6, 7}  # node 1 goes silent (no agent: heartbeats alone)
+    run(6.0)
+    (ev,) = _events(r, keys)
+    assert (ev.scope, ev.state, ev.node) == ("node", "dead", 1)
+    # judged on 0.5 s beats: the 1 s default would have waited 2.5 s from its last beat
+    assert 1.25 <= ev.detected_at_s - ev.last_seen_s < 2.5
+    p.close()
