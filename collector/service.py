@@ -764,8 +764,9 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             bus.register_job(self.client, self.keys)
             doc = bus.job_state_doc(self.client, self.keys)
             finished = doc.get("state") == "finished"
-            if not finished and bus.JOB_HEARTBEAT_INTERVAL_S in doc:
-                self._follow_interval(doc[bus.JOB_HEARTBEAT_INTERVAL_S], now)
+            if doc and not finished:  # the period announced, else this collector's own
+                announced = doc.get(bus.JOB_HEARTBEAT_INTERVAL_S, self.config.heartbeat_interval_s)
+                self._follow_interval(announced, now)
             if self._finished and not finished:
                 # Running again (a new launch): nobody was expected meanwhile.
                 self.liveness.resume(now)
@@ -773,8 +774,9 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         return self._finished
 
     def _follow_interval(self, raw: Any, now: float) -> None:
-        """The heartbeat period the trainer announced (``bus.JOB_HEARTBEAT_INTERVAL_S``):
-        the fail-stop deadline follows it, from a fresh deadline for every rank.  An
+        """The heartbeat period the trainer announced (``bus.JOB_HEARTBEAT_INTERVAL_S``;
+        a trainer that announces none, this collector's ``heartbeat_interval_s``): the
+        fail-stop deadline follows it, from a fresh deadline for every rank.  An
         announcement is untrusted input: outside ``bus.HEARTBEAT_INTERVAL_BOUNDS_S`` (or
         not a number) it is refused, said once and counted, and the period stays."""
         lo, hi = bus.HEARTBEAT_INTERVAL_BOUNDS_S

@@ -195,3 +195,7 @@ def test_the_deadline_follows_the_heartbeat_period_the_trainer_announces(r):
     # judged on 0.5 s beats: the 1 s default would have waited 2.5 s from its last beat
     assert 1.25 <= ev.detected_at_s - ev.last_seen_s < 2.5
     p.close()
+    register_running(r, keys, lay, trainer="sim")  # another trainer, saying nothing
+    svc._job_state_next = 0.0
+    svc._job_finished(svc._clock())
+    assert svc.liveness.interval_s == 1.0  # this collector's own period again
