@@ -49,7 +49,6 @@ from resihp.wire import HeartbeatBatch, decode_entry
 NODE = """
 import sys, time
 from resihp.keys import JobKeys
-from resihp.plans import register_running
 from resihp.producer import TelemetryProducer
 from resihp.schemas import Heartbeat
 from resihp.liveness_agent import NodeAgent
