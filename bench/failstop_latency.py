@@ -207,9 +207,10 @@ def trial(srv: EmbeddedRedis, pool: NodePool, job: str, sig, phase: Phase, a) ->
 
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:  # every node heard
-            heard = client.hgetall(keys.node_heartbeat)
-            if len(heard) == 4 and col.stats["heartbeats_total"] >= 16 * 4:
+        while time.monotonic() < deadline:  # every node heard: a beat of its own, not
+            # the layout's promise (keys.node_heartbeat lists promised nodes too)
+            mons = list(col.liveness.monitors.values())
+            if len(mons) == 4 and all(m.heard for m in mons):
                 break
             time.sleep(0.1)
         else:
