@@ -764,7 +764,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             bus.register_job(self.client, self.keys)
             doc = bus.job_state_doc(self.client, self.keys)
             finished = doc.get("state") == "finished"
-            if doc and not finished:  # the period announced, else this collector's own
+            if doc and not finished and self.config.follow_trainer_interval:
+                # the period announced, else this collector's own
                 announced = doc.get(bus.JOB_HEARTBEAT_INTERVAL_S, self.config.heartbeat_interval_s)
                 self._follow_interval(announced, now)
             if self._finished and not finished:

@@ -4,6 +4,7 @@ trainer announced."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -199,3 +200,19 @@ def test_the_deadline_follows_the_heartbeat_period_the_trainer_announces(r):
     svc._job_state_next = 0.0
     svc._job_finished(svc._clock())
     assert svc.liveness.interval_s == 1.0  # this collector's own period again
+    # an operator's period is kept: a collector told --heartbeat-interval-s does not follow
+    register_running(r, keys, lay, trainer="torch", heartbeat_interval_s=0.5)
+    pinned = CollectorService(
+        CollectorConfig(
+            job_id=keys.job_id, heartbeat_interval_s=5.0, follow_trainer_interval=False
+        ),
+        r,
+    )
+    pinned._job_finished(pinned._clock())
+    assert pinned.liveness.interval_s == 5.0
+    parser = argparse.ArgumentParser()
+    CollectorConfig.add_arguments(parser)
+    told = CollectorConfig.from_args(parser.parse_args(["--heartbeat-interval-s", "5"]))
+    assert (told.heartbeat_interval_s, told.follow_trainer_interval) == (5.0, False)
+    default = CollectorConfig.from_args(parser.parse_args([]))
+    assert (default.heartbeat_interval_s, default.follow_trainer_interval) == (1.0, True)
