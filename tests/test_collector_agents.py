@@ -31,6 +31,18 @@ def _events(r, keys: JobKeys = KEYS):
     return out
 
 
+def _beat_and_run(svc, p, beating, seconds, every_s, until=lambda: False):
+    """Run the collector ``seconds`` (or until ``until()``), the ranks of ``beating``
+    beating every ``every_s`` through ``p``."""
+    end, next_beat = time.monotonic() + seconds, 0.0
+    while time.monotonic() < end and not until():
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + every_s
+            for rank in sorted(beating):
+                p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
+        svc.run_once()
+
+
 def test_agent_names_are_parsed_for_their_job_only():
     names = [agent_name("agents", 3), agent_name("other", 1), b"resihp-agent:agents:7", "x", ""]
     assert agent_nodes(names, "agents") == {3, 7}
@@ -51,13 +63,7 @@ def test_a_closed_agent_connection_is_a_dead_node_without_waiting_for_missed_bea
     beating = set(range(8))
 
     def run(seconds):
-        end, next_beat = time.monotonic() + seconds, 0.0
-        while time.monotonic() < end:
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + 0.25
-                for rank in sorted(beating):
-                    p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
-            svc.run_once()
+        _beat_and_run(svc, p, beating, seconds, every_s=0.25)
 
     run(1.0)
     assert svc._agents == {(0, -1), (1, -1)} and _events(r) == []
@@ -177,13 +183,10 @@ def test_the_deadline_follows_the_heartbeat_period_the_trainer_announces(r):
     beating = set(range(8))
 
     def run(seconds):
-        end, next_beat = time.monotonic() + seconds, 0.0
-        while time.monotonic() < end and not [e for e in _events(r, keys) if e.state == "dead"]:
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + 0.1
-                for rank in sorted(beating):
-                    p.heartbeat(Heartbeat(rank, rank // 4, 1, time.time()))
-            svc.run_once()
+        def dead():
+            return any(e.state == "dead" for e in _events(r, keys))
+
+        _beat_and_run(svc, p, beating, seconds, every_s=0.1, until=dead)
 
     run(1.0)
     assert svc.liveness.interval_s == 0.5 and svc.liveness.deadline_s() == 1.25
