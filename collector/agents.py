@@ -30,26 +30,26 @@ class NodeAgentWatch:
     _agents: set[tuple[int, int]]
     _agents_next: float
 
-    def _check_agents(self, now: float) -> None:
+    def _check_agents(self, now: float) -> bool:
         """Nodes (or ranks, where each rank holds an agent of its own) whose agent
         connection closed since the last look are dead now (module doc of
         :mod:`resihp.liveness_agent`), unless they said they left on purpose.  Many nodes
         closing at once (at least the mass-loss share) is a Redis-side event (a restart, a
         CLIENT KILL), and all of a job's agents at once is the job's process ending:
-        heartbeats judge those."""
+        heartbeats judge those.  True when it declared a death."""
         if not self.config.agent_poll_s or now < self._agents_next:
-            return
+            return False
         if is_cluster(self.client):
             # a connection lives on one master and CLIENT LIST reads one node: on a
             # cluster liveness is heartbeats only
             self._agents_next = float("inf")
-            return
+            return False
         try:
             names = [c.get("name", "") for c in self.client.client_list(_type="normal")]
         except redis.ResponseError as e:  # CLIENT refused (ACL, a managed Redis): heartbeats only
             log.warning("collector: CLIENT LIST refused (%s): node agents not watched", e)
             self._agents_next = float("inf")
-            return
+            return False
         present = agent_ids(names, self.keys.job_id)
         gone = self._agents - present
         self._agents = present
@@ -58,7 +58,7 @@ class NodeAgentWatch:
         # only, so an agent is first seen within that
         self._agents_next = now + (self.config.agent_poll_s if present else AGENT_IDLE_POLL_S)
         if not gone or self._outage or self._finished or not self._heard:
-            return
+            return False
         gone -= self._agents_left(gone)
         lv = self.liveness
         nodes_gone = {n for n, _ in gone}
@@ -75,7 +75,8 @@ class NodeAgentWatch:
                 self.keys.job_id,
                 len(gone),
             )
-            return
+            return False
+        declared = False
         for node, rank in sorted(gone):
             # a rank's own agent, its node's other agents still there: that rank alone
             whole = rank < 0 or node not in nodes_present
@@ -91,6 +92,8 @@ class NodeAgentWatch:
             self._outbox.append((self.keys.liveness, ev, self.config.liveness_maxlen))
             self._count("liveness_events_total")
             self._count("liveness_agent_closed_total")
+            declared = True
+        return declared
 
     def _agents_left(self, gone: set[tuple[int, int]]) -> set[tuple[int, int]]:
         """The agents of ``gone`` whose process said it ended on purpose (and forget them)."""

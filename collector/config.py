@@ -83,8 +83,14 @@ class CollectorConfig:
     layout_poll_s: float = 0.5
 
     # --- liveness (§5.1) -----------------------------------------------------------
-    #: Heartbeat period of the trainer ranks (seconds).
+    #: Heartbeat period of the trainer ranks (seconds): until the trainer announces its
+    #: own in the job state (``follow_trainer_interval``), or always.
     heartbeat_interval_s: float = 1.0
+    #: Follow the heartbeat period the trainer announces in its job state (the torch
+    #: trainer says 0.5 s: a silent rank is reported after 1.25 s, not 2.5 s); False:
+    #: ``heartbeat_interval_s`` always.  ``--heartbeat-interval-s`` given on the command
+    #: line sets this False (the operator's period is kept).
+    follow_trainer_interval: bool = True
     #: Consecutive missed beats that make a rank (or, for a silent node monitor,
     #: a whole node) fail-stopped.
     heartbeat_k: int = 2
@@ -259,6 +265,10 @@ class CollectorConfig:
             raise ValueError(
                 f"check_interval_s: must be in (0, heartbeat_interval_s], got {self.check_interval_s!r}"
             )
+        if not isinstance(self.follow_trainer_interval, bool):
+            raise ValueError(
+                f"follow_trainer_interval: must be a bool, got {self.follow_trainer_interval!r}"
+            )
         if not isinstance(self.tp_dedup, bool):
             raise ValueError(f"tp_dedup: must be a bool, got {self.tp_dedup!r}")
         if not isinstance(self.instance, str) or not self.instance:
@@ -270,7 +280,13 @@ class CollectorConfig:
         p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
         p.add_argument("--job-id", default=os.environ.get("RESIHP_JOB_ID", "default"))
         p.add_argument("--instance", default=os.environ.get("RESIHP_COLLECTOR_INSTANCE", "0"))
-        p.add_argument("--heartbeat-interval-s", type=float, default=cls.heartbeat_interval_s)
+        p.add_argument(
+            "--heartbeat-interval-s",
+            type=float,
+            default=None,
+            help=f"the ranks' heartbeat period, kept whatever the trainer announces (not given: "
+            f"{cls.heartbeat_interval_s:g} s until the trainer announces its own)",
+        )
         p.add_argument(
             "--heartbeat-k",
             type=int,
@@ -356,7 +372,10 @@ class CollectorConfig:
             redis_url=a.redis_url,
             job_id=a.job_id,
             instance=a.instance,
-            heartbeat_interval_s=a.heartbeat_interval_s,
+            heartbeat_interval_s=cls.heartbeat_interval_s
+            if a.heartbeat_interval_s is None
+            else a.heartbeat_interval_s,
+            follow_trainer_interval=a.heartbeat_interval_s is None,
             heartbeat_k=cls.heartbeat_k if a.heartbeat_k is None else a.heartbeat_k,
             grace_s=a.grace_s,
             stale_s=a.stale_s,

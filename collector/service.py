@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from collections import defaultdict, deque
@@ -243,6 +244,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
         self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
+        #: the last heartbeat period announced that was refused (said once)
+        self._interval_refused: Any = None
         #: the bound on a record's span (its reference: the recent complete records)
         self.bound = RecordBound()
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -375,7 +378,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
                 self._outage = False
             reconnects = self.consumer.stats.reconnects_total
             read_s = now
-            batch = self.consumer.read(count=self.config.read_count, block_ms=self.config.block_ms)
+            batch = self.consumer.read(count=self.config.read_count, block_ms=self._block_ms(now))
             if self.consumer.stats.reconnects_total != reconnects:
                 self._mark_outage()
                 return 0
@@ -407,12 +410,15 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             else:
                 judge_s = min(now, self._frontier_s) if self._frontier_s else now
                 self.lag_s = max(0.0, now - judge_s)
+            # a closed agent first, and out at once: a killed process is reported within
+            # 0.5 s (issue 24), not after this batch's ingest and assembly
+            if self._check_agents(now):
+                self._flush_outbox()
             handled = self._ingest(batch, now)
             if now >= self._check_next:
-                self._check_next = now + self.config.check_every_s
+                self._check_next = now + self._check_every_s()
                 self._runtime_k()
                 self._check_liveness(judge_s, now)
-            self._check_agents(now)
             self._assemble(now)
             self._flush_outbox()
             if self._ack_ready:
@@ -431,6 +437,17 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             self._mark_outage()
             time.sleep(0.2)
             return 0
+
+    def _block_ms(self, now: float) -> int | None:
+        """How long the next read may block: ``block_ms``, but not past the next look at
+        the node agents while any is connected (None: do not block, it is due)."""
+        block = self.config.block_ms
+        if self._agents and self._agents_next < math.inf:
+            due_ms = int((self._agents_next - now) * 1000)
+            if due_ms < 1:
+                return None
+            block = min(block, due_ms) if block else due_ms
+        return block
 
     def _after_stall(self, read_took_s: float, now: float) -> None:
         """A read that took far longer than its block timeout: this process was stalled
@@ -743,17 +760,63 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         Re-read every half heartbeat interval: the trainer says so right after its last
         beat, well before K intervals of silence could count as a failure."""
         if now >= self._job_state_next:
-            self._job_state_next = now + min(1.0, self.config.heartbeat_interval_s / 2)
+            self._job_state_next = now + min(1.0, self.liveness.interval_s / 2)
             # A Redis restarted without its data forgot the job: listing it again here
             # (SADD is idempotent) keeps it in status and metrics whatever trainer runs
             # it (a telemetry producer lists the job only once).
             bus.register_job(self.client, self.keys)
-            finished = bus.job_state(self.client, self.keys) == "finished"
+            doc = bus.job_state_doc(self.client, self.keys)
+            finished = doc.get("state") == "finished"
+            if doc and not finished and self.config.follow_trainer_interval:
+                # the period announced, else this collector's own
+                announced = doc.get(bus.JOB_HEARTBEAT_INTERVAL_S, self.config.heartbeat_interval_s)
+                self._follow_interval(announced, now)
             if self._finished and not finished:
                 # Running again (a new launch): nobody was expected meanwhile.
                 self.liveness.resume(now)
             self._finished = finished
         return self._finished
+
+    def _follow_interval(self, raw: Any, now: float) -> None:
+        """The heartbeat period the trainer announced (``bus.JOB_HEARTBEAT_INTERVAL_S``;
+        a trainer that announces none, this collector's ``heartbeat_interval_s``): the
+        fail-stop deadline follows it, from a fresh deadline for every rank.  An
+        announcement is untrusted input: outside ``bus.HEARTBEAT_INTERVAL_BOUNDS_S`` (or
+        not a number) it is refused, said once and counted, and the period stays."""
+        lo, hi = bus.HEARTBEAT_INTERVAL_BOUNDS_S
+        ok = isinstance(raw, int | float) and not isinstance(raw, bool) and lo <= raw <= hi
+        if not ok:
+            if raw != self._interval_refused:
+                self._interval_refused = raw
+                self._count("heartbeat_interval_refused_total")
+                log.error(
+                    "collector: job %s announces heartbeat_interval_s=%.40r, not a number in "
+                    "[%g, %g] s: liveness stays on %g s",
+                    self.keys.job_id,
+                    raw,
+                    lo,
+                    hi,
+                    self.liveness.interval_s,
+                )
+            return
+        if float(raw) == self.liveness.interval_s:
+            return
+        log.info(
+            "collector: job %s beats every %g s (it says so): fail-stop deadline %g -> %g s",
+            self.keys.job_id,
+            float(raw),
+            self._deadline_s(),
+            (self.liveness.k + self.liveness.jitter_beats) * float(raw),
+        )
+        self.liveness.set_interval(float(raw))
+        self.liveness.resume(now)
+
+    def _check_every_s(self) -> float:
+        """How often liveness is judged: ``check_interval_s``, else a quarter of the
+        heartbeat period in force (the trainer's, when it announced one)."""
+        if self.config.check_interval_s is not None:
+            return min(self.config.check_interval_s, self.liveness.interval_s)
+        return self.liveness.interval_s / 4
 
     def _deadline_s(self) -> float:
         lv = self.liveness
@@ -876,6 +939,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             "layout_id": self.layout.layout_id if self.layout is not None else None,
             # the K liveness runs on (`config show` prints it as heartbeat_k's applied value)
             "heartbeat_k": self.liveness.k,
+            # the heartbeat period liveness runs on: the trainer's, when it announced one
+            "heartbeat_interval_s": self.liveness.interval_s,
             # age of the newest telemetry entry read: grows when the collector falls
             # behind, or when the job stops sending
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)

@@ -268,9 +268,12 @@ class DetectorService:
             self._seed_config()
         self.refresh_config()
         self.refresh_layout()
-        live = self.live_in.read(count=self.config.batch_count, block_ms=None)
-        its = self.iter_in.read(
-            count=self.config.batch_count, block_ms=None if live else self.config.block_ms
+        # the wait blocks on the liveness stream: a fail-stop (a killed process is
+        # reported within 0.5 s, issue 24) wakes this loop at once, while an iteration
+        # record, seconds apart, may wait out the rest of ``block_ms``
+        its = self.iter_in.read(count=self.config.batch_count, block_ms=None)
+        live = self.live_in.read(
+            count=self.config.batch_count, block_ms=None if its else self.config.block_ms
         )
         msgs = [m for _id, ms in live for m in ms] + [m for _id, ms in its for m in ms]
         if not msgs:
@@ -334,14 +337,6 @@ class DetectorService:
                 approximate=True,
             )
             pipe.hincrby(self.keys.counters, f"detector_{rep.kind}_total", 1)
-            log.warning(
-                "detector: %s ranks=%s nodes=%s iteration=%d severity=%s",
-                rep.kind,
-                rep.ranks,
-                rep.nodes,
-                rep.iteration,
-                rep.severity,
-            )
         health = self.engine.take_health_updates()
         if health:
             pipe.hset(
@@ -352,6 +347,15 @@ class DetectorService:
             pipe.hincrby(self.keys.counters, "detector_reports_total", len(reports))
         pipe.execute()
         self.reports_total += len(reports)
+        for rep in reports:  # after the reports are out: a log line must not delay them
+            log.warning(
+                "detector: %s ranks=%s nodes=%s iteration=%d severity=%s",
+                rep.kind,
+                rep.ranks,
+                rep.nodes,
+                rep.iteration,
+                rep.severity,
+            )
 
     def health_extra(self) -> dict:
         fs = self.engine.failslow.stats

@@ -102,14 +102,28 @@ def job_trainer(client: redis.Redis, keys: JobKeys) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def job_state(client: redis.Redis, keys: JobKeys) -> str | None:
+#: Field of the job state a trainer announces its ranks' heartbeat period in (seconds):
+#: the collector's fail-stop deadline follows it (the torch trainer beats every 0.5 s, a
+#: collector left at its 1 s default judged it on 2.5 s; issue 24).  A value outside
+#: :data:`HEARTBEAT_INTERVAL_BOUNDS_S` is refused with a log line and a counter.
+JOB_HEARTBEAT_INTERVAL_S = "heartbeat_interval_s"
+HEARTBEAT_INTERVAL_BOUNDS_S = (0.05, 60.0)
+
+
+def job_state_doc(client: redis.Redis, keys: JobKeys) -> dict:
+    """The job state as the trainer wrote it ({} when absent or unreadable)."""
     raw = client.get(keys.job_state)
     if not raw:
-        return None
+        return {}
     try:
-        return json.loads(raw).get("state")
-    except (ValueError, AttributeError):
-        return None
+        d = json.loads(raw)
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def job_state(client: redis.Redis, keys: JobKeys) -> str | None:
+    return job_state_doc(client, keys).get("state")
 
 
 def incr_counter(client: redis.Redis, keys: JobKeys, name: str, by: int = 1) -> None:

@@ -316,6 +316,18 @@ class LivenessCoordinator:
         for m in self.monitors.values():
             m.k = self.k
 
+    def set_interval(self, interval_s: float) -> None:
+        """The trainer's heartbeat period changed (it announced another): every deadline
+        follows it; the caller gives every rank a fresh one (:meth:`resume`), as beats
+        judged on the old period say nothing about the new one."""
+        if not (isinstance(interval_s, int | float) and 0 < interval_s < math.inf):
+            raise ValueError(f"interval_s must be finite and > 0, got {interval_s!r}")
+        self.interval_s = float(interval_s)
+        self.deadline_in_force_s = self.static_deadline_s()
+        for m in self.monitors.values():
+            m.interval_s = self.interval_s
+            m.stretched_s = self.deadline_in_force_s
+
     def _monitor(self, node: int) -> NodeMonitor:
         m = self.monitors.get(node)
         if m is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import redis
 
 from resihp.acl import publish_action
-from resihp.bus import register_job, set_job_state
+from resihp.bus import JOB_HEARTBEAT_INTERVAL_S, register_job, set_job_state
 from resihp.keys import JobKeys
 from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError
 from resihp.topology import Layout
@@ -44,14 +44,23 @@ def write_layout(client: redis.Redis, keys: JobKeys, layout: Layout) -> None:
 
 
 def register_running(
-    client: redis.Redis, keys: JobKeys, layout: Layout, trainer: str | None = None
+    client: redis.Redis,
+    keys: JobKeys,
+    layout: Layout,
+    trainer: str | None = None,
+    heartbeat_interval_s: float | None = None,
 ) -> None:
     """A trainer's registration: the job listed, its state ``running``, its layout. The
     layout goes last: trainers take its presence for "registered" and write all three
     again when it is gone (Redis restarted without its data), so a registration cut short
-    by an outage is redone, not left without its state."""
+    by an outage is redone, not left without its state.  ``heartbeat_interval_s``: the
+    period its ranks beat at, which the collector's fail-stop deadline then follows
+    (:data:`resihp.bus.JOB_HEARTBEAT_INTERVAL_S`)."""
     register_job(client, keys)
-    set_job_state(client, keys, "running", **({"trainer": trainer} if trainer else {}))
+    extra: dict = {"trainer": trainer} if trainer else {}
+    if heartbeat_interval_s is not None:
+        extra[JOB_HEARTBEAT_INTERVAL_S] = float(heartbeat_interval_s)
+    set_job_state(client, keys, "running", **extra)
     write_layout(client, keys, layout)
 
 

@@ -253,6 +253,29 @@ def test_failstop_latency_with_the_collector(r):
     assert latency <= 3 * interval + 0.5
 
 
+def test_a_fail_stop_wakes_a_detector_waiting_on_its_reads(r):
+    """The detector's read waits on the liveness stream: a dead node's event wakes it
+    at once (issue 24: a killed process reported within 0.5 s), while an iteration record,
+    seconds apart, may wait out ``block_ms`` (10 s here)."""
+    keys = JobKeys("wake")
+    r.set(keys.layout, json.dumps(LAY.to_dict()))
+    svc = DetectorService(DetectorConfig(job_id="wake", block_ms=10_000), r)
+    t = threading.Thread(target=svc.run_once, daemon=True)
+    t.start()
+    time.sleep(0.3)  # into its wait
+    t0 = time.monotonic()
+    dead = LAY.node_ranks(1)
+    bus.publish(
+        r,
+        keys.liveness,
+        LivenessEvent("node", 1, dead, "dead", time.time(), time.time() - 0.1, 0),
+    )
+    t.join(15)
+    took_s = time.monotonic() - t0
+    assert [(x.kind, x.ranks) for x in _failures(r, keys)] == [("fail_stop", dead)]
+    assert took_s < 5.0  # half the wait it would have sat out
+
+
 def test_run_loop_stops_and_beats_health(r):
     keys = JobKeys("loop")
     svc = _svc(r, job="loop")

@@ -534,7 +534,10 @@ def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_
         job_id=keys.job_id, out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
     )  # fmt: skip
     col = CollectorService(
-        CollectorConfig(job_id=keys.job_id, block_ms=20, heartbeat_interval_s=5.0), r
+        CollectorConfig(
+            job_id=keys.job_id, block_ms=20, heartbeat_interval_s=5.0, follow_trainer_interval=False
+        ),
+        r,
     )
     stop = threading.Event()
     col_th = threading.Thread(target=col.run, args=(stop,), daemon=True)

@@ -150,7 +150,13 @@ class PlanFollowing:
         self._event("layout_published", layout_id=self.layout.layout_id)
 
     def _register(self, layout: Layout) -> None:
-        register_running(self.client, self.keys, layout, trainer="torch")
+        register_running(
+            self.client,
+            self.keys,
+            layout,
+            trainer="torch",
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+        )
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data): without
