@@ -220,7 +220,8 @@ def plan(
     current structure and never restore."""
     opt = options or PlanOptions()
     start = None
-    if home is not None and opt.layers is None and not opt.keep and not opt.drop:
+    restorable = home is not None and opt.layers is None and not opt.keep and not opt.drop
+    if restorable:
         start = _home_start(layout, home, speeds_with_dead(layout, p))
     try:
         res = _plan(layout, p, predictor, opt)
@@ -228,6 +229,10 @@ def plan(
         if start is None:
             raise
         res = None
+    if start is None and restorable and res is not None:
+        # the plan itself sets devices aside (a TP group regrouped below its size after
+        # this failure parks the rest): regrouping from ``home`` may put them to work
+        start = _home_start(res.after, home, speeds_with_dead(layout, p))
     if start is None:
         return res
     try:
