@@ -34,7 +34,7 @@ import numpy as np
 from resihp.topology import Layout, LayoutError
 from scheduler.dp import balance_microbatches
 from scheduler.memory import inflight_1f1b
-from scheduler.pp import PartitionError, optimal_partition
+from scheduler.pp import PartitionError, one_layer_moves, optimal_partition
 from scheduler.predict import Predictor
 
 #: TP degrees searched (powers of two, at most one node).
@@ -85,16 +85,8 @@ def _climb(lay: Layout, p, pred: Predictor, caps: list[int]) -> tuple[float, lis
     ev = pred.layer_evaluator(lay, dict(p))
     cur = list(lay.layers)
     best_t = float(ev([cur])[0])
-    S = len(cur)
     for _ in range(CLIMB_ROUNDS):
-        neigh = []
-        for a in range(S):
-            for b in range(S):
-                if a != b and cur[a] > 1 and cur[b] < caps[b]:
-                    n = list(cur)
-                    n[a] -= 1
-                    n[b] += 1
-                    neigh.append(n)
+        neigh = one_layer_moves(cur, caps)
         if not neigh:
             break
         t = ev(neigh)

@@ -47,7 +47,13 @@ from resihp.topology import Layout, LayoutError
 from scheduler.dp import MigrationResult, balance_microbatches, progress_aware_migration
 from scheduler.lifecycle import OverrideError, PlanDraft
 from scheduler.memory import inflight_1f1b
-from scheduler.pp import PartitionError, makespan_estimate, optimal_partition, partition_moves
+from scheduler.pp import (
+    PartitionError,
+    makespan_estimate,
+    one_layer_moves,
+    optimal_partition,
+    partition_moves,
+)
 from scheduler.predict import Predictor
 from scheduler.refine import refine_migrations
 from scheduler.tp import (
@@ -384,15 +390,7 @@ def _engine_pick(lay, p, predictor, best, w, m, caps, e_head) -> list[int]:
     """
     if not all(g for st in lay.groups for g in st):
         return best
-    S = len(best)
-    neigh = []
-    for a in range(S):
-        for b in range(S):
-            if a != b and best[a] > 1 and best[b] < caps[b]:
-                n = list(best)
-                n[a] -= 1
-                n[b] += 1
-                neigh.append((makespan_estimate(n, w, m, e_head), n))
+    neigh = [(makespan_estimate(n, w, m, e_head), n) for n in one_layer_moves(best, caps)]
     neigh.sort(key=lambda x: x[0])
     pool = [list(best)] + [n for _, n in neigh[: PARTITION_PREFILTER - 1]]
     if len(pool) == 1:
