@@ -235,9 +235,15 @@ def plan(
         if start is None:
             raise
         res = None
-    if start is None and restorable and res is not None:
-        # the plan itself sets devices aside (a TP group regrouped below its size after
-        # this failure parks the rest): regrouping from ``home`` may put them to work
+    if (
+        start is None
+        and restorable
+        and res is not None
+        and _emptied_live_group(layout, res.after, p)
+    ):
+        # the plan itself empties a group whose live devices it sets aside (they cannot
+        # hold the current partition's layers at the degree left): regrouping from
+        # ``home``, whose partition differs, may put them to work
         start = _home_start(res.after, home, speeds_with_dead(layout, p))
     if start is None:
         return res
@@ -313,6 +319,20 @@ def plan(
     else:
         note = "planned from the job's pre-failure layout (no idle device comes back)"
     return PlanResult(after, before_s, alt.predicted_after_s, moves, note=note)
+
+
+def _emptied_live_group(layout: Layout, after: Layout, p: Mapping[int, float]) -> bool:
+    """Whether ``after`` leaves a (replica, stage) without devices although live devices of
+    that group in ``layout`` sit idle in ``after`` (checked only on the same shape; a plan
+    that dropped stages counts as emptying)."""
+    if (after.dp, after.pp) != (layout.dp, layout.pp):
+        return True
+    active = set(after.coords())
+    return any(
+        not after.groups[d][s] and any(p.get(r, 1.0) > 0 and r not in active for r in g)
+        for d, st in enumerate(layout.groups)
+        for s, g in enumerate(st)
+    )
 
 
 def _group_moves(layout: Layout, after: Layout, p: Mapping[int, float]) -> list[dict]:
