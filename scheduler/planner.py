@@ -47,7 +47,13 @@ from resihp.topology import Layout, LayoutError
 from scheduler.dp import MigrationResult, balance_microbatches, progress_aware_migration
 from scheduler.lifecycle import OverrideError, PlanDraft
 from scheduler.memory import inflight_1f1b
-from scheduler.pp import PartitionError, makespan_estimate, optimal_partition, partition_moves
+from scheduler.pp import (
+    PartitionError,
+    makespan_estimate,
+    one_layer_moves,
+    optimal_partition,
+    partition_moves,
+)
 from scheduler.predict import Predictor
 from scheduler.refine import refine_migrations
 from scheduler.tp import (
@@ -220,7 +226,8 @@ def plan(
     current structure and never restore."""
     opt = options or PlanOptions()
     start = None
-    if home is not None and opt.layers is None and not opt.keep and not opt.drop:
+    restorable = home is not None and opt.layers is None and not opt.keep and not opt.drop
+    if restorable:
         start = _home_start(layout, home, speeds_with_dead(layout, p))
     try:
         res = _plan(layout, p, predictor, opt)
@@ -228,6 +235,16 @@ def plan(
         if start is None:
             raise
         res = None
+    if (
+        start is None
+        and restorable
+        and res is not None
+        and _emptied_live_group(layout, res.after, p)
+    ):
+        # the plan itself empties a group whose live devices it sets aside (they cannot
+        # hold the current partition's layers at the degree left): regrouping from
+        # ``home``, whose partition differs, may put them to work
+        start = _home_start(res.after, home, speeds_with_dead(layout, p))
     if start is None:
         return res
     try:
@@ -302,6 +319,20 @@ def plan(
     else:
         note = "planned from the job's pre-failure layout (no idle device comes back)"
     return PlanResult(after, before_s, alt.predicted_after_s, moves, note=note)
+
+
+def _emptied_live_group(layout: Layout, after: Layout, p: Mapping[int, float]) -> bool:
+    """Whether ``after`` leaves a (replica, stage) without devices although live devices of
+    that group in ``layout`` sit idle in ``after`` (checked only on the same shape; a plan
+    that dropped stages counts as emptying)."""
+    if (after.dp, after.pp) != (layout.dp, layout.pp):
+        return True
+    active = set(after.coords())
+    return any(
+        not after.groups[d][s] and any(p.get(r, 1.0) > 0 and r not in active for r in g)
+        for d, st in enumerate(layout.groups)
+        for s, g in enumerate(st)
+    )
 
 
 def _group_moves(layout: Layout, after: Layout, p: Mapping[int, float]) -> list[dict]:
@@ -379,15 +410,7 @@ def _engine_pick(lay, p, predictor, best, w, m, caps, e_head) -> list[int]:
     """
     if not all(g for st in lay.groups for g in st):
         return best
-    S = len(best)
-    neigh = []
-    for a in range(S):
-        for b in range(S):
-            if a != b and best[a] > 1 and best[b] < caps[b]:
-                n = list(best)
-                n[a] -= 1
-                n[b] += 1
-                neigh.append((makespan_estimate(n, w, m, e_head), n))
+    neigh = [(makespan_estimate(n, w, m, e_head), n) for n in one_layer_moves(best, caps)]
     neigh.sort(key=lambda x: x[0])
     pool = [list(best)] + [n for _, n in neigh[: PARTITION_PREFILTER - 1]]
     if len(pool) == 1:

@@ -120,6 +120,21 @@ def min_bottleneck(
     return found
 
 
+def one_layer_moves(layers: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
+    """Every partition one layer away from ``layers`` (stage ``a`` gives one to stage ``b``)
+    that keeps each stage at least one layer and within its memory cap."""
+    S = len(layers)
+    out = []
+    for a in range(S):
+        for b in range(S):
+            if a != b and layers[a] > 1 and layers[b] < caps[b]:
+                n = list(layers)
+                n[a] -= 1
+                n[b] += 1
+                out.append(n)
+    return out
+
+
 def partition_moves(
     old: Sequence[int], new: Sequence[int], layer_state_bytes: float = 0.0
 ) -> list[dict]:

@@ -379,6 +379,27 @@ def test_a_plan_from_the_home_layout_that_brings_no_device_back_is_no_restore():
     assert restore["ranks_back"] == list(range(8, 16)) and "restores 8" in again.note
 
 
+def test_a_failure_that_parks_a_device_is_planned_from_home_too():
+    """Qwen2.5-7B's replica 1 after five kills runs TP2 [5, 7] and TP1 [13]; killing 5 left
+    a TP1 group of 7 that the current-structure plan parked (standby), 22 % slower than
+    regrouping from the job's pre-failure layout, which was tried only when a device was
+    idle *before* the failure (bench/paper.py Table 6, Qwen2.5-7B 30m, seed 0)."""
+    pred = Predictor("qwen2.5-7b", 4096)
+    home = Layout.uniform(4, 2, 2, 28, 8)
+    cur = Layout.uniform(4, 2, 2, 28, 8)
+    cur.groups[1] = [[5, 7], [13]]
+    cur.dead = [4, 6, 12, 14, 15]
+    cur.layers, cur.microbatches = [18, 10], [13, 3]
+    cur.validate()
+    p = {r: 0.0 for r in (4, 5, 6, 12, 14, 15)}
+    opt = PlanOptions(migrated_schedule="1f1bsplit")
+    alone = plan(cur, p, pred, opt)
+    assert 7 not in alone.after.coords()  # the case: this failure itself parks rank 7
+    res = plan(cur, p, pred, opt, home=home)
+    assert 7 in res.after.coords() and not set(p) & set(res.after.coords())
+    assert res.predicted_after_s < alone.predicted_after_s
+
+
 def test_partition_candidates_are_scored_by_the_engine():
     """The formula pre-selects, the engine picks: never slower than the formula's optimum,
     and faster on some cases (the formula is not the engine's makespan)."""

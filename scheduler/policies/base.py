@@ -152,7 +152,10 @@ class ResiHP(Policy):
 
     The planner chooses among candidates under the schedule they run with
     (``PlanOptions.migrated_schedule`` = :data:`RESIHP_SPLIT_SCHEDULE`), and the timeline
-    times the chosen layout the same way (``scheduler.planner.timed_s``).
+    times the chosen layout the same way (``scheduler.planner.timed_s``).  Like the
+    scheduler service, it plans with the job's pre-failure layout as ``home``: where
+    planning from it puts devices that earlier regroupings left idle back to work and is
+    faster, that plan is taken (``scheduler.planner.plan``).
     """
 
     def __init__(self, name="resihp", options: PlanOptions | None = None):
@@ -162,6 +165,11 @@ class ResiHP(Policy):
         self.options = options or PlanOptions()
         if self.options.migrated_schedule is None:
             self.options.migrated_schedule = RESIHP_SPLIT_SCHEDULE
+        self.home: Layout | None = None
+
+    def initial_state(self, layout: Layout) -> list[Layout]:
+        self.home = copy.deepcopy(layout)
+        return [layout]
 
     def iteration_s(self, state, p, pred):
         ts = [
@@ -176,7 +184,7 @@ class ResiHP(Policy):
         (lay,) = state
         opt = copy.deepcopy(self.options)
         try:
-            res = plan(lay, p, pred, opt)
+            res = plan(lay, p, pred, opt, home=self.home)
         except PlanningError as e:
             raise Abort(str(e)) from e
         # ablations without workload migration still get the planner's fail-stop evictions
