@@ -4,7 +4,8 @@
 # (Redis 7, for the ACL tests), checks the alert rules
 # with their unit tests, then runs the whole test suite on two pytest-xdist workers (one per
 # core of the CI box; tests/conftest.py groups the torch jobs on one of them; set
-# RESIHP_TEST_WORKERS=0 for a plain serial run). pytest exit code 5 (no tests) fails.
+# RESIHP_TEST_WORKERS=0 for a plain serial run), then the browser tests alone.
+# pytest exit code 5 (no tests) fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
@@ -21,4 +22,12 @@ fi
 ruff check .
 promtool check rules deploy/prometheus/resihp-alerts.yml
 promtool test rules deploy/prometheus/resihp-alerts.test.yml
-python -m pytest -q -n "${RESIHP_TEST_WORKERS:-2}" --dist loadgroup "$@"
+workers=(-n "${RESIHP_TEST_WORKERS:-2}" --dist loadgroup)
+if [ $# -eq 0 ]; then
+  # the whole suite: the browser tests (chromium; some assert what an operator sees within
+  # a time) run on their own after the rest, not beside a second worker's load
+  python -m pytest -q "${workers[@]}" -m "not browser"
+  python -m pytest -q -m browser
+else
+  python -m pytest -q "${workers[@]}" "$@"
+fi
