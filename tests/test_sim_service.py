@@ -340,7 +340,9 @@ def test_node_agents_report_a_killed_node_through_the_side_channel(r):
     from resihp.schemas import LivenessEvent
 
     keys = JobKeys("agents")
-    sc = parse_scenario("events:\n  - {at_iteration: 4, action: kill_node, node: 1}\n")
+    # at iteration 8: the collector has looked at the agents several times (0.1 s apart)
+    # after the last of them connected, also on a loaded box
+    sc = parse_scenario("events:\n  - {at_iteration: 8, action: kill_node, node: 1}\n")
     cfg = _cfg(job_id="agents", tp=2, pp=2, dp=4, speed=4.0)  # 16 ranks: nodes 0 and 1
     tr = SimTrainer(cfg, r, scenario=sc)
     col = CollectorService(CollectorConfig(job_id="agents", block_ms=5, layout_poll_s=0.1), r)
