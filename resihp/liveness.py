@@ -84,12 +84,18 @@ JOB_SILENCE_HOLD_DEADLINES = 2.0
 #: How much later than a node another one must have been heard for the first node's
 #: silence to be its own (in intervals): the level-1 rule's margin, one level up.
 QUIET_TOGETHER_BEATS = 1.25
-#: Fail-stop deadlines a rank (or node) not heard once since it was expected gets for its
-#: first beat.  Ranks of one job start at different moments (each imports its framework;
-#: under load a node process of bench/failstop_latency.py first beat 1.5-2.4 s after its
-#: deadline started, at the job's first telemetry, load 19-33), and the layout's promise
-#: is not a beat: those starts were all 8 false reports of 22 diagnostic trials of that
-#: bench.  A rank heard once is judged on the deadline alone.
+#: Fail-stop deadlines a rank (or node) gets while it is starting: not heard once since it
+#: was expected, or heard but its beats still in the job's iteration 0.  Ranks of
+#: one job start at different moments (each imports its framework; under load a node
+#: process of bench/failstop_latency.py first beat 1.5-2.4 s after its deadline started,
+#: at the job's first telemetry, load 19-33), and the layout's promise is not a beat:
+#: those starts were all 8 false reports of 22 diagnostic trials of that bench.  The first
+#: iteration is the other heavy moment (model build, first collectives): in CI beside a
+#: second test worker the torch trainer's ranks 1 and 6 (0.5 s beats, 1.25 s deadline)
+#: were declared dead in iteration 0 and rejoined a moment later.  A rank beating a later
+#: iteration (or none) is judged on the deadline alone.  The cost: a host silent in the
+#: job's first iteration is reported 4 deadlines after its last beat (a killed rank
+#: process is seen at once by its agent connection, resihp/liveness_agent.py).
 FIRST_BEAT_DEADLINES = 4.0
 #: Adaptive deadline: the fail-stop deadline stretches to ``DEADLINE_STRETCH_FACTOR`` x the
 #: longest gap between two beats of a live node seen over the last ~``GAP_WINDOW_S``
@@ -115,6 +121,12 @@ class RankState:
     generation: int = 0
     rejoined: bool = False  # heard again after being dead; reported at the next check
     heard: bool = False  # any beat of it arrived (else it is still starting: first-beat grace)
+
+    @property
+    def starting(self) -> bool:
+        """Not heard yet, or its beats still in the job's first iteration (iteration 0:
+        model build, communicators, first collectives): FIRST_BEAT_DEADLINES."""
+        return not self.heard or self.iteration == 0
 
 
 @dataclass
@@ -171,13 +183,13 @@ class NodeMonitor:
                 self.last_heard_s = arrival_s
         if seq > st.seq:
             st.seq = seq
+        if not st.alive and newer:
+            st.alive = True
+            st.rejoined = True
         if iteration > st.iteration:
             st.iteration = iteration
         if generation > st.generation:
             st.generation = generation
-        if not st.alive and newer:
-            st.alive = True
-            st.rejoined = True
 
     def missed(self, last_s: float, now_s: float) -> int:
         if last_s == -math.inf:
@@ -189,14 +201,15 @@ class NodeMonitor:
         return d if self.stretched_s <= d else self.stretched_s
 
     def rank_deadline_s(self, st: RankState) -> float:
-        """The deadline of one device: longer until its first beat (FIRST_BEAT_DEADLINES)."""
+        """The deadline of one device: longer while it is starting (FIRST_BEAT_DEADLINES)."""
         d = self.deadline_s()
-        return d if st.heard else d * max(1.0, self.first_beat_deadlines)
+        return d * max(1.0, self.first_beat_deadlines) if st.starting else d
 
     def node_deadline_s(self) -> float:
-        """The node's deadline: longer while none of its devices has beaten yet."""
+        """The node's deadline: longer while every device of it alive is starting."""
         d = self.deadline_s()
-        if self.heard:
+        alive = [st for st in self.ranks.values() if st.alive]
+        if self.heard and not (alive and all(st.starting for st in alive)):
             return d
         return d * max(1.0, self.first_beat_deadlines)
 

@@ -351,3 +351,37 @@ def test_the_deadline_stretches_with_the_jitter_a_loaded_job_shows_and_relaxes_a
     _two_nodes(coord)
     _run(coord, beats, 10)
     assert coord.deadline_s() == pytest.approx(1.2 * 2.5 * IV)
+
+
+def test_a_rank_in_the_jobs_first_iteration_gets_the_start_grace_then_the_deadline():
+    """Model build and first collectives starve a rank's beats (CI: the torch trainer's
+    ranks went quiet > 1.25 s in iteration 0): a rank whose beats still say iteration 0
+    is starting and gets FIRST_BEAT_DEADLINES deadlines; beating a later one, K beats."""
+    coord = LivenessCoordinator(IV, k=2)
+    _two_nodes(coord)
+    t = 0.0
+    events = []
+
+    def run_to(t_end, quiet=(), iteration=lambda t: 0):
+        nonlocal t
+        while t <= t_end + 1e-9:
+            if abs(t - round(t)) < 1e-9:
+                for r in range(8):
+                    if r not in quiet:
+                        coord.observe(r, r // 4, t, seq=int(t), iteration=iteration(t))
+            events.extend((t, e) for e in coord.check(t))
+            t += 0.25
+
+    # rank 6 beats iteration 0 then goes quiet at 3 while its node talks: alive at 9.5
+    run_to(3.0)
+    run_to(9.5, quiet={6})
+    assert events == []
+    # ... dead at its start deadline (4 x 2.5 I after its last beat)
+    run_to(14.0, quiet={6})
+    assert [(e.ranks, e.state, tt) for tt, e in events] == [([6], "dead", 13.0)]
+    # the job trains on (iteration 1 and later): rank 6 back, then the plain deadline
+    run_to(20.0, iteration=lambda t: int(t) - 14)
+    assert [(e.ranks, e.state) for _, e in events[1:]] == [([6], "rejoined")]
+    del events[:]
+    run_to(25.0, quiet={2}, iteration=lambda t: int(t) - 14)
+    assert [(e.ranks, e.state, tt) for tt, e in events] == [([2], "dead", 22.5)]

@@ -450,7 +450,7 @@ def test_reading_backlog_is_not_mistaken_for_silence(r):
     now_ms = int(r.time()[0] * 1000 + r.time()[1] / 1000)
     for k in range(41):  # 20 s of beats, every rank every interval, already in the stream
         beats = [
-            Heartbeat(rank=rank, node=rank // 4, iteration=0, wall_time_s=0.0, seq=k)
+            Heartbeat(rank=rank, node=rank // 4, iteration=1, wall_time_s=0.0, seq=k)
             for rank in range(8)
         ]
         r.xadd(KEYS.telemetry, encode_entry(beats), id=f"{now_ms - 20_000 + k * 500}-0")
@@ -504,7 +504,7 @@ def test_finished_job_is_not_reported_dead_and_a_relaunch_is_watched_again(r):
     def beat_all(seq):
         for rank in range(lay.world_size):
             p.heartbeat(
-                Heartbeat(rank=rank, node=lay.node_of(rank), iteration=0, wall_time_s=0.0, seq=seq)
+                Heartbeat(rank=rank, node=lay.node_of(rank), iteration=1, wall_time_s=0.0, seq=seq)
             )
         assert p.flush()
 
