@@ -126,6 +126,13 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
     return max(16, min(maxlen, int(budget_mb * 1e6 // size)))
 
 
+def _finite_or_none(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None
+
+
+#: Window of the health field ``record_delay_max_s`` (seconds).
+RECORD_DELAY_WINDOW_S = 60.0
+
 #: A read that takes longer than its block timeout plus this fraction of the fail-stop
 #: deadline means this collector was stalled (see ``CollectorService._after_stall``).
 STALL_FRACTION = 0.5
@@ -247,6 +254,8 @@ class CollectorService(TelemetryRetention, NodeAgentWatch, TrainerAnnouncements)
         self._agents_next = 0.0
         self._interval_refused: Any = None  # collector/announcements.py
         self._tp0_refused: Any = None
+        #: (published at, seconds after the iteration's end) of the recent records
+        self._record_delays: deque[tuple[float, float]] = deque(maxlen=256)
         #: the bound on a record's span (its reference: the recent complete records)
         self.bound = RecordBound()
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -742,6 +751,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch, TrainerAnnouncements)
             if len(self.published) > PUBLISHED_KEPT:
                 del self.published[:-PUBLISHED_KEPT]
             if isinstance(msg, IterationRecord):
+                self._record_delays.append((self._clock(), self._clock() - msg.end_s))
                 self._drop_old_records()
                 if stream == self.keys.iterations:  # a shard's partial is no whole iteration
                     self.predictions.observe(msg, self.layout)
@@ -910,6 +920,13 @@ class CollectorService(TelemetryRetention, NodeAgentWatch, TrainerAnnouncements)
             and self._job_silent_since is None,
             # when the job was last heard, during a job-wide silence (else None)
             bus.JOB_SILENT_SINCE: None if self._finished else self._job_silent_since,
+            # how long after its iteration ended (its last chunk, on Redis's clock) the
+            # last record went out, and the longest over the last RECORD_DELAY_WINDOW_S: a
+            # record waiting for ranks that never report waits grace_s (5 s) or longer
+            **self._record_delay(),
+            # the record-time bound's reference: the median span of the recent complete
+            # records (None until 3; collector/bound.py)
+            "record_time_reference_s": _finite_or_none(self.bound.reference_s()),
             "deadletter_total": self.consumer.stats.deadletter_total,
             # entries trimmed from the telemetry stream before this collector read them
             "telemetry_lost_total": self.consumer.stats.lost_total,
@@ -918,6 +935,16 @@ class CollectorService(TelemetryRetention, NodeAgentWatch, TrainerAnnouncements)
             "reconnects_total": self.consumer.stats.reconnects_total,
             # the telemetry stream's byte rate, which bounds the window kept in Redis
             "telemetry_bytes_per_s": round(self.telemetry_bytes_per_s),
+        }
+
+    def _record_delay(self) -> dict[str, float | None]:
+        d = self._record_delays
+        now = self._clock()
+        while d and d[0][0] < now - RECORD_DELAY_WINDOW_S:
+            d.popleft()
+        return {
+            "record_delay_s": round(d[-1][1], 3) if d else None,
+            "record_delay_max_s": round(max(x for _t, x in d), 3) if d else None,
         }
 
     def run(self, stop: threading.Event) -> None:

@@ -425,6 +425,9 @@ def test_a_job_reporting_tp_rank_0_only_says_so_and_its_records_are_complete_at_
     # the bound's reference: the median span of the complete records
     spans = [x.iteration_time_s for x in recs]
     assert col.bound.reference_s() == pytest.approx(float(np.median(spans)))
+    health = col.health_extra()
+    assert health["record_time_reference_s"] == pytest.approx(np.median(spans), abs=1e-3)
+    assert health["record_delay_max_s"] >= health["record_delay_s"]
     # ...kept when the job ends: a collector started afterwards assembles it alike
     tr.close(stopped=True)
     state = json.loads(r.get(keys.job_state))

@@ -61,8 +61,10 @@ class SimConfig:
     speed: float = 1.0
     #: Stop after this many completed iterations (0 = run until stopped).
     iterations: int = 0
-    #: Heartbeat period of every live rank, in training time (wall period = this / speed).
-    heartbeat_interval_s: float = 1.0
+    #: Heartbeat period of every live rank, in training time (wall period = this / speed,
+    #: at least 0.5 s: the heartbeat keeper's); announced in the job state, so the
+    #: collector reports a silent host 2.5 periods after its last beat (1.25 s; issue 24).
+    heartbeat_interval_s: float = 0.5
     #: Sigma of the lognormal noise on every chunk and transfer time.
     noise: float = 0.03
     seed: int = 0
