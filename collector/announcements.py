@@ -24,10 +24,18 @@ class TrainerAnnouncements:
 
     _job_state_next: float
     _finished: bool
-    #: the last heartbeat period announced that was refused (said once)
-    _interval_refused: Any = None
-    #: the last announcement of TP-rank-0-only reporting that was refused (said once)
-    _tp0_refused: Any = None
+    #: field -> the repr of the last value of it refused (each said and counted once)
+    _refused_said: dict[str, str]
+
+    def _refuse(self, name: str, raw: Any, counter: str, why: str) -> None:
+        """An announcement refused: said and counted once per value in a row (compared by
+        repr: a NaN the JSON parser lets through is the same value at the next read)."""
+        said = repr(raw)[:200]
+        if self._refused_said.get(name) == said:
+            return
+        self._refused_said[name] = said
+        self._count(counter)
+        log.error("collector: job %s announces %s=%.40r, %s", self.keys.job_id, name, raw, why)
 
     def _job_finished(self, now: float) -> bool:
         """Whether the trainer said the job ended on purpose.
@@ -63,18 +71,13 @@ class TrainerAnnouncements:
         lo, hi = bus.HEARTBEAT_INTERVAL_BOUNDS_S
         ok = isinstance(raw, int | float) and not isinstance(raw, bool) and lo <= raw <= hi
         if not ok:
-            if raw != self._interval_refused:
-                self._interval_refused = raw
-                self._count("heartbeat_interval_refused_total")
-                log.error(
-                    "collector: job %s announces heartbeat_interval_s=%.40r, not a number in "
-                    "[%g, %g] s: liveness stays on %g s",
-                    self.keys.job_id,
-                    raw,
-                    lo,
-                    hi,
-                    self.liveness.interval_s,
-                )
+            self._refuse(
+                bus.JOB_HEARTBEAT_INTERVAL_S,
+                raw,
+                "heartbeat_interval_refused_total",
+                f"not a number in [{lo:g}, {hi:g}] s: liveness stays on "
+                f"{self.liveness.interval_s:g} s",
+            )
             return
         if float(raw) == self.liveness.interval_s:
             return
@@ -92,20 +95,16 @@ class TrainerAnnouncements:
         """Whether the trainer said only TP rank 0 of each group sends chunk rows
         (``bus.JOB_REPORTS_TP0_ONLY``; absent: every rank does): the assembler then
         expects those ranks alone, so a record is complete when they are in, not
-        published incomplete ``grace_s`` late.  ``tp_dedup`` in the config keeps that
+        published incomplete after waiting for the others (up to ``stale_s``).  ``tp_dedup`` in the config keeps that
         mode whatever the trainer says.  Not a bool: refused, said once and counted."""
         if not isinstance(raw, bool):
-            if raw != self._tp0_refused:
-                self._tp0_refused = raw
-                self._count("reports_tp0_only_refused_total")
-                log.error(
-                    "collector: job %s announces %s=%.40r, not a bool: the assembler keeps "
-                    "expecting %s",
-                    self.keys.job_id,
-                    bus.JOB_REPORTS_TP0_ONLY,
-                    raw,
-                    "TP rank 0 of each group" if self.assembler.tp_dedup else "every rank",
-                )
+            self._refuse(
+                bus.JOB_REPORTS_TP0_ONLY,
+                raw,
+                "reports_tp0_only_refused_total",
+                "not a bool: the assembler keeps expecting "
+                + ("TP rank 0 of each group" if self.assembler.tp_dedup else "every rank"),
+            )
             return
         on = raw or self.config.tp_dedup
         if on == self.assembler.tp_dedup:

@@ -252,8 +252,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch, TrainerAnnouncements)
         #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
         self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
-        self._interval_refused: Any = None  # collector/announcements.py
-        self._tp0_refused: Any = None
+        self._refused_said: dict[str, str] = {}  # collector/announcements.py
         #: (published at, seconds after the iteration's end) of the recent records
         self._record_delays: deque[tuple[float, float]] = deque(maxlen=256)
         #: the bound on a record's span (its reference: the recent complete records)

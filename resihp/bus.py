@@ -117,8 +117,8 @@ HEARTBEAT_INTERVAL_BOUNDS_S = (0.05, 60.0)
 #: Field of the job state a trainer announces in (a bool) that it sends chunk rows from TP
 #: rank 0 of each group only (the simulator above ``--max-rank-report`` ranks, 4,096): the
 #: collector's assembler then expects those ranks alone, as with ``--tp-dedup``.  Without
-#: it, every 16,384-GPU record waited for rows that never come and was published
-#: incomplete ``grace_s`` late (issue 24).  A value that is not a bool is refused with a
+#: it, every 16,384-GPU record waited for ranks that never report (up to ``stale_s``,
+#: 30 s) and was published incomplete (issue 24).  A value that is not a bool is refused with a
 #: log line and a counter.
 JOB_REPORTS_TP0_ONLY = "reports_tp0_only"
 
