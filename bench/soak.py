@@ -5,7 +5,8 @@ simulated trainer: llama2-70b, tp=8 pp=16 dp=128, 64 micro-batches, no failure i
 in a fresh state dir, and ``--hog`` busy processes that keep the load average >= 4 on a
 2-core box.  Every ``--every-s`` (60 s) it prints each service's RSS, Redis used_memory,
 the stream lengths, the liveness and failure events so far (all false: nothing fails),
-the collector's lag and the load average.  At the end: each memory series' slope after
+the collector's lag, the iteration records published (how many incomplete, how long after
+their iteration's end) and the load average.  At the end: each memory series' slope after
 the warm-up, in % of its mean per 10 minutes, each process's ceiling (its largest RSS
 sample and its kernel high-water mark VmHWM), and the false-event count.  The warm-up
 is the first third of the run, or longer until the iterations stream stops growing
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         head = ["t_min", "load1", *(f"{n}_mb" for n in names), "redis_mb"]
         head += [f"{s}_len" for s in STREAMS]
         head += ["dead_events", "fail_stops", "reports", "lost", "refused", "lag_s", "it"]
+        head += ["records", "incomplete", "rec_delay_s", "rec_delay_max_s"]
         print(" ".join(f"{h:>12}" for h in head))
         t0 = time.monotonic()
         end = t0 + minutes * 60
@@ -175,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             row["refused"] = int(ctr.get(b"telemetry_refused_total", 0))
             col = Health.all(client, keys).get("collector:0")
             row["lag_s"] = collector_lag_s(col) if col else float("nan")
+            # records published, how many incomplete, and how long after their iteration's
+            # end they went out (the last one; the longest over the collector's last minute)
+            row["records"] = int(ctr.get(b"iterations_published_total", 0))
+            row["incomplete"] = int(ctr.get(b"iterations_incomplete_total", 0))
+            for f in ("record_delay_s", "record_delay_max_s"):
+                v = (col or {}).get(f)
+                row[f.replace("record", "rec")] = float(v) if v is not None else float("nan")
             tr = Health.all(client, keys).get("trainer:0") or {}
             row["it"] = tr.get("iteration", -1)
             rows.append(row)
@@ -221,8 +230,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{last['fail_stops']}; false reports of any kind: {last['reports']}; telemetry "
             f"lost {last.get('lost', 0)}, refused over quota {last.get('refused', 0)}"
         )
+        delays = np.array([r.get("rec_delay_max_s", np.nan) for r in rows], dtype=float)
+        col = Health.all(client, keys).get("collector:0") or {}
+        print(
+            "record-time bound's reference (median span of the recent complete records): "
+            f"{col.get('record_time_reference_s')} s"
+        )
+        print(
+            f"iteration records: {last.get('records', 0)} published, "
+            f"{last.get('incomplete', 0)} incomplete; longest delay after an iteration's end "
+            f"{np.nanmax(delays) if np.isfinite(delays).any() else float('nan'):.2f} s"
+        )
         summary.update(
-            dead_events=last["dead_events"], fail_stops=last["fail_stops"], reports=last["reports"]
+            dead_events=last["dead_events"],
+            fail_stops=last["fail_stops"],
+            reports=last["reports"],
+            records=last.get("records", 0),
+            incomplete=last.get("incomplete", 0),
         )
         if a.json:
             a.json.write_text(json.dumps({"rows": rows, "summary": summary}, default=float))

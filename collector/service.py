@@ -61,6 +61,7 @@ import numpy as np
 import redis
 
 from collector.agents import NodeAgentWatch
+from collector.announcements import TrainerAnnouncements
 from collector.bound import RecordBound
 from collector.config import CollectorConfig, parse_heartbeat_k
 from collector.predictions import LayoutPredictions
@@ -125,6 +126,13 @@ def record_maxlen(fields: dict, maxlen: int, budget_mb: float) -> int:
     return max(16, min(maxlen, int(budget_mb * 1e6 // size)))
 
 
+def _finite_or_none(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None
+
+
+#: Window of the health field ``record_delay_max_s`` (seconds).
+RECORD_DELAY_WINDOW_S = 60.0
+
 #: A read that takes longer than its block timeout plus this fraction of the fail-stop
 #: deadline means this collector was stalled (see ``CollectorService._after_stall``).
 STALL_FRACTION = 0.5
@@ -145,7 +153,7 @@ PUBLISHED_KEPT = 64
 PUBLISHED_RECORDS_KEPT = 2
 
 
-class CollectorService(TelemetryRetention, NodeAgentWatch):
+class CollectorService(TelemetryRetention, NodeAgentWatch, TrainerAnnouncements):
     """One collector for one job: ``run_once()`` does one bounded step (read a batch,
     judge liveness when due, publish finished iterations, acknowledge what is safe);
     ``run(stop)`` loops it and keeps the health key fresh."""
@@ -244,8 +252,9 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         #: (node, rank) of the agent connections seen at the last look (rank -1: a node's)
         self._agents: set[tuple[int, int]] = set()
         self._agents_next = 0.0
-        #: the last heartbeat period announced that was refused (said once)
-        self._interval_refused: Any = None
+        self._refused_said: dict[str, str] = {}  # collector/announcements.py
+        #: (published at, seconds after the iteration's end) of the recent records
+        self._record_delays: deque[tuple[float, float]] = deque(maxlen=256)
         #: the bound on a record's span (its reference: the recent complete records)
         self.bound = RecordBound()
         self._outbox: deque[tuple[str, Message, int]] = deque()
@@ -372,6 +381,9 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             self._sync_clock()
             now = self._clock()
             self._refresh_layout(now)
+            # the trainer's announcements (heartbeat period, TP rank 0 only) before the
+            # rows they are about; due every half heartbeat interval at most
+            self._job_finished(now)
             if self._outage:
                 # Reachable again: nobody could be heard meanwhile, restart every deadline.
                 self.liveness.resume(now)
@@ -738,6 +750,7 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             if len(self.published) > PUBLISHED_KEPT:
                 del self.published[:-PUBLISHED_KEPT]
             if isinstance(msg, IterationRecord):
+                self._record_delays.append((self._clock(), self._clock() - msg.end_s))
                 self._drop_old_records()
                 if stream == self.keys.iterations:  # a shard's partial is no whole iteration
                     self.predictions.observe(msg, self.layout)
@@ -753,63 +766,6 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
         recs = [i for i, m in enumerate(self.published) if isinstance(m, IterationRecord)]
         for i in reversed(recs[:-PUBLISHED_RECORDS_KEPT]):
             del self.published[i]
-
-    def _job_finished(self, now: float) -> bool:
-        """Whether the trainer said the job ended on purpose.
-
-        Re-read every half heartbeat interval: the trainer says so right after its last
-        beat, well before K intervals of silence could count as a failure."""
-        if now >= self._job_state_next:
-            self._job_state_next = now + min(1.0, self.liveness.interval_s / 2)
-            # A Redis restarted without its data forgot the job: listing it again here
-            # (SADD is idempotent) keeps it in status and metrics whatever trainer runs
-            # it (a telemetry producer lists the job only once).
-            bus.register_job(self.client, self.keys)
-            doc = bus.job_state_doc(self.client, self.keys)
-            finished = doc.get("state") == "finished"
-            if doc and not finished and self.config.follow_trainer_interval:
-                # the period announced, else this collector's own
-                announced = doc.get(bus.JOB_HEARTBEAT_INTERVAL_S, self.config.heartbeat_interval_s)
-                self._follow_interval(announced, now)
-            if self._finished and not finished:
-                # Running again (a new launch): nobody was expected meanwhile.
-                self.liveness.resume(now)
-            self._finished = finished
-        return self._finished
-
-    def _follow_interval(self, raw: Any, now: float) -> None:
-        """The heartbeat period the trainer announced (``bus.JOB_HEARTBEAT_INTERVAL_S``;
-        a trainer that announces none, this collector's ``heartbeat_interval_s``): the
-        fail-stop deadline follows it, from a fresh deadline for every rank.  An
-        announcement is untrusted input: outside ``bus.HEARTBEAT_INTERVAL_BOUNDS_S`` (or
-        not a number) it is refused, said once and counted, and the period stays."""
-        lo, hi = bus.HEARTBEAT_INTERVAL_BOUNDS_S
-        ok = isinstance(raw, int | float) and not isinstance(raw, bool) and lo <= raw <= hi
-        if not ok:
-            if raw != self._interval_refused:
-                self._interval_refused = raw
-                self._count("heartbeat_interval_refused_total")
-                log.error(
-                    "collector: job %s announces heartbeat_interval_s=%.40r, not a number in "
-                    "[%g, %g] s: liveness stays on %g s",
-                    self.keys.job_id,
-                    raw,
-                    lo,
-                    hi,
-                    self.liveness.interval_s,
-                )
-            return
-        if float(raw) == self.liveness.interval_s:
-            return
-        log.info(
-            "collector: job %s beats every %g s (it says so): fail-stop deadline %g -> %g s",
-            self.keys.job_id,
-            float(raw),
-            self._deadline_s(),
-            (self.liveness.k + self.liveness.jitter_beats) * float(raw),
-        )
-        self.liveness.set_interval(float(raw))
-        self.liveness.resume(now)
 
     def _check_every_s(self) -> float:
         """How often liveness is judged: ``check_interval_s``, else a quarter of the
@@ -941,6 +897,9 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             "heartbeat_k": self.liveness.k,
             # the heartbeat period liveness runs on: the trainer's, when it announced one
             "heartbeat_interval_s": self.liveness.interval_s,
+            # records expect chunk rows from TP rank 0 of each group only (the trainer
+            # announced it, or --tp-dedup)
+            "tp_dedup": self.assembler.tp_dedup,
             # age of the newest telemetry entry read: grows when the collector falls
             # behind, or when the job stops sending
             "last_telemetry_age_s": round(max(0.0, self._clock() - self._frontier_s), 3)
@@ -960,6 +919,13 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             and self._job_silent_since is None,
             # when the job was last heard, during a job-wide silence (else None)
             bus.JOB_SILENT_SINCE: None if self._finished else self._job_silent_since,
+            # how long after its iteration ended (its last chunk, on Redis's clock) the
+            # last record went out, and the longest over the last RECORD_DELAY_WINDOW_S: a
+            # record waiting for ranks that never report waits grace_s (5 s) or longer
+            **self._record_delay(),
+            # the record-time bound's reference: the median span of the recent complete
+            # records (None until 3; collector/bound.py)
+            "record_time_reference_s": _finite_or_none(self.bound.reference_s()),
             "deadletter_total": self.consumer.stats.deadletter_total,
             # entries trimmed from the telemetry stream before this collector read them
             "telemetry_lost_total": self.consumer.stats.lost_total,
@@ -968,6 +934,16 @@ class CollectorService(TelemetryRetention, NodeAgentWatch):
             "reconnects_total": self.consumer.stats.reconnects_total,
             # the telemetry stream's byte rate, which bounds the window kept in Redis
             "telemetry_bytes_per_s": round(self.telemetry_bytes_per_s),
+        }
+
+    def _record_delay(self) -> dict[str, float | None]:
+        d = self._record_delays
+        now = self._clock()
+        while d and d[0][0] < now - RECORD_DELAY_WINDOW_S:
+            d.popleft()
+        return {
+            "record_delay_s": round(d[-1][1], 3) if d else None,
+            "record_delay_max_s": round(max(x for _t, x in d), 3) if d else None,
         }
 
     def run(self, stop: threading.Event) -> None:

@@ -82,13 +82,19 @@ def set_job_state(client: redis.Redis, keys: JobKeys, state: str, **extra: Any) 
     """The trainer says the job is running, or finished on purpose (no liveness alarms).
 
     The kind of trainer the job runs on (``trainer``, given at registration) stays across
-    later states: ``resihp up --resume`` checks that the same kind carries the run on."""
+    later states: ``resihp up --resume`` checks that the same kind carries the run on; so
+    does :data:`JOB_REPORTS_TP0_ONLY`, which a collector started after the job finished
+    still needs to assemble its last records."""
     if state not in JOB_STATES:
         raise ValueError(f"job state must be one of {JOB_STATES}, got {state!r}")
-    if "trainer" not in extra:
-        kind = job_trainer(client, keys)
-        if kind:
+    if "trainer" not in extra or JOB_REPORTS_TP0_ONLY not in extra:
+        prev = job_state_doc(client, keys)
+        kind = prev.get("trainer")
+        if "trainer" not in extra and isinstance(kind, str) and kind:
             extra["trainer"] = kind
+        tp0 = prev.get(JOB_REPORTS_TP0_ONLY)
+        if JOB_REPORTS_TP0_ONLY not in extra and isinstance(tp0, bool):
+            extra[JOB_REPORTS_TP0_ONLY] = tp0
     client.set(keys.job_state, json.dumps({"state": state, "at_s": time.time(), **extra}))
 
 
@@ -108,6 +114,13 @@ def job_trainer(client: redis.Redis, keys: JobKeys) -> str | None:
 #: :data:`HEARTBEAT_INTERVAL_BOUNDS_S` is refused with a log line and a counter.
 JOB_HEARTBEAT_INTERVAL_S = "heartbeat_interval_s"
 HEARTBEAT_INTERVAL_BOUNDS_S = (0.05, 60.0)
+#: Field of the job state a trainer announces in (a bool) that it sends chunk rows from TP
+#: rank 0 of each group only (the simulator above ``--max-rank-report`` ranks, 4,096): the
+#: collector's assembler then expects those ranks alone, as with ``--tp-dedup``.  Without
+#: it, every 16,384-GPU record waited for ranks that never report (up to ``stale_s``,
+#: 30 s) and was published incomplete (issue 24).  A value that is not a bool is refused with a
+#: log line and a counter.
+JOB_REPORTS_TP0_ONLY = "reports_tp0_only"
 
 
 def job_state_doc(client: redis.Redis, keys: JobKeys) -> dict:

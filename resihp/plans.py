@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 import redis
 
 from resihp.acl import publish_action
-from resihp.bus import JOB_HEARTBEAT_INTERVAL_S, register_job, set_job_state
+from resihp.bus import (
+    JOB_HEARTBEAT_INTERVAL_S,
+    JOB_REPORTS_TP0_ONLY,
+    register_job,
+    set_job_state,
+)
 from resihp.keys import JobKeys
 from resihp.schemas import AdaptationPlan, OperatorAction, SchemaError
 from resihp.topology import Layout
@@ -49,17 +54,22 @@ def register_running(
     layout: Layout,
     trainer: str | None = None,
     heartbeat_interval_s: float | None = None,
+    reports_tp0_only: bool = False,
 ) -> None:
     """A trainer's registration: the job listed, its state ``running``, its layout. The
     layout goes last: trainers take its presence for "registered" and write all three
     again when it is gone (Redis restarted without its data), so a registration cut short
     by an outage is redone, not left without its state.  ``heartbeat_interval_s``: the
     period its ranks beat at, which the collector's fail-stop deadline then follows
-    (:data:`resihp.bus.JOB_HEARTBEAT_INTERVAL_S`)."""
+    (:data:`resihp.bus.JOB_HEARTBEAT_INTERVAL_S`).  ``reports_tp0_only``: only TP rank
+    0 of each group sends chunk rows, which the collector's assembler then expects alone
+    (:data:`resihp.bus.JOB_REPORTS_TP0_ONLY`); always written, so a registration never
+    inherits another trainer's."""
     register_job(client, keys)
     extra: dict = {"trainer": trainer} if trainer else {}
     if heartbeat_interval_s is not None:
         extra[JOB_HEARTBEAT_INTERVAL_S] = float(heartbeat_interval_s)
+    extra[JOB_REPORTS_TP0_ONLY] = bool(reports_tp0_only)
     set_job_state(client, keys, "running", **extra)
     write_layout(client, keys, layout)
 

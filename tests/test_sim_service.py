@@ -382,3 +382,70 @@ def test_node_agents_report_a_killed_node_through_the_side_channel(r):
     assert [(e.scope, e.node, e.missed_beats) for e in events] == [("node", 1, 0)], events
     assert col.stats["liveness_agent_closed_total"] == 1
     assert agent_nodes([c.get("name", "") for c in r.client_list()], "agents") == set()
+
+
+def test_a_job_reporting_tp_rank_0_only_says_so_and_its_records_are_complete_at_once(r):
+    """Above ``max_rank_report`` ranks the simulator sends chunk rows from TP rank 0 only
+    and says so in its job state: a collector started without ``--tp-dedup`` then
+    expects those ranks alone, so every record is complete as soon as its rows are in
+    (a grace of 60 s here: an assembler waiting for the TP peers would publish nothing
+    within the test), and the record-time bound learns its reference from them.  The
+    trainer also announces the wall period it is heard at, which liveness follows."""
+    from collector.config import CollectorConfig
+    from collector.service import CollectorService
+    from resihp import bus
+    from resihp.schemas import IterationRecord
+
+    keys = JobKeys("tp0")
+    cfg = _cfg(job_id="tp0", tp=2, pp=2, dp=2, max_rank_report=4, comm_rows="none")
+    assert cfg.report_tp0_only
+    tr = SimTrainer(cfg, r)
+    n = 6
+    for _ in range(n):
+        tr.run_once()
+    tr.producer.flush(30)
+    state = json.loads(r.get(keys.job_state))
+    assert state[bus.JOB_REPORTS_TP0_ONLY] is True
+    assert state[bus.JOB_HEARTBEAT_INTERVAL_S] == tr._keeper.period_s
+    col = CollectorService(
+        CollectorConfig(job_id="tp0", block_ms=5, grace_s=60.0, stale_s=120.0), r
+    )
+    assert not col.config.tp_dedup
+    deadline = time.monotonic() + 30
+    while col.stats["iterations_published_total"] < n and time.monotonic() < deadline:
+        col.run_once()
+    recs = []
+    for _id, fields in r.xrange(keys.iterations):
+        recs += [m for m in decode_entry(fields)[0] if isinstance(m, IterationRecord)]
+    assert [x.iteration for x in recs] == list(range(n))
+    assert all(x.complete and x.num_ranks_reporting == 4 for x in recs), recs
+    assert col.stats["iterations_incomplete_total"] == 0
+    assert col.health_extra()["tp_dedup"] is True
+    assert col.liveness.interval_s == tr._keeper.period_s
+    # the bound's reference: the median span of the complete records
+    spans = [x.iteration_time_s for x in recs]
+    assert col.bound.reference_s() == pytest.approx(float(np.median(spans)))
+    health = col.health_extra()
+    assert health["record_time_reference_s"] == pytest.approx(np.median(spans), abs=1e-3)
+    assert health["record_delay_max_s"] >= health["record_delay_s"]
+    # ...kept when the job ends: a collector started afterwards assembles it alike
+    tr.close(stopped=True)
+    state = json.loads(r.get(keys.job_state))
+    assert (state["state"], state[bus.JOB_REPORTS_TP0_ONLY]) == ("finished", True)
+    # an announcement that is not a bool is refused and counted; the mode stays
+    r.set(keys.job_state, json.dumps({**state, "state": "running", bus.JOB_REPORTS_TP0_ONLY: 1}))
+    col._job_state_next = 0.0
+    col._job_finished(col._clock())
+    assert col.assembler.tp_dedup and col.stats["reports_tp0_only_refused_total"] == 1
+    # a trainer whose every rank reports again (announces False): every rank expected
+    r.set(
+        keys.job_state, json.dumps({**state, "state": "running", bus.JOB_REPORTS_TP0_ONLY: False})
+    )
+    col._job_state_next = 0.0
+    col._job_finished(col._clock())
+    assert not col.assembler.tp_dedup
+    assert len(col.assembler.view.expected_ranks) == 8
+    # --tp-dedup is the operator's: kept whatever the trainer says
+    pinned = CollectorService(CollectorConfig(job_id="tp0", tp_dedup=True), r)
+    pinned._job_finished(pinned._clock())
+    assert pinned.assembler.tp_dedup

@@ -61,7 +61,12 @@ class SimConfig:
     speed: float = 1.0
     #: Stop after this many completed iterations (0 = run until stopped).
     iterations: int = 0
-    #: Heartbeat period of every live rank, in training time (wall period = this / speed).
+    #: Heartbeat period of every live rank, in training time (wall period = this / speed,
+    #: at least 0.5 s: the heartbeat keeper's); announced in the job state, so the
+    #: collector reports a silent host 2.5 wall periods after its last beat.  1 s, not
+    #: the torch trainer's 0.5 s: at 16,384 GPUs beside 4 hogs (load ~20) the simulator's
+    #: telemetry stalled 4.1 s, past the job-silence hold of 0.5 s beats (3 deadlines,
+    #: 3.75 s), and all 2,048 nodes were declared dead (docs/operations.md, i24 third session).
     heartbeat_interval_s: float = 1.0
     #: Sigma of the lognormal noise on every chunk and transfer time.
     noise: float = 0.03

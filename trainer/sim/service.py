@@ -213,7 +213,17 @@ class SimTrainer:
         return True
 
     def _write_registration(self) -> None:
-        register_running(self.client, self.keys, self.sim.layout, trainer="sim")
+        # what the collector must know to judge this job: the wall period its ranks are
+        # heard at (the keeper's: the main loop beats at least as often) and that only
+        # TP rank 0 of each group sends chunk rows above ``max_rank_report`` ranks
+        register_running(
+            self.client,
+            self.keys,
+            self.sim.layout,
+            trainer="sim",
+            heartbeat_interval_s=self._keeper.period_s,
+            reports_tp0_only=self.cfg.report_tp0_only,
+        )
 
     def _check_registration(self) -> None:
         """Register the job again when Redis lost it (restarted without its data).
@@ -472,8 +482,8 @@ class _BeatKeeper:
     """
 
     #: Silence (wall seconds) the keeper lets pass before it beats: well inside the
-    #: collector's fail-stop deadline (2.5 s by default), long enough that a paced run
-    #: on schedule never needs it.
+    #: collector's fail-stop deadline (2.5 x ``period_s``, which the trainer announces
+    #: in its job state), long enough that a paced run on schedule never needs it.
     MIN_SILENCE_S = 0.75
     #: Its beat period is the trainer's, but no shorter than this.
     MIN_PERIOD_S = 0.5
