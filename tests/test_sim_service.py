@@ -406,7 +406,8 @@ def test_a_job_reporting_tp_rank_0_only_says_so_and_its_records_are_complete_at_
     tr.producer.flush(30)
     state = json.loads(r.get(keys.job_state))
     assert state[bus.JOB_REPORTS_TP0_ONLY] is True
-    assert state[bus.JOB_HEARTBEAT_INTERVAL_S] == tr._keeper.period_s
+    announced = max(tr._keeper.period_s, cfg.heartbeat_interval_s)
+    assert state[bus.JOB_HEARTBEAT_INTERVAL_S] == announced
     col = CollectorService(
         CollectorConfig(job_id="tp0", block_ms=5, grace_s=60.0, stale_s=120.0), r
     )
@@ -421,7 +422,7 @@ def test_a_job_reporting_tp_rank_0_only_says_so_and_its_records_are_complete_at_
     assert all(x.complete and x.num_ranks_reporting == 4 for x in recs), recs
     assert col.stats["iterations_incomplete_total"] == 0
     assert col.health_extra()["tp_dedup"] is True
-    assert col.liveness.interval_s == tr._keeper.period_s
+    assert col.liveness.interval_s == announced
     # the bound's reference: the median span of the complete records
     spans = [x.iteration_time_s for x in recs]
     assert col.bound.reference_s() == pytest.approx(float(np.median(spans)))
