@@ -130,8 +130,10 @@ class JobResult:
     modes: dict = field(default_factory=dict)  # mode -> dict
 
 
-def _records(steps, layout):
-    asm = IterationAssembler()
+def _records(steps, layout, tp_dedup: bool = False):
+    """The records the live collector would publish: with ``tp_dedup`` (a simulator that
+    reports TP rank 0 only and says so) it expects those ranks alone, as it does live."""
+    asm = IterationAssembler(tp_dedup=tp_dedup)
     asm.set_layout(layout)
     out = []
     for st in steps:
@@ -189,7 +191,7 @@ def run_job(args) -> JobResult:
         scenario = parse_scenario(f"events:\n  - {ev}\n")
     steps = simulate(cfg, scenario, workload)
     truth = {st.iteration: st.true_state for st in steps if st.true_state.status == "ok"}
-    recs = _records(steps, lay)
+    recs = _records(steps, lay, cfg.report_tp0_only)
     if faulty:
         pre = [truth[i] for i in truth if i < res.inject_at]
         post = [truth[i] for i in truth if i >= res.inject_at]
@@ -348,7 +350,7 @@ def detector_cpu(
     lay = cfg.initial_layout()
     t_sim = time.time()
     steps = simulate(cfg, None, "mixture")
-    recs = _records(steps, lay)
+    recs = _records(steps, lay, cfg.report_tp0_only)
     t_sim = time.time() - t_sim
     entries = [encode_one(rec) for rec in recs]
     wire_mb = float(np.mean([sum(len(v) for v in f.values()) / 1e6 for f in entries]))
