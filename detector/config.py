@@ -190,12 +190,13 @@ class DetectorConfig:
     #: costs or gains ``min_throughput_loss`` is reported again with its new severity.
     severity_step: float = 0.25
     # --- persistence and flapping (detector/persistence.py; docs/detector.md) -----
-    #: A confirmed slowdown is reported once it has lasted this many iterations since
-    #: its change point: longer than the 1-3-iteration stragglers (a GC pause, a
+    #: A confirmed slowdown is reported once the detector has seen it slow in this many
+    #: iterations (its own series over the shift bar, not the iterations since its
+    #: change point): longer than the 1-3-iteration stragglers (a GC pause, a
     #: checkpoint write, a thermal blip) that go away before a re-plan would pay off.
     persist_min_iters: int = 4
     #: ... and once the time it has cost (throughput loss x iteration time, summed
-    #: since the change point) reaches the cost of one re-plan (ski rental): the
+    #: over those iterations) reaches the cost of one re-plan (ski rental): the
     #: communicator rebuild is ~1.5 s (§8.3: < 2 s), plus the re-warm.
     replan_cost_s: float = 2.0
     #: ... or, whatever it cost, once it has lasted this many iterations (a job with

@@ -6,11 +6,14 @@ been slow *long enough* to act on, and whether a recovery is stable enough to
 give the device its work back.  docs/detector.md ("Persistence and flapping")
 gives the reasoning; in short:
 
-* **Hold a new slowdown** until it has lasted ``persist_min_iters`` iterations
-  since its change point *and* the time it has already cost (the sum over
+* **Hold a new slowdown** until the detector has seen it slow in
+  ``persist_min_iters`` iterations (``evidence.seen_slow``: the points of its own
+  series over the shift bar up to the finding, then each iteration its device is
+  measured still at its slow level; not the iterations since the change point,
+  which ruptures estimates backwards) *and* the time it has already cost (the sum over
   those iterations of throughput loss x iteration time), or what it will cost
   at its current rate over as long again (a ramp's rate climbs), but at least
-  ``failslow_min_duration_s`` (a fail-slow past the straggler horizon lasts tens
+  ``failslow_min_duration_s`` (40 s: a fail-slow past the straggler horizon lasts tens
   of seconds to hours), reaches
   ``replan_cost_s``, the cost of one re-plan (ski rental: staying slow is
   "renting", re-planning is "buying"; buying once the rent paid equals the
