@@ -142,6 +142,13 @@ def test_a_one_point_spike_is_not_a_change_point_but_a_shift_is():
     assert cp.iteration == 40 and cp.mean_after == pytest.approx(0.4)
 
 
+def test_the_slow_run_a_series_shows_is_what_it_saw_not_the_change_points_estimate():
+    det = OnlineChangeDetector(window=48, min_after=2)
+    det.prime([20, 21, 22, 23, 24, 25, 26], [0.0, 0.01, 0.02, 0.2, 0.5, 0.5, 0.5])
+    assert det.run_above(0.4) == (24, 3)  # 23 is over the baseline, not over the bar
+    assert det.run_above(0.6) == (None, 0)  # the newest point is under it
+
+
 # ------------------------------------------------------------ stage 3, workload filter
 def test_the_iteration_path_blames_a_group_only_for_a_level_it_held_since_the_change():
     wf = FailSlowDetector(CFG).workload
