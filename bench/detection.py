@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detector.config import DetectorConfig
+from detector.config import DetectorConfig, parse_assignments
 from detector.engine import Detector
 from detector.predictor import IterationView
 from resihp.assembly import IterationAssembler
@@ -162,7 +162,7 @@ def _mtp_errors(det: Detector, v: IterationView) -> list[float]:
 
 
 def run_job(args) -> JobResult:
-    label, model, seq, mbs, sched, seed, faulty, workload = args
+    label, model, seq, mbs, sched, seed, faulty, workload, overrides = args
     rng = np.random.default_rng(seed + 7919)
     cfg = SimConfig(
         model=model,
@@ -201,7 +201,7 @@ def run_job(args) -> JobResult:
         )
         res.true_cost = 1.0 - ratio_post / ratio_pre
     for mode in ("resihp", "greyhound"):
-        det = Detector(DetectorConfig(mode=mode), layout=lay)
+        det = Detector(DetectorConfig(mode=mode, **overrides), layout=lay)
         reports = []
         cpu = 0.0
         for rec in recs:
@@ -471,6 +471,13 @@ def main(argv=None) -> int:
         help="another checkout (e.g. `git worktree add DIR <commit>`): the CPU jobs are "
         "replayed through it and this one alternately, in fresh processes",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a DetectorConfig field for both modes, e.g. failslow_min_duration_s=20 (repeatable)",
+    )
     ap.add_argument("--replay", default="", help=argparse.SUPPRESS)  # internal: one child run
     a = ap.parse_args(argv)
     if a.replay:
@@ -478,6 +485,10 @@ def main(argv=None) -> int:
             job = pickle.load(f)
         print(json.dumps(replay(job["layout"], job["entries"])))
         return 0
+    try:
+        overrides = parse_assignments(a.set)
+    except ValueError as e:
+        ap.error(str(e))
     n = a.jobs or (20 if a.quick else 100)
     chosen = SETTINGS if a.settings == "all" else [SETTINGS[int(i)] for i in a.settings.split(",")]
     if a.cpu_only:
@@ -487,7 +498,8 @@ def main(argv=None) -> int:
     for si, (label, model, seq, mbs, sched) in enumerate(chosen):
         t0 = time.time()
         tasks = [
-            (label, model, seq, mbs, sched, 1000 * si + j, j % 2 == 1, a.workload) for j in range(n)
+            (label, model, seq, mbs, sched, 1000 * si + j, j % 2 == 1, a.workload, overrides)
+            for j in range(n)
         ]
         if a.workers > 1:
             with ProcessPoolExecutor(a.workers) as ex:

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detector.config import DetectorConfig
+from detector.config import DetectorConfig, parse_assignments
 from detector.engine import Detector
 from resihp.assembly import IterationAssembler
 from trainer.data.lengths import LengthSampler, stdlib_document_lengths
@@ -386,12 +386,10 @@ def main(argv=None) -> int:
         help="a DetectorConfig field for both modes, e.g. persist_min_iters=2 (repeatable)",
     )
     a = ap.parse_args(argv)
-    overrides = {}
-    for item in a.set:
-        name, _, val = item.partition("=")
-        kind = type(getattr(DetectorConfig(), name))
-        overrides[name] = val.lower() in ("1", "true", "on") if kind is bool else kind(val)
-    DetectorConfig(**overrides).validate()
+    try:
+        overrides = parse_assignments(a.set)
+    except ValueError as e:
+        ap.error(str(e))
     n = a.jobs or (2 if a.quick else 6)
     classes = CLASSES if a.classes == "all" else tuple(a.classes.split(","))
     t_all = time.time()

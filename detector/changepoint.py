@@ -253,6 +253,20 @@ class OnlineChangeDetector:
             screen_iteration=self.alarm_since if self.alarm_since is not None else self.iters[-1],
         )
 
+    def run_above(self, level: float) -> tuple[int | None, int]:
+        """The newest run of points at or above ``level``: (its first iteration, its length).
+
+        What the series has actually shown, unlike a change point's iteration, which
+        ruptures estimates backwards and can put before the first slow point (the
+        persistence stage counts its hold from this).  (None, 0) when the newest point
+        is below ``level``."""
+        first, n = None, 0
+        for i, x in zip(reversed(self.iters), reversed(self.values), strict=True):
+            if x < level:
+                break
+            first, n = i, n + 1
+        return first, n
+
     def drop(self, iterations: set[int] | list[int]) -> None:
         s = set(iterations)
         keep = [(i, v) for i, v in zip(self.iters, self.values, strict=True) if i not in s]

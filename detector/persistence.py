@@ -6,11 +6,14 @@ been slow *long enough* to act on, and whether a recovery is stable enough to
 give the device its work back.  docs/detector.md ("Persistence and flapping")
 gives the reasoning; in short:
 
-* **Hold a new slowdown** until it has lasted ``persist_min_iters`` iterations
-  since its change point *and* the time it has already cost (the sum over
+* **Hold a new slowdown** until the detector has seen it slow in
+  ``persist_min_iters`` iterations (``evidence.seen_slow``: the points of its own
+  series over the shift bar up to the finding, then each iteration its device is
+  measured still at its slow level; not the iterations since the change point,
+  which ruptures estimates backwards) *and* the time it has already cost (the sum over
   those iterations of throughput loss x iteration time), or what it will cost
   at its current rate over as long again (a ramp's rate climbs), but at least
-  ``failslow_min_duration_s`` (a fail-slow past the straggler horizon lasts tens
+  ``failslow_min_duration_s`` (40 s: a fail-slow past the straggler horizon lasts tens
   of seconds to hours), reaches
   ``replan_cost_s``, the cost of one re-plan (ski rental: staying slow is
   "renting", re-planning is "buying"; buying once the rent paid equals the
@@ -50,7 +53,9 @@ WARMUP_SIGNALS = ("warmup_peer_comparison", "warmup_prior_comparison")
 @dataclass
 class _Held:
     finding: Finding
-    since_iteration: int  # the change point: when the slowdown began
+    since_iteration: int  # the first slow iteration the detector saw
+    seen_iters: int  # slow iterations it has seen of it (the hold counts these)
+    change_point: int  # the change point's iteration (ruptures' estimate, for the evidence)
     cost_s: float = 0.0  # what it has cost so far (throughput loss x iteration time)
     found_level: float | None = None  # log slow ratio it was costed at (the finding's)
     iters: int = 0
@@ -88,6 +93,37 @@ def _still_slow(st: SlowState | None) -> bool:
     if st.healthy_streak:
         return False
     return st.level is None or st.level >= 0.5 * float(np.log(max(st.factor, 1.0)))
+
+
+def _seen(f: Finding, iteration: int) -> tuple[int, int, int]:
+    """A new slowdown's (first slow iteration seen, slow iterations seen, change point).
+
+    The change point (``evidence.change_point.iteration``) is ruptures' estimate of when the
+    new regime began, made backwards over the window: on the torch trainer's telemetry it
+    came 2 iterations before the first slow one, and a hold counted from it reported the
+    rank in its 2nd slow iteration.  The hold counts what the device's own series showed
+    instead (``evidence.seen_slow``, stage 5: the newest run of points each above the
+    shift bar), never more than the iterations since the change point.  A finding
+    without it (none of stage 5's) falls back to the change point."""
+    cp = f.evidence.get("change_point") or {}
+    cp_it = cp.get("iteration", iteration) if isinstance(cp, dict) else iteration
+    cp_it = min(int(cp_it), iteration) if isinstance(cp_it, int | float) else iteration
+    seen = f.evidence.get("seen_slow")
+    if not isinstance(seen, dict) or not isinstance(seen.get("iters"), int):
+        return cp_it, iteration - cp_it + 1, cp_it
+    first = seen.get("since_iteration")
+    since = max(cp_it, int(first)) if isinstance(first, int) else iteration + 1
+    return since, max(0, min(seen["iters"], iteration - since + 1)), cp_it
+
+
+def _seen_in(st: SlowState | None, iteration: int) -> bool:
+    """Whether the held device's level was measured in ``iteration`` (stage 7 sets
+    ``level_iteration``).  One no series measures any longer (gone with a fail-stop, or
+    detached from its group by a re-plan: its probes alone judge it) counts every
+    iteration, as the hold did before: it must not be held forever."""
+    if st is None or (st.group is None and st.link is None):
+        return True
+    return st.level_iteration == iteration
 
 
 class PersistenceGate:
@@ -143,10 +179,8 @@ class PersistenceGate:
             return [f]
         if f.evidence.get("signal") in WARMUP_SIGNALS:
             return [f]  # slow through a whole (re-)warm-up window: it has persisted
-        cp = f.evidence.get("change_point") or {}
-        since = cp.get("iteration", iteration) if isinstance(cp, dict) else iteration
-        since = int(since) if isinstance(since, int | float) else iteration
-        self.held.append(_Held(f, min(since, iteration)))
+        since, seen, cp_it = _seen(f, iteration)
+        self.held.append(_Held(f, since, seen, cp_it))
         self.stats.held_total += 1
         return []
 
@@ -189,16 +223,19 @@ class PersistenceGate:
             f = h.finding
             loss = f.evidence.get("throughput_loss")
             loss = float(loss) if isinstance(loss, int | float) else cfg.min_throughput_loss
-            lasted = iteration - h.since_iteration + 1
             st = next((s for s in slow.values() if _overlap(s.ranks, f.ranks)), None)
             loss_now = self._loss_now(h, st, loss)
+            still_slow = _still_slow(st)
             if h.iters == 0:
-                # the iterations from the change point up to the finding, at this cost each
-                h.cost_s = loss * it_s * max(1, lasted)
+                # the slow iterations seen up to the finding (it included), at this cost each
+                h.cost_s = loss * it_s * max(1, h.seen_iters)
             else:
                 h.cost_s += loss_now * it_s
+                # only an iteration its device was seen slow in counts towards the hold
+                if still_slow and _seen_in(st, iteration):
+                    h.seen_iters += 1
             h.iters += 1
-            still_slow = _still_slow(st)
+            lasted = h.seen_iters
             # ski rental: re-plan once the rent paid, or the rent still to pay at today's
             # rate over as long again as it has lasted (Lindy) but at least the shortest
             # duration a fail-slow is expected to last, reaches the re-plan's price
@@ -212,6 +249,7 @@ class PersistenceGate:
                 f.evidence["persistence"] = {
                     "since_iteration": h.since_iteration,
                     "lasted_iters": lasted,
+                    "change_point_iteration": h.change_point,
                     "cost_s": round(h.cost_s, 3),
                     "expected_cost_s": round(expected_s, 3),
                     "replan_cost_s": cfg.replan_cost_s,

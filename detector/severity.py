@@ -137,6 +137,7 @@ class SeverityRecovery:
             else:
                 healthy = val - base < lim
             st.level = val - base
+            st.level_iteration = v.iteration
             if healthy:
                 st.healthy_streak += 1
                 st.streak_shifts.append(val - base)

@@ -46,6 +46,9 @@ class SlowState:
     #: its latest level above the healthy baseline (log ratio; None before one is seen):
     #: the persistence stage asks whether the device still runs at its slow level
     level: float | None = None
+    #: the iteration ``level`` was measured in (-1: never): a held slowdown counts only the
+    #: iterations its device was seen in (an iteration without its telemetry is no evidence)
+    level_iteration: int = -1
     #: the streak's residuals above the baseline (the recovered group's level)
     streak_shifts: list[float] = field(default_factory=list)
 

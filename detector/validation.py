@@ -109,6 +109,25 @@ class Validator:
                 out.add(k)  # the stage's all-reduce
         return out
 
+    def _shift_bar(self, g: Group | None) -> float:
+        """The smallest shift stage 2 accepts on a group's series (``g``) or a link's
+        (``None``), in log ratio: one point this far above the baseline is slow by itself."""
+        cfg = self.s.cfg
+        bar = float(np.log1p(cfg.min_chunk_shift))
+        if g is None:
+            return max(bar, float(np.log1p(cfg.comm_shift_factor * cfg.min_chunk_shift)))
+        return max(bar, cfg.sigma_shift * self.s.sigma.get(g, 0.0))
+
+    @staticmethod
+    def _seen_slow(det, base: float, bar: float) -> dict:
+        """The slow iterations the device's own series has shown up to this one: the
+        newest run of points each at least ``bar`` above its baseline (``evidence.seen_slow``:
+        its first iteration and length).  The persistence stage counts its hold from them,
+        not from the change point, which ruptures estimates backwards and can put before
+        the first slow point (a 1-3-iteration straggler shows at most 3 such points)."""
+        first, n = det.run_above(base + bar) if det is not None else (None, 0)
+        return {"since_iteration": first, "iters": n}
+
     def _watch_below_bar(self, what: str, key, cp: ChangePoint, v: IterationView) -> None:
         """A real shift whose cost was under the bar on the workloads seen so far:
         re-cost it on fresh workloads for a while (the heaviest replica sets the
@@ -266,6 +285,7 @@ class Validator:
                         },
                     }
                 )
+                ev["seen_slow"] = self._seen_slow(det, base, self._shift_bar(g))
                 if iteration_cp is not None:
                     ev["iteration_change_point"] = iteration_cp.to_dict()
                 if tp_comm:
@@ -315,6 +335,7 @@ class Validator:
                             "direction": k[3],
                         },
                         "p2p_ratio": round(factor, 4),
+                        "seen_slow": self._seen_slow(det, base, self._shift_bar(None)),
                     }
                 )
                 sev = {r: round(float(min(1.0, max(0.0, 1.0 / factor))), 4) for r in ranks}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,15 +33,17 @@ def _recovery(it: int) -> Finding:
     return Finding("recovery", it, list(RANKS), {5: 1.0}, [], {"reason": "healthy_speed"})
 
 
-def _state(streak: int = 0) -> dict:
-    return {("g", 0, 1): SlowState("fail_slow_compute", list(RANKS), 0, 1.6, healthy_streak=streak)}
+def _state(streak: int = 0, seen_in: int = -1) -> dict:
+    st = SlowState("fail_slow_compute", list(RANKS), 0, 1.6, group=(0, 1), healthy_streak=streak)
+    st.level_iteration = seen_in  # the device's telemetry was seen in this iteration
+    return {("g", 0, 1): st}
 
 
 def _drive(gate, plan: dict, n: int, it_s: float = 1.0, streak=lambda i: 0):
     """plan: iteration -> findings; -> [(iteration, finding)] that came out."""
     out = []
     for i in range(n):
-        for f in gate.step(i, it_s, plan.get(i, []), _state(streak(i))):
+        for f in gate.step(i, it_s, plan.get(i, []), _state(streak(i), i)):
             out.append((i, f))
     return out
 
@@ -52,18 +56,22 @@ def test_a_straggler_that_recovers_while_held_is_never_reported():
 
 
 def test_a_persistent_slowdown_is_reported_once_it_costs_a_replan():
-    # 6 % of a 1 s iteration: 0.06 s per iteration, 1.2 s over the 20 s a fail-slow is
-    # expected to last at least: it waits for the 2 s re-plan's cost, here the 10 cap
+    # 6 % of a 1 s iteration: 0.06 s per iteration, 1.2 s over 20 s of expected duration:
+    # it waits for the 2 s re-plan's cost, here the 10 cap
     gate = PersistenceGate(DetectorConfig(failslow_min_duration_s=20.0))
     out = _drive(gate, {11: [_slow(11, 10, loss=0.06)]}, 30)
     assert [i for i, _ in out] == [10 + CFG.persist_max_iters - 1]
-    # 20 % of a 1 s iteration: 4 s over those 20 s: past the 4-iteration hold at once
+    # over the default 40 s it is 2.4 s: past the 4-iteration hold at once, as is every
+    # slowdown over the 5 % bar
+    gate = PersistenceGate(CFG)
+    out = _drive(gate, {11: [_slow(11, 10, loss=0.06)]}, 30)
+    assert [i for i, _ in out] == [10 + CFG.persist_min_iters - 1]
+    # 20 % of a 1 s iteration: 4 s over 20 s: at the hold too
     gate = PersistenceGate(DetectorConfig(failslow_min_duration_s=20.0))
     out = _drive(gate, {11: [_slow(11, 10)]}, 30)
     assert [i for i, _ in out] == [10 + CFG.persist_min_iters - 1]
-    # without the floor (the default, failslow_min_duration_s=0) the Lindy estimate
-    # decides: 10 again
-    gate = PersistenceGate(CFG)
+    # without the floor (failslow_min_duration_s=0) the Lindy estimate decides: 10 again
+    gate = PersistenceGate(DetectorConfig(failslow_min_duration_s=0.0))
     out = _drive(gate, {11: [_slow(11, 10)]}, 30)
     assert [i for i, _ in out] == [10 + CFG.persist_max_iters - 1]
     # 80 % of a 1 s iteration: paid after 3, so the floor of 4 iterations decides
@@ -77,6 +85,41 @@ def test_a_persistent_slowdown_is_reported_once_it_costs_a_replan():
     gate = PersistenceGate(CFG)
     out = _drive(gate, {11: [_slow(11, 10)]}, 30, it_s=5.0)
     assert [i for i, _ in out] == [13]
+
+
+def _seen_slow(it: int, since: int, first_seen: int, loss: float = 0.5) -> Finding:
+    f = _slow(it, since, loss)
+    f.evidence["seen_slow"] = {"since_iteration": first_seen, "iters": it - first_seen + 1}
+    return f
+
+
+def test_a_change_point_estimated_early_does_not_shorten_the_hold():
+    # the torch trainer's case: slow from 25, found at 26 (2 slow points seen) with the
+    # change point put at 23; at 50 % of a 1 s iteration over the 20 s floor the cost is
+    # due at once, so only the hold decides: the 4th slow iteration seen, 28
+    cfg = DetectorConfig(failslow_min_duration_s=20.0)
+    gate = PersistenceGate(cfg)
+    out = _drive(gate, {26: [_seen_slow(26, 23, 25)]}, 40)
+    assert [i for i, _ in out] == [25 + cfg.persist_min_iters - 1]
+    ev = out[0][1].evidence["persistence"]
+    assert ev["since_iteration"] == 25 and ev["lasted_iters"] == cfg.persist_min_iters
+    assert ev["change_point_iteration"] == 23
+    # counted from the change point, as before, it came in the 2nd slow iteration
+    gate = PersistenceGate(cfg)
+    assert [i for i, _ in _drive(gate, {26: [_slow(26, 23, 0.5)]}, 40)] == [26]
+
+
+def test_the_hold_counts_only_iterations_its_device_was_seen_slow_in():
+    cfg = DetectorConfig(failslow_min_duration_s=20.0)
+    gate = PersistenceGate(cfg)
+    out = []
+    plan = {11: [_seen_slow(11, 10, 10)]}
+    for i in range(30):
+        # no telemetry of the device in 12 and 13 (its state keeps an old level)
+        out += [
+            i for _ in gate.step(i, 1.0, plan.get(i, []), _state(0, 11 if i in (12, 13) else i))
+        ]
+    assert out == [15]  # slow seen in 10, 11, 14, 15
 
 
 def test_a_held_slowdown_reading_healthy_when_due_is_held_on():
@@ -134,6 +177,35 @@ def test_detector_ignores_a_two_iteration_straggler_and_reports_a_persistent_one
     assert [r.ranks for r in slow] == [[victim]], [(r.iteration, r.ranks) for r in reports]
     assert 65 + CFG.persist_min_iters - 1 <= slow[0].iteration <= 65 + CFG.persist_max_iters
     assert det.gate.stats.transient_total == 1
+
+
+def _reports(slow_at, cfg: DetectorConfig, n: int = 75):
+    job = SyntheticJob(LAY, seed=5)
+    det = Detector(cfg, layout=LAY)
+    victim = LAY.groups[0][1][0]
+    out = []
+    for i in range(n):
+        job.rank_slow = {victim: 2.0} if slow_at(i) else {}
+        out += [(r.iteration, r.kind, r.ranks) for r in det.handle(job.next_record())]
+    return victim, out
+
+
+def test_a_slowdown_is_reported_no_sooner_than_its_4th_slow_iteration_the_straggler_bound():
+    """The lower bound on the delay: up to its 3rd slow iteration a slowdown is the same data
+    as a 3-iteration straggler, so a detector that rejects the straggler cannot report it
+    sooner than its 4th; with the 20 s floor a slowdown costing >= 10 % meets the bound."""
+    cfg = DetectorConfig(failslow_min_duration_s=20.0)
+    victim, straggler = _reports(lambda i: 40 <= i <= 42, cfg)
+    _victim, persistent = _reports(lambda i: i >= 40, cfg)
+    assert [r for r in straggler if r[1].startswith("fail_slow")] == []
+    assert [r for r in persistent if r[0] <= 42] == [r for r in straggler if r[0] <= 42]
+    slow = [r for r in persistent if r[1].startswith("fail_slow")]
+    assert slow and slow[0][2] == [victim] and slow[0][0] == 40 + cfg.persist_min_iters - 1
+    # one iteration less of hold and the straggler is reported, in its 3rd slow iteration
+    _victim, straggler = _reports(
+        lambda i: 40 <= i <= 42, dataclasses.replace(cfg, persist_min_iters=3)
+    )
+    assert [r for r in straggler if r[1].startswith("fail_slow")] == [(42, slow[0][1], [victim])]
 
 
 # ------------------------------------------------------- communication rows' own time

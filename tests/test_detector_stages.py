@@ -142,6 +142,13 @@ def test_a_one_point_spike_is_not_a_change_point_but_a_shift_is():
     assert cp.iteration == 40 and cp.mean_after == pytest.approx(0.4)
 
 
+def test_the_slow_run_a_series_shows_is_what_it_saw_not_the_change_points_estimate():
+    det = OnlineChangeDetector(window=48, min_after=2)
+    det.prime([20, 21, 22, 23, 24, 25, 26], [0.0, 0.01, 0.02, 0.2, 0.5, 0.5, 0.5])
+    assert det.run_above(0.4) == (24, 3)  # 23 is over the baseline, not over the bar
+    assert det.run_above(0.6) == (None, 0)  # the newest point is under it
+
+
 # ------------------------------------------------------------ stage 3, workload filter
 def test_the_iteration_path_blames_a_group_only_for_a_level_it_held_since_the_change():
     wf = FailSlowDetector(CFG).workload
@@ -168,7 +175,7 @@ def test_a_straggler_reading_near_healthy_when_due_is_not_released():
     levels = {104: 0.46, 105: 0.47, 106: 0.029, 107: 0.03, 108: 0.01, 109: 0.01, 110: 0.0}
     out = []
     for i in range(104, 111):
-        st.level = levels[i]
+        st.level, st.level_iteration = levels[i], i
         st.healthy_streak = st.healthy_streak + 1 if levels[i] < 0.0296 else 0
         found = [f] if i == 104 else []
         if st.healthy_streak >= CFG.recovery_iters:
@@ -180,31 +187,43 @@ def test_a_straggler_reading_near_healthy_when_due_is_not_released():
     st = SlowState("fail_slow_compute", [15], 104, 1.58, group=(1, 7), level=0.45)
     out = []
     for i in range(104, 111):
+        st.level_iteration = i
         out += gate.step(i, 17.6, [f] if i == 104 else [], {("g", (1, 7)): st})
     assert [x.iteration for x in out] == [103 + CFG.persist_min_iters - 1]
 
 
 def test_a_ramp_is_released_on_its_current_cost_not_the_one_it_was_found_at():
     """Found at 1.10x costing 5.9 % of a 3 s iteration (0.18 s per iteration: ten
-    iterations to pay a 2 s re-plan), the level then climbing 0.03 per iteration."""
-    gate = PersistenceGate(CFG)
+    iterations to pay a 2 s re-plan), the level then climbing 0.03 per iteration.  Without
+    the floor on its expected duration (``failslow_min_duration_s``: with the default
+    40 s every slowdown over the 5 % bar is due at the hold), the cost decides."""
+    cfg = dataclasses.replace(CFG, failslow_min_duration_s=0.0)
+    gate = PersistenceGate(cfg)
     ev = {"signal": "chunk_residual", "throughput_loss": 0.059, "change_point": {"iteration": 82}}
     f = Finding("fail_slow_compute", 83, [21], {21: 0.9}, [], ev)
     st = SlowState("fail_slow_compute", [21], 83, 1.10, group=(0, 7))
     out = []
     for i in range(83, 95):
-        st.level = 0.095 + 0.03 * (i - 83)
+        st.level, st.level_iteration = 0.095 + 0.03 * (i - 83), i
         out += gate.step(i, 3.0, [f] if i == 83 else [], {("g", (0, 7)): st})
     ((rep,),) = [out]
-    assert rep.iteration < 82 + CFG.persist_max_iters - 1
-    assert rep.evidence["persistence"]["expected_cost_s"] >= CFG.replan_cost_s
+    assert rep.iteration < 82 + cfg.persist_max_iters - 1
+    assert rep.evidence["persistence"]["expected_cost_s"] >= cfg.replan_cost_s
     # the same slowdown staying at 1.10x waits for the time it costs (here the 10 cap)
-    gate = PersistenceGate(CFG)
+    gate = PersistenceGate(cfg)
     st = SlowState("fail_slow_compute", [21], 83, 1.10, group=(0, 7), level=0.095)
     out = []
     for i in range(83, 95):
+        st.level_iteration = i
         out += gate.step(i, 3.0, [f] if i == 83 else [], {("g", (0, 7)): st})
-    assert [x.iteration for x in out] == [82 + CFG.persist_max_iters - 1]
+    assert [x.iteration for x in out] == [82 + cfg.persist_max_iters - 1]
+    # with the default floor it is due at the 4-iteration hold
+    gate = PersistenceGate(CFG)
+    out = []
+    for i in range(83, 95):
+        st.level_iteration = i
+        out += gate.step(i, 3.0, [f] if i == 83 else [], {("g", (0, 7)): st})
+    assert [x.iteration for x in out] == [82 + CFG.persist_min_iters - 1]
 
 
 # ------------------------------------------------------- stage units on a small job
