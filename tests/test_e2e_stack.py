@@ -189,7 +189,8 @@ def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
     assert set_aside and given_back, f"{kinds}\n{out[-3000:]}\n{_liveness_log(tmp_path)}"
     # (8 ranks on 2 cores are noisy: a transient report elsewhere is not what this checks)
     slow = [r for r in reports if r.kind == "fail_slow_compute" and r.ranks == [3]]
-    assert slow and 27 <= slow[0].iteration <= 35, kinds  # after the 4-10-iteration hold
+    # slowed at 25: its 4th slow iteration at the earliest (the straggler hold, seen slow)
+    assert slow and 28 <= slow[0].iteration <= 35, kinds
     assert slow[0].severity["3"] < 0.5
     back = [r for r in reports if r.kind == "recovery" and r.ranks == [3]]
     assert back and back[0].iteration >= 45, kinds
