@@ -154,10 +154,11 @@ def _not_zombie(pid: int) -> bool:
 
 
 def _spawned_workers(parent: int) -> list[int]:
-    """Pids of ``parent``'s multiprocessing-spawned children (from /proc: no procps needed)."""
+    """Pids of the ranks of the launcher ``parent``: the children of its forkserver (from
+    /proc: no procps needed)."""
     from pathlib import Path
 
-    out = []
+    procs = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -166,9 +167,9 @@ def _spawned_workers(parent: int) -> list[int]:
             argv = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"spawn_main" in argv:
-            out.append(int(d.name))
-    return out
+        procs[int(d.name)] = (ppid, argv)
+    servers = {p for p, (pp, argv) in procs.items() if pp == parent and b"forkserver" in argv}
+    return [p for p, (pp, _) in procs.items() if pp in servers]
 
 
 @pytest.mark.redis
