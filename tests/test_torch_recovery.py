@@ -511,7 +511,9 @@ def _wait_state(r, keys, state: str, timeout_s: float) -> None:
 @pytest.mark.redis
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_server, r):
+def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(
+    tmp_path, redis_server, r, monkeypatch
+):
     """The survivors gave up after store_timeout_s (120 s) while the launcher waited
     plan_wait_s (600 s in manual mode): an operator slower than 2 minutes lost the job.
     The trainer's health says "finished" at the end, not "running" until the key expires.
@@ -521,6 +523,7 @@ def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_
     import json
     import threading
 
+    import collector.agents
     from collector.config import CollectorConfig
     from collector.service import CollectorService
     from resihp.keys import JobKeys
@@ -531,9 +534,13 @@ def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_
     keys = JobKeys("outwait")
     cfg = TrainConfig(
         **{**RECOVERY, "iterations": 5, "telemetry": True}, dp=2, microbatches=2, kill_rank=1,
-        kill_at_iteration=1, store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url,
+        kill_at_iteration=2, store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url,
         job_id=keys.job_id, out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
     )  # fmt: skip
+    # ranks started from the forkserver train within a second of connecting their agents:
+    # a collector that found none at its first look (before the launch) must look again
+    # sooner than its idle 2 s to have seen rank 1's agent before it closes
+    monkeypatch.setattr(collector.agents, "AGENT_IDLE_POLL_S", 0.05)
     col = CollectorService(
         CollectorConfig(
             job_id=keys.job_id, block_ms=20, heartbeat_interval_s=5.0, follow_trainer_interval=False
