@@ -25,6 +25,18 @@ import pytest
 from resihp.redis_client import EmbeddedCluster, EmbeddedRedis
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The test process computes the single-process references (``reference_losses``) with
+    one intra-op thread, as every rank does (``threads_per_worker``): on the 2-core CI box,
+    beside the other xdist worker and a job's ranks, torch's default of one thread per core
+    made them 3-25x slower (20 reference iterations: 21-52 s with 2 threads, 2-8 s with 1,
+    load 5-10), and the 80-iteration recovery test spent minutes there."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     srv = EmbeddedRedis(die_with_parent=True).start()  # a killed pytest leaves none

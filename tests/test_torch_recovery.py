@@ -154,10 +154,11 @@ def _not_zombie(pid: int) -> bool:
 
 
 def _spawned_workers(parent: int) -> list[int]:
-    """Pids of ``parent``'s multiprocessing-spawned children (from /proc: no procps needed)."""
+    """Pids of the ranks of the launcher ``parent``: the children of its forkserver (from
+    /proc: no procps needed)."""
     from pathlib import Path
 
-    out = []
+    procs = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -166,9 +167,9 @@ def _spawned_workers(parent: int) -> list[int]:
             argv = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"spawn_main" in argv:
-            out.append(int(d.name))
-    return out
+        procs[int(d.name)] = (ppid, argv)
+    servers = {p for p, (pp, argv) in procs.items() if pp == parent and b"forkserver" in argv}
+    return [p for p, (pp, _) in procs.items() if pp in servers]
 
 
 @pytest.mark.redis
@@ -510,7 +511,9 @@ def _wait_state(r, keys, state: str, timeout_s: float) -> None:
 @pytest.mark.redis
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_server, r):
+def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(
+    tmp_path, redis_server, r, monkeypatch
+):
     """The survivors gave up after store_timeout_s (120 s) while the launcher waited
     plan_wait_s (600 s in manual mode): an operator slower than 2 minutes lost the job.
     The trainer's health says "finished" at the end, not "running" until the key expires.
@@ -520,6 +523,7 @@ def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_
     import json
     import threading
 
+    import collector.agents
     from collector.config import CollectorConfig
     from collector.service import CollectorService
     from resihp.keys import JobKeys
@@ -530,9 +534,13 @@ def test_survivors_wait_for_a_plan_as_long_as_the_launcher_does(tmp_path, redis_
     keys = JobKeys("outwait")
     cfg = TrainConfig(
         **{**RECOVERY, "iterations": 5, "telemetry": True}, dp=2, microbatches=2, kill_rank=1,
-        kill_at_iteration=1, store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url,
+        kill_at_iteration=2, store_timeout_s=4.0, plan_wait_s=10.0, redis_url=redis_server.url,
         job_id=keys.job_id, out_dir=str(tmp_path / "run"), heartbeat_interval_s=0.2,
     )  # fmt: skip
+    # ranks started from the forkserver train within a second of connecting their agents:
+    # a collector that found none at its first look (before the launch) must look again
+    # sooner than its idle 2 s to have seen rank 1's agent before it closes
+    monkeypatch.setattr(collector.agents, "AGENT_IDLE_POLL_S", 0.05)
     col = CollectorService(
         CollectorConfig(
             job_id=keys.job_id, block_ms=20, heartbeat_interval_s=5.0, follow_trainer_interval=False

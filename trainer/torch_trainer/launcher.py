@@ -75,7 +75,7 @@ from .config import TrainConfig
 from .generations import Generations, initial_layout
 from .parallel import UnsupportedLayout
 from .plans import PlanFollowing
-from .processes import WorkerProcesses
+from .processes import WorkerProcesses, worker_context
 from .recovery import DEATH_SETTLE_S, MAX_FAILED_GENERATIONS, GiveUp, Recovery
 from .state import ckpt_manifest, clear_ckpts, write_json
 
@@ -91,7 +91,7 @@ class JobLauncher(WorkerProcesses, Generations, Recovery, PlanFollowing):
         settle_s: float = DEATH_SETTLE_S,
     ):
         self.cfg = cfg
-        self.ctx = mp.get_context("spawn")
+        self.ctx = worker_context()
         self.procs: dict[int, mp.Process] = {}
         self.dead: set[int] = set()
         self.gen = 0

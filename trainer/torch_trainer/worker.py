@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from resihp.keys import JobKeys
-from resihp.lifetime import exit_with_parent
+from resihp.lifetime import exit_with_parent, pid_alive
 from resihp.topology import Layout
 
 from .comm import ABORT, GenerationAborted, wait_work
@@ -655,10 +655,32 @@ class Worker:
             self.agent.close(left=left)
 
 
-def worker_entry(rank: int, cfg_dict: dict, host: str, port: int, start_gen: int = 0) -> None:
-    # a worker whose launcher is gone (killed -9 with its stack) has nobody to report to
-    parent = mp.parent_process()
-    exit_with_parent(parent.pid if parent is not None else None, signal.SIGKILL)
+def worker_entry(
+    rank: int,
+    cfg_dict: dict,
+    host: str,
+    port: int,
+    start_gen: int = 0,
+    env: dict | None = None,
+    cwd: str | None = None,
+    launcher_pid: int | None = None,
+) -> None:
+    """A rank's process (processes.py starts it from the launcher's forkserver, with the
+    launcher's ``env`` and ``cwd`` of the moment)."""
+    # a worker whose launcher is gone (killed -9 with its stack) has nobody to report to:
+    # the kernel kills it when its parent dies (the forkserver, which ends with the
+    # launcher); a launcher gone before that was set up is seen here
+    if launcher_pid is None:  # started by hand: its parent is its launcher
+        parent = mp.parent_process()
+        launcher_pid = parent.pid if parent is not None else None
+    exit_with_parent(None, signal.SIGKILL)
+    if launcher_pid is not None and not pid_alive(launcher_pid):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     cfg = TrainConfig.from_dict(cfg_dict)
     torch.set_num_threads(cfg.threads_per_worker)
     to = timedelta(seconds=cfg.store_timeout_s)
