@@ -698,7 +698,7 @@ def test_a_rank_back_after_a_long_silence_is_judged_by_its_clock_now(r):
     def beats(skew_node1: float, ranks=range(8)) -> None:
         for rank in ranks:
             skew = skew_node1 if rank >= 4 else 0.0
-            beat = Heartbeat(rank=rank, node=rank // 4, iteration=0, wall_time_s=time.time() + skew)
+            beat = Heartbeat(rank=rank, node=rank // 4, iteration=1, wall_time_s=time.time() + skew)
             r.xadd(KEYS.telemetry, encode_entry([beat]))
 
     beats(0.0)
