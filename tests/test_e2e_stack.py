@@ -151,8 +151,8 @@ def _liveness_log(tmp_path) -> str:
 
 
 @pytest.mark.distributed
-# 8 gloo ranks on 2 cores: ~70 iterations (the recovery held 12 stable iterations, set
-# below) plus two regroupings
+# 8 gloo ranks on 2 cores: ~90 iterations (the recovery is held 30 stable iterations) plus
+# two regroupings
 @pytest.mark.timeout(450)
 def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
     """The real torch.distributed job (TP2 x PP2 x DP2 on gloo): a slow rank is localized
@@ -168,9 +168,6 @@ def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
         "340",
     )
     keys = JobKeys("default")
-    # the recovery hold (stable_iters, 30 by default) is not what this checks: 12
-    # iterations keep it a hold and the run short (runtime field, docs/detector.md)
-    client.hset(keys.detector_config, "stable_iters", "12")
     try:
         deadline = time.time() + 320
         set_aside = given_back = False
@@ -194,5 +191,4 @@ def test_torch_trainer_slow_rank_set_aside_then_given_back(tmp_path):
     back = [r for r in reports if r.kind == "recovery" and r.ranks == [3]]
     assert back and back[0].iteration >= 45, kinds
     assert back[0].evidence["reason"] == "standby_probe"
-    assert back[0].evidence["stable_iters"] == 12  # the hold the test set, live
     assert proc.returncode == 143  # stopped by our SIGTERM (128 + 15), cleanly
