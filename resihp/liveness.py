@@ -208,8 +208,13 @@ class NodeMonitor:
     def node_deadline_s(self) -> float:
         """The node's deadline: longer while every device of it alive is starting."""
         d = self.deadline_s()
-        alive = [st for st in self.ranks.values() if st.alive]
-        if self.heard and not (alive and all(st.starting for st in alive)):
+        # checked for every node at every look: stop at the first alive device past its
+        # start (in steady state the first one), not a list of the node's devices
+        alive = (st for st in self.ranks.values() if st.alive)
+        first = next(alive, None)
+        if self.heard and (
+            first is None or not (first.starting and all(a.starting for a in alive))
+        ):
             return d
         return d * max(1.0, self.first_beat_deadlines)
 
