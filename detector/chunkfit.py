@@ -11,6 +11,7 @@ stage, kind, direction) running median.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,6 +172,8 @@ class ChunkPredictor:
     comm: _CommHistory = field(default_factory=_CommHistory)
     comm_median: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
     iterations_fitted: int = 0
+    # (a copy of ``scale``, its arrays): see ``_scale_arrays``
+    _scale_memo: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def coef(self) -> dict[tuple[int, int], tuple[float, float]]:
@@ -215,22 +218,26 @@ class ChunkPredictor:
         healthy speed (their durations divided by the factor) -- for a stage with no
         healthy group to learn from.
         """
-        cm = v.compute_mask()
-        if exclude:
-            gk = v.dp.astype(np.int64) * 4096 + v.stage
-            bad = np.fromiter((d * 4096 + s for d, s in exclude), np.int64, len(exclude))
-            cm &= ~np.isin(gk, bad)
         for f in self.fits.values():
             f.decay(self.forget)
-        if cm.any():
-            # the rows in (stage, kind) runs, in their order within a run (a stable sort,
-            # kept for the next iteration's same keys), read once in that order
-            rows = np.flatnonzero(cm)
-            st = v.stage[rows]
-            sk = st.astype(np.int64) * 16 + v.kind[rows]
-            order, starts = key_runs(sk)
-            if order is not None:
-                rows, st, sk = rows[order], st[order], sk[order]
+        # the compute rows in (stage, kind) runs, in their order within a run: a stable
+        # sort of every compute row, which the layout fixes (kept for the next iteration's
+        # same keys, detector/groupstats.py), then the excluded groups' rows left out (a
+        # stable sort of a subset is the subset of the stable sort)
+        rows = np.flatnonzero(v.compute_mask())
+        st = v.stage[rows]
+        sk = st.astype(np.int64) * 16 + v.kind[rows]
+        order, starts = key_runs(sk)
+        if order is not None:
+            rows, st, sk = rows[order], st[order], sk[order]
+        if exclude and len(rows):
+            gk = v.dp[rows].astype(np.int64) * 4096 + st
+            bad = np.fromiter((d * 4096 + s for d, s in exclude), np.int64, len(exclude))
+            keep = ~np.isin(gk, bad)
+            if not keep.all():
+                rows, st, sk = rows[keep], st[keep], sk[keep]
+                starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if len(sk) else starts[:0]
+        if len(rows):
             dp = v.dp[rows]
             sc = self._scales(dp, st)
             if slowed:
@@ -284,16 +291,18 @@ class ChunkPredictor:
         group.  Unclipped, one moved a healthy group's scale by 11 %: its stage's peers
         then read +-8 % apart and a slowdown that had ended was not seen to recover
         (held-out slowdown_ends 10002, bench/detection_realistic.py)."""
-        pred = self.predict_compute(v, with_scale=False)
-        cm = v.compute_mask() & np.isfinite(pred) & (pred > 0)
-        if not cm.any():
+        rows, pred = self.predict_rows(v, with_scale=False)
+        ok = np.isfinite(pred) & (pred > 0)
+        if not ok.all():
+            rows, pred = rows[ok], pred[ok]
+        if not len(rows):
             return
-        ratio = v.duration_s[cm] / pred[cm]
-        gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
+        ratio = v.duration_s[rows] / pred
+        gk = v.dp[rows].astype(np.int64) * 4096 + v.stage[rows]
         keys, meds = grouped_median(gk, ratio)
         for g, r in zip(keys.tolist(), meds.tolist(), strict=True):
             key = (g // 4096, g % 4096)
-            if (exclude and key in exclude) or not np.isfinite(r) or r <= 0:
+            if (exclude and key in exclude) or not math.isfinite(r) or r <= 0:
                 continue
             old = self.scale.get(key)
             if old is not None and old > 0:
@@ -303,14 +312,24 @@ class ChunkPredictor:
     def _scales(self, dp: np.ndarray, stage: np.ndarray) -> np.ndarray:
         if not self.scale or not len(dp):
             return np.ones(len(dp))
-        keys = np.array(list(self.scale), dtype=np.int64).reshape(-1, 2)
-        vals = np.fromiter(self.scale.values(), np.float64, len(self.scale))
-        nd = int(max(dp.max(), keys[:, 0].max())) + 1
-        ns = int(max(stage.max(), keys[:, 1].max())) + 1
+        keys, vals, kd, ks = self._scale_arrays()
+        nd = int(max(dp.max(), kd)) + 1
+        ns = int(max(stage.max(), ks)) + 1
         table = np.ones((nd, ns))
         good = (keys >= 0).all(axis=1)
         table[keys[good, 0], keys[good, 1]] = vals[good]
         return table.ravel()[dp.astype(np.intp) * ns + stage]
+
+    def _scale_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """``scale`` as arrays (keys, values, the largest replica and stage), rebuilt only
+        when the dict changed: it is read for every prediction and written every 4th fold."""
+        memo = self._scale_memo
+        if memo is None or memo[0] != self.scale:
+            keys = np.array(list(self.scale), dtype=np.int64).reshape(-1, 2)
+            vals = np.fromiter(self.scale.values(), np.float64, len(self.scale))
+            kd, ks = int(keys[:, 0].max()), int(keys[:, 1].max())
+            memo = self._scale_memo = (dict(self.scale), (keys, vals, kd, ks))
+        return memo[1]
 
     # ----------------------------------------------------------- predicting
     def cost(self, stage: int, kind: int, tokens_n: float, sum_sq: float) -> float:
@@ -330,18 +349,26 @@ class ChunkPredictor:
     def predict_compute(self, v: IterationView, with_scale: bool = True) -> np.ndarray:
         """Predicted duration of every compute chunk of ``v`` (nan elsewhere)."""
         out = np.full(v.num_chunks, np.nan)
+        rows, val = self.predict_rows(v, with_scale)
+        out[rows] = val
+        return out
+
+    def predict_rows(
+        self, v: IterationView, with_scale: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(``v``'s compute rows, their predicted durations): :meth:`predict_compute` on
+        those rows alone (nan for all of them before the first fit)."""
+        rows = np.flatnonzero(v.compute_mask())
         if not self.coef or not v.num_chunks:
-            return out
+            return rows, np.full(len(rows), np.nan)
         ns = int(v.stage.max()) + 1
         a, b = self.coef_arrays(ns)
-        rows = np.flatnonzero(v.compute_mask())
         st = v.stage[rows]
         at = st.astype(np.intp) * 16 + v.kind[rows]
         val = a.ravel()[at] * v.tokens_n[rows] / N_UNIT + b.ravel()[at] * v.sum_sq[rows] / SQ_UNIT
         if with_scale and self.scale:
             val *= self._scales(v.dp[rows], st)
-        out[rows] = val
-        return out
+        return rows, val
 
     def predict_comm(self, v: IterationView) -> np.ndarray:
         out = np.full(v.num_chunks, np.nan)

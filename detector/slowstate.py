@@ -8,6 +8,8 @@ Imported by the shared state (:mod:`detector.state`), the stage units
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,12 +77,30 @@ def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> di
     if not mask.any():
         return {}
     gk = v.dp[mask].astype(np.int64) * 4096 + v.stage[mask]
-    keys, meds = grouped_median(gk, values[mask])
+    return _medians_by_key(gk, values[mask])
+
+
+def _medians_by_key(gk: np.ndarray, values: np.ndarray) -> dict[Group, float]:
+    """The finite median of ``values`` of each (replica, stage) key ``dp * 4096 + stage``."""
+    if not len(gk):
+        return {}
+    keys, meds = grouped_median(gk, values)
     return {
         (g // 4096, g % 4096): m
         for g, m in zip(keys.tolist(), meds.tolist(), strict=True)
-        if np.isfinite(m)
+        if math.isfinite(m)
     }
+
+
+def _group_log_medians(gk: np.ndarray, ratios: np.ndarray) -> dict[Group, float]:
+    """log of the median ratio of each (replica, stage) key with a positive one (the
+    residual of each group: :meth:`detector.state.DetectorState.residuals`)."""
+    if not len(gk):
+        return {}
+    keys, meds = grouped_median(gk, ratios)
+    pos = np.isfinite(meds) & (meds > 0)
+    keys, logs = keys[pos], np.log(meds[pos])
+    return {(g // 4096, g % 4096): x for g, x in zip(keys.tolist(), logs.tolist(), strict=True)}
 
 
 def _peer_relative(

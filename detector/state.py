@@ -33,7 +33,7 @@ from detector.slowstate import (
     Group,
     LinkKey,
     SlowState,
-    _group_medians,
+    _group_log_medians,
     _peer_relative,
 )
 from resihp.topology import Layout, LayoutError
@@ -315,11 +315,14 @@ class DetectorState:
         ``also_slow``: groups to leave out of the peer medians besides the known-slow ones
         (the warm-up's outliers, before they are judged).
         """
-        pred = self.pred.predict_compute(v)
-        cm = v.compute_mask() & np.isfinite(pred) & (pred > 0) & (v.duration_s > 0)
-        ratio = np.full(v.num_chunks, np.nan)
-        ratio[cm] = v.duration_s[cm] / pred[cm]
-        x = {g: float(np.log(r)) for g, r in _group_medians(v, cm, ratio).items() if r > 0}
+        # the compute rows with a usable prediction, their (replica, stage) keys and ratios
+        rows, pred = self.pred.predict_rows(v)
+        dur = v.duration_s[rows]
+        ok = np.isfinite(pred) & (pred > 0) & (dur > 0)
+        gk = v.dp[rows].astype(np.int64) * 4096 + v.stage[rows]
+        if not ok.all():
+            rows, pred, dur, gk = rows[ok], pred[ok], dur[ok], gk[ok]
+        x = _group_log_medians(gk, dur / pred)
         if self.cfg.peer_relative:
             x = _peer_relative(x, self.slow_groups() | self.disabled_groups() | also_slow)
         # P2P statistics against their healthy medians
@@ -333,9 +336,8 @@ class DetectorState:
                     c[key] = float(np.log(val / base))
         # per-rank compute time against the group's predicted compute
         rr: dict[int, float] = {}
-        if len(v.rank) and cm.any():
-            gk = v.dp[cm].astype(np.int64) * 4096 + v.stage[cm]
-            keys, gsum = grouped_sum(gk, pred[cm])
+        if len(v.rank) and len(rows):
+            keys, gsum = grouped_sum(gk, pred)
             rk = v.rank_dp.astype(np.int64) * 4096 + v.rank_stage
             pos = np.clip(np.searchsorted(keys, rk), 0, len(keys) - 1)
             gp = np.where(keys[pos] == rk, gsum[pos], np.nan)
