@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from detector.groupstats import grouped_median
+from detector.groupstats import grouped_median, grouping, kept_grouped_median
 from resihp.schemas import ChunkKind
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ POST_SLACK_S = 1e-4
 #: late in an iteration is not measured in it (see :func:`own_comm_time`).
 MAX_LATE_SHARE = 0.5
 
+LinkKey = tuple[int, int, int, int]
+
 
 def _code(dp, stage, src, mb) -> np.ndarray:
     return ((dp.astype(np.int64) * 4096 + stage) * 4096 + src) * 65536 + mb
@@ -64,10 +66,11 @@ class CommRows:
     iteration (the layout fixes them) builds this once and applies it to each
     iteration's times (``detector.view.ViewBuilder``)."""
 
-    __slots__ = ("n", "recv", "sender", "link_inv", "link_rows", "ar", "ar_stage", "comp")
+    __slots__ = ("n", "recv", "sender", "link_inv", "link_rows", "ar", "ar_stage", "comp", "ids")
 
     def __init__(self, dp, stage, src, mb, kind, direction) -> None:
         self.n = len(kind)
+        self.ids = (dp, stage, src, mb, kind, direction)
         self.recv = np.flatnonzero((kind == RECV) & (direction != 0))
         self.sender = np.full(len(self.recv), -1, dtype=np.int64)  # row of each sender chunk
         recv = self.recv
@@ -140,6 +143,35 @@ class CommRows:
         return dur, keep
 
 
+class CommKeys:
+    """What :func:`comm_stats` groups, from the row ids alone: the rows it reads (by
+    :func:`comm_rows`), their keys' grouping and the keys as tuples.  A detector whose
+    records bring the same rows every iteration (``detector.view.RowPlan``) builds it once
+    and reads each iteration's statistics with :meth:`stats`, the receives dropped that
+    iteration (:meth:`CommRows.own_time`'s mask) left out: the same statistics as
+    :func:`comm_stats` of the iteration's view."""
+
+    __slots__ = ("rows", "grouping", "keys")
+
+    def __init__(self, dp, stage, src, mb, kind, direction) -> None:
+        rows = np.flatnonzero(comm_rows(dp, stage, src, mb, kind, direction, None))
+        code = _stat_code(dp, stage, kind, direction, rows)
+        order = np.argsort(code, kind="stable")
+        #: in key order, so that each iteration's times come grouped
+        self.rows = rows[order]
+        self.grouping = grouping(code[order]) if len(code) else None
+        self.keys = [] if self.grouping is None else _stat_keys(self.grouping.distinct())
+
+    def stats(self, own: np.ndarray, kept: np.ndarray) -> dict[LinkKey, float]:
+        """``own``, ``kept``: of each of :attr:`rows`, its own time
+        (:meth:`CommRows.own_time`) and whether the view kept it."""
+        if self.grouping is None or not kept.any():
+            return {}
+        at, val = kept_grouped_median(self.grouping, own, kept)
+        keys = self.keys if len(at) == len(self.keys) else [self.keys[i] for i in at.tolist()]
+        return dict(zip(keys, val.tolist(), strict=True))
+
+
 def own_comm_time(
     dp: np.ndarray,
     stage: np.ndarray,
@@ -154,10 +186,10 @@ def own_comm_time(
     return CommRows(dp, stage, src, mb, kind, direction).own_time(start, duration)
 
 
-def _cross_replica(v: IterationView) -> np.ndarray:
+def _cross_replica(dp, stage, src_dp, mb, kind, direction) -> np.ndarray:
     """Mask of rows whose P2P peer runs in another replica (see :func:`comm_stats`)."""
-    out = v.src_dp != v.dp  # migrated work at its host
-    moved = (v.src_dp != v.dp) & (v.kind == int(ChunkKind.F))
+    out = src_dp != dp  # migrated work at its host
+    moved = (src_dp != dp) & (kind == int(ChunkKind.F))
     if not moved.any():
         return out
 
@@ -165,17 +197,38 @@ def _cross_replica(v: IterationView) -> np.ndarray:
         return (st.astype(np.int64) * 65536 + d) * 65536 + j
 
     # every stage of a micro-batch run away from its owner
-    away = np.unique(code(v.stage[moved], v.src_dp[moved].astype(np.int64), v.mb[moved]))
+    away = np.unique(code(stage[moved], src_dp[moved].astype(np.int64), mb[moved]))
     # the neighbour a P2P row talks to: the next stage for a forward send or a backward
     # receive, the previous one for a forward receive or a backward send
-    toward_next = ((v.kind == SEND) & (v.direction > 0)) | ((v.kind == RECV) & (v.direction < 0))
-    nb = v.stage.astype(np.int64) + np.where(toward_next, 1, -1)
-    return out | np.isin(code(nb, v.src_dp.astype(np.int64), v.mb), away)
+    toward_next = ((kind == SEND) & (direction > 0)) | ((kind == RECV) & (direction < 0))
+    nb = stage.astype(np.int64) + np.where(toward_next, 1, -1)
+    return out | np.isin(code(nb, src_dp.astype(np.int64), mb), away)
 
 
-def comm_stats(
-    v: IterationView, keep: np.ndarray | None = None
-) -> dict[tuple[int, int, int, int], float]:
+def comm_rows(dp, stage, src_dp, mb, kind, direction, keep) -> np.ndarray:
+    """Mask of the rows :func:`comm_stats` reads (``keep``: of those kept, None for all)."""
+    comm = kind > int(ChunkKind.W)
+    if keep is not None:
+        comm &= keep
+    p2p = (kind == SEND) | (kind == RECV)
+    comm &= ~p2p | (direction != 0)
+    comm &= ~(p2p & _cross_replica(dp, stage, src_dp, mb, kind, direction))
+    return comm
+
+
+def _stat_code(dp, stage, kind, direction, rows) -> np.ndarray:
+    d = dp[rows].astype(np.int64)
+    st = stage[rows].astype(np.int64)
+    k = kind[rows].astype(np.int64)
+    dr = direction[rows].astype(np.int64) + 1
+    return ((d * 4096 + st) * 16 + k) * 4 + dr
+
+
+def _stat_keys(codes: np.ndarray) -> list[LinkKey]:
+    return [(c // (4096 * 64), (c // 64) % 4096, (c // 4) % 16, c % 4 - 1) for c in codes.tolist()]
+
+
+def comm_stats(v: IterationView, keep: np.ndarray | None = None) -> dict[LinkKey, float]:
     """Per-iteration statistic of each communication key (dp, stage, kind, direction).
 
     The median of the rows' own times (:mod:`detector.commtime`: a RECV or
@@ -186,32 +239,22 @@ def comm_stats(
     slow far end would read as this replica's link slowing down.
     """
     if keep is None or keep.all():
-        # once per view: the residuals and the healthy fit both read it
+        # once per view: the residuals and the healthy fit both read it (a planned view
+        # brings what its layout fixes, detector/view.py)
         if v._comm_stats is None:
-            v._comm_stats = _comm_stats(v, None)
+            src = v._comm_src
+            v._comm_src = None
+            v._comm_stats = src[0].stats(*src[1:]) if src else _comm_stats(v, None)
         return dict(v._comm_stats)
     return _comm_stats(v, keep)
 
 
-def _comm_stats(
-    v: IterationView, keep: np.ndarray | None
-) -> dict[tuple[int, int, int, int], float]:
-    comm = v.kind > int(ChunkKind.W)
-    if keep is not None:
-        comm &= keep
-    p2p = (v.kind == SEND) | (v.kind == RECV)
-    comm &= ~p2p | (v.direction != 0)
-    comm &= ~(p2p & _cross_replica(v))
+def _comm_stats(v: IterationView, keep: np.ndarray | None) -> dict[LinkKey, float]:
+    comm = comm_rows(v.dp, v.stage, v.src_dp, v.mb, v.kind, v.direction, keep)
     if not comm.any():
         return {}
-    d = v.dp[comm].astype(np.int64)
-    st = v.stage[comm].astype(np.int64)
-    k = v.kind[comm].astype(np.int64)
-    dr = v.direction[comm].astype(np.int64) + 1
-    code = ((d * 4096 + st) * 16 + k) * 4 + dr
+    rows = np.flatnonzero(comm)
     # the median of each key's rows (an even count: the mean of the middle two)
-    keys, val = grouped_median(code, v.duration_s[comm])
-    out = {}
-    for c, x in zip(keys.tolist(), val.tolist(), strict=True):
-        out[(c // (4096 * 64), (c // 64) % 4096, (c // 4) % 16, c % 4 - 1)] = x
-    return out
+    code = _stat_code(v.dp, v.stage, v.kind, v.direction, rows)
+    keys, val = grouped_median(code, v.duration_s[rows])
+    return dict(zip(_stat_keys(keys), val.tolist(), strict=True))

@@ -48,6 +48,11 @@ class _Grouping:
         return (self.keys if self.order is None else self.keys[self.order])[self.starts]
 
 
+def grouping(keys: np.ndarray) -> _Grouping:
+    """What ``keys`` fix, for a caller that keeps it (:func:`kept_grouped_median`)."""
+    return _Grouping(keys)
+
+
 def _grouping(keys: np.ndarray) -> _Grouping:
     if len(keys) < _CACHE_MIN_ROWS:
         return _Grouping(keys)
@@ -106,3 +111,29 @@ def grouped_median(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     order = np.lexsort((values, keys))
     x = values[order]
     return g.distinct(), (x[g.starts + g.lo] + x[g.starts + g.hi]) / 2
+
+
+def kept_grouped_median(
+    g: _Grouping, values: np.ndarray, keep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`grouped_median` of ``g.keys[keep]``, ``values[keep]`` (keys with no row kept
+    are left out), as (each key's index in ``g.distinct()``, its median), reading the
+    grouping of the whole key column: a row left out is a
+    +inf cell of the padded table and each group's median positions come from its count
+    of rows kept.  For a caller whose key column is fixed while the rows it keeps change
+    (a layout's communication rows, some receives dropped each iteration)."""
+    x = values if g.order is None else values[g.order]
+    k = keep if g.order is None else keep[g.order]
+    xk = x[k]
+    if g.cells is None or np.isnan(xk).any():
+        keys, meds = grouped_median(g.keys[keep], values[keep])
+        return np.searchsorted(g.distinct(), keys), meds
+    groups = len(g.starts)
+    table = np.full(groups * g.width, np.inf)
+    table[g.cells[k]] = xk
+    table = table.reshape(groups, g.width)
+    table.sort(axis=1)
+    count = np.add.reduceat(k, g.starts, dtype=np.intp)  # rows kept of each group
+    has = np.flatnonzero(count)
+    n = count[has]
+    return has, (table[has, (n - 1) // 2] + table[has, n // 2]) / 2

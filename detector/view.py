@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from detector.commtime import CommRows
+from detector.commtime import CommKeys, CommRows
 from resihp.schemas import ChunkKind, IterationRecord
 
 COMPUTE_KINDS = (int(ChunkKind.F), int(ChunkKind.B), int(ChunkKind.W))
@@ -111,7 +111,11 @@ class IterationView:
     tokens_n: np.ndarray  # N of the chunk's micro-batch (nan for comm chunks w/o stats)
     sum_sq: np.ndarray  # sum l^2 of the chunk's micro-batch
     direction: np.ndarray  # comm chunks: +1 toward the next stage, -1 toward the previous, 0 n/a
-    mb_stats: dict[tuple[int, int], tuple[float, float]]
+    #: the micro-batch statistics rows (replica, micro-batch, N, sum l^2), one per key:
+    #: what ``mb_stats`` is read from, on first use
+    _mb_cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] = field(
+        repr=False, compare=False
+    )
     rank: np.ndarray
     rank_dp: np.ndarray
     rank_stage: np.ndarray
@@ -126,6 +130,21 @@ class IterationView:
     # computed once per view on first use (a view's columns are never changed)
     _compute: np.ndarray | None = field(default=None, repr=False, compare=False)
     _comm_stats: dict | None = field(default=None, repr=False, compare=False)
+    _mb_stats: dict | None = field(default=None, repr=False, compare=False)
+    #: (CommKeys, own times, rows kept) of the plan this view was built on: what
+    #: ``detector.commtime.comm_stats`` reads its statistics from, then drops
+    _comm_src: tuple | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def mb_stats(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """(replica, micro-batch) -> (N, sum l^2), the first usable statistics row of each
+        (built on first use: most iterations never read it, and at 16,384 GPUs it is 8,192
+        entries)."""
+        if self._mb_stats is None:
+            d, j, n, q = self._mb_cols
+            keys = zip(d.tolist(), j.tolist(), strict=True)
+            self._mb_stats = dict(zip(keys, zip(n.tolist(), q.tolist(), strict=True), strict=True))
+        return self._mb_stats
 
     @property
     def num_chunks(self) -> int:
@@ -175,6 +194,7 @@ class RowPlan:
         self.cols = tuple(a[self.idx] for a in (dp, stage, src, mb, kind))
         self.direction = said[self.idx].astype(np.int8)
         self.comm = CommRows(*self.cols, self.direction)
+        self.comm_keys = CommKeys(*self.cols, self.direction)
         m = len(mbs.get("microbatch", []) or [])
         self.m = m
         self.mdp = _col(mbs, "dp", m, np.int64, -1)
@@ -187,6 +207,7 @@ class RowPlan:
             if unique
             else None
         )
+        self.stat_row_all = self.stat_row is not None and bool((self.stat_row >= 0).all())
         self.rank_sel, self.rank_cols = _rank_select(rk)
 
     def matches(self, ch: dict, mbs: dict, rk: dict) -> bool:
@@ -278,27 +299,33 @@ def _dedup(ok, dp, stage, src, mb, kind, said, start) -> tuple[np.ndarray, int]:
     return idx[np.sort(first)], len(idx) - len(first)
 
 
-def _chunk_stats(mbs: dict, m: int, mdp, mmb, src, mb, row: np.ndarray | None):
+def _chunk_stats(
+    mbs: dict, m: int, mdp, mmb, src, mb, row: np.ndarray | None, row_all: bool = False
+):
     """(N, sum l^2) of each chunk's micro-batch (nan without usable statistics) and the
-    statistics by (replica, micro-batch): the first usable row of each.  ``row``: each
-    chunk's statistics row, known when every row has its own key (:class:`RowPlan`)."""
+    statistics rows (replica, micro-batch, N, sum l^2): the first usable row of each key.
+    ``row``: each chunk's statistics row, known when every row has its own key
+    (:class:`RowPlan`); ``row_all``: every chunk has one (no -1 in ``row``)."""
     mn = _col(mbs, "token_budget", m, np.float64, np.nan)
     msq = _col(mbs, "sum_sq_len", m, np.float64, np.nan)
     good = (mdp >= 0) & (mmb >= 0) & np.isfinite(mn) & np.isfinite(msq) & (mn > 0)
+    every = False
     if row is not None and m and good.all():
         rows = np.arange(m)  # every row has its own key (RowPlan) and is usable
+        every = row_all
     else:
         rows = _first_good(mdp, mmb, good)
         if row is None:
             row = _stat_rows(mdp[rows], mmb[rows], rows, src, mb)
         else:
             row = np.where(good[row] & (row >= 0), row, -1) if m else row
-    keys = zip(mdp[rows].tolist(), mmb[rows].tolist(), strict=True)
-    stats = dict(zip(keys, zip(mn[rows].tolist(), msq[rows].tolist(), strict=True), strict=True))
+    cols = (mdp[rows], mmb[rows], mn[rows], msq[rows])
     if not m:
-        return np.full(len(src), np.nan), np.full(len(src), np.nan), stats
+        return np.full(len(src), np.nan), np.full(len(src), np.nan), cols
+    if every:  # every chunk has a usable statistics row: no row to blank
+        return mn[row], msq[row], cols
     hit = row >= 0
-    return np.where(hit, mn[row], np.nan), np.where(hit, msq[row], np.nan), stats
+    return np.where(hit, mn[row], np.nan), np.where(hit, msq[row], np.nan), cols
 
 
 def _rank_select(rk: dict):
@@ -344,7 +371,7 @@ def _make_view(
         tokens_n=tn,
         sum_sq=sq,
         direction=direction,
-        mb_stats=stats,
+        _mb_cols=stats,
         rank=rank_cols[0],
         rank_dp=rank_cols[1],
         rank_stage=rank_cols[2],
@@ -369,12 +396,16 @@ def _planned_view(rec, plan: RowPlan, dur: np.ndarray, start: np.ndarray) -> Ite
         plan.cols[2],
         plan.cols[3],
         plan.stat_row,
+        plan.stat_row_all,
     )
     own, mine = plan.comm.own_time(start, dur)
-    return _make_view(
+    v = _make_view(
         rec, plan.cols, own, start, tn, sq, plan.direction, stats, rec.ranks or {},
         plan.rank_sel, plan.rank_cols, plan.dups, plan.unusable, mine,
     )  # fmt: skip
+    keys = plan.comm_keys
+    v._comm_src = (keys, own[keys.rows], mine[keys.rows])
+    return v
 
 
 def _full_view(rec, ch, mbs, rk, n, dur, start) -> IterationView:

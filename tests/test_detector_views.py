@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from detector.chunkfit import _CommHistory
-from detector.groupstats import grouped_median, grouped_sum
+from detector.commtime import comm_stats
+from detector.groupstats import grouped_median, grouped_sum, grouping, kept_grouped_median
 from detector.view import IterationView, ViewBuilder
 from resihp.assembly import IterationAssembler
 from resihp.schemas import RECORD_CHUNK_DTYPE, unpack_record_chunks
@@ -48,6 +49,9 @@ def _same_view(a: IterationView, b: IterationView) -> None:
             assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), f.name
         else:
             assert x == y, f.name
+    # read on first use: a planned view's from what its plan fixed, a full build's from its rows
+    assert list(a.mb_stats.items()) == list(b.mb_stats.items())
+    assert list(comm_stats(a).items()) == list(comm_stats(b).items())
 
 
 def _edited(rec, **cols):
@@ -157,6 +161,29 @@ def test_grouped_reductions_reuse_a_key_column_only_while_it_is_equal():
             sk, sums = grouped_sum(keys, vals)
             assert np.array_equal(sk, uk)
             assert np.array_equal(sums, np.bincount(inv, weights=vals), equal_nan=True)
+
+
+def test_a_kept_rows_median_is_the_median_of_the_rows_kept():
+    rng = np.random.default_rng(2)
+    for t in range(200):
+        n, g = int(rng.integers(1, 300)), int(rng.integers(1, 40))
+        keys = rng.integers(0, g, n).astype(np.int64) * 977
+        if t % 2:
+            keys.sort()  # grouped rows (a layout's), or scattered
+        vals = rng.normal(size=n)
+        if t % 5 == 0:
+            vals[rng.random(n) < 0.1] = np.inf
+        if t % 7 == 0:
+            vals[rng.random(n) < 0.05] = np.nan  # the general path
+        keep = rng.random(n) < rng.uniform(0.0, 1.0)
+        grp = grouping(keys)
+        at, got = kept_grouped_median(grp, vals, keep)
+        if not keep.any():
+            assert len(at) == len(got) == 0
+            continue
+        want_k, want = _median_by_sort(keys[keep], vals[keep])
+        assert np.array_equal(grp.distinct()[at], want_k)
+        assert np.array_equal(got, want, equal_nan=True)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
