@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detector.commtime import comm_stats
-from detector.groupstats import grouped_median, key_runs
+from detector.groupstats import grouped_median
 from detector.view import IterationView
 from resihp.schemas import ChunkKind
 
@@ -224,26 +224,20 @@ class ChunkPredictor:
         # sort of every compute row, which the layout fixes (kept for the next iteration's
         # same keys, detector/groupstats.py), then the excluded groups' rows left out (a
         # stable sort of a subset is the subset of the stable sort)
-        rows = np.flatnonzero(v.compute_mask())
-        st = v.stage[rows]
-        sk = st.astype(np.int64) * 16 + v.kind[rows]
-        order, starts = key_runs(sk)
+        rows, ids = v.compute_ids()
+        order, starts, sk, gk = ids.runs()
+        sc = self._row_scales(ids)
         if order is not None:
-            rows, st, sk = rows[order], st[order], sk[order]
+            rows, sc = rows[order], sc[order]
         if exclude and len(rows):
-            gk = v.dp[rows].astype(np.int64) * 4096 + st
             bad = np.fromiter((d * 4096 + s for d, s in exclude), np.int64, len(exclude))
             keep = ~np.isin(gk, bad)
             if not keep.all():
-                rows, st, sk = rows[keep], st[keep], sk[keep]
+                rows, sk, gk, sc = rows[keep], sk[keep], gk[keep], sc[keep]
                 starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if len(sk) else starts[:0]
         if len(rows):
-            dp = v.dp[rows]
-            sc = self._scales(dp, st)
-            if slowed:
-                gk = dp.astype(np.int64) * 4096 + st
-                for (d, s), f in slowed.items():
-                    sc = np.where(gk == d * 4096 + s, sc * f, sc)
+            for (d, s), f in (slowed or {}).items():
+                sc = np.where(gk == d * 4096 + s, sc * f, sc)
             y = v.duration_s[rows] / sc
             x = np.stack([v.tokens_n[rows] / N_UNIT, v.sum_sq[rows] / SQ_UNIT], axis=1)
             coef = self.coef
@@ -292,13 +286,13 @@ class ChunkPredictor:
         then read +-8 % apart and a slowdown that had ended was not seen to recover
         (held-out slowdown_ends 10002, bench/detection_realistic.py)."""
         rows, pred = self.predict_rows(v, with_scale=False)
+        gk = v.compute_ids()[1].group_key
         ok = np.isfinite(pred) & (pred > 0)
         if not ok.all():
-            rows, pred = rows[ok], pred[ok]
+            rows, pred, gk = rows[ok], pred[ok], gk[ok]
         if not len(rows):
             return
         ratio = v.duration_s[rows] / pred
-        gk = v.dp[rows].astype(np.int64) * 4096 + v.stage[rows]
         keys, meds = grouped_median(gk, ratio)
         for g, r in zip(keys.tolist(), meds.tolist(), strict=True):
             key = (g // 4096, g % 4096)
@@ -315,10 +309,23 @@ class ChunkPredictor:
         keys, vals, kd, ks = self._scale_arrays()
         nd = int(max(dp.max(), kd)) + 1
         ns = int(max(stage.max(), ks)) + 1
+        return self._scale_table(nd, ns).ravel()[dp.astype(np.intp) * ns + stage]
+
+    def _row_scales(self, ids) -> np.ndarray:
+        """:meth:`_scales` of the rows of a :class:`detector.view.ComputeIds`."""
+        if not self.scale or not ids.n:
+            return np.ones(ids.n)
+        _keys, _vals, kd, ks = self._scale_arrays()
+        nd = int(max(ids.dp_max, kd)) + 1
+        ns = int(max(ids.stage_max, ks)) + 1
+        return self._scale_table(nd, ns).ravel()[ids.cells(nd, ns)]
+
+    def _scale_table(self, nd: int, ns: int) -> np.ndarray:
+        keys, vals, _kd, _ks = self._scale_arrays()
         table = np.ones((nd, ns))
         good = (keys >= 0).all(axis=1)
         table[keys[good, 0], keys[good, 1]] = vals[good]
-        return table.ravel()[dp.astype(np.intp) * ns + stage]
+        return table
 
     def _scale_arrays(self) -> tuple[np.ndarray, np.ndarray, int, int]:
         """``scale`` as arrays (keys, values, the largest replica and stage), rebuilt only
@@ -358,16 +365,15 @@ class ChunkPredictor:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(``v``'s compute rows, their predicted durations): :meth:`predict_compute` on
         those rows alone (nan for all of them before the first fit)."""
-        rows = np.flatnonzero(v.compute_mask())
+        rows, ids = v.compute_ids()
         if not self.coef or not v.num_chunks:
             return rows, np.full(len(rows), np.nan)
         ns = int(v.stage.max()) + 1
         a, b = self.coef_arrays(ns)
-        st = v.stage[rows]
-        at = st.astype(np.intp) * 16 + v.kind[rows]
+        at = ids.stage_kind
         val = a.ravel()[at] * v.tokens_n[rows] / N_UNIT + b.ravel()[at] * v.sum_sq[rows] / SQ_UNIT
         if with_scale and self.scale:
-            val *= self._scales(v.dp[rows], st)
+            val *= self._row_scales(ids)
         return rows, val
 
     def predict_comm(self, v: IterationView) -> np.ndarray:

@@ -319,7 +319,7 @@ class DetectorState:
         rows, pred = self.pred.predict_rows(v)
         dur = v.duration_s[rows]
         ok = np.isfinite(pred) & (pred > 0) & (dur > 0)
-        gk = v.dp[rows].astype(np.int64) * 4096 + v.stage[rows]
+        gk = v.compute_ids()[1].group_key
         if not ok.all():
             rows, pred, dur, gk = rows[ok], pred[ok], dur[ok], gk[ok]
         x = _group_log_medians(gk, dur / pred)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from detector.commtime import CommKeys, CommRows
+from detector.groupstats import key_runs
 from resihp.schemas import ChunkKind, IterationRecord
 
 COMPUTE_KINDS = (int(ChunkKind.F), int(ChunkKind.B), int(ChunkKind.W))
@@ -134,6 +135,8 @@ class IterationView:
     #: (CommKeys, own times, rows kept) of the plan this view was built on: what
     #: ``detector.commtime.comm_stats`` reads its statistics from, then drops
     _comm_src: tuple | None = field(default=None, repr=False, compare=False)
+    #: what the ids of the plan's compute rows fix (:meth:`compute_ids`)
+    _cids: ComputeIds | None = field(default=None, repr=False, compare=False)
 
     @property
     def mb_stats(self) -> dict[tuple[int, int], tuple[float, float]]:
@@ -170,6 +173,58 @@ class IterationView:
             self._compute = (self.kind <= int(ChunkKind.W)) & np.isfinite(self.tokens_n)
         return self._compute.copy()
 
+    def compute_ids(self) -> tuple[np.ndarray, ComputeIds]:
+        """The compute rows (:meth:`compute_mask`) and what their ids fix: the plan's
+        (shared by the views of one layout) when they are the plan's compute rows."""
+        rows = np.flatnonzero(self.compute_mask())
+        ids = self._cids
+        if ids is None or ids.n != len(rows):
+            ids = ComputeIds(self.dp[rows], self.stage[rows], self.kind[rows])
+        return rows, ids
+
+
+class ComputeIds:
+    """What the ids of a view's compute rows fix, for the eq.-1 predictions, the residuals
+    and the fit: each row's replica, stage and kind, its (replica, stage) key
+    ``dp * 4096 + stage`` and (stage, kind) key ``stage * 16 + kind``, and the rows'
+    order by (stage, kind).  A :class:`RowPlan` builds it once for its layout's compute
+    rows, which every view built on it keeps (only receives are dropped)."""
+
+    __slots__ = (
+        "n", "dp", "stage", "kind", "dp_max", "stage_max", "group_key", "stage_kind", "_runs",
+        "_cells",
+    )  # fmt: skip
+
+    def __init__(self, dp: np.ndarray, stage: np.ndarray, kind: np.ndarray) -> None:
+        self.n = len(dp)
+        self.dp, self.stage, self.kind = dp, stage, kind
+        self.dp_max = int(dp.max()) if self.n else -1
+        self.stage_max = int(stage.max()) if self.n else -1
+        self.group_key = dp.astype(np.int64) * 4096 + stage
+        self.stage_kind = stage.astype(np.int64) * 16 + kind
+        self._runs = None
+        self._cells: dict[tuple[int, int], np.ndarray] = {}
+
+    def runs(self) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+        """(order, starts, stage_kind, group_key) with the rows in (stage, kind) runs (a
+        stable sort; ``order`` None where they already come so) and where each run starts."""
+        if self._runs is None:
+            order, starts = key_runs(self.stage_kind)
+            sk, gk = self.stage_kind, self.group_key
+            if order is not None:
+                sk, gk = sk[order], gk[order]
+            self._runs = (order, starts, sk, gk)
+        return self._runs
+
+    def cells(self, nd: int, ns: int) -> np.ndarray:
+        """Each row's cell ``dp * ns + stage`` in an (nd, ns) table (as an index)."""
+        c = self._cells.get((nd, ns))
+        if c is None:
+            if len(self._cells) >= 4:
+                self._cells.clear()
+            c = self._cells[(nd, ns)] = self.dp.astype(np.intp) * ns + self.stage
+        return c
+
 
 class RowPlan:
     """What a record's id columns fix (see the module doc), with those columns to match."""
@@ -195,6 +250,8 @@ class RowPlan:
         self.direction = said[self.idx].astype(np.int8)
         self.comm = CommRows(*self.cols, self.direction)
         self.comm_keys = CommKeys(*self.cols, self.direction)
+        c = np.flatnonzero(self.cols[4] <= int(ChunkKind.W))
+        self.compute = ComputeIds(self.cols[0][c], self.cols[1][c], self.cols[4][c])
         m = len(mbs.get("microbatch", []) or [])
         self.m = m
         self.mdp = _col(mbs, "dp", m, np.int64, -1)
@@ -405,6 +462,7 @@ def _planned_view(rec, plan: RowPlan, dur: np.ndarray, start: np.ndarray) -> Ite
     )  # fmt: skip
     keys = plan.comm_keys
     v._comm_src = (keys, own[keys.rows], mine[keys.rows])
+    v._cids = plan.compute  # only receives are dropped (mine): every compute row is kept
     return v
 
 
