@@ -381,15 +381,29 @@ def detector_cpu(
             os.unlink(path)
     for name, _tree in trees:
         cpu = np.array([x for r in runs[name] for x in r["cpu_s"]])
+        parts = [p for r in runs[name] for p in r.get("parts_s", [])]
         warm = [x for r in runs[name] for x in r["warm_s"]]
         who = f" [{name}]" if against else ""
+        p90 = np.percentile(cpu, 90)
         print(
             f"   iteration time {it_s:.2f} s; detector CPU{who} median {1e3 * np.median(cpu):.1f} "
-            f"/ max {1e3 * cpu.max():.1f} ms per iteration ({len(cpu)} iterations in {rounds} "
-            f"rounds; warm-up {1e3 * np.mean(warm):.1f} ms) = {100 * np.median(cpu) / it_s:.2f} "
-            f"/ {100 * cpu.max() / it_s:.2f} % of a core over the iteration"
+            f"/ p90 {1e3 * p90:.1f} / max {1e3 * cpu.max():.1f} ms per iteration ({len(cpu)} "
+            f"iterations in {rounds} rounds; warm-up {1e3 * np.mean(warm):.1f} ms) = "
+            f"{100 * np.median(cpu) / it_s:.2f} / {100 * p90 / it_s:.2f} / "
+            f"{100 * cpu.max() / it_s:.2f} % of a core over the iteration"
             + (f" ({paper})" if paper else "")
         )
+        if len(parts) == len(cpu):
+            names = list(dict.fromkeys(k for p in parts for k in p))
+            worst = parts[int(np.argmax(cpu))]
+            print(
+                "     ms per iteration, median / in the max iteration: "
+                + ", ".join(
+                    f"{k} {1e3 * np.median([p.get(k, 0.0) for p in parts]):.1f}"
+                    f" / {1e3 * worst.get(k, 0.0):.1f}"
+                    for k in names
+                )
+            )
     if against:
         digests = {r["digest"] for name, _ in trees for r in runs[name]}
         print(
@@ -398,25 +412,69 @@ def detector_cpu(
         )
 
 
+#: The detector's steps timed apart in :func:`replay` (what each iteration's CPU went to):
+#: (name, path of the bound method from the Detector).
+PHASES = (
+    ("view", "views.build"),
+    ("residuals", "failslow.s.residuals"),
+    ("shifts", "failslow.shifts.find"),
+    ("workload", "failslow.workload.check"),
+    ("validate", "failslow.validator.validate_shifts"),
+    ("recovery", "failslow.severity.recovery"),
+    ("fold", "failslow.s.fold_healthy"),
+)
+
+
+def _timed_phases(det: Detector, acc: dict[str, float]) -> None:
+    """Wrap each of :data:`PHASES` of ``det`` (an instance attribute shadowing the method)
+    to add its thread CPU time to ``acc``; a step the checkout does not have is skipped."""
+    for name, path in PHASES:
+        *parents, attr = path.split(".")
+        obj = det
+        for p in parents:
+            obj = getattr(obj, p, None)
+        fn = getattr(obj, attr, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t0 = time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_name] = acc.get(_name, 0.0) + time.thread_time() - t0
+
+        setattr(obj, attr, timed)
+
+
 def replay(layout, entries) -> dict:
     """One replay of ``entries`` through a fresh detector: per-iteration thread CPU
-    (after the warm-up, the first left out; the warm-up's apart) and a digest of the
-    reports and fits it ended with."""
+    (after the warm-up, the first left out; the warm-up's apart), where each of those
+    iterations' CPU went (entry decode and :data:`PHASES`) and a digest of the reports
+    and fits it ended with."""
     det = Detector(DetectorConfig(), layout=layout)
-    cpu, warm, reports = [], [], []
+    acc: dict[str, float] = {}
+    _timed_phases(det, acc)
+    cpu, warm, reports, parts = [], [], [], []
     for fields in entries:
         ready = det.failslow.ready
+        acc.clear()
         t0 = time.thread_time()
         (msg,), _bad = decode_entry(fields)
+        t1 = time.thread_time()
         out = det.handle(msg)
-        dt = time.thread_time() - t0
+        t2 = time.thread_time()
+        dt = t2 - t0
         (cpu if ready else warm).append(dt)
+        if ready:
+            parts.append({"decode": t1 - t0, **acc, "other": t2 - t1 - sum(acc.values())})
         reports += [r.to_json() for r in out]
     pred = det.failslow.pred
     state = repr((reports, sorted(pred.coef.items()), sorted(pred.scale.items())))
     state += repr(sorted(pred.comm_median.items()))
     return {
         "cpu_s": cpu[1:],
+        "parts_s": parts[1:],
         "warm_s": warm,
         "digest": hashlib.sha256(state.encode()).hexdigest(),
     }

@@ -152,16 +152,17 @@ class OnlineChangeDetector:
         sc = self.screen
         up = sc.up + z - sc.k
         down = sc.down - z - sc.k
-        sc.up = up if up > 0.0 else 0.0
-        sc.down = down if down > 0.0 else 0.0
-        d = 1 if sc.up > sc.h else (-1 if sc.down > sc.h else 0)
-        if d and (self.direction == 0 or d == self.direction):
-            if self.alarm_since is None or d != self.alarm_dir:
-                self.alarm_since = int(iteration)
-                self.alarm_dir = d
-                self._back = 0
-        elif d:
-            self.screen.reset()
+        up = sc.up = up if up > 0.0 else 0.0
+        down = sc.down = down if down > 0.0 else 0.0
+        if up > sc.h or down > sc.h:
+            d = 1 if up > sc.h else -1
+            if self.direction == 0 or d == self.direction:
+                if self.alarm_since is None or d != self.alarm_dir:
+                    self.alarm_since = int(iteration)
+                    self.alarm_dir = d
+                    self._back = 0
+            else:
+                sc.reset()
         if self.alarm_since is None:
             return None
         if not self.persistence:

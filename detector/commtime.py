@@ -66,11 +66,12 @@ class CommRows:
     iteration (the layout fixes them) builds this once and applies it to each
     iteration's times (``detector.view.ViewBuilder``)."""
 
-    __slots__ = ("n", "recv", "sender", "link_inv", "link_rows", "ar", "ar_stage", "comp", "ids")
+    __slots__ = (
+        "n", "recv", "sender", "paired", "link_inv", "link_rows", "ar", "ar_stage", "comp",
+    )  # fmt: skip
 
     def __init__(self, dp, stage, src, mb, kind, direction) -> None:
         self.n = len(kind)
-        self.ids = (dp, stage, src, mb, kind, direction)
         self.recv = np.flatnonzero((kind == RECV) & (direction != 0))
         self.sender = np.full(len(self.recv), -1, dtype=np.int64)  # row of each sender chunk
         recv = self.recv
@@ -87,6 +88,8 @@ class CommRows:
                 pos = np.clip(np.searchsorted(codes, want), 0, len(codes) - 1)
                 hit = mine & (codes[pos] == want)
                 self.sender[hit] = rows[pos[hit]]
+        self.paired = bool((self.sender >= 0).all())
+        if len(recv):
             link = (dp[recv].astype(np.int64) * 4096 + stage[recv]) * 4 + direction[recv] + 1
             _, self.link_inv = np.unique(link, return_inverse=True)
             self.link_rows = np.bincount(self.link_inv)
@@ -116,15 +119,20 @@ class CommRows:
         recv = self.recv
         if len(recv):
             s_r = start[recv]
-            sender_end = np.full(len(recv), np.nan)
-            has = self.sender >= 0
-            sent = self.sender[has]
-            sender_end[has] = start[sent] + duration[sent]
+            sent = self.sender
+            if self.paired:  # every receive's sender is in the rows (the usual case)
+                sender_end = start[sent] + duration[sent]
+            else:
+                sender_end = np.full(len(recv), np.nan)
+                has = sent >= 0
+                sent = sent[has]
+                sender_end[has] = start[sent] + duration[sent]
             known = np.isfinite(sender_end) & np.isfinite(s_r)
             late = known & (s_r > sender_end + POST_SLACK_S)
             # a link whose receives were mostly late this iteration gives no sample: the median
             # of the few that waited swings with which ones they were (noise, not the link)
-            late_share = np.bincount(self.link_inv, weights=late) / self.link_rows
+            late_n = np.bincount(self.link_inv[late], minlength=len(self.link_rows))
+            late_share = late_n / self.link_rows
             keep[recv[late | (late_share[self.link_inv] > MAX_LATE_SHARE)]] = False
             w = np.flatnonzero(known & ~late)
             rw, s_w = recv[w], s_r[w]

@@ -9,7 +9,6 @@ Imported by the shared state (:mod:`detector.state`), the stage units
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any
 
