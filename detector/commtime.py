@@ -113,41 +113,40 @@ class CommRows:
     def own_time(self, start: np.ndarray, duration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(durations with RECV/ALLREDUCE rows replaced by their own time, mask of rows to keep).
 
-        Each row's end is ``start + duration``, taken only for the rows that need it."""
+        Each row's end is ``start + duration``."""
         dur = duration.astype(np.float64, copy=True)
         keep = np.ones(self.n, dtype=bool)
+        end = start + duration
         recv = self.recv
         if len(recv):
             s_r = start[recv]
             sent = self.sender
             if self.paired:  # every receive's sender is in the rows (the usual case)
-                sender_end = start[sent] + duration[sent]
+                sender_end = end[sent]
             else:
                 sender_end = np.full(len(recv), np.nan)
                 has = sent >= 0
-                sent = sent[has]
-                sender_end[has] = start[sent] + duration[sent]
+                sender_end[has] = end[sent[has]]
             known = np.isfinite(sender_end) & np.isfinite(s_r)
             late = known & (s_r > sender_end + POST_SLACK_S)
             # a link whose receives were mostly late this iteration gives no sample: the median
             # of the few that waited swings with which ones they were (noise, not the link)
             late_n = np.bincount(self.link_inv[late], minlength=len(self.link_rows))
-            late_share = late_n / self.link_rows
-            keep[recv[late | (late_share[self.link_inv] > MAX_LATE_SHARE)]] = False
+            mostly_late = late_n / self.link_rows > MAX_LATE_SHARE
+            keep[recv[late | mostly_late[self.link_inv]]] = False
             w = np.flatnonzero(known & ~late)
             rw, s_w = recv[w], s_r[w]
-            dur[rw] = np.maximum(0.0, (s_w + duration[rw]) - np.maximum(s_w, sender_end[w]))
+            dur[rw] = np.maximum(0.0, end[rw] - np.maximum(s_w, sender_end[w]))
         if self.ar_stage is not None:
             firsts, stages, num_stages, ar_stage = self.ar_stage
             last = np.full(num_stages, -np.inf)
-            comp = self.comp
-            last[stages] = np.maximum.reduceat(start[comp] + duration[comp], firsts)
+            last[stages] = np.maximum.reduceat(end[self.comp], firsts)
             ar = self.ar
             ready = last[ar_stage]
             s_a = start[ar]
             ok = np.isfinite(ready) & np.isfinite(s_a)
             ra, s_ok = ar[ok], s_a[ok]
-            dur[ra] = np.maximum(0.0, (s_ok + duration[ra]) - np.maximum(s_ok, ready[ok]))
+            dur[ra] = np.maximum(0.0, end[ra] - np.maximum(s_ok, ready[ok]))
         return dur, keep
 
 
