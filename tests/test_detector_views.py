@@ -52,6 +52,10 @@ def _same_view(a: IterationView, b: IterationView) -> None:
     # read on first use: a planned view's from what its plan fixed, a full build's from its rows
     assert list(a.mb_stats.items()) == list(b.mb_stats.items())
     assert list(comm_stats(a).items()) == list(comm_stats(b).items())
+    (ra, ia), (rb, ib) = a.compute_ids(), b.compute_ids()
+    assert np.array_equal(ra, rb) and np.array_equal(ia.group_key, ib.group_key)
+    for x, y in zip(ia.runs(), ib.runs(), strict=True):
+        assert (x is None and y is None) or np.array_equal(x, y)
 
 
 def _edited(rec, **cols):
