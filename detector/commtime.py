@@ -246,12 +246,10 @@ def comm_stats(v: IterationView, keep: np.ndarray | None = None) -> dict[LinkKey
     slow far end would read as this replica's link slowing down.
     """
     if keep is None or keep.all():
-        # once per view: the residuals and the healthy fit both read it (a planned view
-        # brings what its layout fixes, detector/view.py)
+        # once per view: the residuals and the healthy fit both read it (a view built on a
+        # row plan comes with it: CommKeys)
         if v._comm_stats is None:
-            src = v._comm_src
-            v._comm_src = None
-            v._comm_stats = src[0].stats(*src[1:]) if src else _comm_stats(v, None)
+            v._comm_stats = _comm_stats(v, None)
         return dict(v._comm_stats)
     return _comm_stats(v, keep)
 

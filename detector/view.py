@@ -128,13 +128,11 @@ class IterationView:
     #: standby-device probes carried by the record: rank -> reference_s / probe_s (the
     #: newest probe of each rank; malformed entries are skipped)
     probe_ratio: dict[int, float] = field(default_factory=dict)
-    # computed once per view on first use (a view's columns are never changed)
+    # computed once per view on first use (a view's columns are never changed); a view
+    # built on a row plan gets its P2P statistics with it
     _compute: np.ndarray | None = field(default=None, repr=False, compare=False)
     _comm_stats: dict | None = field(default=None, repr=False, compare=False)
     _mb_stats: dict | None = field(default=None, repr=False, compare=False)
-    #: (CommKeys, own times, rows kept) of the plan this view was built on: what
-    #: ``detector.commtime.comm_stats`` reads its statistics from, then drops
-    _comm_src: tuple | None = field(default=None, repr=False, compare=False)
     #: what the ids of the plan's compute rows fix (:meth:`compute_ids`)
     _cids: ComputeIds | None = field(default=None, repr=False, compare=False)
 
@@ -460,8 +458,9 @@ def _planned_view(rec, plan: RowPlan, dur: np.ndarray, start: np.ndarray) -> Ite
         rec, plan.cols, own, start, tn, sq, plan.direction, stats, rec.ranks or {},
         plan.rank_sel, plan.rank_cols, plan.dups, plan.unusable, mine,
     )  # fmt: skip
+    # its P2P statistics (detector.commtime.comm_stats), from what the plan fixed
     keys = plan.comm_keys
-    v._comm_src = (keys, own[keys.rows], mine[keys.rows])
+    v._comm_stats = keys.stats(own[keys.rows], mine[keys.rows])
     v._cids = plan.compute  # only receives are dropped (mine): every compute row is kept
     return v
 
