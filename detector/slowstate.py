@@ -115,6 +115,8 @@ def _peer_relative(
     that as their baseline, and its recovery later looks like the peers slowing
     down.  A stage with no other healthy replica keeps the absolute residual.
     """
+    if x and not any(g in x for g in known_slow):
+        return _peer_relative_healthy(x)
     by_stage: dict[int, list[tuple[Group, float]]] = {}
     for g, val in x.items():
         by_stage.setdefault(g[1], []).append((g, val))
@@ -147,6 +149,35 @@ def _peer_relative(
         for (g, _), val, md in zip(healthy, vals.tolist(), med.tolist(), strict=True):
             out[g] = val - md
     return out
+
+
+def _peer_relative_healthy(x: dict[Group, float]) -> dict[Group, float]:
+    """:func:`_peer_relative` with no known-slow group, every stage at once (2,048 groups
+    an iteration at 16,384 GPUs): the same arithmetic, the same order (stage by stage as
+    they first appear, each stage's groups in their order)."""
+    groups = list(x)
+    vals = np.fromiter(x.values(), np.float64, len(groups))
+    stage = np.fromiter((g[1] for g in groups), np.int64, len(groups))
+    _, first, inv = np.unique(stage, return_index=True, return_inverse=True)
+    place = np.empty(len(first), dtype=np.intp)
+    place[np.argsort(first, kind="stable")] = np.arange(len(first))
+    si = place[inv]  # each group's stage, numbered as the stages first appear
+    order = np.lexsort((vals, si))  # by stage, then value; ties in their order (stable)
+    count = np.bincount(si)
+    base = (np.cumsum(count) - count)[si]  # where each group's stage starts in ``order``
+    rank = np.empty(len(vals), dtype=np.intp)
+    rank[order] = np.arange(len(vals))
+    rank -= base
+    srt = vals[order]
+    n = count[si]
+    m = n - 1  # peers per group
+    lo, hi = (m - 1) // 2, m // 2  # median positions among the peers
+    # position j among the peers is j in the stage's sorted list if j < rank, else j + 1
+    a = np.where(lo < rank, srt[base + lo], srt[base + np.minimum(lo + 1, n - 1)])
+    b = np.where(hi < rank, srt[base + hi], srt[base + np.minimum(hi + 1, n - 1)])
+    out = np.where(n == 1, vals, vals - (a + b) / 2)
+    at = np.argsort(si, kind="stable").tolist()
+    return dict(zip([groups[i] for i in at], out[at].tolist(), strict=True))
 
 
 #: A warm-up point further than this many robust sigmas (MAD) from the median, with both

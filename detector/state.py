@@ -328,12 +328,16 @@ class DetectorState:
         # P2P statistics against their healthy medians
         c: dict[LinkKey, float] = {}
         if self.pred.comm_median:
-            for key, val in comm_stats(v).items():
-                if key[2] not in (SEND, RECV) or val <= 0:
-                    continue
-                base = self.pred.comm_median.get(key)
-                if base and base > 0:
-                    c[key] = float(np.log(val / base))
+            base = self.pred.comm_median
+            stats = comm_stats(v)
+            keys = [
+                k
+                for k, val in stats.items()
+                if k[2] in (SEND, RECV) and not val <= 0 and (base.get(k) or 0.0) > 0
+            ]
+            val = np.fromiter((stats[k] for k in keys), np.float64, len(keys))
+            ref = np.fromiter((base[k] for k in keys), np.float64, len(keys))
+            c = dict(zip(keys, np.log(val / ref).tolist(), strict=True))
         # per-rank compute time against the group's predicted compute
         rr: dict[int, float] = {}
         if len(v.rank) and len(rows):
