@@ -117,6 +117,11 @@ def _peer_relative(
     """
     if x and not any(g in x for g in known_slow):
         return _peer_relative_healthy(x)
+    return _peer_relative_by_stage(x, known_slow)
+
+
+def _peer_relative_by_stage(x: dict[Group, float], known_slow: set[Group]) -> dict[Group, float]:
+    """:func:`_peer_relative`, one stage at a time."""
     by_stage: dict[int, list[tuple[Group, float]]] = {}
     for g, val in x.items():
         by_stage.setdefault(g[1], []).append((g, val))

@@ -309,6 +309,24 @@ def test_peer_relative_residual_is_the_value_minus_the_median_of_its_peers():
             assert got[(d, s)] == pytest.approx(want, abs=1e-12)
 
 
+def test_peer_relative_of_every_stage_at_once_is_the_per_stage_result():
+    from detector.slowstate import _peer_relative_by_stage, _peer_relative_healthy
+
+    rng = np.random.default_rng(4)
+    for t in range(300):
+        keys = [(d, s) for d in range(int(rng.integers(1, 7))) for s in range(4)]
+        keys = [k for k in keys if rng.random() < 0.8]
+        if t % 2:
+            keys = [keys[i] for i in rng.permutation(len(keys))]  # stages in any order
+        vals = np.round(rng.normal(size=len(keys)), 1 if t % 3 == 0 else 6)  # ties
+        if t % 5 == 0 and len(keys):
+            vals[0] = np.nan
+        x = dict(zip(keys, vals.tolist(), strict=True))
+        got, want = _peer_relative_healthy(x), _peer_relative_by_stage(x, set())
+        assert list(got) == list(want)  # same order: the shift finder pushes in it
+        assert np.array_equal(list(got.values()), list(want.values()), equal_nan=True)
+
+
 def test_kind_codes_from_names_any_case_and_ints():
     from detector.predictor import _kind_codes
 
