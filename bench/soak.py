@@ -3,12 +3,24 @@
 Starts ``resihp up`` (embedded redis-server, collector, detector, scheduler, dashboard, the
 simulated trainer: llama2-70b, tp=8 pp=16 dp=128, 64 micro-batches, no failure injected)
 in a fresh state dir, and ``--hog`` busy processes that keep the load average >= 4 on a
-2-core box.  Every ``--every-s`` (60 s) it prints each service's RSS, Redis used_memory,
+2-core box.  Every ``--every-s`` (60 s) it prints each service's RSS and Redis used_memory (each the
+largest and the smallest of the samples a thread takes every ``--sample-s``, 1 s, since
+the last row: see "envelope" below),
 the stream lengths, the liveness and failure events so far (all false: nothing fails),
 the collector's lag, the iteration records published (how many incomplete, how long after
 their iteration's end) and the load average.  At the end: each memory series' slope after
 the warm-up, in % of its mean per 10 minutes, each process's ceiling (its largest RSS
-sample and its kernel high-water mark VmHWM), and the false-event count.  The warm-up
+sample and its kernel high-water mark VmHWM), and the false-event count.
+
+Envelope: at 16,384 GPUs the collector's RSS cycles with every iteration (~8 s): it holds
+the iteration's ~500k rows, builds the record, and the heap trim hands the freed pages
+back (255-430 MB within one iteration, sampled every 5 s:
+``python bench/soak.py --minutes 8 --every-s 5``).  One sample per minute lands anywhere
+in that cycle, so its least-squares slope is the phase of 20 samples, not a trend (the
+30-minute soak of 041e9e3: +4.95 % per 10 min by least squares, +0.40 % by Theil-Sen,
+samples alternating between 275 and 432 MB).  A leak raises the whole envelope: the
+slope is taken of each minute's largest sample (the ceiling), and the floor's is
+printed beside it.  The warm-up
 is the first third of the run, or longer until the iterations stream stops growing
 (it fills to the collector's ``iterations_budget_mb``, ~80 records of ~13 MB at 16k
 GPUs): a bounded buffer filling up is not a leak.  Goal: 0 false fail-stops, slopes
@@ -27,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +65,53 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
     except OSError:
         pass
     return float("nan")
+
+
+class EnvelopeSampler:
+    """A thread sampling each process's RSS (and Redis used_memory) every ``every_s``;
+    :meth:`take` returns the largest and smallest sample of each since the last take."""
+
+    def __init__(self, pids: dict[str, int], client, every_s: float):
+        self.pids, self.client, self.every_s = pids, client, every_s
+        self._lock = threading.Lock()
+        self._hi: dict[str, float] = {}
+        self._lo: dict[str, float] = {}
+        self.samples_total = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="envelope", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> dict[str, float]:
+        out = {f"{n}_mb": rss_mb(pid) for n, pid in self.pids.items()}
+        try:
+            out["redis_mb"] = self.client.info("memory")["used_memory"] / 1e6
+        except Exception:  # noqa: BLE001 - a missed sample, not a failed soak
+            out["redis_mb"] = float("nan")
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            sample = self._sample()
+            with self._lock:
+                self.samples_total += 1
+                for k, v in sample.items():
+                    if v == v:  # not NaN
+                        self._hi[k] = max(self._hi.get(k, v), v)
+                        self._lo[k] = min(self._lo.get(k, v), v)
+
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(largest, smallest) per series since the last call; one fresh sample if the
+        thread took none meanwhile."""
+        with self._lock:
+            hi, lo = self._hi, self._lo
+            self._hi, self._lo = {}, {}
+        if not hi:
+            hi = lo = self._sample()
+        return hi, lo
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 def theil_sen_pct_per_10min(t_s: np.ndarray, y: np.ndarray) -> float:
@@ -99,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--quick", action="store_true", help="5 minutes")
-    p.add_argument("--every-s", type=float, default=60.0, help="sample period")
+    p.add_argument("--every-s", type=float, default=60.0, help="row period")
+    p.add_argument(
+        "--sample-s", type=float, default=1.0, help="memory sample period (the envelope)"
+    )
     p.add_argument("--hog", type=int, default=4, help="busy processes beside the stack")
     p.add_argument("--model", default="llama2-70b")
     p.add_argument("--dp", type=int, default=128, help="replicas (128: 16,384 GPUs)")
@@ -148,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         keys = JobKeys(JOB)
         names = sorted(stack["children"])
         print(f"soak: {minutes:g} min, {a.hog} hog processes, state {state}")
+        envelope = EnvelopeSampler({n: stack["children"][n] for n in names}, client, a.sample_s)
+        # each memory column: the largest sample since the last row; "_floor": the smallest
         head = ["t_min", "load1", *(f"{n}_mb" for n in names), "redis_mb"]
+        head += [f"{n}_floor_mb" for n in ("collector", "detector") if n in names]
         head += [f"{s}_len" for s in STREAMS]
         head += ["dead_events", "fail_stops", "reports", "lost", "refused", "lag_s", "it"]
         head += ["records", "incomplete", "rec_delay_s", "rec_delay_max_s"]
@@ -158,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < end:
             time.sleep(max(0.0, min(a.every_s, end - time.monotonic())))
             row = {"t_min": (time.monotonic() - t0) / 60, "load1": os.getloadavg()[0]}
-            for n in names:
-                row[f"{n}_mb"] = rss_mb(stack["children"][n])
-            row["redis_mb"] = client.info("memory")["used_memory"] / 1e6
+            hi, lo = envelope.take()
+            for k in [f"{n}_mb" for n in names] + ["redis_mb"]:
+                row[k] = hi.get(k, float("nan"))
+                row[k.replace("_mb", "_floor_mb")] = lo.get(k, float("nan"))
             for s in STREAMS:
                 row[f"{s}_len"] = client.xlen(getattr(keys, s))
             row["dead_events"] = count(
@@ -194,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 flush=True,
             )
+        envelope.stop()
         t = np.array([r["t_min"] * 60 for r in rows])
         end_warm = warmup_end(t, np.array([r["iterations_len"] for r in rows], dtype=float))
         warm = t >= end_warm
@@ -203,25 +271,31 @@ def main(argv: list[str] | None = None) -> int:
             f"mean {loads.mean():.1f}, max {loads.max():.1f}"
         )
         print(
-            f"slopes after the warm-up ({end_warm / 60:.1f} min; % of the mean per 10 min), "
+            f"memory sampled every {a.sample_s:g} s ({envelope.samples_total} samples); "
+            f"slopes after the warm-up ({end_warm / 60:.1f} min; % of the mean per 10 min) "
+            "of each row's largest sample (the ceiling) and of its smallest (the floor); "
             "ceilings (largest sample; peak RSS VmHWM):"
         )
         summary: dict = {"warmup_min": end_warm / 60, "load1": [loads.min(), loads.max()]}
         for h in [f"{n}_mb" for n in names] + ["redis_mb"]:
             y = np.array([r[h] for r in rows], dtype=float)
+            y_lo = np.array([r[h.replace("_mb", "_floor_mb")] for r in rows], dtype=float)
             slope = slope_pct_per_10min(t[warm], y[warm]) if warm.sum() >= 2 else float("nan")
             robust = theil_sen_pct_per_10min(t[warm], y[warm])
+            floor = slope_pct_per_10min(t[warm], y_lo[warm]) if warm.sum() >= 2 else float("nan")
             hwm = rss_mb(stack["children"][h[:-3]], "VmHWM") if h != "redis_mb" else float("nan")
             if h == "redis_mb":
                 hwm = client.info("memory")["used_memory_peak"] / 1e6
             summary[h] = {
                 "slope_pct_per_10min": slope,
                 "theil_sen_pct_per_10min": robust,
+                "floor_slope_pct_per_10min": floor,
                 "max_mb": np.nanmax(y),
                 "peak_mb": hwm,
             }
             print(
-                f"  {h:>16}: {slope:+8.2f} % least squares, {robust:+8.2f} % Theil-Sen  "
+                f"  {h:>16}: ceiling {slope:+8.2f} % least squares, {robust:+8.2f} % Theil-Sen;"
+                f" floor {floor:+8.2f} %  "
                 f"(last {y[-1]:.0f} MB, max {np.nanmax(y):.0f} MB, peak {hwm:.0f} MB)"
             )
         last = rows[-1] if rows else {"dead_events": 0, "fail_stops": 0, "reports": 0}
@@ -241,7 +315,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{last.get('incomplete', 0)} incomplete; longest delay after an iteration's end "
             f"{np.nanmax(delays) if np.isfinite(delays).any() else float('nan'):.2f} s"
         )
+        over = [
+            h
+            for h in [f"{n}_mb" for n in names] + ["redis_mb"]
+            if not summary[h]["slope_pct_per_10min"] <= 1.0
+        ]
+        met = not over and last["fail_stops"] == 0
+        verdict = "met" if met else "missed"
+        if warm.sum() < 2:
+            verdict = "not judged (fewer than 2 rows after the warm-up: run longer)"
+        print(
+            "goal (0 false fail-stops, every ceiling's least-squares slope <= 1 % per 10 min "
+            f"after the warm-up): {verdict}"
+            + (f"; over: {', '.join(over)}" if over and warm.sum() >= 2 else "")
+        )
         summary.update(
+            goal_met=met,
             dead_events=last["dead_events"],
             fail_stops=last["fail_stops"],
             reports=last["reports"],

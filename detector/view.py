@@ -276,7 +276,7 @@ class RowPlan:
 def _copy(v):
     if isinstance(v, np.ndarray):
         # a read-only column (a decoded record's kinds) is kept as it is: the next
-        # record's is then often the very same array (resihp.schemas._kind_names)
+        # record's is then often the very same array (resihp.schemas.kind_names)
         return v if not v.flags.writeable and v.base is None else v.copy()
     return list(v) if isinstance(v, list) else v
 

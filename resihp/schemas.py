@@ -566,8 +566,7 @@ def pack_record_chunks(chunks: dict) -> bytes:
     rows = np.empty(n, dtype=RECORD_CHUNK_DTYPE)
     for name in RECORD_CHUNK_DTYPE.names:
         if name == "kind":
-            get = _KIND_CODE.get
-            rows["kind"] = [get(k, -1) for k in chunks["kind"]]
+            rows["kind"] = kind_codes(chunks["kind"])
         else:
             rows[name] = chunks[name]
     return rows.tobytes()
@@ -595,17 +594,27 @@ def unpack_record_chunks(raw: bytes) -> dict[str, np.ndarray]:
             raise SchemaError("iteration chunks: negative dp/stage/microbatch")
         if (out["src_dp"] < -1).any() or (np.abs(out["direction"]) > 1).any():
             raise SchemaError("iteration chunks: src_dp < -1 or direction not in -1, 0, 1")
-    out["kind"] = _kind_names(kind)
+    out["kind"] = kind_names(kind)
     return out
 
 
-#: (codes, names) of the last kind column :func:`unpack_record_chunks` decoded: a job's
-#: records repeat their rows until the layout changes, and at 16,384 GPUs the ~500k
-#: names cost more than the rest of the decode.
+#: (codes, names) of the last kind column named by :func:`kind_names` (a record decoded,
+#: or built by the collector): a job's records repeat their rows until the layout
+#: changes, and at 16,384 GPUs the ~500k names cost more than the rest of the decode.
 _last_kinds: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def _kind_names(codes: np.ndarray) -> np.ndarray:
+def kind_codes(names) -> np.ndarray:
+    """The ChunkKind codes of a kind column (-1 for an unknown name): the last
+    :func:`kind_names` call's codes when ``names`` is its very array (no lookups)."""
+    last = _last_kinds
+    if last is not None and names is last[1]:
+        return last[0]
+    get = _KIND_CODE.get
+    return np.array([get(k, -1) for k in names], dtype=np.int8)
+
+
+def kind_names(codes: np.ndarray) -> np.ndarray:
     """The names of ``codes`` (a private array), read-only: the same array as the last
     call's when the codes are the same (shared by records, so nobody may write it)."""
     global _last_kinds

@@ -131,7 +131,7 @@ def test_records_published_and_entries_acked_only_after(r):
     assert len(fields[b"rc"]) == 28 * len(mine.chunks["kind"]) and b'"chunks":{}' in fields[b"m"]
     assert set(rec.chunks) == set(mine.chunks)
     for name, col in mine.chunks.items():
-        assert rec.chunks[name].tolist() == col
+        assert rec.chunks[name].tolist() == col.tolist()
     assert rec.to_dict()["chunks"] == mine.to_dict()["chunks"]
     assert rec.ranks["busy_s"] == pytest.approx(mine.ranks["busy_s"], rel=0, abs=1e-12)
     assert rec.iteration_time_s == pytest.approx(mine.iteration_time_s, rel=0, abs=1e-12)
