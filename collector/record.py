@@ -6,7 +6,11 @@ other messages as their ``to_dict()``; packed chunk rows as
 line also carries ``arrival_s``, when Redis appended its entry (the time the
 collector judges liveness by); readers that do not know it ignore it.  The
 job's layout is written as a ``{"type": "layout", "layout": {...}}`` line first
-and again whenever it changes while following.  Recording from the start of the
+and again whenever it changes while following.  What the trainer announces in the job
+state and the collector follows (its heartbeat period, that it reports chunk rows from TP
+rank 0 only) is written as a ``{"type": "job", ...}`` line after the first layout line,
+and again when it changes while following, so a replay assembles and judges as the
+collector did.  Recording from the start of the
 stream, the first layout line is the one the oldest entries ran under, and each
 later layout is written where it took effect (from ``keys.layouts``, the history
 ``plans.write_layout`` keeps: a plan the trainer applied or a layout it chose
@@ -30,7 +34,13 @@ from typing import IO
 import redis
 
 from resihp import entry
-from resihp.bus import list_jobs
+from resihp.bus import (
+    HEARTBEAT_INTERVAL_BOUNDS_S,
+    JOB_HEARTBEAT_INTERVAL_S,
+    JOB_REPORTS_TP0_ONLY,
+    job_state_doc,
+    list_jobs,
+)
 from resihp.keys import JobKeys
 from resihp.plans import layout_history
 from resihp.wire import ChunkBatch, HeartbeatBatch, decode_entry
@@ -49,19 +59,49 @@ def _entry_time_s(entry_id: str) -> float:
     return int(entry_id.split("-", 1)[0]) / 1000.0
 
 
+def job_line(doc: dict) -> dict | None:
+    """The trace's job line from a job-state document: the announcements the collector
+    follows, those of a valid type only (what the collector would refuse is left out);
+    None when there is none."""
+    line: dict = {}
+    tp0 = doc.get(JOB_REPORTS_TP0_ONLY)
+    if isinstance(tp0, bool):
+        line[JOB_REPORTS_TP0_ONLY] = tp0
+    hb = doc.get(JOB_HEARTBEAT_INTERVAL_S)
+    lo, hi = HEARTBEAT_INTERVAL_BOUNDS_S
+    if isinstance(hb, int | float) and not isinstance(hb, bool) and lo <= hb <= hi:
+        line[JOB_HEARTBEAT_INTERVAL_S] = float(hb)
+    return {"type": "job", **line} if line else None
+
+
 class _LayoutWatch:
-    """Writes the layout line when the layout key changes (checked at most once a second)."""
+    """Writes the layout line when the layout key changes, and the job line when the
+    trainer's announcements change (each checked at most once a second)."""
 
     def __init__(self, client: redis.Redis, keys: JobKeys, out: IO[str], stats: RecordStats):
         self.client, self.keys, self.out, self.stats = client, keys, out, stats
         self.raw: bytes | None = None
+        self.job: dict | None = None
         self.next_s = 0.0
+
+    def job_poll(self) -> None:
+        """Writes the job line if the announcements differ from the last one written."""
+        line = job_line(job_state_doc(self.client, self.keys))
+        if line is not None and line != self.job:
+            self.job = line
+            self.out.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def poll(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now < self.next_s:
             return
         self.next_s = now + 1.0
+        try:
+            self._layout_poll()
+        finally:
+            self.job_poll()
+
+    def _layout_poll(self) -> None:
         raw = self.client.get(self.keys.layout)
         if raw is None or raw == self.raw:
             return
@@ -107,6 +147,7 @@ def record(
         history.append((time.time(), current))
         written = [history.pop(0)[1]]
         _write_layout(out, written[0], stats)
+        watch.job_poll()
     else:
         watch.poll(force=True)
     last = "0-0" if from_start else "$"

@@ -11,7 +11,9 @@ chunk end times), and feeds
 them to :class:`detector.engine.Detector`, the code the live service runs.
 Lines that are already IterationRecords or LivenessEvents (a trace of the
 service streams) go to the detector directly; a ``{"type": "layout",
-"layout": {...}}`` line sets the layout.  A bad line is reported with its
+"layout": {...}}`` line sets the layout, and a ``{"type": "job", ...}`` line what the
+trainer announced (:class:`TraceJob`: TP rank 0 only reports chunk rows, its heartbeat
+period), which the assembler and liveness follow as the live collector does.  A bad line is reported with its
 line number and skipped; it never stops the replay.
 
 A recorded trace is in arrival order; a merged or hand-edited one may not be, and one
@@ -47,6 +49,11 @@ from detector.config import DetectorConfig
 from detector.engine import Detector
 from resihp import entry
 from resihp.assembly import ASSEMBLY
+from resihp.bus import (
+    HEARTBEAT_INTERVAL_BOUNDS_S,
+    JOB_HEARTBEAT_INTERVAL_S,
+    JOB_REPORTS_TP0_ONLY,
+)
 from resihp.schemas import (
     ChunkTiming,
     DeviceProbe,
@@ -104,6 +111,31 @@ class ReplayStats:
     errors: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TraceJob:
+    """A trace's job line: what the trainer announced (None: not said)."""
+
+    reports_tp0_only: bool | None = None
+    heartbeat_interval_s: float | None = None
+
+    @classmethod
+    def from_line(cls, d: dict) -> TraceJob:
+        """The job line ``d``; ValueError naming the bad field."""
+        tp0 = d.get(JOB_REPORTS_TP0_ONLY)
+        if tp0 is not None and not isinstance(tp0, bool):
+            raise ValueError(f"{JOB_REPORTS_TP0_ONLY} must be true or false, got {tp0!r}")
+        hb = d.get(JOB_HEARTBEAT_INTERVAL_S)
+        lo, hi = HEARTBEAT_INTERVAL_BOUNDS_S
+        if hb is not None and (
+            not isinstance(hb, int | float) or isinstance(hb, bool) or not lo <= hb <= hi
+        ):
+            raise ValueError(
+                f"{JOB_HEARTBEAT_INTERVAL_S} must be a number of seconds in [{lo:g}, {hi:g}], "
+                f"got {hb!r}"
+            )
+        return cls(tp0, None if hb is None else float(hb))
+
+
 class TraceReplayer:
     """Feeds trace messages through assembly/liveness into a Detector."""
 
@@ -141,10 +173,23 @@ class TraceReplayer:
         # expected ranks waiting for the trace's first time (a recorded trace starts with
         # its layout: judged at t=0, every rank looked silent since the epoch)
         self._expected: tuple[dict[int, int], set[int]] | None = None
+        self._layout: Layout | None = None
         if layout is not None:
             self.set_layout(layout)
 
+    def set_job(self, job: TraceJob) -> None:
+        """Follow the trainer's announcements, as the live collector does
+        (collector/announcements.py): the assembler expects TP rank 0's rows alone when
+        it reports only those, and the heartbeat deadline follows the announced period."""
+        if job.heartbeat_interval_s is not None:
+            self.liveness.set_interval(job.heartbeat_interval_s)
+        if job.reports_tp0_only is not None and job.reports_tp0_only != self.assembler.tp_dedup:
+            self.assembler.tp_dedup = job.reports_tp0_only
+            if self._layout is not None:  # the assembler's view, with the new expectation
+                self.assembler.set_layout(self._layout)
+
     def set_layout(self, layout: Layout) -> None:
+        self._layout = layout
         self.assembler.set_layout(layout)
         self.detector.set_layout(layout)
         expected = {r: layout.node_of(r) for r in layout.active_ranks()}
@@ -327,6 +372,13 @@ def read_trace(
                     continue
             stats.bad_lines_total += 1
             stats.errors.append(f"line {no}: bad layout: {why}")
+            continue
+        if isinstance(d, dict) and d.get("type") == "job":
+            try:
+                yield no, TraceJob.from_line(d), None
+            except ValueError as e:
+                stats.bad_lines_total += 1
+                stats.errors.append(f"line {no}: bad job line: {e}")
             continue
         arrival = d.get("arrival_s") if isinstance(d, dict) else None
         if arrival is not None and (
@@ -601,6 +653,9 @@ def replay(
         for no, msg, arrival in items:
             if isinstance(msg, Layout):
                 rp.set_layout(msg)
+                continue
+            if isinstance(msg, TraceJob):
+                rp.set_job(msg)
                 continue
             emit(rp.feed(msg, arrival, no))
 

@@ -374,6 +374,40 @@ def test_record_from_the_start_labels_each_entry_with_the_layout_it_ran_under(r,
 
 
 @pytest.mark.redis
+def test_record_writes_the_trainers_announcements_as_a_job_line(r):
+    """What the trainer announces in the job state and the collector follows (TP rank 0
+    only, its heartbeat period) goes into the trace after the first layout line, and
+    again when it changes while following; a value the collector would refuse is left
+    out."""
+    import io
+
+    from collector.record import record
+    from resihp.bus import set_job_state
+    from resihp.plans import write_layout
+
+    keys = JobKeys("recjob")
+    write_layout(r, keys, _layout())
+    set_job_state(r, keys, "running", trainer="sim", reports_tp0_only=True,
+                  heartbeat_interval_s=1.0)  # fmt: skip
+    p = TelemetryProducer(None, keys, client=r, max_batch=50).start()
+    p.heartbeat(Heartbeat(rank=0, node=0, iteration=0, wall_time_s=1.0, seq=1))
+    assert p.flush()
+    buf = io.StringIO()
+    record(r, keys, buf)
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    assert [d["type"] for d in lines[:2]] == ["layout", "job"]
+    assert lines[1] == {"type": "job", "reports_tp0_only": True, "heartbeat_interval_s": 1.0}
+    # following: a change is written once, a refused value is left out
+    set_job_state(r, keys, "running", trainer="sim", reports_tp0_only=False,
+                  heartbeat_interval_s="fast")  # fmt: skip
+    buf = io.StringIO()
+    record(r, keys, buf, duration_s=1.5, from_start=False)
+    p.close()
+    jobs = [d for d in map(json.loads, buf.getvalue().splitlines()) if d["type"] == "job"]
+    assert jobs == [{"type": "job", "reports_tp0_only": False}], jobs
+
+
+@pytest.mark.redis
 @pytest.mark.slow
 def test_record_writes_one_wire_message_per_line(r, redis_server, tmp_path):
     lay = _layout()

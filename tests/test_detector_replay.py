@@ -859,3 +859,52 @@ def test_replay_warns_when_it_assembled_fewer_iterations_than_the_trace_holds(tm
     seen = re.search(r"(\d+) iterations seen, (\d+) assembled", p.stderr)
     assert seen and int(seen.group(1)) == 36 and int(seen.group(2)) < 36, p.stderr
     assert "warning: the trace's chunk rows name 36 iterations" in p.stderr
+
+
+def _tp0_only_trace(job_line: dict | None) -> list[str]:
+    """A 16-GPU job (TP 2) whose simulator sends chunk rows from TP rank 0 only (above
+    ``max_rank_report`` ranks, as at 16k GPUs), as `collector record` writes it."""
+    cfg = SimConfig(
+        model="qwen2.5-7b", seq_len=8192, microbatches=4, schedule="1f1b", speed=0.0,
+        iterations=8, seed=3, noise=0.0, tp=2, pp=2, dp=4, max_rank_report=8,
+    )  # fmt: skip
+    assert cfg.report_tp0_only
+    lines = [json.dumps({"type": "layout", "layout": cfg.initial_layout().to_dict()})]
+    if job_line is not None:
+        lines.append(json.dumps(job_line))
+    for st in simulate_run(cfg, parse_scenario("events: []\n"), max_steps=8):
+        t_end = float(st.chunk_rows["end_s"].max())
+        for h in st.heartbeat_messages():
+            lines.append(json.dumps({**h.to_dict(), "arrival_s": h.wall_time_s}))
+        for m in st.mb_stats_messages():
+            lines.append(json.dumps({**m.to_dict(), "arrival_s": t_end}))
+        lines.append(json.dumps({**ChunkBatch(st.chunk_rows).to_dict(), "arrival_s": t_end}))
+    return lines
+
+
+def test_replay_follows_the_trace_job_line_and_assembles_tp0_only_records_complete():
+    """A trace of a job that reports TP rank 0 only: without its job line every record
+    waits for the other TP ranks and is published incomplete, as a collector that was
+    not told; with it (what `collector record` writes from the job state), complete."""
+    cfg = DetectorConfig(warmup_iters=5)
+    _, told = replay(_tp0_only_trace({"type": "job", "reports_tp0_only": True}), cfg)
+    _, untold = replay(_tp0_only_trace(None), cfg)
+    assert told.records_total >= 7 and told.incomplete_total == 0, told
+    assert untold.records_total >= 7 and untold.incomplete_total == untold.records_total
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ({"type": "job", "reports_tp0_only": "yes"}, "reports_tp0_only must be true or false"),
+        ({"type": "job", "heartbeat_interval_s": -1}, "heartbeat_interval_s must be a number"),
+        ({"type": "job", "heartbeat_interval_s": True}, "heartbeat_interval_s must be a number"),
+    ],
+)
+def test_a_bad_job_line_is_named_and_skipped(line, why):
+    lines = _tp0_only_trace(None)
+    lines.insert(1, json.dumps(line))
+    _, st = replay(lines, DetectorConfig(warmup_iters=5))
+    assert st.bad_lines_total == 1
+    assert any(e.startswith("line 2: bad job line: ") and why in e for e in st.errors), st.errors
+    assert st.incomplete_total == st.records_total  # nothing announced: every rank expected
