@@ -204,7 +204,14 @@ def test_the_trace_format_examples_are_lines_replay_reads():
     st = ReplayStats()
     got = [type(m).__name__ for _no, m, _arrival in read_trace(lines, st)]
     assert st.errors == [] and st.bad_lines_total == 0, st.errors
-    assert got == ["Layout", "Heartbeat", "MicroBatchStats", "ChunkTiming", "ChunkBatch"]
+    assert got == [
+        "Layout",
+        "TraceJob",
+        "Heartbeat",
+        "MicroBatchStats",
+        "ChunkTiming",
+        "ChunkBatch",
+    ]
 
 
 def test_replay_of_undecodable_bytes_names_the_lines(tmp_path):
