@@ -69,8 +69,7 @@ class TrainerAnnouncements:
         announcement is untrusted input: outside ``bus.HEARTBEAT_INTERVAL_BOUNDS_S`` (or
         not a number) it is refused, said once and counted, and the period stays."""
         lo, hi = bus.HEARTBEAT_INTERVAL_BOUNDS_S
-        ok = isinstance(raw, int | float) and not isinstance(raw, bool) and lo <= raw <= hi
-        if not ok:
+        if not bus.heartbeat_interval_ok(raw):
             self._refuse(
                 bus.JOB_HEARTBEAT_INTERVAL_S,
                 raw,

@@ -35,9 +35,9 @@ import redis
 
 from resihp import entry
 from resihp.bus import (
-    HEARTBEAT_INTERVAL_BOUNDS_S,
     JOB_HEARTBEAT_INTERVAL_S,
     JOB_REPORTS_TP0_ONLY,
+    heartbeat_interval_ok,
     job_state_doc,
     list_jobs,
 )
@@ -68,8 +68,7 @@ def job_line(doc: dict) -> dict | None:
     if isinstance(tp0, bool):
         line[JOB_REPORTS_TP0_ONLY] = tp0
     hb = doc.get(JOB_HEARTBEAT_INTERVAL_S)
-    lo, hi = HEARTBEAT_INTERVAL_BOUNDS_S
-    if isinstance(hb, int | float) and not isinstance(hb, bool) and lo <= hb <= hi:
+    if heartbeat_interval_ok(hb):
         line[JOB_HEARTBEAT_INTERVAL_S] = float(hb)
     return {"type": "job", **line} if line else None
 

@@ -53,6 +53,7 @@ from resihp.bus import (
     HEARTBEAT_INTERVAL_BOUNDS_S,
     JOB_HEARTBEAT_INTERVAL_S,
     JOB_REPORTS_TP0_ONLY,
+    heartbeat_interval_ok,
 )
 from resihp.schemas import (
     ChunkTiming,
@@ -125,10 +126,8 @@ class TraceJob:
         if tp0 is not None and not isinstance(tp0, bool):
             raise ValueError(f"{JOB_REPORTS_TP0_ONLY} must be true or false, got {tp0!r}")
         hb = d.get(JOB_HEARTBEAT_INTERVAL_S)
-        lo, hi = HEARTBEAT_INTERVAL_BOUNDS_S
-        if hb is not None and (
-            not isinstance(hb, int | float) or isinstance(hb, bool) or not lo <= hb <= hi
-        ):
+        if hb is not None and not heartbeat_interval_ok(hb):
+            lo, hi = HEARTBEAT_INTERVAL_BOUNDS_S
             raise ValueError(
                 f"{JOB_HEARTBEAT_INTERVAL_S} must be a number of seconds in [{lo:g}, {hi:g}], "
                 f"got {hb!r}"

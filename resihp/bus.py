@@ -114,6 +114,16 @@ def job_trainer(client: redis.Redis, keys: JobKeys) -> str | None:
 #: :data:`HEARTBEAT_INTERVAL_BOUNDS_S` is refused with a log line and a counter.
 JOB_HEARTBEAT_INTERVAL_S = "heartbeat_interval_s"
 HEARTBEAT_INTERVAL_BOUNDS_S = (0.05, 60.0)
+
+
+def heartbeat_interval_ok(raw: Any) -> bool:
+    """Whether an announced heartbeat period is a number of seconds (not a bool, not
+    NaN) within :data:`HEARTBEAT_INTERVAL_BOUNDS_S`: the one rule of the collector, the
+    trace recorder and the replay."""
+    lo, hi = HEARTBEAT_INTERVAL_BOUNDS_S
+    return isinstance(raw, int | float) and not isinstance(raw, bool) and lo <= raw <= hi
+
+
 #: Field of the job state a trainer announces in (a bool) that it sends chunk rows from TP
 #: rank 0 of each group only (the simulator above ``--max-rank-report`` ranks, 4,096): the
 #: collector's assembler then expects those ranks alone, as with ``--tp-dedup``.  Without
