@@ -76,14 +76,7 @@ def _group_medians(v: IterationView, mask: np.ndarray, values: np.ndarray) -> di
     if not mask.any():
         return {}
     gk = v.dp[mask].astype(np.int64) * 4096 + v.stage[mask]
-    return _medians_by_key(gk, values[mask])
-
-
-def _medians_by_key(gk: np.ndarray, values: np.ndarray) -> dict[Group, float]:
-    """The finite median of ``values`` of each (replica, stage) key ``dp * 4096 + stage``."""
-    if not len(gk):
-        return {}
-    keys, meds = grouped_median(gk, values)
+    keys, meds = grouped_median(gk, values[mask])
     return {
         (g // 4096, g % 4096): m
         for g, m in zip(keys.tolist(), meds.tolist(), strict=True)
